@@ -1,0 +1,243 @@
+"""Typed configuration: one dataclass per concern, composed into :class:`Config`.
+
+YAML files in ``configs/`` set values; the command line overrides them with dotted
+keys (``--model.num_layers=4``), parsed by draccus. Every invariant is checked in
+``__post_init__`` and the message names the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Literal, Optional
+
+import draccus
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks an invariant; the message says which and how to fix it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(owner: str, **values: int | float) -> None:
+    for name, value in values.items():
+        _require(value > 0, f"{owner}.{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """LLaMA-style decoder shape and numerics."""
+
+    vocab_size: int = 320  # byte tokenizer (256 + specials), rounded up to a multiple of 64
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # default d_model // num_heads
+    mlp_dim: int = 384
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # Attention implementation behind jvarlen.model.attention: "auto" picks Pallas on
+    # GPU and the blockwise XLA path elsewhere.
+    attention: Literal["auto", "xla", "pallas", "reference"] = "auto"
+    # Layers whose forward is recomputed in the backward pass (jax.checkpoint per layer).
+    remat: bool = False
+
+    def __post_init__(self):
+        _positive(
+            "model",
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mlp_dim=self.mlp_dim,
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+            f"({self.num_kv_heads}) for grouped-query attention; change one of them",
+        )
+        if self.head_dim is None:
+            _require(
+                self.d_model % self.num_heads == 0,
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                f"({self.num_heads}), or set model.head_dim explicitly",
+            )
+            self.head_dim = self.d_model // self.num_heads
+        _positive("model", head_dim=self.head_dim)
+        _require(self.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where documents come from and how they become packed batches."""
+
+    # "stdlib": the running Python's standard library sources (always present).
+    source: Literal["stdlib", "jsonl", "text_dir", "parquet"] = "stdlib"
+    path: Optional[str] = None  # file or directory for jsonl / text_dir / parquet
+    text_field: str = "text"  # jsonl/parquet column holding text
+    tokens_field: Optional[str] = None  # jsonl/parquet column holding token ids instead of text
+    tokenizer: str = "byte"  # "byte" or a Hugging Face tokenizers JSON file
+    cache_dir: Optional[str] = None  # tokenized corpus cache; default ~/.cache/jvarlen
+    seq_len: int = 2048  # tokens per packed row
+    tokens_per_batch: int = 16_384  # global token budget of one step
+    max_doc_tokens: Optional[int] = None  # longer documents are split/truncated; default seq_len
+    long_doc_policy: Literal["split", "truncate"] = "split"
+    max_documents: Optional[int] = None  # use only the first N documents of the corpus
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive("data", seq_len=self.seq_len, tokens_per_batch=self.tokens_per_batch)
+        _require(
+            self.tokens_per_batch % self.seq_len == 0,
+            f"data.tokens_per_batch ({self.tokens_per_batch}) must be a multiple of data.seq_len "
+            f"({self.seq_len}): a batch is a whole number of packed rows",
+        )
+        if self.max_doc_tokens is None:
+            self.max_doc_tokens = self.seq_len
+        _require(
+            0 < self.max_doc_tokens <= self.seq_len,
+            f"data.max_doc_tokens ({self.max_doc_tokens}) must be in [1, data.seq_len={self.seq_len}]: "
+            "a document piece has to fit in one packed row",
+        )
+        _require(
+            self.source == "stdlib" or self.path is not None,
+            f"data.path is required for data.source={self.source!r}",
+        )
+        if self.max_documents is not None:
+            _positive("data", max_documents=self.max_documents)
+
+    @property
+    def rows_per_batch(self) -> int:
+        return self.tokens_per_batch // self.seq_len
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 1.0
+
+    def __post_init__(self):
+        _positive("optimizer", learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
+        _require(self.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Device arrangement. dp defaults to all devices not used by pp and sp."""
+
+    dp: Optional[int] = None
+    pp: int = 1
+    sp: int = 1
+    # Multi-host: jax.distributed.initialize is called when enabled; with no address
+    # it auto-detects the cluster (SLURM and friends).
+    distributed: bool = False
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    compilation_cache_dir: Optional[str] = None  # persistent XLA compilation cache
+
+    def __post_init__(self):
+        _positive("parallel", pp=self.pp, sp=self.sp)
+        if self.dp is not None:
+            _positive("parallel", dp=self.dp)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 150
+    seed: int = 0
+    log_every: int = 1
+
+    def __post_init__(self):
+        _positive("train", steps=self.steps, log_every=self.log_every)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 50  # also saved at the last step
+    max_to_keep: int = 2
+    async_save: bool = True
+    resume: bool = False  # continue from the newest checkpoint in the run directory
+
+    def __post_init__(self):
+        _positive("checkpoint", every_steps=self.every_steps, max_to_keep=self.max_to_keep)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def parse_config(args: Optional[list[str]] = None) -> Config:
+    """Parses ``--config PATH`` (YAML) plus dotted overrides into a validated :class:`Config`.
+
+    Raises ConfigError (for bad values) or draccus errors (unknown keys, wrong types),
+    each naming the offending field.
+    """
+    args = list(args or [])
+    config_path = None
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg == "--config_path":
+            config_path = args[i + 1]
+            del args[i : i + 2]
+            break
+        if arg.startswith("--config=") or arg.startswith("--config_path="):
+            config_path = arg.split("=", 1)[1]
+            del args[i]
+            break
+    if config_path is not None and not os.path.exists(config_path):
+        raise ConfigError(f"config file {config_path!r} does not exist")
+    try:
+        return draccus.parse(Config, config_path=config_path, args=args, exit_on_error=False)
+    except draccus.utils.ParsingError as error:
+        cause = error.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def load_config(path: str | os.PathLike, **overrides: str) -> Config:
+    """Loads a YAML config with optional dotted overrides, for use from Python."""
+    args = [f"--{key}={value}" for key, value in overrides.items()]
+    return parse_config(["--config", str(path), *args])
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)

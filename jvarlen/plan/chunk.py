@@ -1,0 +1,43 @@
+"""The uniform chunk shape ``{C, S}`` of InfiniPipe §3.1.1, shared by the cost model and the planner.
+
+Pure Python/numpy: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkShape:
+    """What the cost model needs to know about one chunk (one pipeline micro-batch).
+
+    ``context`` is C, the number of earlier tokens of the document that ``slices[0]``
+    continues (0 for a batched chunk); ``slices`` are the token counts of the pieces
+    packed into the chunk, ``slices[0]`` being s0 when ``context > 0``. ``tail`` is
+    I_k of Eq. 5/9: the chunk holds the last slice of a split document (or no split
+    slice at all), so it produces no K/V gradient for later slices.
+
+    Batched chunk: ``ChunkShape(0, (a, b, c))``; split chunk: ``ChunkShape(C, (s,), tail=False)``;
+    hybrid chunk: ``ChunkShape(C, (s0, a, b), tail=True)``.
+    """
+
+    context: int
+    slices: tuple[int, ...]
+    tail: bool = True
+
+    def __post_init__(self):
+        if self.context < 0:
+            raise ValueError(f"ChunkShape.context must be >= 0, got {self.context}")
+        if not self.slices or any(s <= 0 for s in self.slices):
+            raise ValueError(f"ChunkShape.slices must be positive lengths, got {self.slices}")
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.slices)
+
+    @property
+    def attention_pairs(self) -> int:
+        """Σ of squared terms in Eq. 1: (C+s0)² − C² for the first slice, s² for the rest."""
+        s0, *rest = self.slices
+        return (self.context + s0) ** 2 - self.context**2 + sum(s * s for s in rest)

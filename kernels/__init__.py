@@ -1,0 +1,1 @@
+"""Varlen attention kernels, installed as ``jvarlen.kernels``."""
