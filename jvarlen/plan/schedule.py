@@ -1,0 +1,365 @@
+"""Pipeline schedule tables: which op each stage runs, in which order (pure Python/numpy).
+
+A :class:`Schedule` holds one :data:`StageProgram` (ordered ops) per stage plus the
+token-level links between chunks: ``chunk_prev[k]`` is the chunk holding the previous
+slice of the document that chunk ``k`` continues (``-1`` when ``k`` has context 0).
+Dependencies (InfiniPipe §3.1.1, ARCHITECTURE "Token-level order"):
+
+* ``F(k)`` on stage ``p`` needs ``F(k)`` on ``p-1`` (activations) and ``F(chunk_prev[k])`` on ``p``
+  (the K/V of earlier slices);
+* ``B(k)`` on stage ``p`` needs ``F(k)`` on ``p``, ``B(k)`` on ``p+1`` (cotangent) and ``B(j)`` on ``p``
+  for the chunk ``j`` with ``chunk_prev[j] == k`` (dK/dV of the later slice).
+
+The tick form used by the pipeline executor is an int32 array ``[ticks, stages, 2]`` of
+``(op, chunk)`` with ``op`` in {IDLE=0, F=1, B=2} and ``chunk = -1`` when idle; a message sent
+at tick ``t`` is usable at tick ``t + 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+IDLE, FWD, BWD = 0, 1, 2
+_CODE = {"F": FWD, "B": BWD}
+_KIND = {FWD: "F", BWD: "B"}
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed or deadlocks; the message names tick/position, stage and chunk."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # "F" (forward) or "B" (backward, including any recomputation)
+    chunk: int
+
+    def __post_init__(self):
+        if self.kind not in _CODE:
+            raise ScheduleError(f"Op.kind must be 'F' or 'B', got {self.kind!r}")
+        if self.chunk < 0:
+            raise ScheduleError(f"Op.chunk must be >= 0, got {self.chunk}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.chunk}"
+
+
+StageProgram = tuple[Op, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """``stages[p]`` is stage ``p``'s ordered program; ``chunk_prev`` the token-level links.
+
+    ``chunk_docs[k]`` (optional) lists the document ids packed into chunk ``k``, first the one
+    whose slice is ``slices[0]``; only pictures use it.
+    """
+
+    stages: tuple[StageProgram, ...]
+    chunk_prev: tuple[int, ...]
+    chunk_docs: Optional[tuple[tuple[int, ...], ...]] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(tuple(p) for p in self.stages))
+        object.__setattr__(self, "chunk_prev", tuple(int(x) for x in self.chunk_prev))
+        if self.chunk_docs is not None:
+            object.__setattr__(self, "chunk_docs", tuple(tuple(int(d) for d in ds) for ds in self.chunk_docs))
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_prev)
+
+    @property
+    def chunk_next(self) -> tuple[int, ...]:
+        nxt = [-1] * self.n_chunks
+        for k, j in enumerate(self.chunk_prev):
+            if j >= 0:
+                nxt[j] = k
+        return tuple(nxt)
+
+    def docs(self) -> tuple[tuple[int, ...], ...]:
+        """Document ids per chunk; without ``chunk_docs`` a chain of linked chunks is one document."""
+        if self.chunk_docs is not None:
+            return self.chunk_docs
+        root = []
+        for k, j in enumerate(self.chunk_prev):
+            root.append(root[j] if 0 <= j < k else k)
+        return tuple((r,) for r in root)
+
+    def forward_order(self, stage: int) -> list[int]:
+        return [op.chunk for op in self.stages[stage] if op.kind == "F"]
+
+    def backward_order(self, stage: int) -> list[int]:
+        return [op.chunk for op in self.stages[stage] if op.kind == "B"]
+
+    def f2b(self, stage: int) -> list[int]:
+        """Eq. 16's f2b: position in the backward order of the chunk at each forward position."""
+        pos = {c: i for i, c in enumerate(self.backward_order(stage))}
+        return [pos[c] for c in self.forward_order(stage)]
+
+    def validate(self) -> None:
+        """Raises :class:`ScheduleError` naming the stage, position/tick and chunk at fault."""
+        _check_links(self.chunk_prev)
+        n = self.n_chunks
+        if self.chunk_docs is not None and len(self.chunk_docs) != n:
+            raise ScheduleError(f"chunk_docs has {len(self.chunk_docs)} entries for {n} chunks")
+        if self.pp < 1:
+            raise ScheduleError("a schedule needs at least one stage")
+        for p, prog in enumerate(self.stages):
+            seen_f: dict[int, int] = {}
+            seen_b: dict[int, int] = {}
+            for i, op in enumerate(prog):
+                if op.chunk >= n:
+                    raise ScheduleError(f"stage {p}, position {i}: {op} names chunk {op.chunk} but there are {n} chunks")
+                seen = seen_f if op.kind == "F" else seen_b
+                if op.chunk in seen:
+                    raise ScheduleError(
+                        f"stage {p}, position {i}: {op} repeats the op at position {seen[op.chunk]}"
+                    )
+                seen[op.chunk] = i
+                if op.kind == "B" and op.chunk not in seen_f:
+                    raise ScheduleError(f"stage {p}, position {i}: B{op.chunk} comes before F{op.chunk}")
+            for k in range(n):
+                if k not in seen_f:
+                    raise ScheduleError(f"stage {p}: chunk {k} has no forward op")
+                if k not in seen_b:
+                    raise ScheduleError(f"stage {p}: chunk {k} has no backward op")
+        self.to_ticks()  # raises on deadlock, naming tick, stage and chunk
+
+    def to_ticks(self) -> np.ndarray:
+        """Unit-time ASAP tick table ``[ticks, stages, 2]`` int32 of ``(op, chunk)``.
+
+        Each op takes one tick; a cross-stage dependency finished at tick ``t`` allows the op at
+        ``t + 1``. Raises :class:`ScheduleError` when no stage can make progress (deadlock).
+        """
+        return _ticks(self)
+
+    @classmethod
+    def from_ticks(
+        cls,
+        table: np.ndarray,
+        chunk_prev: Sequence[int],
+        chunk_docs: Optional[Sequence[Sequence[int]]] = None,
+    ) -> "Schedule":
+        """Inverse of :meth:`to_ticks` (drops idle ticks); checks the tick order is feasible."""
+        table = np.asarray(table)
+        if table.ndim != 3 or table.shape[2] != 2:
+            raise ScheduleError(f"tick table must be [ticks, stages, 2], got shape {table.shape}")
+        stages = []
+        for p in range(table.shape[1]):
+            prog = []
+            for t in range(table.shape[0]):
+                code, chunk = int(table[t, p, 0]), int(table[t, p, 1])
+                if code == IDLE:
+                    continue
+                if code not in _KIND:
+                    raise ScheduleError(f"tick {t}, stage {p}: unknown op code {code}")
+                prog.append(Op(_KIND[code], chunk))
+            stages.append(tuple(prog))
+        sched = cls(tuple(stages), tuple(chunk_prev), None if chunk_docs is None else tuple(map(tuple, chunk_docs)))
+        sched.validate()
+        _check_tick_table(table, sched)
+        return sched
+
+    def __str__(self) -> str:
+        return "\n".join(f"stage {p}: " + " ".join(map(str, prog)) for p, prog in enumerate(self.stages))
+
+
+# --------------------------------------------------------------------------- dependencies
+
+
+def _check_links(chunk_prev: Sequence[int]) -> None:
+    n = len(chunk_prev)
+    succ: dict[int, int] = {}
+    for k, j in enumerate(chunk_prev):
+        if j < -1 or j >= n or j == k:
+            raise ScheduleError(f"chunk {k}: chunk_prev = {j} is not -1 or another chunk id in [0, {n})")
+        if j >= 0:
+            if j in succ:
+                raise ScheduleError(
+                    f"chunks {succ[j]} and {k} both continue chunk {j}; a chunk holds at most one split slice"
+                )
+            succ[j] = k
+    for k in range(n):  # cycles
+        seen, j = set(), k
+        while j >= 0:
+            if j in seen:
+                raise ScheduleError(f"chunk {k}: chunk_prev links form a cycle")
+            seen.add(j)
+            j = chunk_prev[j]
+
+
+def dependencies(sched: Schedule, stage: int, op: Op) -> list[tuple[int, Op]]:
+    """(stage, op) pairs that must finish before ``op`` runs on ``stage`` (program order aside)."""
+    deps: list[tuple[int, Op]] = []
+    k = op.chunk
+    if op.kind == "F":
+        if stage > 0:
+            deps.append((stage - 1, Op("F", k)))
+        if sched.chunk_prev[k] >= 0:
+            deps.append((stage, Op("F", sched.chunk_prev[k])))
+    else:
+        deps.append((stage, Op("F", k)))
+        if stage < sched.pp - 1:
+            deps.append((stage + 1, Op("B", k)))
+        nxt = sched.chunk_next[k]
+        if nxt >= 0:
+            deps.append((stage, Op("B", nxt)))
+    return deps
+
+
+def _ticks(sched: Schedule) -> np.ndarray:
+    pp = sched.pp
+    done: dict[tuple[int, Op], int] = {}
+    pos = [0] * pp
+    rows = []
+    total = sum(len(p) for p in sched.stages)
+    t = 0
+    while len(done) < total:
+        row = np.zeros((pp, 2), np.int32)
+        row[:, 1] = -1
+        ran = []
+        for p in range(pp):
+            if pos[p] >= len(sched.stages[p]):
+                continue
+            op = sched.stages[p][pos[p]]
+            if all(done.get(d, t) < t for d in dependencies(sched, p, op)):
+                row[p] = (_CODE[op.kind], op.chunk)
+                ran.append((p, op))
+        if not ran:
+            waiting = []
+            for p in range(pp):
+                if pos[p] < len(sched.stages[p]):
+                    op = sched.stages[p][pos[p]]
+                    missing = [f"{o} on stage {q}" for q, o in dependencies(sched, p, op) if (q, o) not in done]
+                    waiting.append(f"stage {p} waits at {op} (chunk {op.chunk}) for {', '.join(missing)}")
+            raise ScheduleError(f"deadlock at tick {t}: " + "; ".join(waiting))
+        for p, op in ran:
+            done[(p, op)] = t
+            pos[p] += 1
+        rows.append(row)
+        t += 1
+    return np.stack(rows) if rows else np.zeros((0, pp, 2), np.int32)
+
+
+def _check_tick_table(table: np.ndarray, sched: Schedule) -> None:
+    when: dict[tuple[int, Op], int] = {}
+    for t in range(table.shape[0]):
+        for p in range(table.shape[1]):
+            code, chunk = int(table[t, p, 0]), int(table[t, p, 1])
+            if code != IDLE:
+                when[(p, Op(_KIND[code], chunk))] = t
+    for (p, op), t in when.items():
+        for d in dependencies(sched, p, op):
+            if when[d] >= t:
+                raise ScheduleError(f"tick {t}, stage {p}: {op} (chunk {op.chunk}) runs before {d[1]} on stage {d[0]} finished")
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _backward_order(chunk_prev: Sequence[int]) -> list[int]:
+    """Seq1F1B order: documents in forward order, the slices of one document in reverse."""
+    nxt = [-1] * len(chunk_prev)
+    for k, j in enumerate(chunk_prev):
+        if j >= 0:
+            nxt[j] = k
+    order = []
+    for k, j in enumerate(chunk_prev):
+        if j >= 0:
+            continue
+        chain = [k]
+        while nxt[chain[-1]] >= 0:
+            chain.append(nxt[chain[-1]])
+        order.extend(reversed(chain))
+    return order
+
+
+def gpipe(n_chunks: int, pp: int, chunk_prev: Optional[Sequence[int]] = None, chunk_docs=None) -> Schedule:
+    """GPipe: every stage runs all forwards in chunk order, then all backwards in reverse order."""
+    prev = tuple(chunk_prev) if chunk_prev is not None else (-1,) * n_chunks
+    _check_sizes(n_chunks, pp, prev)
+    prog = tuple([Op("F", k) for k in range(n_chunks)] + [Op("B", k) for k in reversed(range(n_chunks))])
+    sched = Schedule(tuple(prog for _ in range(pp)), prev, chunk_docs)
+    sched.validate()
+    return sched
+
+
+def token_level_1f1b(chunk_prev: Sequence[int], pp: int, chunk_docs=None) -> Schedule:
+    """1F1B over chunks in index order with Seq1F1B's token-level backward order.
+
+    Forwards run in chunk order (a slice after the slices it continues: needs
+    ``chunk_prev[k] < k``); backwards run documents in order and each document's slices in
+    reverse. Before its ``i``-th backward, stage ``p`` has run
+    ``pp - p - 1 + max(i + 1, need_i)`` forwards (capped at n), where ``need_i`` is one past
+    the latest forward position among the first ``i+1`` backwards. With no links this is
+    DAPPLE's 1F1B (warm-up of ``pp - p - 1`` forwards); with a document split into
+    ``N_prefill`` slices the window is Eq. 7's ``d_p - p + N_prefill`` (p 1-indexed).
+    """
+    prev = tuple(int(x) for x in chunk_prev)
+    n = len(prev)
+    _check_sizes(n, pp, prev)
+    for k, j in enumerate(prev):
+        if j >= k:
+            raise ScheduleError(f"chunk {k}: token_level_1f1b needs chunk_prev[k] < k, got {j}")
+    border = _backward_order(prev)
+    stages = []
+    for p in range(pp):
+        prog: list[Op] = []
+        f_done, need = 0, 0
+        for i, b in enumerate(border):
+            need = max(need, b + 1)
+            target = min(n, pp - p - 1 + max(i + 1, need))
+            while f_done < target:
+                prog.append(Op("F", f_done))
+                f_done += 1
+            prog.append(Op("B", b))
+        stages.append(tuple(prog))
+    sched = Schedule(tuple(stages), prev, chunk_docs)
+    sched.validate()
+    return sched
+
+
+def one_f_one_b(n_chunks: int, pp: int, chunk_docs=None) -> Schedule:
+    """DAPPLE 1F1B: stage p warms up with ``pp - p - 1`` forwards, then alternates F and B."""
+    return token_level_1f1b((-1,) * n_chunks, pp, chunk_docs)
+
+
+def sequential(units: Iterable[Schedule]) -> Schedule:
+    """Runs several pipelines (e.g. InfiniPipe's 1F1B units of Eq. 14) one after another on the
+    same stages; chunk ids of unit ``u`` are offset by the chunk counts of the units before it."""
+    units = list(units)
+    if not units:
+        raise ScheduleError("sequential() needs at least one schedule")
+    pp = units[0].pp
+    stages: list[list[Op]] = [[] for _ in range(pp)]
+    prev: list[int] = []
+    docs: list[tuple[int, ...]] = []
+    offset = doc_offset = 0
+    for u in units:
+        if u.pp != pp:
+            raise ScheduleError(f"sequential(): all units need the same pp, got {u.pp} and {pp}")
+        for p in range(pp):
+            stages[p].extend(Op(op.kind, op.chunk + offset) for op in u.stages[p])
+        prev.extend(j + offset if j >= 0 else -1 for j in u.chunk_prev)
+        udocs = u.docs()
+        docs.extend(tuple(d + doc_offset for d in ds) for ds in udocs)
+        doc_offset += 1 + max((d for ds in udocs for d in ds), default=-1)
+        offset += u.n_chunks
+    sched = Schedule(tuple(map(tuple, stages)), tuple(prev), tuple(docs))
+    sched.validate()
+    return sched
+
+
+def _check_sizes(n: int, pp: int, prev: Sequence[int]) -> None:
+    if n < 1 or pp < 1:
+        raise ScheduleError(f"need n_chunks >= 1 and pp >= 1, got n_chunks={n}, pp={pp}")
+    if len(prev) != n:
+        raise ScheduleError(f"chunk_prev has {len(prev)} entries for {n} chunks")
+    _check_links(prev)
