@@ -1,0 +1,232 @@
+"""A tokenized corpus: one memory-mapped token array plus int64 document offsets.
+
+Built once per (source files, their sizes and mtimes, tokenizer) and cached on disk
+under ``<cache_dir>/<kind>-<key>/``::
+
+    tokens.bin      raw uint16 (vocab <= 65535) or uint32 token ids, all documents back to back
+    offsets.npy     int64 [num_documents + 1]; document i = tokens[offsets[i]:offsets[i+1]]
+    doc_source.npy  int64 [num_documents, 2]; (file index, line/row) each document came from
+    meta.json       dtype, counts, tokenizer identity, file list, skipped empty documents
+
+Each stored document is ``[BOS] + tokens + [EOS]``; documents with no tokens are
+skipped and counted. The directory is written under a temporary name and renamed
+into place, so a reader never sees a half-written cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+
+from jvarlen.data.errors import EmptyCorpusError, TokenIdError
+from jvarlen.data.sources import Source
+from jvarlen.data.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+DEFAULT_CACHE_DIR = "~/.cache/jvarlen"
+_ENCODE_BATCH = 256
+
+
+def cache_key(source: Source, tokenizer: Tokenizer) -> str:
+    """Hex digest over the source fingerprint (paths, sizes, mtimes) and the tokenizer identity."""
+    blob = json.dumps(
+        {
+            "version": FORMAT_VERSION,
+            "source": source.fingerprint(),
+            "tokenizer": tokenizer.identity,
+            "specials": [tokenizer.bos_id, tokenizer.eos_id],
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class Corpus:
+    """Read-only view of a cached corpus, optionally restricted to its first ``limit`` documents.
+
+    ``tokens`` is a ``np.memmap``; ``document(i)`` returns a view into it (no copy).
+    """
+
+    def __init__(self, directory: str | os.PathLike, limit: Optional[int] = None, cache_hit: bool = True):
+        self.directory = pathlib.Path(directory)
+        self.cache_hit = cache_hit  # False when this process just tokenized the source
+        with open(self.directory / "meta.json") as f:
+            self.meta = json.load(f)
+        offsets = np.load(self.directory / "offsets.npy")
+        total = len(offsets) - 1
+        self._limit = total if limit is None else min(int(limit), total)
+        self.offsets = offsets[: self._limit + 1]
+        self.doc_source = np.load(self.directory / "doc_source.npy")[: self._limit]
+        self.tokens = np.memmap(
+            self.directory / "tokens.bin", dtype=np.dtype(self.meta["dtype"]), mode="r", shape=(self.meta["num_tokens"],)
+        )[: int(self.offsets[-1])]
+        self.lengths = np.diff(self.offsets)  # int64 [num_documents]
+
+    @property
+    def num_documents(self) -> int:
+        return self._limit
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokenizer vocabulary, or one past the largest stored id if that is larger."""
+        return max(int(self.meta["tokenizer_vocab_size"]), int(self.meta["max_token_id"]) + 1)
+
+    @property
+    def skipped_empty(self) -> int:
+        return int(self.meta["skipped_empty"])
+
+    @property
+    def files(self) -> list[str]:
+        return self.meta["files"]
+
+    def document(self, i: int) -> np.ndarray:
+        """Token ids of document ``i`` (``[BOS] + text tokens + [EOS]``), a memmap view."""
+        if not 0 <= i < self._limit:
+            raise IndexError(f"document {i} out of range [0, {self._limit})")
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def describe(self, i: int) -> str:
+        """Where document ``i`` came from: ``file`` or ``file:line`` / ``file: row N``."""
+        file_index, record = (int(x) for x in self.doc_source[i])
+        path = self.files[file_index]
+        if self.meta["kind"] == "jsonl":
+            return f"{path}:{record}"
+        if self.meta["kind"] == "parquet":
+            return f"{path}: row {record}"
+        return path
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Raises :class:`TokenIdError` naming the first document holding an id >= ``model_vocab_size``."""
+        if int(self.meta["max_token_id"]) < model_vocab_size:
+            return
+        bad = np.flatnonzero(self.tokens >= model_vocab_size)
+        if bad.size == 0:  # the offending documents lie past the max_documents limit
+            return
+        doc = int(np.searchsorted(self.offsets, bad[0], side="right")) - 1
+        largest = int(self.tokens.max())
+        raise TokenIdError(
+            f"token id {int(self.tokens[bad[0]])} in document {doc} ({self.describe(doc)}) is >= the model "
+            f"vocabulary size {model_vocab_size} (largest id in the corpus: {largest}); set model.vocab_size "
+            f">= {largest + 1} or use the tokenizer the token ids were made with"
+        )
+
+    def __repr__(self) -> str:
+        return f"Corpus({self.meta['kind']}, documents={self.num_documents}, tokens={self.num_tokens})"
+
+
+def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) -> None:
+    """Tokenizes ``source`` into ``directory`` (written under a temporary name, then renamed)."""
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
+    limit = np.iinfo(dtype).max
+    tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    lengths: list[int] = []
+    origins: list[tuple[int, int]] = []
+    skipped = 0
+    max_id = -1
+    try:
+        with open(tmp / "tokens.bin", "wb") as out:
+
+            def flush(batch):
+                nonlocal skipped, max_id
+                texts = [d.text for d in batch if d.token_ids is None]
+                encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+                for doc in batch:
+                    ids = doc.token_ids if doc.token_ids is not None else next(encoded)
+                    if ids.size == 0:
+                        skipped += 1
+                        continue
+                    top = int(ids.max())
+                    if top > limit:
+                        where = source.files[doc.file_index]
+                        raise TokenIdError(
+                            f"{where} (record {doc.record}): token id {top} does not fit the {dtype.name} token "
+                            f"store chosen for tokenizer vocab size {tokenizer.vocab_size}; use a tokenizer "
+                            "whose vocabulary covers these ids"
+                        )
+                    max_id = max(max_id, top)
+                    row = np.empty(ids.size + 2, dtype=dtype)
+                    row[0], row[-1] = tokenizer.bos_id, tokenizer.eos_id
+                    row[1:-1] = ids
+                    out.write(row.tobytes())
+                    lengths.append(row.size)
+                    origins.append((doc.file_index, doc.record))
+
+            batch = []
+            for doc in source.documents():
+                batch.append(doc)
+                if len(batch) == _ENCODE_BATCH:
+                    flush(batch)
+                    batch = []
+            flush(batch)
+        if not lengths:
+            where = source.files[0].parent if source.files else "(no files)"
+            raise EmptyCorpusError(
+                f"data source {source.kind!r} at {str(where)!r} has no non-empty documents "
+                f"({len(source.files)} files read, {skipped} empty documents skipped)"
+            )
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        np.save(tmp / "offsets.npy", offsets)
+        np.save(tmp / "doc_source.npy", np.asarray(origins, dtype=np.int64).reshape(-1, 2))
+        meta = {
+            "version": FORMAT_VERSION,
+            "kind": source.kind,
+            "dtype": dtype.name,
+            "num_tokens": int(offsets[-1]),
+            "num_documents": len(lengths),
+            "skipped_empty": skipped,
+            "max_token_id": max(max_id, tokenizer.bos_id, tokenizer.eos_id),
+            "tokenizer": tokenizer.identity,
+            "tokenizer_vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            "files": [str(f) for f in source.files],
+            "created": time.time(),
+        }
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f)
+        try:
+            os.rename(tmp, directory)
+        except OSError:
+            if not (directory / "meta.json").exists():  # not a concurrent writer winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _valid_cache(directory: pathlib.Path) -> bool:
+    try:
+        with open(directory / "meta.json") as f:
+            meta = json.load(f)
+        size = (directory / "tokens.bin").stat().st_size
+        return meta.get("version") == FORMAT_VERSION and size == meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def load_corpus(
+    source: Source, tokenizer: Tokenizer, cache_dir: Optional[str] = None, max_documents: Optional[int] = None
+) -> Corpus:
+    """Returns the cached corpus for ``source`` + ``tokenizer``, tokenizing it first if needed."""
+    root = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
+    directory = root / f"{source.kind}-{cache_key(source, tokenizer)}"
+    hit = _valid_cache(directory)
+    if not hit:
+        if directory.exists():  # damaged (e.g. partially deleted): rebuild
+            shutil.rmtree(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        _build_cache(source, tokenizer, directory)
+    return Corpus(directory, limit=max_documents, cache_hit=hit)

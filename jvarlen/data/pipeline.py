@@ -1,0 +1,117 @@
+"""The host data pipeline: corpus -> pieces -> token-budget sampler -> packer.
+
+Used by the training loop as::
+
+    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
+    batch = pipeline.next_batch()      # PackedBatch, arrays [data.rows_per_batch, data.seq_len]
+    saved = pipeline.state()           # JSON-serialisable; store it in the checkpoint
+    pipeline.restore(saved)            # continues with exactly the same batches
+    print(pipeline.summary())          # one line for the logs
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+import numpy as np
+
+from jvarlen.config import DataConfig
+from jvarlen.data.corpus import Corpus, load_corpus
+from jvarlen.data.errors import SamplerStateError
+from jvarlen.data.packer import PackedBatch, Piece, pack
+from jvarlen.data.sampler import SampledBatch, TokenBudgetSampler
+from jvarlen.data.sources import Source
+from jvarlen.data.split import split_documents
+from jvarlen.data.tokenizer import load_tokenizer
+
+STATE_VERSION = 1
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+class DataPipeline:
+    """Builds the corpus (cached), splits long documents, samples and packs batches.
+
+    ``vocab_size``: the model's vocabulary; every corpus token id must be below it
+    (checked once here, :class:`TokenIdError` otherwise). ``None`` skips the check.
+    """
+
+    def __init__(self, config: DataConfig, vocab_size: Optional[int] = None):
+        self.config = config
+        start = time.perf_counter()
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        source = Source.create(config.source, config.path, config.text_field, config.tokens_field)
+        self.corpus: Corpus = load_corpus(source, self.tokenizer, config.cache_dir, config.max_documents)
+        self.load_seconds = time.perf_counter() - start
+        if vocab_size is not None:
+            self.corpus.check_vocab(vocab_size)
+        self.pieces, self.split_report = split_documents(
+            self.corpus.lengths, config.max_doc_tokens, config.long_doc_policy
+        )
+        self.rows, self.seq_len = config.rows_per_batch, config.seq_len
+        self.sampler = TokenBudgetSampler(self.pieces.length, self.rows, self.seq_len, seed=config.seed)
+        self.last_sample: Optional[SampledBatch] = None
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch."""
+        return self.sampler.epoch
+
+    def _piece(self, p: int) -> Piece:
+        doc, start, n = int(self.pieces.doc[p]), int(self.pieces.start[p]), int(self.pieces.length[p])
+        tokens = self.corpus.document(doc)
+        next_token = int(tokens[start + n]) if self.pieces.has_next[p] else -1
+        return Piece(np.asarray(tokens[start : start + n]), doc, next_token)
+
+    def next_batch(self) -> PackedBatch:
+        """The next global batch, arrays ``[rows_per_batch, seq_len]``."""
+        sample = self.sampler.next()
+        self.last_sample = sample
+        return pack([self._piece(int(p)) for p in sample.piece_ids], self.rows, self.seq_len, sample.rows)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict:
+        """JSON-serialisable pipeline position (sampler state plus a corpus identity check)."""
+        return {
+            "version": STATE_VERSION,
+            "corpus": self.corpus.directory.name,
+            "num_documents": self.corpus.num_documents,
+            "sampler": self.sampler.state(),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continues from ``state``; raises :class:`SamplerStateError` if it belongs to another corpus/shape."""
+        if state.get("version") != STATE_VERSION:
+            raise SamplerStateError(f"data pipeline state version {state.get('version')} != {STATE_VERSION}")
+        if state.get("num_documents") != self.corpus.num_documents:
+            raise SamplerStateError(
+                f"data pipeline state is for {state.get('num_documents')} documents, this corpus has "
+                f"{self.corpus.num_documents} (data.source / data.max_documents changed?)"
+            )
+        self.sampler.restore(state["sampler"])
+
+    def summary(self) -> str:
+        """One line for the logs: documents, tokens, length quantiles, split/truncation counts."""
+        c, lengths = self.corpus, self.corpus.lengths
+        median, p99 = np.percentile(lengths, [50, 99])
+        cache = "cached" if c.cache_hit else "tokenized"
+        return (
+            f"data: {c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped), "
+            f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
+            f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
+            f"{cache} in {self.load_seconds:.2f}s"
+        )
+
+
+def make_batches(config: DataConfig, model_vocab_size: Optional[int] = None) -> Iterator[PackedBatch]:
+    """Endless iterator of packed batches (a :class:`DataPipeline` without checkpointing)."""
+    return iter(DataPipeline(config, vocab_size=model_vocab_size))

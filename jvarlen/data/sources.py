@@ -1,0 +1,176 @@
+"""Where raw documents come from: the stdlib sources, JSONL, a text directory, Parquet.
+
+A :class:`Source` lists its files (sorted, for determinism), gives a fingerprint of
+them (paths, sizes, mtimes: part of the corpus cache key) and yields
+:class:`RawDocument` records, each either text (``str``/``bytes``) or token ids.
+Read errors become :class:`UnreadableFileError` / :class:`MissingFieldError` naming
+the file, line/row and field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sysconfig
+from typing import Iterator, NamedTuple, Optional
+
+import numpy as np
+
+from jvarlen.data.errors import EmptyCorpusError, MissingFieldError, TokenIdError, UnreadableFileError
+
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class RawDocument(NamedTuple):
+    file_index: int  # index into Source.files
+    record: int  # line (jsonl, 1-based), row (parquet, 0-based) or 0 (one file = one document)
+    text: Optional[str | bytes]  # exactly one of text / token_ids is set
+    token_ids: Optional[np.ndarray]
+
+
+def stdlib_files() -> list[pathlib.Path]:
+    """All ``*.py`` files of the running Python's standard library, sorted; no site-packages."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(files)
+
+
+def _files_under(path: pathlib.Path, suffixes: tuple[str, ...] | None) -> list[pathlib.Path]:
+    if not path.exists():
+        raise UnreadableFileError(f"data path {str(path)!r} does not exist")
+    if path.is_file():
+        return [path]
+    files = [
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and (suffixes is None or p.name.endswith(suffixes))
+    ]
+    if not files:
+        wanted = f" matching {', '.join(suffixes)}" if suffixes else ""
+        raise EmptyCorpusError(f"data path {str(path)!r} contains no files{wanted}")
+    return sorted(files)
+
+
+@dataclasses.dataclass
+class Source:
+    """One configured document source (see ``DataConfig.source``)."""
+
+    kind: str  # "stdlib" | "jsonl" | "text_dir" | "parquet"
+    files: list[pathlib.Path]
+    text_field: str = "text"
+    tokens_field: Optional[str] = None
+
+    @classmethod
+    def create(
+        cls, kind: str, path: Optional[str] = None, text_field: str = "text", tokens_field: Optional[str] = None
+    ) -> "Source":
+        if kind == "stdlib":
+            files = stdlib_files()
+        elif kind in ("jsonl", "text_dir", "parquet"):
+            if path is None:
+                raise UnreadableFileError(f"data.path is required for data.source={kind!r}")
+            suffixes = {"jsonl": (".jsonl",), "text_dir": None, "parquet": (".parquet",)}[kind]
+            files = _files_under(pathlib.Path(os.path.expanduser(path)), suffixes)
+        else:
+            raise ValueError(f"unknown data.source {kind!r}; use stdlib, jsonl, text_dir or parquet")
+        return cls(kind, files, text_field, tokens_field)
+
+    def fingerprint(self) -> dict:
+        """JSON-able description that changes when any file is added, removed or modified."""
+        entries = []
+        for f in self.files:
+            try:
+                st = f.stat()
+            except OSError as error:
+                raise UnreadableFileError(f"cannot stat data file {str(f)!r}: {error}") from error
+            entries.append([str(f), st.st_size, st.st_mtime_ns])
+        fields = None if self.kind in ("stdlib", "text_dir") else [self.text_field, self.tokens_field]
+        return {"kind": self.kind, "fields": fields, "files": entries}
+
+    def documents(self) -> Iterator[RawDocument]:
+        reader = {
+            "stdlib": self._whole_files,
+            "text_dir": self._whole_files,
+            "jsonl": self._jsonl,
+            "parquet": self._parquet,
+        }[self.kind]
+        for index, path in enumerate(self.files):
+            yield from reader(index, path)
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def _whole_files(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise UnreadableFileError(f"cannot read data file {str(path)!r}: {error}") from error
+        yield RawDocument(index, 0, data, None)
+
+    def _field(self, record: dict, where: str) -> tuple[Optional[str | bytes], Optional[np.ndarray]]:
+        name = self.tokens_field or self.text_field
+        if not isinstance(record, dict) or name not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            option = "tokens_field" if self.tokens_field else "text_field"
+            raise MissingFieldError(f"{where}: record has no field {name!r} (has: {keys}); set data.{option}")
+        value = record[name]
+        if self.tokens_field:
+            try:
+                ids = np.asarray(value if value is not None else [], dtype=np.int64)
+            except (TypeError, ValueError, OverflowError) as error:
+                raise MissingFieldError(f"{where}: field {name!r} must be a list of integer token ids: {error}") from error
+            if ids.ndim != 1:
+                raise MissingFieldError(f"{where}: field {name!r} must be a flat list of token ids, got shape {ids.shape}")
+            if ids.size and ids.min() < 0:
+                raise TokenIdError(f"{where}: field {name!r} holds a negative token id {int(ids.min())}")
+            return (None, ids)
+        if value is None:
+            value = ""
+        if not isinstance(value, (str, bytes)):
+            raise MissingFieldError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+        return (value, None)
+
+    def _jsonl(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
+        try:
+            f = open(path, "rb")
+        except OSError as error:
+            raise UnreadableFileError(f"cannot read data file {str(path)!r}: {error}") from error
+        with f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                    raise UnreadableFileError(f"{where}: corrupt JSONL line (invalid JSON: {error})") from error
+                text, ids = self._field(record, where)
+                yield RawDocument(index, line_no, text, ids)
+
+    def _parquet(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        name = self.tokens_field or self.text_field
+        try:
+            parquet = pq.ParquetFile(path)
+            columns = parquet.schema_arrow.names
+        except (OSError, pa.ArrowException) as error:
+            raise UnreadableFileError(f"cannot read Parquet file {str(path)!r}: {error}") from error
+        if name not in columns:
+            raise MissingFieldError(f"{path}: Parquet file has no column {name!r} (has: {columns})")
+        row = 0
+        try:
+            for batch in parquet.iter_batches(columns=[name], batch_size=1024):
+                for value in batch.column(0).to_pylist():
+                    text, ids = self._field({name: value}, f"{path}: row {row}")
+                    yield RawDocument(index, row, text, ids)
+                    row += 1
+        except (OSError, pa.ArrowException) as error:
+            raise UnreadableFileError(f"cannot read Parquet file {str(path)!r} (row {row}): {error}") from error
