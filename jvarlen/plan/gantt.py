@@ -1,0 +1,94 @@
+"""Gantt chart of a simulated pipeline: one lane per stage, memory curves beneath (PNG, Agg).
+
+Forward boxes are drawn solid, backward boxes hatched, both in the colour of the chunk's
+(first) document; recomputation is shaded grey, all-to-all dark, P2P a thin line under the
+lane. The lower panel plots every stage's memory (GB per device) against the budget.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from jvarlen.plan.schedule import Schedule  # noqa: E402
+from jvarlen.plan.simulator import SimResult  # noqa: E402
+
+
+def draw_gantt(
+    result: SimResult,
+    schedule: Schedule,
+    path: str | os.PathLike,
+    title: Optional[str] = None,
+    doc_names: Optional[Sequence[str]] = None,
+    dpi: int = 110,
+) -> str:
+    """Writes a PNG to ``path`` and returns the path."""
+    pp = len(result.peak_memory)
+    docs = schedule.docs()
+    doc_ids = sorted({ds[0] for ds in docs})
+    cmap = plt.get_cmap("tab20")
+    colour = {d: cmap(i % 20) for i, d in enumerate(doc_ids)}
+
+    fig, (ax, axm) = plt.subplots(
+        2, 1, figsize=(12, 1.0 + 0.6 * pp + 2.2), sharex=True, gridspec_kw={"height_ratios": [0.6 * pp + 0.6, 2.2]}
+    )
+    t0 = min((e.start for e in result.events), default=0.0)
+    scale, unit = _time_unit(result.makespan)
+    for e in result.events:
+        y = pp - 1 - e.stage
+        x, w = (e.start - t0) * scale, e.duration * scale
+        if e.kind == "idle" or w <= 0:
+            continue
+        if e.kind == "P2P":
+            ax.plot([x, x + w], [y - 0.42, y - 0.42], color="0.3", lw=1)
+            continue
+        c = colour[docs[e.chunk][0]]
+        if e.kind == "F":
+            ax.barh(y, w, left=x, height=0.7, color=c, edgecolor="black", lw=0.4)
+        elif e.kind == "B":
+            ax.barh(y, w, left=x, height=0.7, color=c, edgecolor="black", lw=0.4, hatch="///")
+        elif e.kind == "R":
+            ax.barh(y, w, left=x, height=0.7, color="0.75", edgecolor="black", lw=0.4, hatch="..")
+        elif e.kind == "A2A":
+            ax.barh(y, w, left=x, height=0.7, color="0.25", edgecolor="none")
+        if e.kind in ("F", "B") and w > 0.025 * result.makespan * scale:
+            ax.text(x + w / 2, y, f"{e.kind}{e.chunk}", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(pp))
+    ax.set_yticklabels([f"stage {p}" for p in reversed(range(pp))])
+    ax.set_ylim(-0.6, pp - 0.4)
+    legend = [Patch(color="0.75", label="recompute"), Patch(color="0.25", label="all-to-all")]
+    names = list(doc_names) if doc_names is not None else [f"doc {d}" for d in doc_ids]
+    legend += [Patch(color=colour[d], label=names[i] if i < len(names) else f"doc {d}") for i, d in enumerate(doc_ids[:12])]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.set_title(
+        title
+        or f"iteration {result.iteration_time * scale:.3g} {unit}, bubble {100 * result.bubble_ratio:.1f}%"
+    )
+
+    for p, (times, values) in enumerate(result.memory):
+        xs = list((times - t0) * scale) + [result.makespan * scale]
+        ys = list(values / 1e9) + [values[-1] / 1e9]
+        axm.step(xs, ys, where="post", label=f"stage {p} (peak {values.max() / 1e9:.3g} GB)")
+    axm.axhline(result.memory_budget / 1e9, color="red", ls="--", lw=1, label="budget")
+    axm.set_ylabel("GB / device")
+    axm.set_xlabel(f"time ({unit})")
+    axm.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path)
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "us"
