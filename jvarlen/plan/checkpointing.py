@@ -1,0 +1,215 @@
+"""Stage-aware chunk-level adaptive checkpointing (InfiniPipe §3.3.3, Alg. 2, Eq. 15-20).
+
+For one unit (a 1F1B pipeline of n chunks over d_p stages) choose how many layers
+each stage recomputes for each chunk so that every stage's peak memory fits, with
+the least recomputation. Eq. 15/16 tie the choice to n + d_p - 1 "diagonal"
+integers C[j]: stage p (0-based) gives the chunk with backward rank k
+``C[k + d_p - 1 - p]`` layers. Memory is linear in the layer count (Eq. 19):
+``M_act(k, l) = I[k] - F[k] * l``; every chunk window W_p(t) gives one linear
+constraint (Eq. 20).
+
+Solver code in four steps (STYLE 10): :func:`build_problem` (data), :func:`_cp_model`
+(model), :func:`solve` (solve with a greedy hint, time limits, status checked,
+solution re-verified) and :func:`ckpt_table` (extract); :func:`greedy` is both
+the hint and the fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.schedule import Schedule
+from jvarlen.plan.units import backward_rank, live_windows
+
+KIB = 1024
+_US = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverOptions:
+    """Limits of one checkpointing solve. ``time_limit_s <= 0`` skips the solver (greedy only)."""
+
+    time_limit_s: float = 0.05
+    deterministic_time: float = 0.5  # CP-SAT deterministic-time units; keeps results reproducible
+    workers: int = 1
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptProblem:
+    """Data of Eq. 20 for one unit, integerised conservatively.
+
+    ``var_of [pp, n]`` C index used by (stage, chunk); ``rows [r, n_vars]`` memory
+    freed per recomputed layer (KiB, F rounded down) by each variable in window r;
+    ``base [r]`` window memory with no recomputation (KiB, I rounded up);
+    ``cap [r]`` budget minus that stage's model states (KiB, rounded down);
+    ``weight_us [n_vars]`` cost of one layer on each diagonal (µs, ≥ 1);
+    ``max_layers`` = L / d_p.
+    """
+
+    var_of: np.ndarray
+    rows: np.ndarray
+    base: np.ndarray
+    cap: np.ndarray
+    row_stage: np.ndarray
+    weight_us: np.ndarray
+    max_layers: int
+
+    @property
+    def n_vars(self) -> int:
+        return self.weight_us.shape[0]
+
+    def violation(self, c: np.ndarray) -> np.ndarray:
+        """``[r]`` KiB by which each window exceeds its budget (≤ 0 when satisfied)."""
+        return self.base - self.rows @ c - self.cap
+
+    def feasible(self, c: np.ndarray) -> bool:
+        return bool(np.all(c >= 0) and np.all(c <= self.max_layers) and np.all(self.violation(c) <= 0))
+
+    def objective_us(self, c: np.ndarray) -> int:
+        return int(self.weight_us @ c)
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptSolution:
+    """``values [n_vars]`` the C of Eq. 15; ``table [n, pp]`` layers per (chunk of the unit, stage).
+
+    ``source``: "cp-sat" (status OPTIMAL/FEASIBLE, verified), "greedy" (fallback or no
+    solver time), "trivial" (nothing to recompute) or "infeasible".
+    """
+
+    values: np.ndarray
+    table: np.ndarray
+    cost_s: float
+    source: str
+    status: str
+
+    @property
+    def feasible(self) -> bool:
+        return self.source != "infeasible"
+
+
+def build_problem(shapes: Sequence[ChunkShape], schedule: Schedule, cost, max_layers: int) -> CkptProblem:
+    """Data step of Alg. 2 for one unit: windows W_p(t) from ``schedule`` (local chunk ids
+    ``0..n-1``, ``shapes[k]`` the ChunkShape of chunk k), I[p, k] and F[p, k] (Eq. 19) from
+    ``cost.activation_memory`` evaluated at 0 and 1 recomputed layers on stage p.
+    """
+    pp, n = schedule.pp, len(shapes)
+    n_vars = n + pp - 1
+    act0 = np.array([[cost.activation_memory(s, 0, p) for s in shapes] for p in range(pp)], dtype=np.float64)
+    act1 = np.array([[cost.activation_memory(s, 1, p) for s in shapes] for p in range(pp)], dtype=np.float64)
+    if max_layers > 1:  # Eq. 19 is linear in l; check it against the cost model.
+        actl = np.array([[cost.activation_memory(s, max_layers, p) for s in shapes] for p in range(pp)])
+        if not np.allclose(actl, act0 - (act0 - act1) * max_layers, rtol=1e-6, atol=1024):
+            raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
+    i_kib = np.ceil(act0 / KIB).astype(np.int64)  # [pp, n]
+    f_kib = np.floor((act0 - act1) / KIB).astype(np.int64)  # [pp, n]
+    rec1 = np.array([cost.recompute_time(s, 1) for s in shapes], dtype=np.float64)
+
+    var_of = np.zeros((pp, n), dtype=np.int64)
+    weight = np.zeros(n_vars, dtype=np.float64)
+    rows, base, cap, row_stage = [], [], [], []
+    for p in range(pp):
+        program = schedule.stages[p]
+        for k, r in backward_rank(program).items():
+            j = r + pp - 1 - p  # Eq. 16 with p 0-based
+            var_of[p, k] = j
+            weight[j] = max(weight[j], rec1[k])
+        stage_cap = int((cost.memory_budget - cost.model_state_memory(p)) // KIB)
+        for window in live_windows(program):
+            row = np.zeros(n_vars, dtype=np.int64)
+            for k in window:
+                row[var_of[p, k]] += f_kib[p, k]
+            rows.append(row)
+            base.append(int(sum(i_kib[p, k] for k in window)))
+            cap.append(stage_cap)
+            row_stage.append(p)
+    return CkptProblem(
+        var_of=var_of,
+        rows=np.array(rows, dtype=np.int64).reshape(-1, n_vars),
+        base=np.array(base, dtype=np.int64),
+        cap=np.array(cap, dtype=np.int64),
+        row_stage=np.array(row_stage, dtype=np.int64),
+        weight_us=np.maximum(1, np.round(weight / _US)).astype(np.int64),
+        max_layers=int(max_layers),
+    )
+
+
+def greedy(problem: CkptProblem) -> np.ndarray | None:
+    """Fallback and hint: raise, for the most violated window, the variable freeing most KiB per µs.
+
+    Returns ``values [n_vars]`` or None when even full recomputation does not fit.
+    """
+    c = np.zeros(problem.n_vars, dtype=np.int64)
+    while True:
+        excess = problem.violation(c)
+        r = int(np.argmax(excess))
+        if excess[r] <= 0:
+            return c
+        gain = problem.rows[r].astype(np.float64)
+        gain[c >= problem.max_layers] = 0.0
+        if not np.any(gain > 0):
+            return None
+        ratio = gain / problem.weight_us
+        j = int(np.argmax(ratio))
+        # Raise by as many layers as this window needs from j alone (bounded), then re-check all windows.
+        need = int(math.ceil(excess[r] / gain[j]))
+        c[j] = min(problem.max_layers, c[j] + max(1, need))
+
+
+def _cp_model(problem: CkptProblem, hint: np.ndarray | None) -> tuple[cp_model.CpModel, list]:
+    """Model step of Alg. 2 (Eq. 20): integer C[j] in [0, L/d_p], one constraint per window."""
+    model = cp_model.CpModel()
+    xs = [model.new_int_var(0, problem.max_layers, f"C{j}") for j in range(problem.n_vars)]
+    for row, b, cap in zip(problem.rows, problem.base, problem.cap):
+        terms = [(int(a), x) for a, x in zip(row, xs) if a]
+        model.add(sum(a * x for a, x in terms) >= int(b - cap))
+    model.minimize(sum(int(w) * x for w, x in zip(problem.weight_us, xs)))
+    if hint is not None:
+        for x, v in zip(xs, hint):
+            model.add_hint(x, int(v))
+    return model, xs
+
+
+def ckpt_table(problem: CkptProblem, values: np.ndarray) -> np.ndarray:
+    """Extract step (Eq. 16): ``[n, pp]`` layers recomputed for the unit's chunk k on stage p
+    (the simulator's ``ckpt_layers`` layout)."""
+    return values[problem.var_of].T.astype(np.int32)
+
+
+def solve(problem: CkptProblem, options: SolverOptions = SolverOptions()) -> CkptSolution:
+    """Solves Eq. 20 with CP-SAT (greedy hint, limits, status checked); falls back to the greedy solution."""
+    zero = np.zeros(problem.n_vars, dtype=np.int64)
+    if problem.feasible(zero):
+        return make_solution(problem, zero, "trivial", "no window exceeds the budget")
+    hint = greedy(problem)
+    if options.time_limit_s <= 0:
+        if hint is None:
+            return make_solution(problem, zero, "infeasible", "greedy found no feasible point; solver skipped")
+        return make_solution(problem, hint, "greedy", "solver skipped (no time)")
+    model, xs = _cp_model(problem, hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(options.time_limit_s)
+    solver.parameters.max_deterministic_time = float(options.deterministic_time)
+    solver.parameters.num_workers = int(options.workers)
+    solver.parameters.random_seed = int(options.seed)
+    status = solver.solve(model)
+    name = solver.status_name(status)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        values = np.array([solver.value(x) for x in xs], dtype=np.int64)
+        if problem.feasible(values) and (hint is None or problem.objective_us(values) <= problem.objective_us(hint)):
+            return make_solution(problem, values, "cp-sat", name)
+    if hint is not None:
+        return make_solution(problem, hint, "greedy", f"solver status {name}")
+    return make_solution(problem, zero, "infeasible", f"solver status {name}")
+
+
+def make_solution(problem: CkptProblem, values: np.ndarray, source: str, status: str) -> CkptSolution:
+    cost_s = math.inf if source == "infeasible" else problem.objective_us(values) * _US
+    return CkptSolution(values, ckpt_table(problem, values), cost_s, source, status)

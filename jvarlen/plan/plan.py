@@ -1,0 +1,261 @@
+"""The ``Plan`` of one iteration: chunks, 1F1B units, op order and recomputation table, as data.
+
+A plan is everything the pipeline executor needs (ARCHITECTURE principle 1):
+JSON-serialisable, versioned, and checked by :meth:`Plan.validate` — every token
+exactly once, chunk well-formedness, slice order, 1F1B dependencies and per-stage
+peak memory within the budget under the cost model (Eq. 6-10).
+
+Pure Python/numpy: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.schedule import Op, Schedule, ScheduleError
+from jvarlen.plan.units import Piece, PlannedChunk
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message lists every violation found."""
+
+
+def chunk_prev_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> list[int]:
+    """Token-level links: ``prev[k]`` = the chunk holding the slice right before chunk k's first piece, or -1."""
+    where: dict[tuple[int, int], int] = {}  # (doc, end) -> chunk
+    for k, c in enumerate(chunks):
+        doc, start, length = c.pieces[0]
+        where[(doc, start + length)] = k
+    prev = []
+    for c in chunks:
+        doc, start, _ = c.pieces[0]
+        prev.append(where.get((doc, start), -1) if start > 0 else -1)
+    return prev
+
+
+@dataclasses.dataclass
+class Plan:
+    """One iteration's plan.
+
+    * ``lengths [n_docs]``: the document lengths (tokens) the plan was made for.
+    * ``chunks``: n chunks in execution (forward) order, each a tuple of pieces
+      ``(doc, start, length)``; ``pieces[0]`` may continue a split document.
+    * ``unit_sizes [n_units]``: units are consecutive runs of chunks, each one 1F1B pipeline.
+    * ``schedule``: per-stage op programs over global chunk ids (units back to back).
+    * ``ckpt_layers [n, pp]`` int32: layers stage p recomputes for chunk k.
+    * ``stats``: solver and simulator figures (solve_seconds, iteration_time_s, ...).
+    * ``events``: notable things that happened while planning (fallbacks, perturbations).
+    """
+
+    policy: str
+    layout: Layout
+    num_layers: int
+    lengths: tuple[int, ...]
+    chunks: tuple[tuple[Piece, ...], ...]
+    unit_sizes: tuple[int, ...]
+    schedule: Schedule
+    ckpt_layers: np.ndarray
+    memory_budget_bytes: float
+    stats: dict = dataclasses.field(default_factory=dict)
+    events: list = dataclasses.field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    # ---- views
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def planned_chunks(self) -> list[PlannedChunk]:
+        return [PlannedChunk(tuple(c)) for c in self.chunks]
+
+    def chunk_shapes(self) -> list[ChunkShape]:
+        return [c.shape(self.lengths) for c in self.planned_chunks]
+
+    @property
+    def tokens_in(self) -> int:
+        return int(sum(self.lengths))
+
+    @property
+    def tokens_planned(self) -> int:
+        return int(sum(p[2] for c in self.chunks for p in c))
+
+    # ---- JSON
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "policy": self.policy,
+            "layout": dataclasses.asdict(self.layout),
+            "num_layers": self.num_layers,
+            "lengths": list(self.lengths),
+            "chunks": [[list(p) for p in c] for c in self.chunks],
+            "unit_sizes": list(self.unit_sizes),
+            "schedule": {
+                "stages": [[str(op) for op in prog] for prog in self.schedule.stages],
+                "chunk_prev": list(self.schedule.chunk_prev),
+            },
+            "ckpt_layers": np.asarray(self.ckpt_layers).tolist(),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "stats": _jsonable(self.stats),
+            "events": list(self.events),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {data.get('version')!r} is not supported (expected {PLAN_VERSION})")
+        stages = tuple(tuple(Op(s[0], int(s[1:])) for s in prog) for prog in data["schedule"]["stages"])
+        n = len(data["chunks"])
+        ckpt = np.asarray(data["ckpt_layers"], dtype=np.int32).reshape(n, len(stages))
+        return cls(
+            policy=data["policy"],
+            layout=Layout(**data["layout"]),
+            num_layers=int(data["num_layers"]),
+            lengths=tuple(int(x) for x in data["lengths"]),
+            chunks=tuple(tuple(tuple(int(v) for v in p) for p in c) for c in data["chunks"]),
+            unit_sizes=tuple(int(x) for x in data["unit_sizes"]),
+            schedule=Schedule(stages, tuple(data["schedule"]["chunk_prev"])),
+            ckpt_layers=ckpt,
+            memory_budget_bytes=float(data["memory_budget_bytes"]),
+            stats=dict(data.get("stats", {})),
+            events=list(data.get("events", [])),
+            version=int(data["version"]),
+        )
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    # ---- validation
+    def validate(self, lengths: Sequence[int], cost: Optional[Any] = None) -> None:
+        """Raises :class:`PlanError` listing every violation; memory is checked when ``cost`` is given."""
+        errors = _check_tokens(self, [int(x) for x in lengths])
+        if not errors:
+            errors += _check_schedule(self)
+        if not errors and cost is not None:
+            errors += _check_memory(self, cost)
+        if errors:
+            raise PlanError(f"{len(errors)} problem(s) in plan ({self.policy}): " + "; ".join(errors[:20]))
+
+
+def _check_tokens(plan: Plan, lengths: list[int]) -> list[str]:
+    errors = []
+    if plan.version != PLAN_VERSION:
+        errors.append(f"version {plan.version} != {PLAN_VERSION}")
+    if list(plan.lengths) != lengths:
+        errors.append("plan.lengths differ from the batch being validated")
+    covered: dict[int, list[tuple[int, int]]] = {d: [] for d in range(len(lengths))}
+    for k, chunk in enumerate(plan.chunks):
+        if not chunk:
+            errors.append(f"chunk {k} is empty")
+            continue
+        for i, (doc, start, length) in enumerate(chunk):
+            if not 0 <= doc < len(lengths):
+                errors.append(f"chunk {k}: piece {(doc, start, length)} names an unknown document")
+                continue
+            if length <= 0 or start < 0 or start + length > lengths[doc]:
+                errors.append(f"chunk {k}: piece {(doc, start, length)} is outside document {doc} (length {lengths[doc]})")
+                continue
+            if i > 0 and (start != 0 or length != lengths[doc]):
+                errors.append(f"chunk {k}: piece {i} {(doc, start, length)} is a slice; only the first piece may be")
+            covered[doc].append((start, start + length))
+    for doc, spans in covered.items():
+        pos = 0
+        for s, e in sorted(spans):
+            if s != pos:
+                kind = "overlap" if s < pos else "gap"
+                errors.append(f"document {doc}: tokens {min(s, pos)}..{max(s, pos)} ({kind})")
+            pos = max(pos, e)
+        if pos != lengths[doc]:
+            errors.append(f"document {doc}: tokens {pos}..{lengths[doc]} missing")
+    if sum(plan.unit_sizes) != plan.n_chunks or any(u <= 0 for u in plan.unit_sizes):
+        errors.append(f"unit_sizes {list(plan.unit_sizes)} do not partition {plan.n_chunks} chunks")
+    return errors
+
+
+def _check_schedule(plan: Plan) -> list[str]:
+    errors = []
+    sched = plan.schedule
+    expected_prev = chunk_prev_of(plan.planned_chunks, plan.lengths)
+    if list(sched.chunk_prev) != expected_prev:
+        errors.append("schedule.chunk_prev does not link each slice to the chunk holding the previous slice")
+    if sched.pp != plan.layout.pp:
+        errors.append(f"schedule has {sched.pp} stages, layout.pp = {plan.layout.pp}")
+    if sched.n_chunks != plan.n_chunks:
+        errors.append(f"schedule covers {sched.n_chunks} chunks, plan has {plan.n_chunks}")
+    if errors:
+        return errors
+    for p in range(sched.pp):  # slice order, stated explicitly (deadlock detection below implies it)
+        fpos = {c: i for i, c in enumerate(sched.forward_order(p))}
+        bpos = {c: i for i, c in enumerate(sched.backward_order(p))}
+        for k, j in enumerate(expected_prev):
+            if j >= 0 and j in fpos and k in fpos and fpos[j] > fpos[k]:
+                errors.append(f"stage {p}: forward of chunk {k} precedes its earlier slice in chunk {j}")
+            if j >= 0 and j in bpos and k in bpos and bpos[j] < bpos[k]:
+                errors.append(f"stage {p}: backward of chunk {j} precedes its later slice's in chunk {k}")
+    try:
+        sched.validate()
+    except ScheduleError as e:
+        errors.append(f"schedule: {e}")
+    ckpt = np.asarray(plan.ckpt_layers)
+    lps = plan.num_layers // plan.layout.pp
+    if ckpt.shape != (plan.n_chunks, plan.layout.pp):
+        errors.append(f"ckpt_layers shape {ckpt.shape} != {(plan.n_chunks, plan.layout.pp)}")
+    elif ckpt.size and (ckpt.min() < 0 or ckpt.max() > lps):
+        errors.append(f"ckpt_layers outside [0, {lps}]")
+    return errors
+
+
+def stage_peak_memory(plan: Plan, cost) -> np.ndarray:
+    """``[pp]`` bytes: replays each stage's program (a chunk is live from its forward to its backward)."""
+    shapes = plan.chunk_shapes()
+    ckpt = np.asarray(plan.ckpt_layers)
+    peaks = np.zeros(plan.layout.pp)
+    for p, prog in enumerate(plan.schedule.stages):
+        cur = peak = cost.model_state_memory(p)
+        for op in prog:
+            m = cost.activation_memory(shapes[op.chunk], int(ckpt[op.chunk, p]), p)
+            cur += m if op.kind == "F" else -m
+            peak = max(peak, cur)
+        peaks[p] = peak
+    return peaks
+
+
+def _check_memory(plan: Plan, cost) -> list[str]:
+    peaks = stage_peak_memory(plan, cost)
+    budget = cost.memory_budget
+    return [
+        f"stage {p}: peak memory {peaks[p] / 2**30:.2f} GiB > budget {budget / 2**30:.2f} GiB"
+        for p in range(len(peaks))
+        if peaks[p] > budget
+    ]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x

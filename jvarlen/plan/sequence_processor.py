@@ -1,0 +1,195 @@
+"""Workload-balanced chunking (InfiniPipe §3.2, Alg. 1).
+
+Long documents are split along a *slice mesh* (the longest document cut into N
+slices of equal backward time, so later slices are shorter); their non-final
+slices become split chunks, their tail slices seed buckets, and short documents
+are packed best-fit-decreasing into the buckets under a time threshold T_t and a
+token threshold T_m, preferring buckets with low time/token, perturbing T_t when
+nothing fits. Two tail slices never share a chunk.
+
+The cost model is used only through ``cost.bwd_time(ChunkShape)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.units import Piece, PlannedChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """Slice lengths of the longest document (``slices[0]`` longest) and the thresholds of Alg. 1 line 1."""
+
+    slices: tuple[int, ...]
+    time_threshold: float  # T_t: backward time of the slowest mesh slice
+    token_threshold: int  # T_m: tokens of the longest mesh slice
+
+    @property
+    def boundaries(self) -> list[int]:
+        out, acc = [], 0
+        for s in self.slices:
+            acc += s
+            out.append(acc)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkingResult:
+    """Chunks of Alg. 1 and the thresholds actually used (T_t after perturbation)."""
+
+    chunks: tuple[PlannedChunk, ...]
+    mesh: Mesh
+    time_threshold: float
+    token_threshold: int
+    perturbations: int
+
+
+def _longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: bool) -> int:
+    """Longest s ≤ remaining with bwd_time({context, (s,)}) ≤ tau (at least 1 token)."""
+
+    def t(s: int) -> float:
+        return cost.bwd_time(ChunkShape(context, (s,), tail=tail_at_end and s == remaining))
+
+    if t(remaining) <= tau:
+        return remaining
+    lo, hi = 1, remaining  # t(lo) may exceed tau: then 1 token is the best we can do
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if t(mid) <= tau:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _cut(cost, length: int, tau: float) -> list[int]:
+    slices, ctx = [], 0
+    while ctx < length:
+        s = _longest_slice(cost, ctx, length - ctx, tau, tail_at_end=True)
+        slices.append(s)
+        ctx += s
+    return slices
+
+
+def split_mesh(cost, max_length: int, n_slices: int, iters: int = 40) -> Mesh:
+    """Alg. 1 line 1: N slices of the longest document with (nearly) equal backward time.
+
+    Bisection on the time target τ: each slice is the longest one whose backward
+    time (given its causal context) is ≤ τ; the least τ that needs ≤ N slices wins.
+    """
+    if n_slices < 1 or max_length < 1:
+        raise ValueError(f"need n_slices >= 1 and max_length >= 1, got {n_slices}, {max_length}")
+    n_slices = min(n_slices, max_length)
+    hi = cost.bwd_time(ChunkShape(0, (max_length,)))
+    lo = 0.0
+    best = _cut(cost, max_length, hi)
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        slices = _cut(cost, max_length, mid)
+        if len(slices) <= n_slices:
+            hi, best = mid, slices
+        else:
+            lo = mid
+    ctx, times = 0, []
+    for i, s in enumerate(best):
+        times.append(cost.bwd_time(ChunkShape(ctx, (s,), tail=i == len(best) - 1)))
+        ctx += s
+    return Mesh(tuple(best), max(times), max(best))
+
+
+def split_document(length: int, mesh: Mesh) -> list[int]:
+    """Alg. 1 line 2 for one document: ``mesh[:j] + [length - b_j]``, j the last boundary below ``length``.
+
+    A document no longer than the first mesh slice is short: ``[length]``.
+    """
+    pieces, prev = [], 0
+    for s, b in zip(mesh.slices, mesh.boundaries):
+        if b >= length:
+            break
+        pieces.append(s)
+        prev = b
+    pieces.append(length - prev)
+    return pieces
+
+
+class _Bucket:
+    __slots__ = ("pieces", "context", "tail", "tokens", "time")
+
+    def __init__(self, piece: Piece, context: int, tail: bool, cost):
+        self.pieces = [piece]
+        self.context = context
+        self.tail = tail
+        self.tokens = piece[2]
+        self.time = cost.bwd_time(self.shape())
+
+    def shape(self, extra: int | None = None) -> ChunkShape:
+        slices = tuple(p[2] for p in self.pieces) + (() if extra is None else (extra,))
+        return ChunkShape(self.context, slices, tail=self.tail)
+
+
+def chunk_batch(lengths: Sequence[int], cost, n_slices: int, token_capacity: int | None = None) -> ChunkingResult:
+    """Alg. 1: workload-balanced chunks of the documents ``lengths`` for slice number N = ``n_slices``.
+
+    ``token_capacity`` (the cost model's max tokens per chunk) caps T_m.
+    Returns split chunks (in document and slice order) followed by the buckets.
+    """
+    lengths = [int(x) for x in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    mesh = split_mesh(cost, max(lengths), n_slices)
+    t_m = mesh.token_threshold if token_capacity is None else min(mesh.token_threshold, int(token_capacity))
+    if token_capacity is not None and mesh.token_threshold > token_capacity:
+        raise ValueError(
+            f"N={n_slices}: longest mesh slice has {mesh.token_threshold} tokens > capacity {token_capacity}; "
+            "raise n_slices"
+        )
+    t_t = mesh.time_threshold
+
+    split_chunks: list[PlannedChunk] = []
+    buckets: list[_Bucket] = []
+    shorts: list[tuple[float, int, int]] = []  # (time, length, doc)
+    for doc, length in enumerate(lengths):
+        parts = split_document(length, mesh)
+        if len(parts) == 1:
+            shorts.append((cost.bwd_time(ChunkShape(0, (length,))), length, doc))
+            continue
+        start = 0
+        for s in parts[:-1]:
+            split_chunks.append(PlannedChunk(((doc, start, s),)))
+            start += s
+        buckets.append(_Bucket((doc, start, parts[-1]), start, True, cost))
+
+    shorts.sort(key=lambda x: (-x[0], -x[1], x[2]))  # line 4: descending time, deterministic ties
+    perturbations = 0
+    for _, length, doc in shorts:
+        piece = (doc, 0, length)
+        if not buckets or min(b.tokens for b in buckets) + length > t_m:  # lines 7-8
+            buckets.append(_Bucket(piece, 0, True, cost))
+            continue
+        while True:
+            order = sorted(range(len(buckets)), key=lambda i: (buckets[i].time / buckets[i].tokens, i))  # line 9
+            placed = False
+            candidates = []
+            for i in order:  # lines 10-14
+                b = buckets[i]
+                if b.tokens + length > t_m:
+                    continue
+                new_time = cost.bwd_time(b.shape(length))
+                candidates.append(new_time)
+                if new_time <= t_t:
+                    b.pieces.append(piece)
+                    b.tokens += length
+                    b.time = new_time
+                    placed = True
+                    break
+            if placed:
+                break
+            # Line 16: perturb T_t to the least value that admits this document (token-feasible buckets only).
+            t_t = min(candidates)
+            perturbations += 1
+
+    chunks = split_chunks + [PlannedChunk(tuple(b.pieces)) for b in buckets]
+    return ChunkingResult(tuple(chunks), mesh, t_t, t_m, perturbations)

@@ -1,0 +1,106 @@
+"""Chunks as token pieces, families of chunks, and the token-level 1F1B op order of a unit.
+
+A *piece* is ``(doc, start, length)``: a contiguous token range of one document.
+A :class:`PlannedChunk` is a list of pieces (InfiniPipe §3.1.1); a *family* is the
+set of chunks one split document occupies (or one batched chunk); a *unit* is an
+ordered list of families scheduled as one 1F1B pipeline (§3.3, Eq. 7).
+
+Pure Python/numpy: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.schedule import Op, Schedule, token_level_1f1b
+
+Piece = tuple[int, int, int]  # (doc, start, length)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedChunk:
+    """One pipeline micro-batch: ``pieces[0]`` may continue a split document, the rest are whole documents."""
+
+    pieces: tuple[Piece, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p[2] for p in self.pieces)
+
+    def shape(self, lengths: Sequence[int]) -> ChunkShape:
+        """The cost-model view ``{C, S}``: C = start of the first piece; tail unless the first piece continues."""
+        doc, start, length = self.pieces[0]
+        tail = start + length == lengths[doc]
+        return ChunkShape(start, tuple(p[2] for p in self.pieces), tail=tail)
+
+    def split_doc(self, lengths: Sequence[int]) -> int | None:
+        """The document this chunk holds a slice of (a piece that is not the whole document), if any."""
+        doc, start, length = self.pieces[0]
+        return None if (start == 0 and length == lengths[doc]) else doc
+
+
+def families_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> list[list[int]]:
+    """Partitions chunk indices into families: the chunks of each split document in slice order, else singletons.
+
+    Raises ValueError if a chunk holds a slice of a split document outside its first piece.
+    """
+    by_doc: dict[int, list[tuple[int, int]]] = {}
+    families: list[list[int]] = []
+    for k, chunk in enumerate(chunks):
+        for doc, start, length in chunk.pieces[1:]:
+            if start != 0 or length != lengths[doc]:
+                raise ValueError(f"chunk {k}: piece {(doc, start, length)} is a slice but not the first piece")
+        doc = chunk.split_doc(lengths)
+        if doc is None:
+            families.append([k])
+        else:
+            by_doc.setdefault(doc, []).append((chunk.pieces[0][1], k))
+    for doc in sorted(by_doc):
+        families.append([k for _, k in sorted(by_doc[doc])])
+    return families
+
+
+def unit_schedule(families: Sequence[Sequence[int]], pp: int) -> tuple[list[int], Schedule]:
+    """Token-level 1F1B schedule of one unit (§3.3, Eq. 7).
+
+    Returns the unit's chunk ids in forward order (families in order, slices in
+    document order) and a :class:`Schedule` over *local* ids ``0..n-1`` built by
+    :func:`jvarlen.plan.schedule.token_level_1f1b` (backward: documents in order,
+    each document's slices reversed; stage p's window is ``d_p - p + N_prefill``).
+    """
+    ids: list[int] = []
+    prev: list[int] = []
+    for fam in families:
+        for i, k in enumerate(fam):
+            prev.append(len(ids) - 1 if i > 0 else -1)
+            ids.append(int(k))
+    return ids, token_level_1f1b(prev, pp)
+
+
+def live_windows(program: Sequence[Op]) -> list[tuple[int, ...]]:
+    """Chunk windows W_p(t) of one stage: the live chunks right after each forward starts (Eq. 8).
+
+    A chunk is live from the start of its forward to the end of its backward.
+    Windows contained in another window are dropped (their constraint is implied).
+    """
+    live: list[int] = []
+    windows: list[frozenset[int]] = []
+    for op in program:
+        if op.kind == "F":
+            live.append(op.chunk)
+            windows.append(frozenset(live))
+        else:
+            live.remove(op.chunk)
+    maximal: list[frozenset[int]] = []
+    for w in sorted(set(windows), key=lambda x: (-len(x), sorted(x))):
+        if not any(w <= m for m in maximal):
+            maximal.append(w)
+    return [tuple(sorted(w)) for w in maximal]
+
+
+def backward_rank(program: Sequence[Op]) -> dict[int, int]:
+    """f2b of Eq. 16: chunk id -> its position in this stage's backward order."""
+    ks = [op.chunk for op in program if op.kind == "B"]
+    return {k: r for r, k in enumerate(ks)}
