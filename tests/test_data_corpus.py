@@ -1,0 +1,252 @@
+"""Corpus sources, the on-disk cache, tokenizers and bad-input errors."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import jvarlen.data.corpus as corpus_module
+from jvarlen.config import DataConfig
+from jvarlen.data import (
+    ByteTokenizer,
+    DataError,
+    DataPipeline,
+    EmptyCorpusError,
+    MissingFieldError,
+    Source,
+    TokenIdError,
+    TokenizerError,
+    UnreadableFileError,
+    load_corpus,
+    load_tokenizer,
+    stdlib_files,
+)
+
+BOS, EOS = 256, 257
+
+
+def _load(tmp_path, kind, path, tokenizer="byte", **fields):
+    source = Source.create(kind, str(path), **fields)
+    return load_corpus(source, load_tokenizer(tokenizer), cache_dir=str(tmp_path / "cache"))
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def build_counter(monkeypatch):
+    """Counts real tokenization runs (cache misses)."""
+    calls = []
+    real = corpus_module._build_cache
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus_module, "_build_cache", counting)
+    return calls
+
+
+# -- sources -------------------------------------------------------------------------------
+
+
+def test_jsonl_text_documents_are_wrapped_in_bos_eos_and_empty_ones_skipped(tmp_path):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "ab"}, {"text": ""}, {"text": "é"}])
+    corpus = _load(tmp_path, "jsonl", path)
+    assert corpus.num_documents == 2 and corpus.skipped_empty == 1
+    assert corpus.document(0).tolist() == [BOS, 97, 98, EOS]
+    assert corpus.document(1).tolist() == [BOS, 0xC3, 0xA9, EOS]
+    assert corpus.lengths.tolist() == [4, 4] and corpus.lengths.dtype == np.int64
+    assert corpus.num_tokens == 8 and corpus.vocab_size == 259 and corpus.tokens.dtype == np.uint16
+    assert corpus.describe(1) == f"{path}:3"
+
+
+def test_jsonl_token_id_field(tmp_path):
+    path = _jsonl(tmp_path / "t.jsonl", [{"ids": [5, 6, 7]}, {"ids": []}, {"ids": [300]}])
+    corpus = _load(tmp_path, "jsonl", path, tokens_field="ids")
+    assert corpus.num_documents == 2 and corpus.skipped_empty == 1
+    assert corpus.document(0).tolist() == [BOS, 5, 6, 7, EOS]
+    assert corpus.vocab_size == 301  # an id past the tokenizer's vocabulary widens it
+
+
+def test_text_directory_sorted_recursive_skipping_hidden(tmp_path):
+    root = tmp_path / "texts"
+    (root / "sub").mkdir(parents=True)
+    (root / "b.txt").write_bytes(b"B")
+    (root / "sub" / "a.md").write_bytes(b"A")
+    (root / ".hidden").write_bytes(b"H")
+    corpus = _load(tmp_path, "text_dir", root)
+    assert [corpus.document(i).tolist() for i in range(corpus.num_documents)] == [[BOS, 66, EOS], [BOS, 65, EOS]]
+    assert corpus.describe(1).endswith("sub/a.md")
+
+
+def test_parquet_text_and_token_columns(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["hi", None, "yo"], "ids": [[1, 2], [3], []]}), path)
+    text = _load(tmp_path, "parquet", path)
+    assert [text.document(i).tolist() for i in range(2)] == [[BOS, 104, 105, EOS], [BOS, 121, 111, EOS]]
+    assert text.skipped_empty == 1 and text.describe(1) == f"{path}: row 2"
+    ids = _load(tmp_path, "parquet", path, tokens_field="ids")
+    assert [ids.document(i).tolist() for i in range(2)] == [[BOS, 1, 2, EOS], [BOS, 3, EOS]]
+
+
+def test_hf_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    hf = load_tokenizer(str(tmp_path / "tok.json"))
+    assert (hf.bos_id, hf.eos_id, hf.pad_id, hf.vocab_size) == (3, 4, 5, 6)  # no <pad>: appended
+    assert hf.encode("hello world nope").tolist() == [1, 2, 0]
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "world hello"}])
+    corpus = _load(tmp_path, "jsonl", path, tokenizer=str(tmp_path / "tok.json"))
+    assert corpus.document(0).tolist() == [3, 2, 1, 4]
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert ids.max() < 256 and tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == "héllo ✓"
+
+
+# -- cache -----------------------------------------------------------------------------------
+
+
+def test_cache_is_reused_without_retokenizing(tmp_path, build_counter):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}, {"text": "de"}])
+    first = _load(tmp_path, "jsonl", path)
+    assert len(build_counter) == 1 and not first.cache_hit
+    second = _load(tmp_path, "jsonl", path)
+    assert len(build_counter) == 1 and second.cache_hit
+    assert second.directory == first.directory
+    assert isinstance(second.tokens, np.memmap)
+    np.testing.assert_array_equal(second.tokens, first.tokens)
+    # Nothing but the finished cache directory is left behind (written via temp + rename).
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.directory.name]
+
+
+def test_cache_is_invalidated_when_the_source_or_tokenizer_changes(tmp_path, build_counter):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}])
+    first = _load(tmp_path, "jsonl", path)
+    _jsonl(path, [{"text": "abc"}, {"text": "xyz"}])  # new content, new size
+    second = _load(tmp_path, "jsonl", path)
+    assert len(build_counter) == 2 and second.num_documents == 2 and second.directory != first.directory
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same size, newer mtime
+    third = _load(tmp_path, "jsonl", path)
+    assert len(build_counter) == 3 and third.directory != second.directory
+    # Another tokenizer is another cache entry.
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "abc": 1}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tok.json"))
+    fourth = _load(tmp_path, "jsonl", path, tokenizer=str(tmp_path / "tok.json"))
+    assert len(build_counter) == 4 and fourth.directory != third.directory
+
+
+def test_damaged_cache_is_rebuilt(tmp_path, build_counter):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}])
+    first = _load(tmp_path, "jsonl", path)
+    with open(first.directory / "tokens.bin", "r+b") as f:
+        f.truncate(2)
+    again = _load(tmp_path, "jsonl", path)
+    assert len(build_counter) == 2 and again.document(0).tolist() == [BOS, 97, 98, 99, EOS]
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_errors_are_value_errors():
+    for error in (EmptyCorpusError, UnreadableFileError, MissingFieldError, TokenIdError, TokenizerError):
+        assert issubclass(error, DataError) and issubclass(error, ValueError)
+
+
+def test_empty_corpus(tmp_path):
+    path = _jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
+    with pytest.raises(EmptyCorpusError, match="no non-empty documents.*2 empty documents skipped"):
+        _load(tmp_path, "jsonl", path)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(EmptyCorpusError, match="contains no files"):
+        _load(tmp_path, "text_dir", tmp_path / "none")
+    assert not any((tmp_path / "cache").iterdir())  # no half-written cache left behind
+
+
+def test_corrupt_jsonl_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": "broken\n')
+    with pytest.raises(UnreadableFileError, match=r"bad\.jsonl:4: corrupt JSONL line"):
+        _load(tmp_path, "jsonl", path)
+
+
+def test_missing_field_names_field_and_line(tmp_path):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, {"content": "x"}])
+    with pytest.raises(MissingFieldError, match=r"a\.jsonl:2: record has no field 'text' \(has: \['content'\]\)"):
+        _load(tmp_path, "jsonl", path)
+    with pytest.raises(MissingFieldError, match="must be a string"):
+        _load(tmp_path, "jsonl", _jsonl(tmp_path / "b.jsonl", [{"text": 5}]))
+    with pytest.raises(MissingFieldError, match="no column 'body'"):
+        pq.write_table(pa.table({"text": ["a"]}), tmp_path / "c.parquet")
+        _load(tmp_path, "parquet", tmp_path / "c.parquet", text_field="body")
+
+
+def test_token_id_beyond_model_vocab(tmp_path):
+    path = _jsonl(tmp_path / "ids.jsonl", [{"ids": [1, 2]}, {"ids": [3, 300, 4]}])
+    config = DataConfig(source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "c"), seq_len=8, tokens_per_batch=16)
+    with pytest.raises(TokenIdError, match=r"token id 300 in document 1 \(.*ids\.jsonl:2\) is >= the model vocabulary size 290"):
+        DataPipeline(config, vocab_size=290)
+    DataPipeline(config, vocab_size=301)  # large enough: fine
+    with pytest.raises(TokenIdError, match="negative token id"):
+        _load(tmp_path, "jsonl", _jsonl(tmp_path / "neg.jsonl", [{"ids": [1, -2]}]), tokens_field="ids")
+
+
+def test_missing_or_corrupt_tokenizer_file(tmp_path):
+    with pytest.raises(TokenizerError, match=r"tokenizer file '.*nope\.json' does not exist"):
+        load_tokenizer(str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{not a tokenizer")
+    with pytest.raises(TokenizerError, match="could not be read as a Hugging Face tokenizer"):
+        load_tokenizer(str(tmp_path / "bad.json"))
+    config = DataConfig(tokenizer=str(tmp_path / "nope.json"), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(TokenizerError, match="nope.json"):
+        DataPipeline(config)
+
+
+def test_unreadable_parquet_and_missing_path(tmp_path):
+    (tmp_path / "junk.parquet").write_bytes(b"this is not parquet at all")
+    with pytest.raises(UnreadableFileError, match=r"cannot read Parquet file '.*junk\.parquet'"):
+        _load(tmp_path, "parquet", tmp_path / "junk.parquet")
+    with pytest.raises(UnreadableFileError, match="does not exist"):
+        _load(tmp_path, "jsonl", tmp_path / "missing.jsonl")
+
+
+# -- the embedded default corpus ------------------------------------------------------------
+
+
+def test_stdlib_corpus_realistic_and_fast(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("stdlib-cache"))
+    config = DataConfig(cache_dir=cache)
+    start = time.perf_counter()
+    cold = DataPipeline(config, vocab_size=320)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    warm = DataPipeline(config, vocab_size=320)
+    warm_s = time.perf_counter() - start
+    assert not cold.corpus.cache_hit and warm.corpus.cache_hit
+    corpus = warm.corpus
+    files = stdlib_files()
+    assert not any("site-packages" in str(f) for f in files)
+    assert corpus.num_documents + corpus.skipped_empty == len(files) >= 1000
+    lengths = corpus.lengths
+    median, p99 = np.percentile(lengths, [50, 99])
+    assert 2_000 < median < 20_000 and p99 > 10 * median and lengths.max() > 200_000  # long-tailed
+    assert (corpus.tokens[corpus.offsets[:-1]] == BOS).all() and (corpus.tokens[corpus.offsets[1:] - 1] == EOS).all()
+    assert cold_s < 20 and warm_s < 2, (cold_s, warm_s)
+    summary = warm.summary()
+    assert f"{corpus.num_documents:,} documents" in summary and "split" in summary
+    batch = warm.next_batch()
+    assert batch.shape == (config.rows_per_batch, config.seq_len) and batch.padding_ratio < 0.5
