@@ -1,0 +1,251 @@
+"""Cost model (InfiniPipe Eq. 1-11), fitting and analytic profiles: hand-computed expectations."""
+
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from jvarlen.config import ModelConfig
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape, profile_filename
+from jvarlen.plan.cost_fit import OnlineRefit, fit_layer_time, fit_linear, fit_link, scale_coefficients
+from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
+from jvarlen.plan.schedule import one_f_one_b, token_level_1f1b
+
+MHA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=128, vocab_size=100)
+GQA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=100)
+
+
+def coeffs(**kw) -> CostCoefficients:
+    base = dict(
+        fwd=LayerTime(1e-6, 1e-3, 0.1),
+        bwd=LayerTime(3e-6, 2e-3, 0.2),
+        m_token=100.0,
+        bytes_per_element=2,
+        dkv_bytes_per_element=4,
+        master_bytes_per_param=12.0,
+        stage_bytes_per_param=6.0,
+        workspace_bytes=1000.0,
+        memory_budget=1e9,
+    )
+    base.update(kw)
+    return CostCoefficients(**base)
+
+
+def test_model_shape_from_config_and_params():
+    m = ModelShape.from_config(ModelConfig())
+    assert (m.num_layers, m.d_model, m.head_dim, m.kv_dim) == (4, 128, 32, 64)
+    # q 128x128, k/v 128x64 each, o 128x128, SwiGLU 3x128x384, two norms
+    layer = 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 384 + 2 * 128
+    assert m.layer_params == layer
+    assert m.param_count == 4 * layer + 320 * 128 + 128  # tied head: final norm only
+    assert m.stage_params(0, 2) == 2 * layer + 320 * 128
+    assert m.stage_params(1, 2) == 2 * layer + 128 + 320 * 128  # tied matrix held again by the last stage
+
+
+def test_fwd_time_eq1_hand_computed():
+    cm = CostModel(MHA, Layout(1, 2, 2), coeffs())
+    chunk = ChunkShape(10, (4, 3))
+    # pairs = (10+4)^2 - 10^2 + 3^2 = 105; tokens 7; per layer (1e-6*105 + 1e-3*7)/2 + 0.1
+    per_layer = (1e-6 * 105 + 1e-3 * 7) / 2 + 0.1
+    assert cm.fwd_time(chunk) == pytest.approx(2 * per_layer, rel=1e-12)
+    per_layer_b = (3e-6 * 105 + 2e-3 * 7) / 2 + 0.2
+    assert cm.bwd_time(chunk) == pytest.approx(2 * per_layer_b, rel=1e-12)
+    assert cm.recompute_time(chunk, 1) == pytest.approx(per_layer, rel=1e-12)  # Eq. 11, one layer
+    assert cm.recompute_time(chunk, 0) == 0.0
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        cm.recompute_time(chunk, 3)
+
+
+def test_quadratic_context_term():
+    cm = CostModel(MHA, Layout(1, 1, 1), coeffs(fwd=LayerTime(1.0, 0.0, 0.0)))
+    # (C + s)^2 - C^2: a 100-token slice after 1000 tokens of context costs 2*1000*100 + 100^2
+    t_ctx = cm.fwd_time(ChunkShape(1000, (100,), tail=False))
+    assert t_ctx == pytest.approx(4 * (1100**2 - 1000**2))
+    assert t_ctx - cm.fwd_time(ChunkShape(0, (100,))) == pytest.approx(4 * 2 * 1000 * 100)
+    # splitting a document into slices keeps the total attention work of the whole document
+    whole = cm.fwd_time(ChunkShape(0, (300,)))
+    parts = sum(cm.fwd_time(ChunkShape(c, (100,))) for c in (0, 100, 200))
+    assert parts == pytest.approx(whole)
+    # packing short documents: no cross terms
+    assert cm.fwd_time(ChunkShape(0, (100, 200))) == pytest.approx(4 * (100**2 + 200**2))
+
+
+def test_last_stage_pays_the_head():
+    c = coeffs(head_fwd=LayerTime(0.0, 0.5, 0.0), head_bwd=LayerTime(0.0, 1.0, 0.0))
+    cm = CostModel(MHA, Layout(1, 2, 1), c)
+    ch = ChunkShape(0, (10,))
+    assert cm.fwd_time(ch, stage=1) - cm.fwd_time(ch, stage=0) == pytest.approx(5.0)
+    assert cm.bwd_time(ch, stage=1) - cm.bwd_time(ch, stage=0) == pytest.approx(10.0)
+
+
+def test_alltoall_eq3_hand_computed():
+    link = Link(1e6, 1e-3)
+    cm = CostModel(GQA, Layout(1, 2, 4), coeffs(alltoall_intra={4: link}))
+    # 400 tokens, sp 4: 100 local, 75 sent; q/out: 2 B * 75 * 64, k/v: 2 B * 75 * 32
+    per_layer = 2 * (2 * 75 * 64 / 1e6 + 1e-3) + 2 * (2 * 75 * 32 / 1e6 + 1e-3)
+    assert cm.alltoall_time(ChunkShape(0, (400,))) == pytest.approx(2 * per_layer)
+    assert cm.fwd_time(ChunkShape(0, (400,))) == pytest.approx(cm.fwd_compute_time(ChunkShape(0, (400,))) + 2 * per_layer)
+    assert CostModel(GQA, Layout(1, 2, 1), coeffs()).alltoall_time(ChunkShape(0, (400,))) == 0.0
+
+
+def test_alltoall_intra_vs_inter_node():
+    slow, fast = Link(1e3, 0.0), Link(1e9, 0.0)
+    c = coeffs(gpus_per_node=2, alltoall_intra={2: fast}, alltoall_inter={4: slow}, alltoall_default=Link(1.0, 0.0))
+    ch = ChunkShape(0, (16,))
+    t2 = CostModel(GQA, Layout(1, 1, 2), c).alltoall_time(ch)
+    t4 = CostModel(GQA, Layout(1, 1, 4), c).alltoall_time(ch)
+    assert t4 > 1000 * t2  # sp 4 spans two 2-GPU nodes: inter-node link
+    assert c.alltoall_link(4) is slow and c.alltoall_link(2) is fast
+
+
+def test_p2p_intra_and_inter_node_boundaries():
+    c = coeffs(gpus_per_node=4, p2p_intra=Link(1e9, 0.0), p2p_inter=Link(1e6, 0.0))
+    cm = CostModel(GQA, Layout(1, 4, 2), c)
+    ch = ChunkShape(0, (100,))
+    # devices: stage p holds [2p, 2p+2); node = device // 4
+    assert cm.p2p_time(ch, 0) == pytest.approx(2 * 64 * 50 / 1e9)  # devices 0-3, one node
+    assert cm.p2p_time(ch, 1) == pytest.approx(2 * 64 * 50 / 1e6)  # devices 2-5 cross nodes
+    with pytest.raises(ValueError):
+        cm.p2p_time(ch, 3)
+
+
+def test_activation_memory_eq5_9_10_hand_computed():
+    cm = CostModel(MHA, Layout(1, 2, 2), coeffs())  # 2 layers per stage, D = kv_dim = 64
+    tail = ChunkShape(0, (100,), tail=True)
+    split = ChunkShape(0, (100,), tail=False)
+    t = 50  # tokens per device
+    assert cm.activation_memory(tail) == pytest.approx(2 * 100 * t)  # Eq. 5 Act only
+    dkv = 2 * 4 * 64 * 2 * t  # (1 - I) 2 e_dkv D L_s T/sp
+    assert cm.activation_memory(split) == pytest.approx(2 * 100 * t + dkv)
+    # Eq. 9/10 with one checkpointed layer: (L_s - 1) Act + M_dkv + (3 - 2I) e D T/sp
+    assert cm.activation_memory(tail, 1) == pytest.approx(100 * t + 1 * 2 * 64 * t)
+    assert cm.activation_memory(split, 1) == pytest.approx(100 * t + dkv + 3 * 2 * 64 * t)
+    assert cm.activation_memory(split, 2) == pytest.approx(dkv + 2 * 3 * 2 * 64 * t)
+    with pytest.raises(ValueError):
+        cm.activation_memory(tail, 3)
+    gqa = CostModel(GQA, Layout(1, 2, 2), coeffs())  # GQA: K/V are kv_dim = 32 wide
+    assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
+
+
+def test_model_state_memory_hand_computed():
+    cm = CostModel(MHA, Layout(2, 2, 2), coeffs())
+    p = MHA.param_count
+    assert cm.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * MHA.stage_params(0, 2) + 1000)
+    assert cm.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * MHA.stage_params(1, 2) + 1000)
+    with pytest.raises(ValueError):
+        cm.model_state_memory(2)
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
+    cm = CostModel(MHA, Layout(1, 2, 2), coeffs(memory_budget=5e7, m_head_token=40.0))
+    n = cm.max_tokens(in_flight=in_flight)
+    assert n > 0
+
+    def fits(tokens, stage):
+        ch = ChunkShape(0, (tokens,), tail=False)
+        return cm.model_state_memory(stage) + in_flight * cm.activation_memory(ch, 2, stage) <= cm.memory_budget
+
+    assert all(fits(n, s) for s in range(2))
+    assert not all(fits(n + 2, s) for s in range(2))  # tokens per device step in units of 1/sp
+    assert cm.max_tokens(stage=0, in_flight=in_flight) >= n
+    assert CostModel(MHA, Layout(1, 2, 2), coeffs(memory_budget=10.0)).max_tokens() == 0
+
+
+def test_coefficients_json_round_trip(tmp_path):
+    c = coeffs(
+        per_sp={2: (LayerTime(1, 2, 3), LayerTime(4, 5, 6))},
+        alltoall_intra={2: Link(1e9, 1e-5)},
+        alltoall_inter={16: Link(5e9, 2e-5)},
+    )
+    path = tmp_path / "p.json"
+    c.save(path)
+    back = CostCoefficients.load(path)
+    assert back == c
+    assert math.isinf(back.p2p_intra.bandwidth)
+    assert back.layer_times(2) == (LayerTime(1, 2, 3), LayerTime(4, 5, 6))
+    assert "analytic" in path.read_text()
+    assert profile_filename(MHA, "cpu", "TFRT_CPU 0").endswith("__cpu__tfrt_cpu_0.json")
+
+
+def test_fit_layer_time_recovers_coefficients_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    true = LayerTime(2e-9, 3e-6, 4e-4)
+    sp = 2
+    shapes = [ChunkShape(int(c), (int(s),)) for c, s in zip(rng.choice([0, 512, 2048, 8192], 120), rng.integers(64, 4096, 120))]
+    pairs = [c.attention_pairs for c in shapes]
+    tokens = [c.tokens for c in shapes]
+    times = [true(p, t, sp) * (1 + 0.02 * rng.standard_normal()) for p, t in zip(pairs, tokens)]
+    got = fit_layer_time(pairs, tokens, times, sp)
+    assert got.alpha1 == pytest.approx(true.alpha1, rel=0.05)
+    assert got.alpha2 == pytest.approx(true.alpha2, rel=0.05)
+    assert got.beta1 == pytest.approx(true.beta1, rel=0.10)
+    # a model without the quadratic term cannot explain the data
+    lin = fit_layer_time(np.zeros(len(pairs)), tokens, times, sp)
+    err_lin = np.median([abs(lin(p, t, sp) - y) / y for p, t, y in zip(pairs, tokens, times)])
+    err = np.median([abs(got(p, t, sp) - y) / y for p, t, y in zip(pairs, tokens, times)])
+    assert err < 0.03 < err_lin
+
+
+def test_fit_link_and_linear():
+    rng = np.random.default_rng(1)
+    nbytes = rng.uniform(1e3, 1e8, 60)
+    times = (nbytes / 2e10 + 5e-5) * (1 + 0.01 * rng.standard_normal(60))
+    link = fit_link(nbytes, times)
+    assert link.bandwidth == pytest.approx(2e10, rel=0.03)
+    assert link.latency == pytest.approx(5e-5, rel=0.1)
+    slope, icpt = fit_linear([1, 2, 3, 4], [12, 22, 32, 42])
+    assert (slope, icpt) == (pytest.approx(10), pytest.approx(2))
+
+
+def test_analytic_profiles_are_labelled_and_follow_flops():
+    llama7b = ModelShape(32, 4096, 32, 32, 128, 11008, 32000, tie_embeddings=False)
+    for name, spec in CLUSTERS.items():
+        c = analytic_coefficients(llama7b, name, num_nodes=2)
+        assert c.meta.analytic and c.meta.backend == "analytic" and c.meta.device_kind == spec.device_kind
+        assert c.fwd.alpha2 == pytest.approx(llama7b.layer_linear_flops_per_token / (spec.peak_flops * spec.matmul_efficiency))
+        assert c.memory_budget == pytest.approx(spec.hbm_bytes * spec.memory_margin)
+        assert c.alltoall_link(8).bandwidth > c.alltoall_link(16).bandwidth  # NVLink beats the network
+    a800 = CostModel(llama7b, Layout(1, 2, 8), analytic_coefficients(llama7b, "a800", 2))
+    # 7B forward on 4K tokens: ~2 * 6.5e9 * 4096 FLOPs at 312 TF/s * 0.55 over 8 GPUs, ~40 ms per GPU stage pair
+    t = sum(a800.fwd_compute_time(ChunkShape(0, (4096,)), s) for s in range(2))
+    assert 0.03 < t < 0.06
+    assert analytic_coefficients(llama7b, "h200").memory_budget > analytic_coefficients(llama7b, "h100").memory_budget
+
+
+def test_shipped_analytic_profiles_load():
+    files = sorted((pathlib.Path(__file__).parent.parent / "jvarlen" / "profiles").glob("*analytic*.json"))
+    assert len(files) >= 3
+    kinds = set()
+    for f in files:
+        c = CostCoefficients.load(f)
+        assert c.meta.analytic is True
+        kinds.add(c.meta.device_kind)
+    assert any("A800" in k for k in kinds) and any("H100" in k for k in kinds) and any("H200" in k for k in kinds)
+
+
+def test_online_refit_recovers_scaled_truth():
+    model = GQA
+    base = coeffs(step_overhead=0.05, alltoall_intra={2: Link(1e5, 1e-3)}, p2p_intra=Link(1e6, 1e-3))
+    truth = scale_coefficients(base, {"alpha1": 1.5, "alpha2": 0.7, "beta1": 1.2, "comm": 2.0, "overhead": 3.0})
+    rng = np.random.default_rng(2)
+    refit = OnlineRefit(model, base, every=12, mode="async")
+    oracle = OnlineRefit(model, truth, mode="async")
+    for i in range(12):
+        layout = Layout(1, 2, 2) if i % 2 else Layout(1, 1, 2)
+        n = int(rng.integers(2, 5))
+        shapes = [ChunkShape(int(rng.choice([0, 300])), (int(rng.integers(50, 600)),), tail=True) for _ in range(n)]
+        sched = one_f_one_b(n, layout.pp) if i % 3 else token_level_1f1b([-1] + list(range(n - 1)), layout.pp)
+        measured = oracle.predict(shapes, layout, sched)
+        pred = refit.observe(shapes, layout, measured, schedule=sched)
+        assert pred == pytest.approx(refit.predict(shapes, layout, sched))
+    before = np.median(refit.relative_errors())
+    assert refit.due()
+    refit.refit()
+    after = np.median([abs(refit.predict(o.chunk_shapes, o.layout, o.schedule) - o.measured_s) / o.measured_s for o in refit.history])
+    assert before > 0.1
+    assert after < 0.01
+    assert not refit.due()

@@ -1,0 +1,146 @@
+"""Simulator on hand-drawn 2-stage schedules: exact iteration time, bubble and memory; pictures."""
+
+import numpy as np
+import pytest
+
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
+from jvarlen.plan.gantt import draw_gantt
+from jvarlen.plan.schedule import Op, Schedule, gpipe, one_f_one_b, sequential, token_level_1f1b
+from jvarlen.plan.simulator import simulate, simulate_pipelines
+
+# 2 layers, pp 2: one layer per stage. Each chunk token costs 1 s forward, 2 s backward per layer.
+MODEL = ModelShape(num_layers=2, d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, mlp_dim=16, vocab_size=10)
+
+
+def cost(p2p_latency=0.0, step_overhead=0.0, budget=1e9, **kw) -> CostModel:
+    c = CostCoefficients(
+        fwd=LayerTime(0.0, 1.0, 0.0),
+        bwd=LayerTime(0.0, 2.0, 0.0),
+        m_token=10.0,
+        master_bytes_per_param=0.0,
+        stage_bytes_per_param=0.0,
+        workspace_bytes=100.0,
+        memory_budget=budget,
+        p2p_intra=Link(float("inf"), p2p_latency),
+        p2p_inter=Link(float("inf"), p2p_latency),
+        step_overhead=step_overhead,
+        **kw,
+    )
+    return CostModel(MODEL, Layout(1, 2, 1), c)
+
+
+def one(n):
+    return [ChunkShape(0, (1,))] * n  # 1 token: F = 1 s, B = 2 s per stage
+
+
+def spans(result, stage, kind):
+    return [(e.chunk, e.start, e.end) for e in result.stage_events(stage, [kind])]
+
+
+def test_gpipe_two_stages_exact():
+    r = simulate(gpipe(2, 2), one(2), None, cost(step_overhead=0.5))
+    # stage 0: F0 [0,1] F1 [1,2]                 B1 [5,7] B0 [7,9]
+    # stage 1:        F0 [1,2] F1 [2,3] B1 [3,5] B0 [5,7]
+    assert spans(r, 0, "F") == [(0, 0, 1), (1, 1, 2)]
+    assert spans(r, 1, "F") == [(0, 1, 2), (1, 2, 3)]
+    assert spans(r, 1, "B") == [(1, 3, 5), (0, 5, 7)]
+    assert spans(r, 0, "B") == [(1, 5, 7), (0, 7, 9)]
+    assert r.makespan == 9 and r.iteration_time == 9.5
+    assert r.bubble_ratio == pytest.approx(1 - 12 / 18)
+    assert spans(r, 0, "idle") == [(-1, 2, 5)]
+    assert spans(r, 1, "idle") == [(-1, 0, 1), (-1, 7, 9)]
+
+
+def test_one_f_one_b_two_stages_exact():
+    n = 3
+    r = simulate(one_f_one_b(n, 2), one(n), None, cost())
+    assert r.makespan == (n + 2 - 1) * 3  # (n + pp - 1)(F + B) for uniform chunks
+    assert r.bubble_ratio == pytest.approx(1 - 2 * n * 3 / (2 * r.makespan))
+    assert [c for c, _, _ in spans(r, 0, "B")] == [0, 1, 2]
+
+
+def test_p2p_latency_delays_the_receiver():
+    r = simulate(one_f_one_b(2, 2), one(2), None, cost(p2p_latency=0.5))
+    # stage 0: F0 [0,1] F1 [1,2]  ...  B0 [5,7]  B1 [8,10]
+    # stage 1: F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]
+    assert spans(r, 1, "F") == [(0, 1.5, 2.5), (1, 4.5, 5.5)]
+    assert spans(r, 1, "B") == [(0, 2.5, 4.5), (1, 5.5, 7.5)]
+    assert spans(r, 0, "B") == [(0, 5, 7), (1, 8, 10)]
+    assert r.makespan == 10
+    p2p = spans(r, 0, "P2P")
+    assert (0, 1, 1.5) in p2p and (1, 2, 2.5) in p2p
+
+
+def test_tick_mode_is_lock_step():
+    r = simulate(one_f_one_b(3, 2), one(3), None, cost(), mode="ticks")
+    # ticks: F0|-  F1|F0  -|B0  B0|F1  F2|B1  B1|F2  -|B2  B2|-  -> 1+1+2+2+2+2+2+2
+    assert r.makespan == 14
+    r2 = simulate(one_f_one_b(3, 2), one(3), None, cost(p2p_latency=0.25), mode="ticks")
+    # ticks 0, 1, 2, 4, 6 send across the boundary (stage 0 forwards, stage 1 backwards)
+    assert r2.makespan == 14 + 0.25 * 5
+
+
+def test_recomputation_lengthens_backward():
+    ckpt = np.array([[1, 0], [0, 0]])
+    r = simulate(gpipe(2, 2), one(2), ckpt, cost())
+    # B0 on stage 0 recomputes its single layer (1 s) before the 2 s backward: [7,8] R, [8,10] B
+    assert spans(r, 0, "R") == [(0, 7, 8)]
+    assert spans(r, 0, "B")[-1] == (0, 8, 10)
+    assert r.makespan == 10
+    assert r.stage_recompute.tolist() == [1.0, 0.0]
+
+
+def test_memory_timeline_peak_and_budget():
+    # 1 layer per stage, m_token 10 B, chunks of 1, 2, 3 tokens; workspace 100 B
+    chunks = [ChunkShape(0, (t,)) for t in (1, 2, 3)]
+    r = simulate(gpipe(3, 2), chunks, None, cost())
+    assert r.peak_memory.tolist() == [100 + 60, 100 + 60]
+    times, values = r.memory[0]
+    assert values[0] == 110 and values.max() == 160 and values[-1] == 100
+    assert r.fits
+    ckpt = np.array([[1, 1]] * 3)  # full recomputation keeps only the 2-byte x D=8 input per token
+    assert simulate(gpipe(3, 2), chunks, ckpt, cost()).peak_memory.tolist() == [100 + 6 * 16] * 2
+    tight = simulate(gpipe(3, 2), chunks, None, cost(budget=150))
+    assert not tight.fits
+    assert {s for s, _, _ in tight.over_budget} == {0, 1}
+    assert all(v > 150 for _, _, v in tight.over_budget)
+    # 1F1B keeps fewer chunks in flight than GPipe
+    assert simulate(one_f_one_b(3, 2), chunks, None, cost()).peak_memory[1] < r.peak_memory[1]
+
+
+def test_token_level_slices_wait_for_context_and_dkv():
+    # chunk 1 continues chunk 0 (context 1); chunk 0 keeps its K/V (non-tail)
+    chunks = [ChunkShape(0, (1,), tail=False), ChunkShape(1, (1,))]
+    s = token_level_1f1b([-1, 0], 2)
+    r = simulate(s, chunks, None, cost())
+    b1 = dict((c, (a, b)) for c, a, b in spans(r, 0, "B"))
+    assert b1[0][0] >= b1[1][1]  # slice 0's backward after slice 1's (dK/dV)
+    assert r.makespan == 1 + 1 + 1 + 2 + 2 + 2  # F0, F1 on stage 0 ... all serial at the end
+
+
+def test_slowest_pipeline_sets_the_iteration():
+    fast = (one_f_one_b(2, 2), one(2), None)
+    slow = (sequential([one_f_one_b(2, 2), one_f_one_b(2, 2)]), one(4), None)
+    multi = simulate_pipelines([fast, slow], cost())
+    assert multi.slowest == 1
+    assert multi.iteration_time == multi.results[1].iteration_time == 2 * (2 + 1) * 3
+
+
+def test_simulate_input_errors():
+    with pytest.raises(ValueError, match="pp=2"):
+        simulate(one_f_one_b(2, 3), one(2), None, cost())
+    with pytest.raises(ValueError, match="shape"):
+        simulate(one_f_one_b(2, 2), one(2), np.zeros((2, 3)), cost())
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        simulate(one_f_one_b(2, 2), one(2), np.full((2, 2), 2), cost())
+
+
+def test_gantt_png_is_written(tmp_path):
+    chunks = [ChunkShape(0, (2,), tail=False), ChunkShape(2, (1, 1)), ChunkShape(0, (1, 2))]
+    s = token_level_1f1b([-1, 0, -1], 2, chunk_docs=[(0,), (0, 1), (2, 3)])
+    r = simulate(s, chunks, np.array([[1, 0], [0, 1], [0, 0]]), cost(alltoall_default=Link(1.0, 0.1)))
+    path = draw_gantt(r, s, tmp_path / "sub" / "gantt.png")
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
