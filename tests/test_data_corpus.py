@@ -197,8 +197,11 @@ def test_missing_field_names_field_and_line(tmp_path):
 
 def test_token_id_beyond_model_vocab(tmp_path):
     path = _jsonl(tmp_path / "ids.jsonl", [{"ids": [1, 2]}, {"ids": [3, 300, 4]}])
-    config = DataConfig(source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "c"), seq_len=8, tokens_per_batch=16)
-    with pytest.raises(TokenIdError, match=r"token id 300 in document 1 \(.*ids\.jsonl:2\) is >= the model vocabulary size 290"):
+    config = DataConfig(
+        source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "c"), seq_len=8, tokens_per_batch=16
+    )
+    expected = r"token id 300 in document 1 \(.*ids\.jsonl:2\) is >= the model vocabulary size 290"
+    with pytest.raises(TokenIdError, match=expected):
         DataPipeline(config, vocab_size=290)
     DataPipeline(config, vocab_size=301)  # large enough: fine
     with pytest.raises(TokenIdError, match="negative token id"):
@@ -244,7 +247,8 @@ def test_stdlib_corpus_realistic_and_fast(tmp_path_factory):
     lengths = corpus.lengths
     median, p99 = np.percentile(lengths, [50, 99])
     assert 2_000 < median < 20_000 and p99 > 10 * median and lengths.max() > 200_000  # long-tailed
-    assert (corpus.tokens[corpus.offsets[:-1]] == BOS).all() and (corpus.tokens[corpus.offsets[1:] - 1] == EOS).all()
+    assert (corpus.tokens[corpus.offsets[:-1]] == BOS).all()
+    assert (corpus.tokens[corpus.offsets[1:] - 1] == EOS).all()
     assert cold_s < 20 and warm_s < 2, (cold_s, warm_s)
     summary = warm.summary()
     assert f"{corpus.num_documents:,} documents" in summary and "split" in summary

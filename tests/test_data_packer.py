@@ -77,7 +77,8 @@ def _check_invariants(batch: PackedBatch, pieces: list[Piece], seq_len: int) -> 
             # Targets never cross a document: inside the piece they are the next input token ...
             np.testing.assert_array_equal(batch.targets[r, a : b - 1], batch.tokens[r, a + 1 : b])
             assert (batch.loss_mask[r, a : b - 1] == 1).all()
-            seen.append((int(doc), tuple(batch.tokens[r, a:b]), int(batch.targets[r, b - 1]), float(batch.loss_mask[r, b - 1])))
+            last = (int(batch.targets[r, b - 1]), float(batch.loss_mask[r, b - 1]))
+            seen.append((int(doc), tuple(batch.tokens[r, a:b]), *last))
     # ... and at the piece end, its own document's next token or nothing (masked).
     expected = sorted(
         (p.doc_id, tuple(int(t) for t in p.tokens), max(p.next_token, 0), float(p.next_token >= 0)) for p in pieces
@@ -102,7 +103,8 @@ def test_pack_invariants_random(seq_len, rows, data):
     ]
     row_of = place(np.array(lengths, dtype=np.int64), rows, seq_len)
     placed = [p for p, r in zip(pieces, row_of) if r >= 0]
-    free = np.full(rows, seq_len) - np.bincount(row_of[row_of >= 0], weights=np.array(lengths)[row_of >= 0], minlength=rows)
+    ok = row_of >= 0
+    free = seq_len - np.bincount(row_of[ok], weights=np.array(lengths)[ok], minlength=rows)
     assert (free >= 0).all()
     # Best fit never leaves out a piece that would still fit somewhere (free space only shrinks).
     for n, r in zip(lengths, row_of):

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jvarlen.config import DataConfig
-from jvarlen.data import ByteTokenizer, DataPipeline, SamplerStateError, TokenBudgetSampler, split_documents
+from jvarlen.data import (
+    ByteTokenizer,
+    DataPipeline,
+    SamplerStateError,
+    TokenBudgetSampler,
+    make_batches,
+    split_documents,
+)
 
 
 def _write_corpus(tmp_path, lengths, seed=0):
@@ -168,3 +175,11 @@ def test_each_document_contributes_one_bos_and_one_eos_per_epoch(tmp_path):
     tokens = np.concatenate([b.tokens[b.segment_ids > 0] for b in batches])
     assert (tokens == tok.bos_id).sum() == n and (tokens == tok.eos_id).sum() == n
     assert tokens.max() < 259
+
+
+def test_make_batches_matches_pipeline(tmp_path):
+    path, _ = _write_corpus(tmp_path, LENGTHS)
+    config = _config(tmp_path, path, max_doc_tokens=12, seed=4)
+    batches, pipeline = make_batches(config, 320), DataPipeline(config, vocab_size=320)
+    for _ in range(3):
+        np.testing.assert_array_equal(next(batches).tokens, pipeline.next_batch().tokens)

@@ -65,9 +65,9 @@ class Corpus:
         self._limit = total if limit is None else min(int(limit), total)
         self.offsets = offsets[: self._limit + 1]
         self.doc_source = np.load(self.directory / "doc_source.npy")[: self._limit]
-        self.tokens = np.memmap(
-            self.directory / "tokens.bin", dtype=np.dtype(self.meta["dtype"]), mode="r", shape=(self.meta["num_tokens"],)
-        )[: int(self.offsets[-1])]
+        dtype, size = np.dtype(self.meta["dtype"]), (self.meta["num_tokens"],)
+        tokens = np.memmap(self.directory / "tokens.bin", dtype=dtype, mode="r", shape=size)
+        self.tokens = tokens[: int(self.offsets[-1])]
         self.lengths = np.diff(self.offsets)  # int64 [num_documents]
 
     @property
@@ -212,7 +212,8 @@ def _valid_cache(directory: pathlib.Path) -> bool:
         with open(directory / "meta.json") as f:
             meta = json.load(f)
         size = (directory / "tokens.bin").stat().st_size
-        return meta.get("version") == FORMAT_VERSION and size == meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        return meta.get("version") == FORMAT_VERSION and size == expected
     except (OSError, ValueError, KeyError):
         return False
 

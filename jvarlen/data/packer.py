@@ -84,7 +84,7 @@ def place(lengths: np.ndarray, rows: int, seq_len: int, num_priority: int = 0) -
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size and (lengths.min() < 1 or lengths.max() > seq_len):
-        raise ValueError(f"piece lengths must be in [1, seq_len={seq_len}], got min {lengths.min()} max {lengths.max()}")
+        raise ValueError(f"piece lengths must be in [1, seq_len={seq_len}], got {lengths.min()}..{lengths.max()}")
     rest = num_priority + np.argsort(-lengths[num_priority:], kind="stable")
     order = np.concatenate([np.arange(num_priority), rest])
     free = np.full(rows, seq_len, dtype=np.int64)

@@ -105,7 +105,7 @@ class DataPipeline:
         median, p99 = np.percentile(lengths, [50, 99])
         cache = "cached" if c.cache_hit else "tokenized"
         return (
-            f"data: {c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped), "
+            f"{c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
             f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
             f"{cache} in {self.load_seconds:.2f}s"

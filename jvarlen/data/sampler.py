@@ -39,6 +39,12 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class TokenBudgetSampler:
+    """Draws batches (:class:`SampledBatch`) of pieces, lengths ``piece_lengths`` (int [P]), for ``rows x seq_len``.
+
+    ``lookahead``: extra candidate tokens drawn beyond the budget, giving best fit some
+    choice (default one row).
+    """
+
     def __init__(self, piece_lengths: np.ndarray, rows: int, seq_len: int, seed: int = 0, lookahead: int | None = None):
         self.lengths = np.asarray(piece_lengths, dtype=np.int64)
         if self.lengths.size == 0:
@@ -100,8 +106,8 @@ class TokenBudgetSampler:
         for key in ("seed", "num_pieces", "num_piece_tokens", "rows", "seq_len", "lookahead"):
             if key in state and state[key] != mine[key]:
                 raise SamplerStateError(
-                    f"sampler state has {key}={state[key]} but this pipeline has {key}={mine[key]}: the checkpoint "
-                    "was written for a different corpus or batch shape"
+                    f"sampler state has {key}={state[key]} but this pipeline has {key}={mine[key]}: "
+                    "the checkpoint was written for a different corpus or batch shape"
                 )
         carry = [int(i) for i in state["carry"]]
         if not 0 <= int(state["cursor"]) <= self.num_pieces or any(not 0 <= i < self.num_pieces for i in carry):

@@ -124,9 +124,10 @@ class Source:
             try:
                 ids = np.asarray(value if value is not None else [], dtype=np.int64)
             except (TypeError, ValueError, OverflowError) as error:
-                raise MissingFieldError(f"{where}: field {name!r} must be a list of integer token ids: {error}") from error
+                message = f"{where}: field {name!r} must be a list of integer token ids: {error}"
+                raise MissingFieldError(message) from error
             if ids.ndim != 1:
-                raise MissingFieldError(f"{where}: field {name!r} must be a flat list of token ids, got shape {ids.shape}")
+                raise MissingFieldError(f"{where}: field {name!r} must be a flat list of token ids, got {ids.shape}")
             if ids.size and ids.min() < 0:
                 raise TokenIdError(f"{where}: field {name!r} holds a negative token id {int(ids.min())}")
             return (None, ids)

@@ -46,9 +46,10 @@ class SplitReport:
                 f"{self.documents_split:,} of {self.documents:,} documents longer than {self.max_doc_tokens:,} "
                 f"tokens split -> {self.pieces:,} pieces"
             )
+        share = self.tokens_dropped / max(1, self.tokens_dropped + self.tokens_kept)
         return (
             f"{self.documents_truncated:,} of {self.documents:,} documents truncated to {self.max_doc_tokens:,} "
-            f"tokens, {self.tokens_dropped:,} tokens dropped ({self.tokens_dropped / max(1, self.tokens_dropped + self.tokens_kept):.1%})"
+            f"tokens, {self.tokens_dropped:,} tokens dropped ({share:.1%})"
         )
 
 
@@ -71,7 +72,9 @@ def split_documents(lengths: np.ndarray, max_doc_tokens: int, policy: str = "spl
         length = np.minimum(max_doc_tokens, lengths[doc] - start)
         has_next = start + length < lengths[doc]
         report = SplitReport(
-            policy, max_doc_tokens, int(lengths.size), int(doc.size), int((counts > 1).sum()), 0, int(lengths.sum()), 0
+            policy, max_doc_tokens, int(lengths.size), int(doc.size),
+            documents_split=int((counts > 1).sum()), documents_truncated=0,
+            tokens_kept=int(lengths.sum()), tokens_dropped=0,
         )
     elif policy == "truncate":
         doc, start = docs, np.zeros_like(docs)
@@ -79,8 +82,9 @@ def split_documents(lengths: np.ndarray, max_doc_tokens: int, policy: str = "spl
         has_next = np.zeros(lengths.size, dtype=bool)
         dropped = int((lengths - length).sum())
         report = SplitReport(
-            policy, max_doc_tokens, int(lengths.size), int(doc.size), 0,
-            int((lengths > max_doc_tokens).sum()), int(length.sum()), dropped,
+            policy, max_doc_tokens, int(lengths.size), int(doc.size),
+            documents_split=0, documents_truncated=int((lengths > max_doc_tokens).sum()),
+            tokens_kept=int(length.sum()), tokens_dropped=dropped,
         )
     else:
         raise ValueError(f"unknown long_doc_policy {policy!r}; use 'split' or 'truncate'")
