@@ -254,3 +254,18 @@ def test_stdlib_corpus_realistic_and_fast(tmp_path_factory):
     assert f"{corpus.num_documents:,} documents" in summary and "split" in summary
     batch = warm.next_batch()
     assert batch.shape == (config.rows_per_batch, config.seq_len) and batch.padding_ratio < 0.5
+
+
+class _BigVocab(ByteTokenizer):
+    """A tokenizer with more than 65,535 ids: tokens must be stored as uint32."""
+
+    vocab_size, bos_id, eos_id, pad_id, identity = 70_000, 69_997, 69_998, 69_999, "big-vocab-test"
+
+
+def test_token_store_dtype_follows_vocab_size(tmp_path):
+    path = _jsonl(tmp_path / "ids.jsonl", [{"ids": [1, 66_000]}])
+    source = Source.create("jsonl", str(path), tokens_field="ids")
+    big = load_corpus(source, _BigVocab(), cache_dir=str(tmp_path / "cache"))
+    assert big.tokens.dtype == np.uint32 and big.document(0).tolist() == [69_997, 1, 66_000, 69_998]
+    with pytest.raises(TokenIdError, match=r"ids\.jsonl \(record 1\): token id 66000 does not fit the uint16"):
+        load_corpus(source, ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
