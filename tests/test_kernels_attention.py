@@ -1,0 +1,168 @@
+"""varlen_attention (XLA blockwise path) against the dense reference; input validation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvarlen.kernels import BlockSizes, block_info_for, reference_attention, varlen_attention
+from jvarlen.kernels import testing as kt
+
+F32_TOL = 2e-5
+BF16_TOL = 2e-2
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "causal", "bq", "bk"))
+def fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, *, impl, causal, bq, bk):
+  """-> (out, (dq, dk, dv)) for cotangent ``ct``."""
+
+  def f(q, k, v):
+    return varlen_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                            q_positions=q_pos, kv_positions=kv_pos, causal=causal,
+                            block_sizes=BlockSizes(bq, bk), implementation=impl)
+
+  out, vjp = jax.vjp(f, q, k, v)
+  return out, vjp(ct)
+
+
+attention = jax.jit(varlen_attention, static_argnames=(
+    "causal", "sm_scale", "block_sizes", "implementation", "interpret"))
+
+
+def make_inputs(seed, t, s, h, hkv, d, dtype=jnp.float32, batch=None):
+  rng = np.random.default_rng(seed)
+  lead = () if batch is None else (batch,)
+  arrs = [rng.normal(size=lead + shape).astype(np.float32)
+          for shape in ((t, h, d), (s, hkv, d), (s, hkv, d), (t, h, d))]
+  return [jnp.asarray(a, dtype) for a in arrs]
+
+
+def check(impl, layout, h, hkv, d, causal, *, dtype=jnp.float32, bq=32, bk=32, seed=0):
+  q_seg, q_pos, kv_seg, kv_pos = (jnp.asarray(x) for x in layout)
+  q, k, v, ct = make_inputs(seed, q_seg.shape[-1], kv_seg.shape[-1], h, hkv, d, dtype)
+  ids = (q_seg, kv_seg, q_pos, kv_pos)
+  out, grads = fwd_vjp(q, k, v, ct, *ids, impl=impl, causal=causal, bq=bq, bk=bk)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, ct)]
+  ref_out, ref_grads = fwd_vjp(*f32, *ids, impl="reference", causal=causal, bq=bq, bk=bk)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert kt.rel_err(out, ref_out) <= tol, ("out", kt.rel_err(out, ref_out))
+  for name, g, rg in zip("qkv", grads, ref_grads):
+    assert g.dtype == dtype
+    assert kt.rel_err(g, rg) <= tol, ("d" + name, kt.rel_err(g, rg))
+  return out, grads
+
+
+# The slice of a long document (positions 200..) attends to 70 context tokens of it,
+# then short documents, a padding run and an empty-ish tail; T=100, S=170: neither a
+# multiple of the 32-blocks.
+CONTEXT = kt.context_layout([(1, 200, 37), (2, 0, 20), (0, 0, 9), (3, 0, 33), (4, 0, 1)], 70)
+SELF = kt.build([(1, 0, 45), (0, 0, 3), (2, 0, 60), (3, 0, 7), (0, 0, 5)])
+SELF = (SELF[0], SELF[1], SELF[0], SELF[1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("h,hkv,d,layout", [
+    (4, 4, 64, CONTEXT),
+    (4, 2, 128, SELF),
+    (4, 1, 64, CONTEXT),
+])
+def test_xla_matches_reference_f32(causal, h, hkv, d, layout):
+  check("xla", layout, h, hkv, d, causal)
+
+
+def test_xla_matches_reference_bf16():
+  check("xla", CONTEXT, 4, 2, 64, True, dtype=jnp.bfloat16)
+
+
+def test_batched_equals_per_row():
+  rows = [SELF, kt.context_layout([(5, 50, 60), (6, 0, 60)], 0)]
+  ids = [jnp.stack([jnp.asarray(r[i]) for r in rows]) for i in range(4)]
+  q, k, v, _ = make_inputs(1, 120, 120, 2, 1, 64, batch=2)
+  kw = dict(causal=True, block_sizes=BlockSizes(32, 32))
+  out = attention(q, k, v, q_segment_ids=ids[0], q_positions=ids[1],
+                         kv_segment_ids=ids[2], kv_positions=ids[3], **kw)
+  for b in range(2):
+    row = attention(q[b], k[b], v[b], q_segment_ids=ids[0][b], q_positions=ids[1][b],
+                           kv_segment_ids=ids[2][b], kv_positions=ids[3][b], **kw)
+    np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(row))
+
+
+def test_rows_without_keys_are_zero_and_finite():
+  # Query segment 9 has no key; padding queries see nothing either.
+  q_seg, q_pos = kt.build([(9, 0, 20), (1, 0, 20), (0, 0, 8)])
+  kv_seg, kv_pos = kt.build([(1, 0, 20), (0, 0, 28)])
+  out, grads = check("xla", (q_seg, q_pos, kv_seg, kv_pos), 2, 2, 64, True)
+  empty = np.asarray(q_seg != 1)
+  assert np.all(np.asarray(out)[empty] == 0)
+  assert np.all(np.asarray(grads[0])[empty] == 0)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_precomputed_block_info_is_used_and_checked():
+  q_seg, q_pos, kv_seg, kv_pos = CONTEXT
+  q, k, v, _ = make_inputs(2, len(q_seg), len(kv_seg), 2, 2, 64)
+  bs = BlockSizes(32, 32)
+  info = block_info_for(q_seg, kv_seg, q_pos, kv_pos, causal=True, block_sizes=bs)
+  kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
+            kv_positions=kv_pos, block_sizes=bs)
+  a = attention(q, k, v, block_info=info, **kw)
+  b = attention(q, k, v, **kw)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="block_info was built for"):
+    varlen_attention(q, k, v, block_info=info, causal=False, **kw)
+
+
+def _call(q, k, v, q_seg=None, kv_seg=None, **kw):
+  t, s = q.shape[-3], k.shape[-3]
+  q_seg = jnp.ones(q.shape[:-2], jnp.int32) if q_seg is None else q_seg
+  kv_seg = jnp.ones(k.shape[:-2], jnp.int32) if kv_seg is None else kv_seg
+  return varlen_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                          q_positions=jnp.zeros_like(q_seg), kv_positions=jnp.zeros_like(kv_seg), **kw)
+
+
+@pytest.mark.parametrize("args,err,match", [
+    (((8, 64), (8, 1, 64), (8, 1, 64)), ValueError, "rank"),
+    (((8, 2, 64), (8, 2, 1, 64), (8, 2, 1, 64)), ValueError, "rank of q"),
+    (((8, 3, 64), (8, 2, 64), (8, 2, 64)), ValueError, "multiple of kv heads"),
+    (((8, 2, 64), (8, 1, 32), (8, 1, 32)), ValueError, "head dims"),
+    (((8, 2, 64), (8, 1, 64), (9, 1, 64)), ValueError, "k and v shapes"),
+    (((2, 8, 2, 64), (3, 8, 1, 64), (3, 8, 1, 64)), ValueError, "batch sizes"),
+])
+def test_shape_errors(args, err, match):
+  q, k, v = (jnp.zeros(s, jnp.float32) for s in args)
+  with pytest.raises(err, match=match):
+    if q.ndim < 3:
+      varlen_attention(q, k, v, q_segment_ids=jnp.ones(8, jnp.int32), kv_segment_ids=jnp.ones(8, jnp.int32),
+                       q_positions=jnp.zeros(8, jnp.int32), kv_positions=jnp.zeros(8, jnp.int32))
+    else:
+      _call(q, k, v)
+
+
+def test_dtype_and_id_errors():
+  q = jnp.zeros((8, 2, 64))
+  k = jnp.zeros((8, 1, 64))
+  with pytest.raises(TypeError, match="share a dtype"):
+    _call(q, k.astype(jnp.bfloat16), k)
+  with pytest.raises(TypeError, match="float32, bfloat16"):
+    _call(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
+  with pytest.raises(TypeError, match="integer"):
+    _call(q, k, k, q_seg=jnp.ones(8, jnp.float32))
+  with pytest.raises(ValueError, match="kv_segment_ids has shape"):
+    _call(q, k, k, kv_seg=jnp.ones(7, jnp.int32))
+  with pytest.raises(ValueError, match="implementation"):
+    _call(q, k, k, implementation="cuda")
+  with pytest.raises(ValueError, match="power of two"):
+    BlockSizes(48, 32)
+
+
+def test_reference_lse_for_empty_rows_is_finite():
+  q_seg, q_pos = kt.build([(2, 0, 4), (1, 0, 4)])
+  kv_seg, kv_pos = kt.build([(1, 0, 8)])
+  q, k, v, _ = make_inputs(3, 8, 8, 1, 1, 16, batch=1)
+  ids = [jnp.asarray(x)[None] for x in (q_seg, kv_seg, q_pos, kv_pos)]
+  out, lse = reference_attention(q, k, v, *ids, causal=True, sm_scale=0.25, return_lse=True)
+  assert np.isfinite(np.asarray(lse)).all()
+  assert np.all(np.asarray(out)[0, :4] == 0)
