@@ -95,22 +95,53 @@ class CkptSolution:
         return self.source != "infeasible"
 
 
-def build_problem(shapes: Sequence[ChunkShape], schedule: Schedule, cost, max_layers: int) -> CkptProblem:
+@dataclasses.dataclass(frozen=True)
+class MemoryTable:
+    """Per-chunk inputs of Eq. 19, evaluated once per iteration.
+
+    ``act0 [pp, n]`` bytes with no recomputation, ``act1 [pp, n]`` with one layer
+    recomputed (stage p, chunk k), ``rec1 [n]`` seconds to recompute one layer.
+    """
+
+    act0: np.ndarray
+    act1: np.ndarray
+    rec1: np.ndarray
+
+    @classmethod
+    def build(cls, shapes: Sequence[ChunkShape], cost, max_layers: int) -> "MemoryTable":
+        pp = cost.layout.pp
+        act0 = np.array([[cost.activation_memory(s, 0, p) for s in shapes] for p in range(pp)], dtype=np.float64)
+        act1 = np.array([[cost.activation_memory(s, 1, p) for s in shapes] for p in range(pp)], dtype=np.float64)
+        if max_layers > 1:  # Eq. 19 is linear in l; check it against the cost model.
+            actl = np.array([[cost.activation_memory(s, max_layers, p) for s in shapes] for p in range(pp)])
+            if not np.allclose(actl, act0 - (act0 - act1) * max_layers, rtol=1e-6, atol=1024):
+                raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
+        rec1 = np.array([cost.recompute_time(s, 1) for s in shapes], dtype=np.float64)
+        return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1)
+
+
+def build_problem(
+    shapes: Sequence[ChunkShape],
+    schedule: Schedule,
+    cost,
+    max_layers: int,
+    table: MemoryTable | None = None,
+    ids: Sequence[int] | None = None,
+) -> CkptProblem:
     """Data step of Alg. 2 for one unit: windows W_p(t) from ``schedule`` (local chunk ids
     ``0..n-1``, ``shapes[k]`` the ChunkShape of chunk k), I[p, k] and F[p, k] (Eq. 19) from
-    ``cost.activation_memory`` evaluated at 0 and 1 recomputed layers on stage p.
+    ``cost.activation_memory`` at 0 and 1 recomputed layers on stage p. A precomputed
+    ``table`` over global chunk ids (with ``ids[k]`` = global id of local chunk k) skips
+    the cost-model calls.
     """
     pp, n = schedule.pp, len(shapes)
     n_vars = n + pp - 1
-    act0 = np.array([[cost.activation_memory(s, 0, p) for s in shapes] for p in range(pp)], dtype=np.float64)
-    act1 = np.array([[cost.activation_memory(s, 1, p) for s in shapes] for p in range(pp)], dtype=np.float64)
-    if max_layers > 1:  # Eq. 19 is linear in l; check it against the cost model.
-        actl = np.array([[cost.activation_memory(s, max_layers, p) for s in shapes] for p in range(pp)])
-        if not np.allclose(actl, act0 - (act0 - act1) * max_layers, rtol=1e-6, atol=1024):
-            raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
+    if table is None:
+        table, ids = MemoryTable.build(shapes, cost, max_layers), list(range(n))
+    sel = np.asarray(ids, dtype=np.int64)
+    act0, act1, rec1 = table.act0[:, sel], table.act1[:, sel], table.rec1[sel]
     i_kib = np.ceil(act0 / KIB).astype(np.int64)  # [pp, n]
     f_kib = np.floor((act0 - act1) / KIB).astype(np.int64)  # [pp, n]
-    rec1 = np.array([cost.recompute_time(s, 1) for s in shapes], dtype=np.float64)
 
     var_of = np.zeros((pp, n), dtype=np.int64)
     weight = np.zeros(n_vars, dtype=np.float64)

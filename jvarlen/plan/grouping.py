@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.checkpointing import CkptSolution, SolverOptions, build_problem, make_solution, solve
+from jvarlen.plan.checkpointing import CkptSolution, MemoryTable, SolverOptions, build_problem, make_solution, solve
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.units import unit_schedule
 
@@ -60,6 +60,7 @@ def solve_unit(
     max_layers: int,
     options: SolverOptions,
     ckpt_mode: str = "milp",
+    table: MemoryTable | None = None,
 ) -> Unit:
     """Builds the unit's op table and chooses its checkpointing.
 
@@ -68,7 +69,9 @@ def solve_unit(
     """
     fams = order_families(families, shapes, cost)
     ids, schedule = unit_schedule(fams, pp)
-    problem = build_problem([shapes[k] for k in ids], schedule, cost, max_layers)
+    if table is None:
+        table = MemoryTable.build(shapes, cost, max_layers)
+    problem = build_problem([shapes[k] for k in ids], schedule, cost, max_layers, table, ids)
     if ckpt_mode in ("none", "full"):
         c = np.full(problem.n_vars, 0 if ckpt_mode == "none" else max_layers, dtype=np.int64)
         from jvarlen.plan.checkpointing import _solution  # same extraction path as the solver
@@ -100,6 +103,7 @@ def group(
 ) -> Grouping:
     """Eq. 14 over family-size levels. Raises ValueError when no grouping fits in memory."""
     delta = warmup_cost(shapes, cost, pp) if delta is None else delta
+    table = MemoryTable.build(shapes, cost, max_layers)
     sizes = sorted({len(f) for f in families})
     by_size = {s: [f for f in families if len(f) == s] for s in sizes}
     levels = len(sizes)
@@ -111,7 +115,7 @@ def group(
             if dp[k] == math.inf:
                 continue
             fams = [f for s in sizes[k:i] for f in by_size[s]]
-            unit = solve_unit(fams, shapes, cost, pp, max_layers, options, ckpt_mode)
+            unit = solve_unit(fams, shapes, cost, pp, max_layers, options, ckpt_mode, table)
             solves += 1
             if not unit.ckpt.feasible:
                 continue

@@ -130,10 +130,19 @@ class _Bucket:
         return ChunkShape(self.context, slices, tail=self.tail)
 
 
-def chunk_batch(lengths: Sequence[int], cost, n_slices: int, token_capacity: int | None = None) -> ChunkingResult:
+def chunk_batch(
+    lengths: Sequence[int],
+    cost,
+    n_slices: int,
+    token_capacity: int | None = None,
+    max_perturbation: float | None = 0.05,
+) -> ChunkingResult:
     """Alg. 1: workload-balanced chunks of the documents ``lengths`` for slice number N = ``n_slices``.
 
     ``token_capacity`` (the cost model's max tokens per chunk) caps T_m.
+    ``max_perturbation``: line 16 may raise T_t to at most ``(1 + max_perturbation)·τ``
+    (τ = the mesh's slice time); a document that fits no bucket below that opens a new
+    bucket instead. ``None`` keeps the paper's unbounded perturbation.
     Returns split chunks (in document and slice order) followed by the buckets.
     """
     lengths = [int(x) for x in lengths]
@@ -188,7 +197,11 @@ def chunk_batch(lengths: Sequence[int], cost, n_slices: int, token_capacity: int
             if placed:
                 break
             # Line 16: perturb T_t to the least value that admits this document (token-feasible buckets only).
-            t_t = min(candidates)
+            least = min(candidates)
+            if max_perturbation is not None and least > (1.0 + max_perturbation) * mesh.time_threshold:
+                buckets.append(_Bucket(piece, 0, True, cost))
+                break
+            t_t = least
             perturbations += 1
 
     chunks = split_chunks + [PlannedChunk(tuple(b.pieces)) for b in buckets]

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Sequence
 
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.schedule import Op, Schedule, token_level_1f1b
+from jvarlen.plan.schedule import Op, Schedule
 
 Piece = tuple[int, int, int]  # (doc, start, length)
 
@@ -63,12 +63,18 @@ def families_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> list[
 
 
 def unit_schedule(families: Sequence[Sequence[int]], pp: int) -> tuple[list[int], Schedule]:
-    """Token-level 1F1B schedule of one unit (§3.3, Eq. 7).
+    """Token-level 1F1B schedule of one unit (§3.3, Eq. 7; Seq1F1B's order).
 
     Returns the unit's chunk ids in forward order (families in order, slices in
-    document order) and a :class:`Schedule` over *local* ids ``0..n-1`` built by
-    :func:`jvarlen.plan.schedule.token_level_1f1b` (backward: documents in order,
-    each document's slices reversed; stage p's window is ``d_p - p + N_prefill``).
+    document order) and a :class:`Schedule` over *local* ids ``0..n-1``. Backward
+    order: families in order, each family's slices reversed. Stage p (0-based)
+    warms up with ``W_p = pp - 1 - p + N_prefill`` forwards (its window, Eq. 7)
+    and then strictly alternates one backward, one forward, so that it stays
+    ``W_p`` chunks ahead; N_prefill = the largest family.
+
+    (:func:`jvarlen.plan.schedule.token_level_1f1b` runs only the forwards the next
+    backward needs; with several multi-slice families in a row that drains the
+    pipeline once per family, so the unit keeps the full Eq. 7 window instead.)
     """
     ids: list[int] = []
     prev: list[int] = []
@@ -76,7 +82,30 @@ def unit_schedule(families: Sequence[Sequence[int]], pp: int) -> tuple[list[int]
         for i, k in enumerate(fam):
             prev.append(len(ids) - 1 if i > 0 else -1)
             ids.append(int(k))
-    return ids, token_level_1f1b(prev, pp)
+    n = len(ids)
+    border = [k for f in _local_families(families) for k in reversed(f)]
+    n_prefill = max((len(f) for f in families), default=1)
+    stages = []
+    for p in range(pp):
+        window = pp - 1 - p + n_prefill
+        prog: list[Op] = []
+        f_done = 0
+        for i, b in enumerate(border):
+            target = min(n, window + i)
+            while f_done < target:
+                prog.append(Op("F", f_done))
+                f_done += 1
+            prog.append(Op("B", b))
+        stages.append(tuple(prog))
+    return ids, Schedule(tuple(stages), tuple(prev))  # valid by construction; Plan.validate re-checks
+
+
+def _local_families(families: Sequence[Sequence[int]]) -> list[list[int]]:
+    out, i = [], 0
+    for fam in families:
+        out.append(list(range(i, i + len(fam))))
+        i += len(fam)
+    return out
 
 
 def live_windows(program: Sequence[Op]) -> list[tuple[int, ...]]:

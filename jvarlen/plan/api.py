@@ -1,0 +1,225 @@
+"""Planner entry points: ``plan_iteration(lengths, cluster, model, cost, policy=...) -> Plan``.
+
+Policies (all in one framework, InfiniPipe §3 and §5):
+
+=============  ================================================  ==========================
+policy         chunking                                          units / recomputation
+=============  ================================================  ==========================
+``epp``        Alg. 1, N tuned by simulation                     Eq. 14 DP + Alg. 2 MILP
+``epp-fast``   Alg. 1, smallest feasible N (no tuning)           Eq. 14 DP + greedy
+``wo-wbc``     even split + fixed-length packing, size tuned     Eq. 14 DP + Alg. 2 MILP
+``wo-ckpt``    Alg. 1, N tuned                                   Eq. 14 DP, no recomputation
+``full-ckpt``  Alg. 1, N tuned                                   Eq. 14 DP, full recomputation
+``seq1f1b``    fixed-size slices + packing, size tuned           one unit, uniform (least fit)
+``dapple``     whole documents packed (batch-level)              one unit, uniform (least fit)
+=============  ================================================  ==========================
+
+A plan that cannot fit (DAPPLE with a long document, say) is still returned, with
+``stats["fits_memory"] = False`` and an event; :meth:`Plan.validate` rejects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Optional, Sequence
+
+from jvarlen.layout import Layout
+from jvarlen.plan.assemble import assemble, simulate, uniform_unit
+from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
+from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.cost import CostModel, ModelShape
+from jvarlen.plan.grouping import group, order_families
+from jvarlen.plan.plan import Plan
+from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
+from jvarlen.plan.units import PlannedChunk, families_of
+
+POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "dapple")
+
+
+class PlanningError(RuntimeError):
+    """No plan of the requested policy fits (e.g. a document too long for any chunking)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of :func:`plan_iteration`.
+
+    ``n_slices``: fix Alg. 1's N (None: tune over ``n_candidates`` values from the
+    smallest feasible one). ``solver``: limits of each checkpointing MILP.
+    ``chunk_tokens``: candidate fixed chunk sizes for seq1f1b / wo-wbc (the best
+    simulated one is used).
+    """
+
+    n_slices: Optional[int] = None
+    n_candidates: int = 4
+    solver: SolverOptions = SolverOptions()
+    chunk_tokens: tuple[int, ...] = (4096, 8192, 12288, 16384, 24576, 32768)
+
+
+def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8)) -> CostModel:
+    """Analytic cost model of ``model`` (ModelShape or ModelConfig) on ``cluster`` (see hardware.py)."""
+    from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
+
+    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+    spec = CLUSTERS[cluster] if isinstance(cluster, str) else cluster
+    nodes = max(1, math.ceil(layout.num_devices / spec.gpus_per_node))
+    return CostModel(shape, layout, analytic_coefficients(shape, spec, num_nodes=nodes))
+
+
+def plan_iteration(
+    lengths: Sequence[int],
+    cluster=None,
+    model=None,
+    cost: Optional[CostModel] = None,
+    policy: str = "epp",
+    options: PlannerOptions = PlannerOptions(),
+    layout: Layout = Layout(1, 4, 8),
+) -> Plan:
+    """Plans one iteration over the documents ``lengths`` (tokens each).
+
+    Either pass ``cost`` (its layout is used) or ``cluster`` + ``model`` (+ ``layout``)
+    to build an analytic one. Returns a :class:`Plan` whose ``stats`` hold
+    ``solve_seconds``, the simulated ``iteration_time_s``, ``bubble_ratio`` and
+    ``peak_memory_bytes`` per stage.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if cost is None:
+        if model is None:
+            raise ValueError("plan_iteration needs either cost or model (+ cluster)")
+        cost = make_cost(model, cluster or "a800", layout)
+    lengths = [int(x) for x in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    t0 = time.perf_counter()
+    if policy in ("epp", "epp-fast", "wo-ckpt", "full-ckpt"):
+        mode = {"epp": "milp", "epp-fast": "greedy", "wo-ckpt": "none", "full-ckpt": "full"}[policy]
+        plan = _plan_epp(policy, lengths, cost, options, mode)
+    elif policy == "wo-wbc":
+        plan = _plan_fixed(policy, lengths, cost, options, even=True)
+    elif policy == "seq1f1b":
+        plan = _plan_fixed(policy, lengths, cost, options, even=False)
+    else:
+        plan = _plan_dapple(lengths, cost)
+    plan.stats["solve_seconds"] = time.perf_counter() - t0 - plan.stats.get("simulate_seconds", 0.0)
+    plan.stats["policy"] = policy
+    return plan
+
+
+# --------------------------------------------------------------------------- EPP and ablations
+
+
+def smallest_slices(lengths: Sequence[int], cost) -> int:
+    """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity."""
+    cap = cost.max_tokens(in_flight=1, tail=False)
+    if cap < 1:
+        raise PlanningError("model states alone exceed the memory budget")
+    n = max(1, math.ceil(max(lengths) / cap))
+    while split_mesh(cost, max(lengths), n).token_threshold > cap:
+        n += 1
+    return n
+
+
+def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int):
+    cap = cost.max_tokens(in_flight=1, tail=False)
+    res = chunk_batch(lengths, cost, n, token_capacity=cap)
+    chunks = list(res.chunks)
+    return res, chunks, _group(chunks, lengths, cost, options, mode)
+
+
+def _group(chunks: Sequence[PlannedChunk], lengths, cost, options: PlannerOptions, mode: str):
+    shapes = [c.shape(lengths) for c in chunks]
+    fams = families_of(chunks, lengths)
+    return group(fams, shapes, cost, cost.layout.pp, cost.layers_per_stage, options.solver, mode)
+
+
+def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) -> Plan:
+    events: list[str] = []
+    if options.n_slices is not None:
+        candidates = [options.n_slices]
+    else:
+        n0 = smallest_slices(lengths, cost)
+        candidates = list(range(n0, n0 + (1 if policy == "epp-fast" else options.n_candidates)))
+    tune_mode = "greedy" if (mode == "milp" and len(candidates) > 1) else mode
+    best = None
+    tried = {}
+    for n in candidates:  # §3.2: N tuned by simulating candidates (greedy checkpointing while tuning)
+        try:
+            res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
+        except (ValueError, PlanningError) as e:
+            events.append(f"N={n}: infeasible ({e})")
+            continue
+        if len(candidates) == 1 and tune_mode == mode:
+            best = (n, res, chunks, grouping, None)
+            break
+        plan = assemble(policy, lengths, chunks, grouping.units, cost)
+        tried[n] = plan.stats["iteration_time_s"]
+        if best is None or plan.stats["iteration_time_s"] < best[4]:
+            best = (n, res, chunks, grouping, plan.stats["iteration_time_s"])
+    if best is None:
+        raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
+    n, res, chunks, grouping, _ = best
+    if tune_mode != mode:
+        grouping = _group(chunks, lengths, cost, options, mode)
+    stats = dict(
+        n_slices=n,
+        tuned_iteration_times={str(k): v for k, v in tried.items()},
+        time_threshold_s=res.time_threshold,
+        token_threshold=res.token_threshold,
+        mesh=list(res.mesh.slices),
+        perturbations=res.perturbations,
+        ckpt_solves=grouping.solves,
+    )
+    return assemble(policy, lengths, chunks, grouping.units, cost, stats, events)
+
+
+# --------------------------------------------------------------------------- fixed-size chunking
+
+
+def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool) -> Plan:
+    cap = cost.max_tokens(in_flight=1, tail=False)
+    sizes = [s for s in options.chunk_tokens if s <= cap] or [cap]
+    best, tried, events = None, {}, []
+    for size in sizes:
+        chunks = fixed_size_chunks(lengths, size, even_split=even)
+        shapes = [c.shape(lengths) for c in chunks]
+        if policy == "seq1f1b":
+            fams = order_families(families_of(chunks, lengths), shapes, cost)
+            unit, fits = uniform_unit(fams, shapes, cost)
+            units = [unit]
+        else:
+            try:
+                units = list(_group(chunks, lengths, cost, options, "greedy").units)
+                fits = True
+            except ValueError:
+                fits = False
+        if not fits:
+            events.append(f"chunk_tokens={size}: does not fit memory")
+            continue
+        plan = assemble(policy, lengths, chunks, units, cost)
+        tried[size] = plan.stats["iteration_time_s"]
+        if best is None or tried[size] < best[0]:
+            best = (tried[size], size, chunks, units)
+    if best is None:
+        raise PlanningError(f"{policy}: no chunk size in {sizes} fits memory")
+    _, size, chunks, units = best
+    if policy == "wo-wbc":
+        units = list(_group(chunks, lengths, cost, options, "milp").units)
+    stats = dict(chunk_tokens=size, tuned_iteration_times={str(k): v for k, v in tried.items()})
+    return assemble(policy, lengths, chunks, units, cost, stats, events)
+
+
+def _plan_dapple(lengths, cost) -> Plan:
+    chunks = dapple_chunks(lengths, max(lengths))
+    shapes = [c.shape(lengths) for c in chunks]
+    fams = order_families(families_of(chunks, lengths), shapes, cost)
+    unit, fits = uniform_unit(fams, shapes, cost)
+    events = [] if fits else ["dapple: out of memory even with full recomputation"]
+    plan = assemble("dapple", lengths, chunks, [unit], cost, {"micro_batch_tokens": max(lengths)}, events)
+    plan.stats["oom"] = not fits
+    return plan
+
+
+__all__ = ["POLICIES", "PlannerOptions", "PlanningError", "make_cost", "plan_iteration", "simulate"]

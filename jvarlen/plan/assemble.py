@@ -1,0 +1,110 @@
+"""Turning chunks + units into a validated-shape :class:`Plan`, and simulating a plan.
+
+Shared by every policy (EPP, its ablations, the baselines), so that they differ only
+in how they chunk and how they choose recomputation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.checkpointing import SolverOptions, build_problem
+from jvarlen.plan.grouping import Unit
+from jvarlen.plan.plan import Plan, stage_peak_memory
+from jvarlen.plan.schedule import sequential
+from jvarlen.plan.simulator import SimResult
+from jvarlen.plan.simulator import simulate as simulate_schedule
+from jvarlen.plan.units import PlannedChunk, unit_schedule
+
+
+def simulate(plan: Plan, cost) -> SimResult:
+    """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost`` (async simulator)."""
+    return simulate_schedule(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost)
+
+
+def assemble(
+    policy: str,
+    lengths: Sequence[int],
+    chunks: Sequence[PlannedChunk],
+    units: Sequence[Unit],
+    cost,
+    stats: dict | None = None,
+    events: list | None = None,
+    run_simulation: bool = True,
+) -> Plan:
+    """Orders chunks unit by unit (forward order), concatenates the unit schedules
+    (:func:`jvarlen.plan.schedule.sequential`) and checkpointing tables, and fills
+    ``stats`` with the simulated iteration time, bubble ratio and peak memory."""
+    order = [k for u in units for k in u.chunk_ids]
+    if sorted(order) != list(range(len(chunks))):
+        raise ValueError("units must cover every chunk exactly once")
+    schedule = sequential([u.schedule for u in units]) if len(units) > 1 else units[0].schedule
+    ckpt = np.concatenate([u.ckpt.table for u in units], axis=0).astype(np.int32)
+    plan = Plan(
+        policy=policy,
+        layout=cost.layout,
+        num_layers=cost.model.num_layers,
+        lengths=tuple(int(x) for x in lengths),
+        chunks=tuple(chunks[k].pieces for k in order),
+        unit_sizes=tuple(len(u.chunk_ids) for u in units),
+        schedule=schedule,
+        ckpt_layers=ckpt,
+        memory_budget_bytes=float(cost.memory_budget),
+        stats=dict(stats or {}),
+        events=list(events or []),
+    )
+    plan.stats.update(tokens_in=plan.tokens_in, tokens_planned=plan.tokens_planned, n_chunks=plan.n_chunks,
+                      n_units=len(units), ckpt_sources=[u.ckpt.source for u in units])
+    for i, u in enumerate(units):
+        if u.ckpt.source == "greedy":
+            plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
+    if run_simulation:
+        record_simulation(plan, cost)
+    return plan
+
+
+def record_simulation(plan: Plan, cost) -> SimResult:
+    t0 = time.perf_counter()
+    sim = simulate(plan, cost)
+    plan.stats.update(
+        iteration_time_s=float(sim.iteration_time),
+        makespan_s=float(sim.makespan),
+        bubble_ratio=float(sim.bubble_ratio),
+        peak_memory_bytes=[float(x) for x in sim.peak_memory],
+        memory_budget_bytes=float(sim.memory_budget),
+        fits_memory=bool(sim.fits),
+        recompute_s=[float(x) for x in sim.stage_recompute],
+        simulate_seconds=time.perf_counter() - t0,
+    )
+    return sim
+
+
+def uniform_unit(
+    families: Sequence[Sequence[int]],
+    shapes: Sequence[ChunkShape],
+    cost,
+    layers: int | None = None,
+) -> tuple[Unit, bool]:
+    """One token-level 1F1B unit with the same recomputation for every chunk and stage
+    (Seq1F1B/DAPPLE practice). ``layers=None``: the least uniform count that fits every
+    window. Returns (unit, fits); when nothing fits, full recomputation and ``fits=False``."""
+    from jvarlen.plan.checkpointing import make_solution
+
+    pp = cost.layout.pp
+    lps = cost.layers_per_stage
+    ids, schedule = unit_schedule(families, pp)
+    problem = build_problem([shapes[k] for k in ids], schedule, cost, lps)
+    candidates = range(lps + 1) if layers is None else [layers]
+    for l in candidates:
+        c = np.full(problem.n_vars, l, dtype=np.int64)
+        if problem.feasible(c):
+            return Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", f"l={l}")), True
+    c = np.full(problem.n_vars, lps if layers is None else layers, dtype=np.int64)
+    return Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", "oom")), False
+
+
+__all__ = ["assemble", "simulate", "record_simulation", "uniform_unit", "SolverOptions", "stage_peak_memory"]
