@@ -73,6 +73,14 @@ def test_quadratic_context_term():
     assert cm.fwd_time(ChunkShape(0, (100, 200))) == pytest.approx(4 * (100**2 + 200**2))
 
 
+def test_padding_buckets_and_measured_recompute():
+    c = coeffs(fwd=LayerTime(0.0, 1.0, 0.0), recompute=LayerTime(0.0, 1.5, 0.0), token_buckets=(256, 512))
+    cm = CostModel(MHA, Layout(1, 1, 1), c)
+    assert [cm.linear_tokens(ChunkShape(0, (t,))) for t in (1, 256, 257, 600)] == [256, 256, 512, 600]
+    assert cm.fwd_time(ChunkShape(0, (300,))) == pytest.approx(4 * 512)  # matmuls run over the padding
+    assert cm.recompute_time(ChunkShape(0, (300,)), 2) == pytest.approx(2 * 1.5 * 512)
+
+
 def test_last_stage_pays_the_head():
     c = coeffs(head_fwd=LayerTime(0.0, 0.5, 0.0), head_bwd=LayerTime(0.0, 1.0, 0.0))
     cm = CostModel(MHA, Layout(1, 2, 1), c)
@@ -160,6 +168,9 @@ def test_coefficients_json_round_trip(tmp_path):
         per_sp={2: (LayerTime(1, 2, 3), LayerTime(4, 5, 6))},
         alltoall_intra={2: Link(1e9, 1e-5)},
         alltoall_inter={16: Link(5e9, 2e-5)},
+        recompute=LayerTime(7, 8, 9),
+        token_buckets=(256, 512),
+        attention_block=128,
     )
     path = tmp_path / "p.json"
     c.save(path)
@@ -249,3 +260,28 @@ def test_online_refit_recovers_scaled_truth():
     assert before > 0.1
     assert after < 0.01
     assert not refit.due()
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        ChunkShape(0, (512,)),
+        ChunkShape(0, (96,) * 8),
+        ChunkShape(300, (200,), tail=False),
+        ChunkShape(1500, (700, 100, 37), tail=True),
+        ChunkShape(0, (130, 1, 250)),
+    ],
+)
+def test_tile_pairs_matches_the_harness_layout(chunk):
+    """tile_pairs counts exactly the tiles a block-skipping kernel visits for the profiler's layout."""
+    from jvarlen.plan.cost import tile_pairs
+    from jvarlen.runtime.profiler import bucket, chunk_metadata
+
+    b = 128
+    tb, cb = bucket(chunk.tokens, (256, 512, 1024)), bucket(chunk.context, (0, 2048))
+    m = chunk_metadata(chunk, tb, cb)
+    qs, qp, ks, kp = (m[k][0] for k in ("seg", "pos", "kv_seg", "kv_pos"))
+    vis = (qs[:, None] == ks[None, :]) & (qs[:, None] > 0) & (kp[None, :] <= qp[:, None])
+    tiles = vis.reshape(tb // b, b, (cb + tb) // b, b).any(axis=(1, 3)).sum()
+    assert tile_pairs(chunk, b) == 2 * b * b * tiles
+    assert (qs > 0).sum() == chunk.tokens and (ks > 0).sum() == chunk.tokens + chunk.context

@@ -12,10 +12,13 @@ figures (``jvarlen.plan.hardware``) or from an online refit (``jvarlen.plan.cost
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from typing import Any, Mapping, Optional
+
+import numpy as np
 
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
@@ -182,6 +185,7 @@ class CostCoefficients:
 
     * ``fwd`` / ``bwd``: per-layer forward / backward compute (Eq. 1). ``bwd=None`` means
       ``bwd_factor * fwd``. ``per_sp`` optionally overrides both per Ulysses degree (measured).
+      ``recompute``: measured per-layer recomputation cost (Eq. 11); None means the forward.
     * ``head_fwd`` / ``head_bwd``: embedding + final norm + LM head + loss, charged to the last
       stage (the embedding lookup is negligible).
     * ``m_token``: activation bytes stored per token per layer on one device without
@@ -195,12 +199,17 @@ class CostCoefficients:
     * ``alltoall_intra`` / ``alltoall_inter``: Eq. 3 bandwidth/latency keyed by sp degree
       (``alltoall_default`` when the degree is missing); ``p2p_intra`` / ``p2p_inter`` for Eq. 2.
     * ``step_overhead``: seconds per iteration outside the pipeline (gradient reduction, optimizer).
+    * ``token_buckets``: when the executor pads a chunk to the smallest bucket >= its tokens, the
+      linear (matmul) term is charged on the padded count (empty: no padding).
+    * ``attention_block``: when > 0, the quadratic term counts visited ``block x block`` tiles of a
+      block-skipping kernel (see :func:`tile_pairs`) instead of exact query-key pairs.
     """
 
     fwd: LayerTime
     bwd: Optional[LayerTime] = None
     bwd_factor: float = 2.0
     per_sp: Mapping[int, tuple[LayerTime, LayerTime]] = dataclasses.field(default_factory=dict)
+    recompute: Optional[LayerTime] = None
     head_fwd: LayerTime = LayerTime()
     head_bwd: Optional[LayerTime] = None
     m_token: float = 0.0
@@ -218,6 +227,8 @@ class CostCoefficients:
     p2p_intra: Link = Link(float("inf"), 0.0)
     p2p_inter: Link = Link(float("inf"), 0.0)
     step_overhead: float = 0.0
+    token_buckets: tuple[int, ...] = ()
+    attention_block: int = 0
     meta: ProfileMeta = ProfileMeta()
 
     def layer_times(self, sp: int) -> tuple[LayerTime, LayerTime]:
@@ -248,6 +259,7 @@ class CostCoefficients:
             "bwd": None if self.bwd is None else dataclasses.asdict(self.bwd),
             "bwd_factor": self.bwd_factor,
             "per_sp": {str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.per_sp.items()},
+            "recompute": None if self.recompute is None else dataclasses.asdict(self.recompute),
             "head_fwd": dataclasses.asdict(self.head_fwd),
             "head_bwd": None if self.head_bwd is None else dataclasses.asdict(self.head_bwd),
             "alltoall_intra": {str(k): link(v) for k, v in self.alltoall_intra.items()},
@@ -255,11 +267,13 @@ class CostCoefficients:
             "alltoall_default": link(self.alltoall_default),
             "p2p_intra": link(self.p2p_intra),
             "p2p_inter": link(self.p2p_inter),
+            "token_buckets": list(self.token_buckets),
             "meta": dataclasses.asdict(self.meta),
         }
         for name in (
             "m_token", "m_head_token", "bytes_per_element", "dkv_bytes_per_element", "master_bytes_per_param",
             "stage_bytes_per_param", "workspace_bytes", "memory_budget", "gpus_per_node", "step_overhead",
+            "attention_block",
         ):
             out[name] = getattr(self, name)
         return out
@@ -275,6 +289,7 @@ class CostCoefficients:
         kwargs = dict(data)
         kwargs["fwd"] = lt(data["fwd"])
         kwargs["bwd"] = lt(data.get("bwd"))
+        kwargs["recompute"] = lt(data.get("recompute"))
         kwargs["head_fwd"] = lt(data.get("head_fwd")) or LayerTime()
         kwargs["head_bwd"] = lt(data.get("head_bwd"))
         kwargs["per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("per_sp", {}).items()}
@@ -283,6 +298,7 @@ class CostCoefficients:
         for name in ("alltoall_default", "p2p_intra", "p2p_inter"):
             if name in data:
                 kwargs[name] = link(data[name])
+        kwargs["token_buckets"] = tuple(int(b) for b in data.get("token_buckets", ()))
         kwargs["meta"] = ProfileMeta(**data.get("meta", {}))
         return cls(**kwargs)
 
@@ -315,6 +331,33 @@ def profile_filename(model: ModelShape, backend: str, device_kind: str) -> str:
 # --------------------------------------------------------------------------- cost model
 
 
+@functools.lru_cache(maxsize=65536)
+def tile_pairs(chunk: ChunkShape, block: int) -> float:
+    """Attention work of a block-skipping kernel in units of ``attention_pairs``.
+
+    Layout assumed (and used by the profiler's harness): the chunk's slices are consecutive
+    from a block boundary, the ``C`` context keys fill whole blocks right before it. A
+    ``block x block`` tile is visited when some document has a query in its row block and a
+    visible key (causal) in its column block; it costs ``2·block²`` (``attention_pairs`` counts
+    ``(C+s)² − C²``, twice the causal pairs). For one slice of ``n`` whole blocks this is
+    ``block²·n(n+1) ≈ T² + T·block``.
+    """
+    b = block
+    nq = -(-chunk.tokens // b)
+    nctx = -(-chunk.context // b)
+    visible = np.zeros((nq, nq), bool)
+    start = 0
+    for s in chunk.slices:
+        lo, hi = start // b, (start + s - 1) // b
+        for i in range(lo, hi + 1):
+            visible[i, lo : i + 1] = True
+        start += s
+    tiles = int(visible.sum())
+    if chunk.context:
+        tiles += nctx * ((chunk.slices[0] - 1) // b + 1)
+    return 2.0 * b * b * tiles
+
+
 class CostModel:
     """Per-stage time (s) and memory (bytes per device) of chunks for a given layout.
 
@@ -334,6 +377,7 @@ class CostModel:
         self.layers_per_stage = model.num_layers // layout.pp
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
         self._head_fwd, self._head_bwd = coeffs.head_times()
+        self._recompute = self._fwd if coeffs.recompute is None or layout.sp in coeffs.per_sp else coeffs.recompute
 
     def with_layout(self, layout: Layout) -> "CostModel":
         return CostModel(self.model, layout, self.coeffs)
@@ -342,12 +386,25 @@ class CostModel:
         return stage is not None and stage == self.layout.pp - 1
 
     # ---- time (seconds)
+    def pairs(self, chunk: ChunkShape) -> float:
+        """The quadratic quantity of Eq. 1: exact pairs, or visited tiles (``attention_block``)."""
+        b = self.coeffs.attention_block
+        return chunk.attention_pairs if b <= 0 else tile_pairs(chunk, b)
+
+    def linear_tokens(self, chunk: ChunkShape) -> int:
+        """Tokens the matmuls run over: the chunk padded to its bucket (``token_buckets``)."""
+        t = chunk.tokens
+        for b in sorted(self.coeffs.token_buckets):
+            if b >= t:
+                return b
+        return t
+
     def layer_fwd_compute(self, chunk: ChunkShape) -> float:
         """Eq. 1 for one layer on the stage's sp group (no all-to-all)."""
-        return self._fwd(chunk.attention_pairs, chunk.tokens, self.layout.sp)
+        return self._fwd(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
 
     def layer_bwd_compute(self, chunk: ChunkShape) -> float:
-        return self._bwd(chunk.attention_pairs, chunk.tokens, self.layout.sp)
+        return self._bwd(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
 
     def layer_alltoall_time(self, chunk: ChunkShape) -> float:
         """Eq. 3 for one layer and one direction: four all-to-alls (q, k, v in; output back).
@@ -372,13 +429,13 @@ class CostModel:
     def fwd_compute_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         t = self.layers_per_stage * self.layer_fwd_compute(chunk)
         if self._is_last(stage):
-            t += self._head_fwd(0, chunk.tokens, self.layout.sp)
+            t += self._head_fwd(0, self.linear_tokens(chunk), self.layout.sp)
         return t
 
     def bwd_compute_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         t = self.layers_per_stage * self.layer_bwd_compute(chunk)
         if self._is_last(stage):
-            t += self._head_bwd(0, chunk.tokens, self.layout.sp)
+            t += self._head_bwd(0, self.linear_tokens(chunk), self.layout.sp)
         return t
 
     def fwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
@@ -390,10 +447,14 @@ class CostModel:
         return self.bwd_compute_time(chunk, stage) + self.alltoall_time(chunk)
 
     def recompute_time(self, chunk: ChunkShape, layers: int) -> float:
-        """Eq. 11: re-running the forward of ``layers`` checkpointed layers in the backward."""
+        """Eq. 11: re-running the forward of ``layers`` checkpointed layers in the backward
+        (measured ``coeffs.recompute`` when the profile has it, else the forward)."""
         if not 0 <= layers <= self.layers_per_stage:
             raise ValueError(f"recompute layers must be in [0, {self.layers_per_stage}], got {layers}")
-        return layers * (self.layer_fwd_compute(chunk) + self.layer_alltoall_time(chunk))
+        if layers == 0:
+            return 0.0
+        compute = self._recompute(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
+        return layers * (compute + self.layer_alltoall_time(chunk))
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the

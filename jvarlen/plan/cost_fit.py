@@ -92,6 +92,7 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
     return c.replace(
         fwd=lt(c.fwd),
         bwd=lt(c.bwd),
+        recompute=lt(c.recompute),
         per_sp={d: (lt(f), lt(b)) for d, (f, b) in c.per_sp.items()},
         head_fwd=hd(c.head_fwd),
         head_bwd=hd(c.head_bwd),

@@ -1,0 +1,39 @@
+"""``python -m jvarlen.profile``: fit the cost model on this backend and save the profile JSON.
+
+Example: ``python -m jvarlen.profile --config configs/default.yaml --out_dir runs/profiles``.
+The file name is keyed by model shape, backend and device kind
+(:func:`jvarlen.plan.cost.profile_filename`); an existing file is reused unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import draccus
+
+
+@dataclasses.dataclass
+class ProfileConfig:
+    config: Optional[str] = None  # run YAML whose model section is profiled (default: ModelConfig())
+    out_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "profiles")
+    repeats: int = 5  # timings per measurement; the minimum is kept
+    force: bool = False  # re-profile even if a profile for this key exists
+    compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+def main(args: Optional[list[str]] = None) -> str:
+    cfg = draccus.parse(ProfileConfig, args=args)
+    from jvarlen.runtime.profiler import run_profiler
+
+    return run_profiler(cfg)
+
+
+if __name__ == "__main__":
+    print(main())

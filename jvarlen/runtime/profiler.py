@@ -1,0 +1,556 @@
+"""Dual-layer profiler (DCP §3.5) of the real decoder on the current backend.
+
+DCP runs two layers and times the second; under ``jit`` one layer cannot be timed inside
+a compiled program, so we compile the same chunk through 1 and through 2 stacked layers
+and take the difference: it is the time of one layer with the per-call overhead removed.
+Over a grid of chunks ``{C, S}`` (token count, context length, packed slices) and
+recomputation on/off this gives per-layer forward, backward and recompute samples, which
+:func:`jvarlen.plan.cost_fit.fit_layer_time` turns into Eq. 1 coefficients. The head
+(final norm + logits + loss), the per-chunk overhead of a whole-model chunk step, the
+optimizer update and memory (``compile().memory_analysis()``, where reported) are measured
+the same way. The result is a :class:`jvarlen.plan.cost.CostCoefficients` JSON keyed by
+model shape, backend and device kind.
+
+:class:`ChunkHarness` is also what ``scripts/validate_cost_model.py`` uses to run whole
+plans (gradient accumulation over the plan's chunks + optimizer update, pp = 1). A chunk
+with context ``C`` attends to ``C`` cached K/V entries of its document (random values of
+the right shape; the time does not depend on the values) and produces their gradients.
+
+Ulysses sp > 1 is not profiled here yet: the layers of this repository have no sequence-
+parallel path (the per-sp entries of a profile are left empty, so the ideal ``1/sp``
+scaling of the sp = 1 fit is used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jvarlen.config import ModelConfig, OptimizerConfig
+from jvarlen.model import AttentionInputs, build_model, cross_entropy_sums, make_attention_fn
+from jvarlen.model.transformer import apply_stacked_layers
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape, ProfileMeta
+from jvarlen.plan.cost_fit import fit_layer_time, fit_linear
+
+
+def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> float:
+    """Minimum wall time (s) of ``fn(*args)`` over ``repeats`` runs after ``warmup`` runs.
+
+    The minimum is the estimate least disturbed by other processes sharing the machine.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+TOKEN_BUCKETS = (256, 512, 1024, 2048)
+CONTEXT_BUCKETS = (0, 2048, 6144)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n; raises when n exceeds the largest."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {max(buckets)}")
+
+
+def chunk_metadata(chunk: ChunkShape, t_bucket: int, c_bucket: int) -> dict[str, np.ndarray]:
+    """Per-token ids of a chunk padded to ``t_bucket`` queries and ``c_bucket`` context keys
+    (int32, ``[1, ·]``; segment 0 is padding).
+
+    Queries: ``[slice 0 | slice 1 | ... | padding]``; slice 0 continues a document after ``C``
+    context tokens (segment 1, positions C..), every other slice is its own document
+    (segments 2, 3, ..., positions from 0). Keys: ``[padding | C context tokens | queries]``,
+    the context right-aligned so that it fills whole blocks before the chunk.
+    """
+    seg = np.zeros(t_bucket, np.int32)
+    pos = np.zeros(t_bucket, np.int32)
+    start = 0
+    for i, s in enumerate(chunk.slices):
+        seg[start : start + s] = i + 1
+        pos[start : start + s] = np.arange(s) + (chunk.context if i == 0 else 0)
+        start += s
+    ctx_seg = np.zeros(c_bucket, np.int32)
+    ctx_pos = np.zeros(c_bucket, np.int32)
+    if chunk.context:
+        ctx_seg[c_bucket - chunk.context :] = 1
+        ctx_pos[c_bucket - chunk.context :] = np.arange(chunk.context)
+    kv_seg = np.concatenate([ctx_seg, seg])
+    kv_pos = np.concatenate([ctx_pos, pos])
+    return {"seg": seg[None], "pos": pos[None], "kv_seg": kv_seg[None], "kv_pos": kv_pos[None]}
+
+
+class ChunkHarness:
+    """The real decoder of ``cfg`` run on single chunks (one device, sp = 1).
+
+    A chunk is padded to the smallest token bucket and context bucket that hold it, so one
+    compiled program serves every chunk of that bucket pair (segment layout, context length
+    and document boundaries are runtime data, as in the pipeline executor).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int = 0,
+        optimizer: Optional[OptimizerConfig] = None,
+        token_buckets: Sequence[int] = TOKEN_BUCKETS,
+        context_buckets: Sequence[int] = CONTEXT_BUCKETS,
+    ):
+        self.cfg = cfg
+        self.token_buckets = tuple(token_buckets)
+        self.context_buckets = tuple(context_buckets)
+        self.shape = ModelShape.from_config(cfg)
+        self.model = build_model(cfg, seed=seed)
+        self.graphdef, self.params = nnx.split(self.model, nnx.Param)
+        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.attention_impl = cfg.attention
+        self._cache: dict = {}
+        self.optimizer_cfg = optimizer or OptimizerConfig()
+
+    # ---- inputs
+    def buckets(self, chunk: ChunkShape) -> tuple[int, int]:
+        return bucket(chunk.tokens, self.token_buckets), bucket(chunk.context, self.context_buckets)
+
+    def layer_inputs(self, chunk: ChunkShape, seed: int = 0) -> dict:
+        """Inputs of the layer programs, padded to the chunk's buckets (one program per bucket pair)."""
+        m = self.shape
+        rng = np.random.default_rng(seed)
+        tb, cb = self.buckets(chunk)
+        meta = chunk_metadata(chunk, tb, cb)
+        x = rng.standard_normal((1, tb, m.d_model)).astype(np.float32)
+        ctx = rng.standard_normal((2, 1, cb, m.num_kv_heads, m.head_dim)).astype(np.float32)
+        out = {k: jnp.asarray(v) for k, v in meta.items()}
+        out["x"] = jnp.asarray(x, self.dtype)
+        out["ctx_k"] = jnp.asarray(ctx[0], self.dtype)
+        out["ctx_v"] = jnp.asarray(ctx[1], self.dtype)
+        return out
+
+    def chunk_inputs(self, chunk: ChunkShape, seed: int = 0) -> dict:
+        out = self.layer_inputs(chunk, seed)
+        rng = np.random.default_rng(seed + 1)
+        tb = out["seg"].shape[1]
+        tokens = rng.integers(0, self.shape.vocab_size, (1, tb + 1)).astype(np.int32)
+        out["tokens"] = jnp.asarray(tokens[:, :-1])
+        out["targets"] = jnp.asarray(tokens[:, 1:])
+        out["loss_mask"] = (out["seg"] > 0).astype(jnp.float32)
+        del out["x"]
+        return out
+
+    def _attention_fn(self, ctx_k, ctx_v):
+        base = make_attention_fn(self.attention_impl)
+        if ctx_k.shape[1] == 0:
+            return base
+
+        def attention_fn(q, k, v, inputs):
+            k = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
+            return base(q, k, v, inputs)
+
+        return attention_fn
+
+    def _run_layers(self, params, x, batch, n_layers: int, remat_layers: int):
+        """Applies the first ``n_layers`` stacked layers; the first ``remat_layers`` recomputed."""
+        model = nnx.merge(self.graphdef, params)
+        gdef, stacked = nnx.split(model.layers)
+        inputs = AttentionInputs(batch["seg"], batch["pos"], batch["kv_seg"], batch["kv_pos"])
+        attn = self._attention_fn(batch["ctx_k"], batch["ctx_v"])
+        parts = [(0, remat_layers, True), (remat_layers, n_layers, False)]
+        for lo, hi, remat in parts:
+            if hi > lo:
+                part = jax.tree.map(lambda a: a[lo:hi], stacked)
+                x = apply_stacked_layers(gdef, part, x, inputs, attn, compute_dtype=self.dtype, remat=remat)
+        return x
+
+    # ---- layer-slice programs (profiling)
+    def layers_program(self, n_layers: int, mode: str, remat: bool) -> Callable:
+        """jit of ``n_layers`` layers: ``mode="fwd"`` forward only, ``"fwdbwd"`` forward + VJP w.r.t.
+        parameters, input and context K/V (all layers recomputed when ``remat``)."""
+        key = ("layers", n_layers, mode, remat)
+        if key in self._cache:
+            return self._cache[key]
+
+        def fwd(params, batch):
+            return self._run_layers(params, batch["x"], batch, n_layers, n_layers if remat else 0)
+
+        if mode == "fwd":
+            fn = jax.jit(fwd)
+        else:
+
+            def fwdbwd(params, batch):
+                def f(p, x, ck, cv):
+                    b = dict(batch, x=x, ctx_k=ck, ctx_v=cv)
+                    return fwd(p, b)
+
+                y, vjp = jax.vjp(f, params, batch["x"], batch["ctx_k"], batch["ctx_v"])
+                return vjp(jnp.ones_like(y))
+
+            fn = jax.jit(fwdbwd)
+        self._cache[key] = fn
+        return fn
+
+    def head_program(self, mode: str) -> Callable:
+        """jit of final norm + logits + loss (+ backward to the hidden state and head weights)."""
+        key = ("head", mode)
+        if key in self._cache:
+            return self._cache[key]
+
+        def loss(params, x, batch):
+            model = nnx.merge(self.graphdef, params)
+            sums = cross_entropy_sums(model.logits(x), batch["targets"], batch["loss_mask"])
+            return sums["loss_sum"]
+
+        if mode == "fwd":
+            fn = jax.jit(loss)
+        else:
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        self._cache[key] = fn
+        return fn
+
+    # ---- whole-model programs (validation, per-chunk overhead)
+    def chunk_step_program(self, ckpt_layers: int) -> Callable:
+        """jit of one chunk through the whole model: forward, loss, backward, gradients added to
+        the accumulator ``acc`` (donated). Returns ``(acc, loss_sum)``."""
+        key = ("chunk", ckpt_layers)
+        if key in self._cache:
+            return self._cache[key]
+        n = self.cfg.num_layers
+
+        def loss(params, ck, cv, batch):
+            model = nnx.merge(self.graphdef, params)
+            x = model.embed_tokens(batch["tokens"])
+            x = self._run_layers(params, x, dict(batch, ctx_k=ck, ctx_v=cv), n, ckpt_layers)
+            sums = cross_entropy_sums(model.logits(x), batch["targets"], batch["loss_mask"])
+            return sums["loss_sum"] / jnp.maximum(sums["target_tokens"], 1.0)
+
+        def step(params, acc, batch):
+            value, (g, _, _) = jax.value_and_grad(loss, argnums=(0, 1, 2))(params, batch["ctx_k"], batch["ctx_v"], batch)
+            return jax.tree.map(jnp.add, acc, g), value
+
+        fn = jax.jit(step, donate_argnums=1)
+        self._cache[key] = fn
+        return fn
+
+    def optimizer_program(self):
+        """(init, jitted update(params, opt_state, grads) -> (params, opt_state)) with the run's AdamW."""
+        from jvarlen.runtime.state import make_optimizer
+
+        if "opt" not in self._cache:
+            tx = make_optimizer(self.optimizer_cfg, total_steps=1000)
+
+            def update(params, opt_state, grads):
+                import optax
+
+                upd, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, upd), opt_state
+
+            self._cache["opt"] = (tx.init, jax.jit(update, donate_argnums=(0, 1)))
+        return self._cache["opt"]
+
+    def zeros_like_params(self):
+        return jax.tree.map(jnp.zeros_like, self.params)
+
+
+def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> float:
+    """Wall time (s, min over ``repeats``) of one pp = 1 plan: every chunk forward + backward with
+    its recomputed layers, gradients accumulated, then the optimizer update. Programs are
+    compiled (and run once) before timing."""
+    init, update = harness.optimizer_program()
+    batches = [harness.chunk_inputs(c, seed=i) for i, c in enumerate(chunks)]
+    programs = [harness.chunk_step_program(int(k)) for k in ckpt]
+
+    def once():
+        params = jax.tree.map(jnp.copy, harness.params)
+        opt_state = init(params)
+        acc = harness.zeros_like_params()
+        jax.block_until_ready((params, opt_state, acc))
+        t0 = time.perf_counter()
+        for prog, batch in zip(programs, batches):
+            acc, _ = prog(params, acc, batch)
+        params, opt_state = update(params, opt_state, acc)
+        jax.block_until_ready(params)
+        return time.perf_counter() - t0
+
+    once()  # compile
+    return min(once() for _ in range(repeats))
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileGrid:
+    """What is profiled. For every (token bucket, context bucket) pair one program per layer
+    count and mode is compiled, and several chunks of that bucket pair are timed on it: full and
+    partly filled buckets, single slices with the largest and a middle context, packed documents.
+    Recomputation is profiled on the pairs in ``remat_pairs``."""
+
+    token_buckets: tuple[int, ...] = (512, 1024, 2048)
+    context_buckets: tuple[int, ...] = (0, 2048, 6144)
+    remat_pairs: tuple[tuple[int, int], ...] = ((512, 0), (1024, 0), (2048, 0), (1024, 2048))
+    repeats: int = 5
+    calibration: tuple[ChunkShape, ...] = (
+        ChunkShape(0, (512,)),
+        ChunkShape(0, (700, 300)),
+        ChunkShape(1500, (900,), tail=False),
+        ChunkShape(0, (2048,)),
+    )
+
+    def chunks(self, tb: int, cb: int) -> list[ChunkShape]:
+        prev_t = max([b for b in self.token_buckets if b < tb], default=0)
+        prev_c = max([b for b in self.context_buckets if b < cb], default=0)
+        sizes = [tb, (tb + prev_t) // 2 + 1]
+        out = []
+        for t in sizes:
+            if cb == 0:
+                out.append(ChunkShape(0, (t,)))
+                out.append(ChunkShape(0, tuple([t // 4] * 3 + [t - 3 * (t // 4)])))
+                n = max(2, t // 96)
+                out.append(ChunkShape(0, tuple([t // n] * (n - 1) + [t - (n - 1) * (t // n)])))
+            else:
+                for c in (cb, (cb + prev_c) // 2 + 1):
+                    out.append(ChunkShape(c, (t,), tail=False))
+                out.append(ChunkShape(cb, (t // 2, t // 4, t - t // 2 - t // 4)))
+        return out
+
+
+@dataclasses.dataclass
+class ProfileSamples:
+    chunks: list[ChunkShape]
+    fwd: np.ndarray  # [n] seconds per layer
+    bwd: np.ndarray
+    recompute: np.ndarray  # [n] NaN where not profiled
+    raw: dict
+
+
+def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[Callable] = None) -> ProfileSamples:
+    """Per-layer forward/backward/recompute samples by the dual-layer difference (2 layers − 1)."""
+    pairs = [(tb, cb) for tb in grid.token_buckets for cb in grid.context_buckets]
+    chunks, fwd, bwd, rec, raw = [], [], [], [], {}
+    for done, (tb, cb) in enumerate(pairs):
+        remat = (tb, cb) in grid.remat_pairs
+        for chunk in grid.chunks(tb, cb):
+            batch = harness.layer_inputs(chunk)
+            t = {}
+            for nl in (1, 2):
+                t[("fwd", nl)] = time_call(harness.layers_program(nl, "fwd", False), harness.params, batch, repeats=grid.repeats)
+                t[("fb", nl)] = time_call(harness.layers_program(nl, "fwdbwd", False), harness.params, batch, repeats=grid.repeats)
+                if remat:
+                    t[("fbr", nl)] = time_call(harness.layers_program(nl, "fwdbwd", True), harness.params, batch, repeats=grid.repeats)
+            f = t[("fwd", 2)] - t[("fwd", 1)]
+            fb = t[("fb", 2)] - t[("fb", 1)]
+            chunks.append(chunk)
+            fwd.append(f)
+            bwd.append(fb - f)
+            rec.append((t[("fbr", 2)] - t[("fbr", 1)]) - fb if remat else np.nan)
+            raw[str(chunk)] = {f"{k[0]}{k[1]}": v for k, v in t.items()}
+        if progress:
+            progress(done + 1, len(pairs), (tb, cb))
+    return ProfileSamples(chunks, np.array(fwd), np.array(bwd), np.array(rec), raw)
+
+
+def profile_head(harness: ChunkHarness, tokens: Iterable[int], repeats: int = 5) -> tuple[LayerTime, LayerTime]:
+    """Head (final norm + logits + loss) forward and backward coefficients (alpha1 = 0)."""
+    tokens = list(tokens)
+    tf, tb = [], []
+    for t in tokens:
+        batch = harness.chunk_inputs(ChunkShape(0, (t,)))
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, harness.shape.d_model)), harness.dtype)
+        f = time_call(harness.head_program("fwd"), harness.params, x, batch, repeats=repeats)
+        fb = time_call(harness.head_program("fwdbwd"), harness.params, x, batch, repeats=repeats)
+        tf.append(f)
+        tb.append(max(fb - f, 1e-9))
+    zero = np.zeros(len(tokens))
+    return fit_layer_time(zero, tokens, tf), fit_layer_time(zero, tokens, tb)
+
+
+def profile_memory(harness: ChunkHarness, tokens: Sequence[int]) -> Optional[float]:
+    """Activation bytes per token per layer (``m_token``) from XLA's temp buffer size of the
+    2-layer minus 1-layer forward+backward program; None when the backend reports nothing."""
+    per = []
+    for t in tokens:
+        batch = harness.layer_inputs(ChunkShape(0, (t,)))
+        temps = []
+        for nl in (1, 2):
+            try:
+                compiled = harness.layers_program(nl, "fwdbwd", False).lower(harness.params, batch).compile()
+                stats = compiled.memory_analysis()
+            except Exception:  # noqa: BLE001 - backends without memory analysis
+                return None
+            if stats is None:
+                return None
+            temps.append(stats.temp_size_in_bytes)
+        per.append(temps[1] - temps[0])
+    slope, _ = fit_linear(tokens, per)
+    return slope if slope > 0 else None
+
+
+def build_profile(
+    harness: ChunkHarness,
+    grid: ProfileGrid = ProfileGrid(),
+    base: Optional[CostCoefficients] = None,
+    progress: Optional[Callable] = None,
+) -> tuple[CostCoefficients, dict]:
+    """Measures and fits a complete profile. ``base`` supplies what is not measured here
+    (links, memory budget, bytes per parameter); default: analytic values for this model."""
+    samples = profile_layers(harness, grid, progress)
+    c0 = base or _default_base(harness)
+    c0 = c0.replace(token_buckets=harness.token_buckets, attention_block=_attention_block())
+    shape_cost = CostModel(harness.shape, Layout(1, 1, 1), c0)
+    pairs = [shape_cost.pairs(c) for c in samples.chunks]
+    toks = [shape_cost.linear_tokens(c) for c in samples.chunks]
+    fwd = fit_layer_time(pairs, toks, np.maximum(samples.fwd, 1e-9))
+    bwd = fit_layer_time(pairs, toks, np.maximum(samples.bwd, 1e-9))
+    recompute = None
+    if not np.all(np.isnan(samples.recompute)):
+        ok = ~np.isnan(samples.recompute)
+        recompute = fit_layer_time(np.asarray(pairs)[ok], np.asarray(toks)[ok], np.maximum(samples.recompute[ok], 1e-9))
+    head_fwd, head_bwd = profile_head(harness, grid.token_buckets, grid.repeats)
+    m_token = profile_memory(harness, grid.token_buckets)
+
+    init, update = harness.optimizer_program()
+    params = jax.tree.map(jnp.copy, harness.params)
+    opt_state = init(params)
+    grads = harness.zeros_like_params()
+
+    def opt_once():
+        nonlocal params, opt_state
+        params, opt_state = update(params, opt_state, grads)
+        return params
+
+    step_overhead = time_call(opt_once, repeats=grid.repeats)
+
+    coeffs = c0.replace(
+        fwd=fwd,
+        bwd=bwd,
+        recompute=recompute,
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
+        m_token=m_token if m_token is not None else c0.m_token,
+        step_overhead=step_overhead,
+        per_sp={},
+    )
+    # Per-chunk overhead of a whole-model chunk step (embedding, accumulation, dispatch) that the
+    # layer and head programs do not contain: mean residual on the calibration chunks.
+    cost = CostModel(harness.shape, Layout(1, 1, 1), coeffs)  # pp = 1: the stage has the head
+    resid = []
+    for chunk in grid.calibration:
+        batch = harness.chunk_inputs(chunk)
+        prog = harness.chunk_step_program(0)
+        acc = harness.zeros_like_params()
+
+        def once():
+            nonlocal acc
+            acc, v = prog(harness.params, acc, batch)
+            return v
+
+        measured = time_call(once, repeats=grid.repeats)
+        predicted = cost.fwd_time(chunk, 0) + cost.bwd_time(chunk, 0)
+        resid.append(measured - predicted)
+    chunk_overhead = float(np.median(resid))
+    coeffs = coeffs.replace(head_bwd=dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + chunk_overhead)))
+    dev = jax.devices()[0]
+    coeffs = coeffs.replace(
+        meta=ProfileMeta(
+            model_key=harness.shape.key(),
+            backend=jax.default_backend(),
+            device_kind=dev.device_kind,
+            analytic=False,
+            source=f"jvarlen.profile dual-layer grid: {len(samples.chunks)} chunks, remat {grid.remat}, "
+            f"min of {grid.repeats}; chunk overhead {chunk_overhead:.3e} s; jax {jax.__version__}",
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+    )
+    report = {
+        "samples": {str(c): [f, b, r] for c, f, b, r in zip(samples.chunks, samples.fwd, samples.bwd, samples.recompute)},
+        "raw": samples.raw,
+        "chunk_overhead_s": chunk_overhead,
+        "calibration_residuals_s": resid,
+    }
+    return coeffs, report
+
+
+def _attention_block() -> int:
+    """Tile size of the block-skipping attention kernel (the kernels' default BlockSizes)."""
+    from jvarlen.kernels.common import BlockSizes
+
+    return BlockSizes().block_q
+
+
+def _default_base(harness: ChunkHarness) -> CostCoefficients:
+    """Non-measured fields for a single-host CPU/GPU run: no interconnect model, budget from the
+    device when it reports one."""
+    from jvarlen.plan.hardware import activation_bytes_per_token
+
+    budget = 16e9
+    try:
+        stats = jax.devices()[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            budget = float(stats["bytes_limit"]) * 0.9
+    except Exception:  # noqa: BLE001 - CPU has no memory_stats
+        pass
+    e = jnp.dtype(harness.cfg.compute_dtype).itemsize
+    return CostCoefficients(
+        fwd=LayerTime(),
+        m_token=activation_bytes_per_token(harness.shape, e),
+        m_head_token=6.0 * harness.shape.vocab_size,
+        bytes_per_element=e,
+        master_bytes_per_param=12.0,
+        stage_bytes_per_param=6.0,
+        memory_budget=budget,
+        gpus_per_node=max(1, jax.local_device_count()),
+    )
+
+
+def enable_compilation_cache(path: Optional[str]) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def run_profiler(cfg) -> str:
+    """Entry of ``python -m jvarlen.profile`` (``cfg``: :class:`jvarlen.profile.ProfileConfig`).
+    Returns the path of the saved (or reused) profile."""
+    import json
+    import os
+
+    from tqdm import tqdm
+
+    from jvarlen.config import ModelConfig, load_config
+    from jvarlen.plan.cost import profile_filename
+
+    enable_compilation_cache(cfg.compilation_cache)
+    model_cfg = load_config(cfg.config).model if cfg.config else ModelConfig()
+    shape = ModelShape.from_config(model_cfg)
+    dev = jax.devices()[0]
+    path = os.path.join(cfg.out_dir, profile_filename(shape, jax.default_backend(), dev.device_kind))
+    if os.path.exists(path) and not cfg.force:
+        return path
+    grid = ProfileGrid(repeats=cfg.repeats)
+    harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
+    n_pairs = len(grid.token_buckets) * len(grid.context_buckets)
+    with tqdm(total=n_pairs, desc="profiling (token, context) buckets", unit="bucket") as bar:
+
+        def progress(done, total, key):
+            bar.set_postfix_str(f"T={key[0]} C={key[1]}")
+            bar.update(1)
+
+        coeffs, report = build_profile(harness, grid, progress=progress)
+    coeffs.save(path)
+    with open(path.replace(".json", ".samples.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return path

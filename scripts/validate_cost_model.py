@@ -1,0 +1,168 @@
+"""Predicted vs measured step time of held-out real plans (the cost-model accuracy bar).
+
+Plans: documents drawn from the stdlib corpus (real file lengths, byte tokens, capped at
+``max_doc`` tokens), chunked with a per-plan chunk capacity: long documents split into
+slices (split chunks, the last slice packed with short documents into a hybrid chunk),
+short documents packed first-fit-decreasing (batched chunks); recomputation per chunk
+drawn from {0, L/2, L} layers. None of these chunk shapes is a profiling shape.
+
+Each plan is run by :func:`jvarlen.runtime.profiler.run_plan` (real decoder, every chunk
+forward + backward with its recomputation, gradients accumulated, AdamW update; pp = 1,
+sp = 1) and timed (min of ``--repeats``); the prediction is the simulator's iteration time
+with the profile's coefficients.
+
+Usage: ``python scripts/validate_cost_model.py --profile PATH [--plans 36] [--out runs/validate.json]``
+(without ``--profile`` the profile is measured first with ``python -m jvarlen.profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def make_plan(rng, pool, capacity: int, max_doc: int, budget: int, num_layers: int):
+    """-> (chunk shapes, chunk_prev, ckpt layers, doc ids) of one plan of ~``budget`` tokens."""
+    from jvarlen.plan.chunk import ChunkShape
+
+    docs, total = [], 0
+    while total < budget:
+        n = int(min(pool[rng.integers(pool.size)], max_doc))
+        docs.append(n)
+        total += n
+    shapes, prev, owners = [], [], []
+    tails, shorts = [], []
+    for d, n in enumerate(docs):
+        if n <= capacity:
+            shorts.append((n, d))
+            continue
+        start, last = 0, -1
+        while n - start > capacity:
+            shapes.append(ChunkShape(start, (capacity,), tail=False))
+            prev.append(last)
+            owners.append((d,))
+            last = len(shapes) - 1
+            start += capacity
+        tails.append((start, n - start, d, last))
+    bins = [[ctx, [s], [d], last] for ctx, s, d, last in tails]  # hybrid candidates: tail first
+    for n, d in sorted(shorts, reverse=True):
+        for b in bins:
+            if sum(b[1]) + n <= capacity:
+                b[1].append(n)
+                b[2].append(d)
+                break
+        else:
+            bins.append([0, [n], [d], -1])
+    for ctx, sl, ds, last in bins:
+        shapes.append(ChunkShape(ctx, tuple(sl), tail=True))
+        prev.append(last)
+        owners.append(tuple(ds))
+    # order: every chunk after the one it continues
+    order = sorted(range(len(shapes)), key=lambda k: (shapes[k].context, k))
+    pos = {k: i for i, k in enumerate(order)}
+    shapes = [shapes[k] for k in order]
+    prev = [pos[prev[k]] if prev[k] >= 0 else -1 for k in order]
+    owners = [owners[k] for k in order]
+    ckpt = rng.choice([0, num_layers // 2, num_layers], size=len(shapes))
+    return shapes, prev, ckpt, owners
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", help="profile JSON (default: measure one now)")
+    ap.add_argument("--config", help="run YAML whose model is used (default: ModelConfig())")
+    ap.add_argument("--plans", type=int, default=36)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--max_doc", type=int, default=8192)
+    ap.add_argument("--out", default="runs/validate_cost_model.json")
+    ap.add_argument("--gantt", help="write the Gantt chart of the first plan here (PNG)")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from jvarlen.config import ModelConfig, load_config
+    from jvarlen.layout import Layout
+    from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+    from jvarlen.plan.schedule import one_f_one_b
+    from jvarlen.plan.simulator import simulate
+    from jvarlen.plan.workloads import stdlib_lengths
+    from jvarlen.runtime.profiler import CONTEXT_BUCKETS, ChunkHarness, ProfileGrid, enable_compilation_cache, run_plan
+
+    enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla"))
+    model_cfg = load_config(args.config).model if args.config else ModelConfig()
+    if args.profile is None:
+        from jvarlen.profile import main as profile_main
+
+        args.profile = profile_main([] if args.config is None else ["--config", args.config])
+    coeffs = CostCoefficients.load(args.profile)
+    shape = ModelShape.from_config(model_cfg)
+    if coeffs.meta.model_key != shape.key():
+        raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
+    cost = CostModel(shape, Layout(1, 1, 1), coeffs)
+    grid = ProfileGrid()
+    harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
+    capacities = [c for c in (512, 768, 1024, 1536, 2048) if c <= max(grid.token_buckets)]
+    max_doc = min(args.max_doc, max(CONTEXT_BUCKETS) + min(capacities))
+    pool = np.asarray(stdlib_lengths())
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    t_start = time.time()
+    for i in range(args.plans):
+        capacity = int(rng.choice(capacities))
+        cap_doc = min(max_doc, max(CONTEXT_BUCKETS) + capacity)
+        shapes, prev, ckpt, owners = make_plan(rng, pool, capacity, cap_doc, int(rng.integers(3000, 9000)), shape.num_layers)
+        sched = one_f_one_b(len(shapes), 1, chunk_docs=owners)
+        result = simulate(sched, shapes, np.asarray(ckpt)[:, None], cost)
+        measured = run_plan(harness, shapes, ckpt, repeats=args.repeats)
+        err = (result.iteration_time - measured) / measured
+        kinds = sorted({"split" if not s.tail else ("hybrid" if s.context else "batched") for s in shapes})
+        rows.append(
+            {
+                "plan": i,
+                "capacity": capacity,
+                "chunks": [[s.context, list(s.slices), s.tail] for s in shapes],
+                "ckpt": [int(k) for k in ckpt],
+                "kinds": kinds,
+                "tokens": int(sum(s.tokens for s in shapes)),
+                "predicted_s": result.iteration_time,
+                "measured_s": measured,
+                "rel_err": err,
+            }
+        )
+        print(
+            f"plan {i:2d}: {len(shapes):2d} chunks {rows[-1]['tokens']:5d} tok cap {capacity:4d} {'/'.join(kinds):20s} "
+            f"pred {result.iteration_time * 1e3:8.1f} ms  meas {measured * 1e3:8.1f} ms  err {100 * err:+6.1f}%  "
+            f"[{time.time() - t_start:5.0f}s]",
+            flush=True,
+        )
+        if i == 0 and args.gantt:
+            from jvarlen.plan.gantt import draw_gantt
+
+            draw_gantt(result, sched, args.gantt)
+    errs = np.abs([r["rel_err"] for r in rows])
+    summary = {
+        "profile": args.profile,
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "plans": len(rows),
+        "median_abs_rel_err": float(np.median(errs)),
+        "p90_abs_rel_err": float(np.percentile(errs, 90)),
+        "max_abs_rel_err": float(errs.max()),
+        "mean_signed_rel_err": float(np.mean([r["rel_err"] for r in rows])),
+        "bar": "median <= 5 %, p90 <= 10 %",
+        "passes": bool(np.median(errs) <= 0.05 and np.percentile(errs, 90) <= 0.10),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "plans": rows}, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
