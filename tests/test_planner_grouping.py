@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jvarlen.plan.checkpointing import SolverOptions
-from jvarlen.plan.grouping import group, solve_unit, warmup_cost
+from jvarlen.plan.grouping import group, solve_range, warmup_cost
 from jvarlen.plan.sequence_processor import chunk_batch
 from jvarlen.plan.units import families_of
 from planner_helpers import small_cost, tight_budget
@@ -37,8 +37,8 @@ def brute_force(families, shapes, cost, delta):
         groups.append(cur)
         total = 0.0
         for g in groups:
-            unit = solve_unit([f for f in families if len(f) in g], shapes, cost, cost.layout.pp, cost.layers_per_stage, OPTS)
-            total += delta + unit.ckpt.cost_s
+            units = solve_range([f for f in families if len(f) in g], shapes, cost, cost.layout.pp, cost.layers_per_stage, OPTS)
+            total += math.inf if units is None else sum(delta + u.ckpt.cost_s for u in units)
         best = min(best, total)
     return best
 

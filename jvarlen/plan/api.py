@@ -10,7 +10,8 @@ policy         chunking                                          units / recompu
 ``wo-wbc``     even split + fixed-length packing, size tuned     Eq. 14 DP + Alg. 2 MILP
 ``wo-ckpt``    Alg. 1, N tuned                                   Eq. 14 DP, no recomputation
 ``full-ckpt``  Alg. 1, N tuned                                   Eq. 14 DP, full recomputation
-``seq1f1b``    fixed-size slices + packing, size tuned           one unit, uniform (least fit)
+``seq1f1b``    fixed-size slices + packing, fixed size           one unit, uniform for 96K
+``seq1f1b-tuned`` same, size tuned per iteration                 one unit, uniform (least fit)
 ``dapple``     whole documents packed (batch-level)              one unit, uniform (least fit)
 =============  ================================================  ==========================
 
@@ -35,7 +36,7 @@ from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
 
-POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "dapple")
+POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple")
 
 
 class PlanningError(RuntimeError):
@@ -46,16 +47,24 @@ class PlanningError(RuntimeError):
 class PlannerOptions:
     """Knobs of :func:`plan_iteration`.
 
-    ``n_slices``: fix Alg. 1's N (None: tune over ``n_candidates`` values from the
-    smallest feasible one). ``solver``: limits of each checkpointing MILP.
-    ``chunk_tokens``: candidate fixed chunk sizes for seq1f1b / wo-wbc (the best
-    simulated one is used).
+    ``n_slices``: fix Alg. 1's N (None: tune over ``n_candidates`` values
+    ``n0·n_ratio^i`` from the smallest feasible n0, skipping N with fewer than
+    ``min_slice_tokens`` tokens per slice on average, and going on past infeasible
+    ones). ``solver``: limits of each checkpointing MILP. ``chunk_tokens``: candidate
+    fixed chunk sizes for seq1f1b-tuned / wo-wbc (the best simulated one is used).
+    ``seq1f1b_chunk_tokens`` / ``seq1f1b_reference_context``: the paper-protocol
+    Seq1F1B baseline's fixed chunk size and the context its uniform recomputation is
+    sized for (InfiniPipe §5.1: "checkpointing configurations optimized for 96K").
     """
 
     n_slices: Optional[int] = None
-    n_candidates: int = 4
+    n_candidates: int = 3
+    n_ratio: float = 3.0
+    min_slice_tokens: int = 2048
     solver: SolverOptions = SolverOptions()
-    chunk_tokens: tuple[int, ...] = (4096, 8192, 12288, 16384, 24576, 32768)
+    chunk_tokens: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    seq1f1b_chunk_tokens: int = 8192
+    seq1f1b_reference_context: int = 96 * 1024
 
 
 def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8)) -> CostModel:
@@ -99,8 +108,10 @@ def plan_iteration(
         plan = _plan_epp(policy, lengths, cost, options, mode)
     elif policy == "wo-wbc":
         plan = _plan_fixed(policy, lengths, cost, options, even=True)
-    elif policy == "seq1f1b":
+    elif policy == "seq1f1b-tuned":
         plan = _plan_fixed(policy, lengths, cost, options, even=False)
+    elif policy == "seq1f1b":
+        plan = _plan_seq1f1b(lengths, cost, options)
     else:
         plan = _plan_dapple(lengths, cost)
     plan.stats["solve_seconds"] = time.perf_counter() - t0 - plan.stats.get("simulate_seconds", 0.0)
@@ -113,17 +124,19 @@ def plan_iteration(
 
 def smallest_slices(lengths: Sequence[int], cost) -> int:
     """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity."""
+    if max(lengths) <= cost.max_tokens(in_flight=1, tail=True):
+        return 1  # nothing needs splitting: every document fits as a (tail) chunk of its own
     cap = cost.max_tokens(in_flight=1, tail=False)
     if cap < 1:
         raise PlanningError("model states alone exceed the memory budget")
-    n = max(1, math.ceil(max(lengths) / cap))
+    n = max(2, math.ceil(max(lengths) / cap))
     while split_mesh(cost, max(lengths), n).token_threshold > cap:
         n += 1
     return n
 
 
 def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int):
-    cap = cost.max_tokens(in_flight=1, tail=False)
+    cap = cost.max_tokens(in_flight=1, tail=n == 1)  # N = 1 splits nothing: all chunks are tails
     res = chunk_batch(lengths, cost, n, token_capacity=cap)
     chunks = list(res.chunks)
     return res, chunks, _group(chunks, lengths, cost, options, mode)
@@ -141,11 +154,19 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         candidates = [options.n_slices]
     else:
         n0 = smallest_slices(lengths, cost)
-        candidates = list(range(n0, n0 + (1 if policy == "epp-fast" else options.n_candidates)))
+        n_max = max(n0, max(lengths) // max(1, options.min_slice_tokens))
+        candidates = []
+        x = float(n0)
+        while int(round(x)) <= n_max or not candidates:
+            if int(round(x)) not in candidates:
+                candidates.append(int(round(x)))
+            x = x * options.n_ratio if options.n_ratio > 1 else x + 1
     tune_mode = "greedy" if (mode == "milp" and len(candidates) > 1) else mode
     best = None
     tried = {}
     for n in candidates:  # §3.2: N tuned by simulating candidates (greedy checkpointing while tuning)
+        if len(tried) >= (1 if policy == "epp-fast" else options.n_candidates):
+            break
         try:
             res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
         except (ValueError, PlanningError) as e:
@@ -185,7 +206,7 @@ def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool)
     for size in sizes:
         chunks = fixed_size_chunks(lengths, size, even_split=even)
         shapes = [c.shape(lengths) for c in chunks]
-        if policy == "seq1f1b":
+        if policy == "seq1f1b-tuned":
             fams = order_families(families_of(chunks, lengths), shapes, cost)
             unit, fits = uniform_unit(fams, shapes, cost)
             units = [unit]
@@ -209,6 +230,35 @@ def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool)
         units = list(_group(chunks, lengths, cost, options, "milp").units)
     stats = dict(chunk_tokens=size, tuned_iteration_times={str(k): v for k, v in tried.items()})
     return assemble(policy, lengths, chunks, units, cost, stats, events)
+
+
+def reference_uniform_layers(cost, chunk_tokens: int, context: int) -> int:
+    """Uniform recomputation Seq1F1B needs for a worst-case batch of ``context``-token documents
+    cut into ``chunk_tokens`` chunks (its setting "optimized for" that context, §5.1)."""
+    lengths = [context] * 2
+    chunks = fixed_size_chunks(lengths, chunk_tokens)
+    shapes = [c.shape(lengths) for c in chunks]
+    fams = order_families(families_of(chunks, lengths), shapes, cost)
+    unit, fits = uniform_unit(fams, shapes, cost)
+    return int(unit.ckpt.values.max()) if fits else cost.layers_per_stage
+
+
+def _plan_seq1f1b(lengths, cost, options: PlannerOptions) -> Plan:
+    """Paper-protocol Seq1F1B: fixed chunk size, uniform recomputation sized for the reference context
+    (raised further only if this batch needs it)."""
+    size = min(options.seq1f1b_chunk_tokens, cost.max_tokens(in_flight=1, tail=False))
+    ref = reference_uniform_layers(cost, size, options.seq1f1b_reference_context)
+    chunks = fixed_size_chunks(lengths, size)
+    shapes = [c.shape(lengths) for c in chunks]
+    fams = order_families(families_of(chunks, lengths), shapes, cost)
+    unit, fits = uniform_unit(fams, shapes, cost)
+    layers = max(ref, int(unit.ckpt.values.max()))
+    unit, fits = uniform_unit(fams, shapes, cost, layers)
+    events = [] if fits else [f"seq1f1b: out of memory with {layers} recomputed layers per stage"]
+    stats = {"chunk_tokens": size, "uniform_ckpt_layers": layers, "reference_ckpt_layers": ref}
+    plan = assemble("seq1f1b", lengths, chunks, [unit], cost, stats, events)
+    plan.stats["oom"] = not fits
+    return plan
 
 
 def _plan_dapple(lengths, cost) -> Plan:

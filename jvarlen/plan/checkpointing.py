@@ -154,11 +154,11 @@ def build_problem(
             weight[j] = max(weight[j], rec1[k])
         stage_cap = int((cost.memory_budget - cost.model_state_memory(p)) // KIB)
         for window in live_windows(program):
+            w = np.asarray(window, dtype=np.int64)
             row = np.zeros(n_vars, dtype=np.int64)
-            for k in window:
-                row[var_of[p, k]] += f_kib[p, k]
+            np.add.at(row, var_of[p, w], f_kib[p, w])
             rows.append(row)
-            base.append(int(sum(i_kib[p, k] for k in window)))
+            base.append(int(i_kib[p, w].sum()))
             cap.append(stage_cap)
             row_stage.append(p)
     return CkptProblem(
@@ -199,9 +199,12 @@ def _cp_model(problem: CkptProblem, hint: np.ndarray | None) -> tuple[cp_model.C
     model = cp_model.CpModel()
     xs = [model.new_int_var(0, problem.max_layers, f"C{j}") for j in range(problem.n_vars)]
     for row, b, cap in zip(problem.rows, problem.base, problem.cap):
-        terms = [(int(a), x) for a, x in zip(row, xs) if a]
-        model.add(sum(a * x for a, x in terms) >= int(b - cap))
-    model.minimize(sum(int(w) * x for w, x in zip(problem.weight_us, xs)))
+        nz = np.flatnonzero(row)
+        need = int(b - cap)
+        if need <= 0:
+            continue  # satisfied by C = 0 already
+        model.add(cp_model.LinearExpr.weighted_sum([xs[j] for j in nz], [int(row[j]) for j in nz]) >= need)
+    model.minimize(cp_model.LinearExpr.weighted_sum(xs, [int(w) for w in problem.weight_us]))
     if hint is not None:
         for x, v in zip(xs, hint):
             model.add_hint(x, int(v))

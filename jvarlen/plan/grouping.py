@@ -74,13 +74,37 @@ def solve_unit(
     problem = build_problem([shapes[k] for k in ids], schedule, cost, max_layers, table, ids)
     if ckpt_mode in ("none", "full"):
         c = np.full(problem.n_vars, 0 if ckpt_mode == "none" else max_layers, dtype=np.int64)
-        from jvarlen.plan.checkpointing import _solution  # same extraction path as the solver
 
         sol = make_solution(problem, c, ckpt_mode if problem.feasible(c) else "infeasible", ckpt_mode)
     else:
         opts = options if ckpt_mode == "milp" else dataclasses.replace(options, time_limit_s=0.0)
         sol = solve(problem, opts)
     return Unit(tuple(fams), tuple(ids), schedule, sol)
+
+
+def solve_range(
+    families: Sequence[Sequence[int]],
+    shapes: Sequence[ChunkShape],
+    cost,
+    pp: int,
+    max_layers: int,
+    options: SolverOptions,
+    ckpt_mode: str = "milp",
+    table: MemoryTable | None = None,
+) -> list[Unit] | None:
+    """Units for one DP range: a single unit if it fits, else the families (in unit order)
+    halved recursively until every part fits — several long documents of the same size
+    then need not share a pipeline. None when a single family does not fit."""
+    unit = solve_unit(families, shapes, cost, pp, max_layers, options, ckpt_mode, table)
+    if unit.ckpt.feasible:
+        return [unit]
+    if len(families) == 1:
+        return None
+    fams = list(unit.families)
+    half = len(fams) // 2
+    left = solve_range(fams[:half], shapes, cost, pp, max_layers, options, ckpt_mode, table)
+    right = solve_range(fams[half:], shapes, cost, pp, max_layers, options, ckpt_mode, table) if left else None
+    return None if right is None else left + right
 
 
 def warmup_cost(shapes: Sequence[ChunkShape], cost, pp: int) -> float:
@@ -100,35 +124,44 @@ def group(
     options: SolverOptions = SolverOptions(),
     ckpt_mode: str = "milp",
     delta: float | None = None,
+    max_levels: int = 8,
 ) -> Grouping:
-    """Eq. 14 over family-size levels. Raises ValueError when no grouping fits in memory."""
+    """Eq. 14 over family-size levels. Raises ValueError when no grouping fits in memory.
+
+    With more than ``max_levels`` distinct sizes, neighbouring sizes are merged into
+    ``max_levels`` levels (equal numbers of distinct sizes each), bounding the DP at
+    max_levels·(max_levels+1)/2 range solves.
+    """
     delta = warmup_cost(shapes, cost, pp) if delta is None else delta
     table = MemoryTable.build(shapes, cost, max_layers)
-    sizes = sorted({len(f) for f in families})
-    by_size = {s: [f for f in families if len(f) == s] for s in sizes}
+    distinct = sorted({len(f) for f in families})
+    bins = np.array_split(np.array(distinct), min(len(distinct), max_levels))
+    level_of = {int(x): i for i, b in enumerate(bins) for x in b}
+    sizes = list(range(len(bins)))
+    by_size = {lv: [f for f in families if level_of[len(f)] == lv] for lv in sizes}
     levels = len(sizes)
     dp = [0.0] + [math.inf] * levels
-    back: list[tuple[int, Unit | None]] = [(0, None)] * (levels + 1)
+    back: list[tuple[int, list[Unit]]] = [(0, [])] * (levels + 1)
     solves = 0
     for i in range(1, levels + 1):
         for k in range(i):
             if dp[k] == math.inf:
                 continue
             fams = [f for s in sizes[k:i] for f in by_size[s]]
-            unit = solve_unit(fams, shapes, cost, pp, max_layers, options, ckpt_mode, table)
+            units = solve_range(fams, shapes, cost, pp, max_layers, options, ckpt_mode, table)
             solves += 1
-            if not unit.ckpt.feasible:
+            if units is None:
                 continue
-            value = dp[k] + delta + unit.ckpt.cost_s
+            value = dp[k] + sum(delta + u.ckpt.cost_s for u in units)
             if value < dp[i]:
-                dp[i], back[i] = value, (k, unit)
+                dp[i], back[i] = value, (k, units)
     if dp[levels] == math.inf:
         raise ValueError("no sequence grouping fits the memory budget; use more slices (larger N)")
-    units: list[Unit] = []
+    chosen: list[list[Unit]] = []
     i = levels
     while i > 0:
-        k, unit = back[i]
-        units.append(unit)
+        k, part = back[i]
+        chosen.append(part)
         i = k
-    units.reverse()
+    units = [u for part in reversed(chosen) for u in part]
     return Grouping(tuple(units), dp[levels], solves, tuple(u.ckpt.source for u in units))

@@ -74,7 +74,7 @@ def _cut(cost, length: int, tau: float) -> list[int]:
     return slices
 
 
-def split_mesh(cost, max_length: int, n_slices: int, iters: int = 40) -> Mesh:
+def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
     """Alg. 1 line 1: N slices of the longest document with (nearly) equal backward time.
 
     Bisection on the time target τ: each slice is the longest one whose backward

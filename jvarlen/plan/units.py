@@ -111,22 +111,25 @@ def _local_families(families: Sequence[Sequence[int]]) -> list[list[int]]:
 def live_windows(program: Sequence[Op]) -> list[tuple[int, ...]]:
     """Chunk windows W_p(t) of one stage: the live chunks right after each forward starts (Eq. 8).
 
-    A chunk is live from the start of its forward to the end of its backward.
-    Windows contained in another window are dropped (their constraint is implied).
+    A chunk is live from the start of its forward to the end of its backward. The
+    window after a forward that is directly followed by another forward is contained
+    in the next one and dropped (its constraint is implied).
     """
     live: list[int] = []
-    windows: list[frozenset[int]] = []
+    windows: list[tuple[int, ...]] = []
+    pending = False
     for op in program:
         if op.kind == "F":
             live.append(op.chunk)
-            windows.append(frozenset(live))
+            pending = True
         else:
+            if pending:
+                windows.append(tuple(live))
+                pending = False
             live.remove(op.chunk)
-    maximal: list[frozenset[int]] = []
-    for w in sorted(set(windows), key=lambda x: (-len(x), sorted(x))):
-        if not any(w <= m for m in maximal):
-            maximal.append(w)
-    return [tuple(sorted(w)) for w in maximal]
+    if pending:
+        windows.append(tuple(live))
+    return windows
 
 
 def backward_rank(program: Sequence[Op]) -> dict[int, int]:

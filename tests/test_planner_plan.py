@@ -1,0 +1,164 @@
+"""Plan: every policy yields a valid plan; the validator catches corrupted plans; JSON; determinism."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jvarlen.plan.api import POLICIES, PlannerOptions, PlanningError, plan_iteration
+from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.plan import Plan, PlanError, stage_peak_memory
+from jvarlen.plan.schedule import Op, Schedule
+from jvarlen.plan.workloads import sample_batch
+from planner_helpers import small_cost, tight_budget
+
+K = 1024
+OPTS = PlannerOptions(n_candidates=2, solver=SolverOptions(time_limit_s=0.5), chunk_tokens=(4096, 8192))
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return sample_batch("github", 48, 24 * K, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tight(batch):
+    cost = small_cost(pp=4, sp=2)
+    return small_cost(pp=4, sp=2, budget=tight_budget(cost, 20_000))
+
+
+@pytest.fixture(scope="module")
+def plans(batch, tight):
+    out = {}
+    for policy in POLICIES:
+        try:
+            out[policy] = plan_iteration(batch, cost=tight, policy=policy, options=OPTS)
+        except PlanningError:
+            assert policy == "wo-ckpt"  # without recomputation nothing may fit this budget
+    return out
+
+
+def test_every_policy_gives_a_valid_plan(batch, tight, plans):
+    for policy, plan in plans.items():
+        if policy == "dapple" and plan.stats["oom"]:
+            continue
+        plan.validate(batch, tight)
+        assert plan.tokens_planned == plan.tokens_in == sum(batch)
+        assert plan.stats["fits_memory"]
+        peaks = stage_peak_memory(plan, tight)
+        np.testing.assert_allclose(peaks, plan.stats["peak_memory_bytes"], rtol=1e-9)  # simulator agrees
+        assert 0 <= plan.stats["bubble_ratio"] < 1
+    # The tight budget forces recomputation: full-ckpt recomputes more than the MILP plan.
+    assert plans["full-ckpt"].ckpt_layers.sum() > plans["epp"].ckpt_layers.sum() > 0
+
+
+def test_dapple_reports_out_of_memory_for_a_long_document(tight):
+    lengths = [200_000, 3_000, 2_000, 1_000]
+    plan = plan_iteration(lengths, cost=tight, policy="dapple")
+    assert plan.stats["oom"] and not plan.stats["fits_memory"]
+    assert any("out of memory" in e for e in plan.events)
+    with pytest.raises(PlanError, match="peak memory"):
+        plan.validate(lengths, tight)
+    plan.validate(lengths)  # everything but memory is fine
+
+
+def test_json_round_trip(batch, tight, plans):
+    plan = plans["epp"]
+    again = Plan.from_json(json.loads(plan.dumps()))
+    assert again.dumps() == plan.dumps()
+    again.validate(batch, tight)
+    bad = plan.to_json()
+    bad["version"] = 99
+    with pytest.raises(PlanError, match="version"):
+        Plan.from_json(bad)
+
+
+def _corrupt(plan: Plan, **changes) -> Plan:
+    return dataclasses.replace(plan, **changes)
+
+
+def test_validator_catches_corrupted_plans(batch, tight, plans):
+    plan = plans["epp"]
+    chunks = [list(c) for c in plan.chunks]
+
+    # 1. A token missing: shorten a piece.
+    c = [list(x) for x in chunks]
+    doc, start, length = c[0][0]
+    c[0][0] = (doc, start, length - 1)
+    with pytest.raises(PlanError, match="missing|gap"):
+        _corrupt(plan, chunks=tuple(map(tuple, c))).validate(batch, tight)
+
+    # 2. A token twice: duplicate a short document into another chunk.
+    c = [list(x) for x in chunks]
+    c[-1].append(c[-2][-1])
+    with pytest.raises(PlanError, match="overlap"):
+        _corrupt(plan, chunks=tuple(map(tuple, c))).validate(batch, tight)
+
+    # 3. Slice order: swap the forward order of two slices of a split document on one stage.
+    split = [k for k, j in enumerate(plan.schedule.chunk_prev) if j >= 0]
+    assert split, "the batch should contain a split document"
+    k = split[0]
+    j = plan.schedule.chunk_prev[k]
+    prog = list(plan.schedule.stages[1])
+    a, b = prog.index(Op("F", j)), prog.index(Op("F", k))
+    prog[a], prog[b] = prog[b], prog[a]
+    stages = list(plan.schedule.stages)
+    stages[1] = tuple(prog)
+    bad = _corrupt(plan, schedule=Schedule(tuple(stages), plan.schedule.chunk_prev))
+    with pytest.raises(PlanError, match="precedes its earlier slice"):
+        bad.validate(batch, tight)
+
+    # 4. 1F1B dependency: a backward before its forward.
+    prog = list(plan.schedule.stages[0])
+    f = prog.index(Op("F", 0))
+    bpos = prog.index(Op("B", 0))
+    prog[f], prog[bpos] = prog[bpos], prog[f]
+    stages = list(plan.schedule.stages)
+    stages[0] = tuple(prog)
+    with pytest.raises(PlanError, match="comes before"):
+        _corrupt(plan, schedule=Schedule(tuple(stages), plan.schedule.chunk_prev)).validate(batch, tight)
+
+    # 5. Memory: drop all recomputation under a budget that needs it.
+    assert plan.ckpt_layers.sum() > 0
+    with pytest.raises(PlanError, match="peak memory"):
+        _corrupt(plan, ckpt_layers=np.zeros_like(plan.ckpt_layers)).validate(batch, tight)
+
+    # 6. Two split slices in one chunk.
+    c = [list(x) for x in chunks]
+    slice_piece = plan.chunks[k][0]
+    c[k] = [c[k][0]]
+    donor = next(i for i, x in enumerate(c) if i != k and len(x) >= 1 and x[0][1] == 0 and x[0][2] == batch[x[0][0]])
+    c[donor] = c[donor] + [slice_piece]
+    c[k] = [(slice_piece[0], slice_piece[1], slice_piece[2])]
+    with pytest.raises(PlanError):
+        _corrupt(plan, chunks=tuple(map(tuple, c))).validate(batch, tight)
+
+    # 7. Recomputation outside [0, L/d_p].
+    ck = plan.ckpt_layers.copy()
+    ck[0, 0] = tight.layers_per_stage + 1
+    with pytest.raises(PlanError, match="outside"):
+        _corrupt(plan, ckpt_layers=ck).validate(batch, tight)
+
+    plan.validate(batch, tight)  # the original is still fine
+
+
+def _strip(plan: Plan) -> str:
+    data = plan.to_json()
+    for key in ("solve_seconds", "simulate_seconds"):
+        data["stats"].pop(key, None)
+    return json.dumps(data, sort_keys=True)
+
+
+def test_planning_is_deterministic(batch, tight, plans):
+    again = plan_iteration(batch, cost=tight, policy="epp", options=OPTS)
+    assert _strip(again) == _strip(plans["epp"])
+
+
+def test_no_solver_time_still_gives_a_valid_plan(batch, tight):
+    opts = dataclasses.replace(OPTS, solver=SolverOptions(time_limit_s=0.0))
+    plan = plan_iteration(batch, cost=tight, policy="epp", options=opts)
+    plan.validate(batch, tight)
+    assert "cp-sat" not in plan.stats["ckpt_sources"]
+    assert "greedy" in plan.stats["ckpt_sources"]
+    assert any("greedy" in e for e in plan.events)
