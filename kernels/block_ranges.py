@@ -61,15 +61,17 @@ class BlockInfo:
     return self.fwd_counts.sum(-1)
 
 
-def _segmented_scan(vals, starts, op):
-  """Inclusive scan of ``op`` restarting where ``starts`` is True. 1-D."""
+def _segmented_min_max(lo, hi, starts):
+  """Inclusive running (min of ``lo``, max of ``hi``), restarting where ``starts``. 1-D."""
 
   def combine(a, b):
-    fa, va = a
-    fb, vb = b
-    return fa | fb, jnp.where(fb, vb, op(va, vb))
+    fa, lo_a, hi_a = a
+    fb, lo_b, hi_b = b
+    return (fa | fb, jnp.where(fb, lo_b, jnp.minimum(lo_a, lo_b)),
+            jnp.where(fb, hi_b, jnp.maximum(hi_a, hi_b)))
 
-  return lax.associative_scan(combine, (starts, vals))[1]
+  _, lo, hi = lax.associative_scan(combine, (starts, lo, hi))
+  return lo, hi
 
 
 def token_intervals(q_seg, q_pos, kv_seg, kv_pos, causal: bool):
@@ -91,8 +93,8 @@ def token_intervals(q_seg, q_pos, kv_seg, kv_pos, causal: bool):
   seg_s, _, tag_s, idx_s = lax.sort((seg, pos, tag, idx), num_keys=3)
   is_kv = tag_s == 0
   starts = jnp.concatenate([jnp.ones(1, bool), seg_s[1:] != seg_s[:-1]])
-  first = _segmented_scan(jnp.where(is_kv, idx_s, _BIG), starts, jnp.minimum)
-  last = _segmented_scan(jnp.where(is_kv, idx_s, -1), starts, jnp.maximum)
+  first, last = _segmented_min_max(jnp.where(is_kv, idx_s, _BIG), jnp.where(is_kv, idx_s, -1),
+                                   starts)
   has = (first != _BIG) & (seg_s != 0)
   first = jnp.where(has, first, -1)
   last = jnp.where(has, last, -1)

@@ -15,16 +15,29 @@ BF16_TOL = 2e-2
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "causal", "bq", "bk"))
-def fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, *, impl, causal, bq, bk):
-  """-> (out, (dq, dk, dv)) for cotangent ``ct``."""
-
+def _fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, info, *, impl, causal, bq, bk):
   def f(q, k, v):
     return varlen_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                             q_positions=q_pos, kv_positions=kv_pos, causal=causal,
-                            block_sizes=BlockSizes(bq, bk), implementation=impl)
+                            block_sizes=BlockSizes(bq, bk), implementation=impl,
+                            block_info=info)
 
   out, vjp = jax.vjp(f, q, k, v)
   return out, vjp(ct)
+
+
+def fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, *, impl, causal, bq, bk):
+  """-> (out, (dq, dk, dv)) for cotangent ``ct``.
+
+  The schedule is built by its own (cached) jit outside, as the model does once per
+  batch; this also keeps its compilation out of every test's compile time.
+  """
+  info = None
+  if impl != "reference":
+    info = block_info_for(q_seg, kv_seg, q_pos, kv_pos, causal=causal,
+                          block_sizes=BlockSizes(bq, bk))
+  return _fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, info, impl=impl, causal=causal,
+                  bq=bq, bk=bk)
 
 
 attention = jax.jit(varlen_attention, static_argnames=(
