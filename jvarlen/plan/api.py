@@ -67,14 +67,23 @@ class PlannerOptions:
     seq1f1b_reference_context: int = 96 * 1024
 
 
-def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8)) -> CostModel:
-    """Analytic cost model of ``model`` (ModelShape or ModelConfig) on ``cluster`` (see hardware.py)."""
+def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
+    """Analytic cost model of ``model`` (ModelShape or ModelConfig) on ``cluster`` (see hardware.py).
+
+    ``zero3_sp``: the stage's compute parameters and gradient accumulators are sharded
+    over its SP group (InfiniPipe §3: Ulysses SP "equipped with ZeRO-3 (degree d_s)"),
+    i.e. ``stage_bytes_per_param / sp`` per device; the gathered layer lives in the
+    profile's workspace. Default off: the cost model's own assumption (full stage copy).
+    """
     from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
 
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     spec = CLUSTERS[cluster] if isinstance(cluster, str) else cluster
     nodes = max(1, math.ceil(layout.num_devices / spec.gpus_per_node))
-    return CostModel(shape, layout, analytic_coefficients(shape, spec, num_nodes=nodes))
+    coeffs = analytic_coefficients(shape, spec, num_nodes=nodes)
+    if zero3_sp:
+        coeffs = coeffs.replace(stage_bytes_per_param=coeffs.stage_bytes_per_param / layout.sp)
+    return CostModel(shape, layout, coeffs)
 
 
 def plan_iteration(

@@ -1,0 +1,150 @@
+"""The planner command line (``python -m jvarlen.plan``): options, batches, summary, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Optional
+
+import numpy as np
+
+from jvarlen.layout import Layout
+from jvarlen.plan.api import POLICIES, PlannerOptions, PlanningError, make_cost, plan_iteration
+from jvarlen.plan.checkpointing import SolverOptions
+
+SUMMARY_FIELDS = (
+    "policy", "solve_seconds", "iteration_time_s", "bubble_ratio", "peak_memory_bytes",
+    "memory_budget_bytes", "tokens_in", "tokens_planned",
+)
+
+
+@dataclasses.dataclass
+class PlanCli:
+    """Options of ``python -m jvarlen.plan`` (``--batch-size`` and ``--batch_size`` both work)."""
+
+    lengths: str  # file: one document length (tokens) per line
+    config: str  # jvarlen YAML config: model shape and parallel.pp / parallel.sp / parallel.dp
+    policy: str = "epp"  # one of jvarlen.plan.api.POLICIES
+    json: Optional[str] = None  # write the summary + per-iteration records here
+    plan: Optional[str] = None  # write the last plan (JSON) here
+    gantt: Optional[str] = None  # PNG Gantt chart of the first iteration
+    batch_size: Optional[int] = None  # sample batches of this many documents from the file
+    iterations: int = 1  # number of sampled batches (with --batch_size)
+    seed: int = 0
+    context: int = 0  # truncate documents to this many tokens (0: no truncation)
+    cluster: str = "a800"  # analytic hardware profile (jvarlen.plan.hardware.CLUSTERS)
+    zero3_sp: bool = True  # shard stage parameters/gradients over the SP group (InfiniPipe's ZeRO-3)
+    time_limit: float = 0.05  # seconds per checkpointing MILP
+    n_slices: int = 0  # fix Alg. 1's N (0: tune)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.iterations < 1:
+            raise ValueError(f"--iterations must be >= 1, got {self.iterations}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+
+
+def read_lengths(path: str) -> list[int]:
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            value = int(line.split()[0])
+            if value < 1:
+                raise ValueError(f"{path}:{i}: document length must be >= 1, got {value}")
+            out.append(value)
+    if not out:
+        raise ValueError(f"{path}: no document lengths")
+    return out
+
+
+def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed: int, context: int) -> list[list[int]]:
+    """The batches to plan: the whole file, or ``iterations`` seeded samples of ``batch_size`` documents."""
+    if context > 0:
+        lengths = [min(x, context) for x in lengths]
+    if batch_size is None:
+        return [lengths]
+    pool = np.asarray(lengths)
+    return [[int(x) for x in pool[np.random.default_rng(seed + i).integers(0, pool.size, batch_size)]] for i in range(iterations)]
+
+
+def cost_from_config(path: str, cluster: str, zero3_sp: bool):
+    from jvarlen.config import load_config
+
+    cfg = load_config(path)
+    pp, sp = cfg.parallel.pp, cfg.parallel.sp
+    layout = Layout(cfg.parallel.dp or 1, pp, sp)
+    return make_cost(cfg.model, cluster, layout, zero3_sp=zero3_sp)
+
+
+def run(cli: PlanCli) -> int:
+    cost = cost_from_config(cli.config, cli.cluster, cli.zero3_sp)
+    options = PlannerOptions(
+        n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit)
+    )
+    records, last = [], None
+    for i, batch in enumerate(batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)):
+        try:
+            plan = plan_iteration(batch, cost=cost, policy=cli.policy, options=options)
+        except PlanningError as e:
+            records.append({"iteration": i, "policy": cli.policy, "error": str(e), "tokens_in": sum(batch)})
+            continue
+        rec = {"iteration": i, **{k: plan.stats.get(k) for k in SUMMARY_FIELDS}}
+        rec.update(fits_memory=plan.stats.get("fits_memory"), n_chunks=plan.n_chunks, n_units=len(plan.unit_sizes),
+                   events=plan.events)
+        records.append(rec)
+        if i == 0 and cli.gantt:
+            from jvarlen.plan.assemble import simulate
+            from jvarlen.plan.gantt import draw_gantt
+
+            draw_gantt(simulate(plan, cost), plan.schedule, cli.gantt, title=f"{cli.policy}: iteration 0")
+        last = plan
+    summary = summarize(cli.policy, records)
+    print(format_table(cli.policy, records, summary))
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump({**summary, "iterations": records}, f, indent=1)
+            f.write("\n")
+    if cli.plan and last is not None:
+        last.save(cli.plan)
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def summarize(policy: str, records: list[dict]) -> dict:
+    ok = [r for r in records if "error" not in r]
+    out = {"policy": policy, "iterations_planned": len(ok), "iterations_failed": len(records) - len(ok)}
+    if ok:
+        for key in ("solve_seconds", "iteration_time_s", "bubble_ratio"):
+            out[key] = statistics.median(r[key] for r in ok)
+        out["peak_memory_bytes"] = [max(r["peak_memory_bytes"][p] for r in ok) for p in range(len(ok[0]["peak_memory_bytes"]))]
+        out["memory_budget_bytes"] = ok[0]["memory_budget_bytes"]
+        out["tokens_in"] = sum(r["tokens_in"] for r in ok)
+        out["tokens_planned"] = sum(r["tokens_planned"] for r in ok)
+        out["fits_memory"] = all(r["fits_memory"] for r in ok)
+    return out
+
+
+def format_table(policy: str, records: list[dict], summary: dict) -> str:
+    head = f"{'iter':>4} {'solve s':>8} {'iter s':>9} {'bubble':>7} {'peak GB/stage':>28} {'chunks':>6} {'units':>5} fits"
+    lines = [f"policy {policy}", head]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['iteration']:>4} error: {r['error']}")
+            continue
+        peaks = " ".join(f"{x / 1e9:5.1f}" for x in r["peak_memory_bytes"])
+        lines.append(
+            f"{r['iteration']:>4} {r['solve_seconds']:8.3f} {r['iteration_time_s']:9.3f} {r['bubble_ratio']:7.1%} "
+            f"{peaks:>28} {r['n_chunks']:>6} {r['n_units']:>5} {r['fits_memory']}"
+        )
+    if "solve_seconds" in summary:
+        lines.append(
+            f"median solve {summary['solve_seconds']:.3f} s, iteration {summary['iteration_time_s']:.3f} s, "
+            f"bubble {summary['bubble_ratio']:.1%}; budget {summary['memory_budget_bytes'] / 1e9:.1f} GB; "
+            f"tokens {summary['tokens_planned']}/{summary['tokens_in']}"
+        )
+    return "\n".join(lines)
