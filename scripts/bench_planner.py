@@ -152,7 +152,7 @@ def main() -> int:
     ap.add_argument("--workload", default="github")
     ap.add_argument("--quick", action="store_true", help="one model/context, two iterations (smoke run)")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--json", default=str(ROOT / "docs" / "planner_bench.json"))
+    ap.add_argument("--json", default=str(ROOT / "runs" / "bench_planner.json"))
     args = ap.parse_args()
     models, contexts, iters = (("13b",), (48,), 2) if args.quick else (MODELS, CONTEXTS, args.iterations)
     t0 = time.time()
@@ -168,6 +168,7 @@ def main() -> int:
         f"Total benchmark wall time {time.time() - t0:.0f} s.",
     ])
     print(text)
+    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records + abl_records, f, indent=1)
     if not args.no_write:

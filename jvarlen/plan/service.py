@@ -1,0 +1,127 @@
+"""Background planning service (InfiniPipe §3.3.4 "pre-solving"; ARCHITECTURE principle 6).
+
+The producer (fed by the sampler) submits the document lengths of upcoming
+iterations; worker processes solve them with the full policy while training runs.
+The consumer asks for iteration i's plan and never waits for a solver: if the plan
+is not ready (or its worker failed) it gets a fast fallback plan computed on the
+spot (``epp-fast``: no N tuning, greedy checkpointing) and the event is logged.
+
+Determinism: every plan is a pure function of (lengths, cost, policy, options).
+CP-SAT runs with one worker and a fixed seed, and :func:`deterministic_options`
+makes the deterministic-time limit the binding one (the wall-clock limit is only a
+safety net), so a solved plan does not depend on machine load. Which plans were
+fallbacks is in :attr:`PlanningService.events`; replaying with ``wait=True``
+reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import multiprocessing as mp
+import time
+from typing import Optional, Sequence
+
+from jvarlen.plan.api import PlannerOptions, plan_iteration
+from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def deterministic_options(options: PlannerOptions = PlannerOptions(), safety_s: float = 30.0) -> PlannerOptions:
+    """``options`` with the MILP's wall-clock limit raised to a safety net, so that only the
+    deterministic-time limit can stop CP-SAT (results independent of machine load)."""
+    solver = dataclasses.replace(options.solver, time_limit_s=safety_s, workers=1)
+    return dataclasses.replace(options, solver=solver)
+
+
+def _solve(lengths: Sequence[int], cost, policy: str, options: PlannerOptions, delay_s: float) -> Plan:
+    if delay_s > 0:  # test hook: a slow solver
+        time.sleep(delay_s)
+    return plan_iteration(lengths, cost=cost, policy=policy, options=options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceEvent:
+    iteration: int
+    kind: str  # "late" | "failed"
+    detail: str
+    fallback_policy: str
+
+
+class PlanningService:
+    """Producer/consumer planning with ``workers`` background processes (spawned, no JAX).
+
+    >>> svc = PlanningService(cost)                           # doctest: +SKIP
+    >>> svc.submit(0, lengths_0); svc.submit(1, lengths_1)    # producer, ahead of training
+    >>> plan = svc.get(0)                                     # consumer: never blocks on a solver
+    """
+
+    def __init__(
+        self,
+        cost,
+        policy: str = "epp",
+        options: Optional[PlannerOptions] = None,
+        fallback_policy: str = "epp-fast",
+        workers: int = 1,
+        delay_s: float = 0.0,
+    ):
+        self.cost = cost
+        self.policy = policy
+        self.options = deterministic_options() if options is None else options
+        self.fallback_policy = fallback_policy
+        self.fallback_options = dataclasses.replace(self.options, solver=SolverOptions(time_limit_s=0.0))
+        self.delay_s = delay_s
+        self._pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
+        self.events: list[ServiceEvent] = []
+
+    # ---- producer
+    def submit(self, iteration: int, lengths: Sequence[int]) -> None:
+        """Queues iteration ``iteration``'s batch for background solving (returns at once)."""
+        lengths = [int(x) for x in lengths]
+        fut = self._pool.submit(_solve, lengths, self.cost, self.policy, self.options, self.delay_s)
+        self._jobs[iteration] = (lengths, fut)
+
+    # ---- consumer
+    def get(self, iteration: int, wait: bool = False, timeout_s: float = 0.0) -> Plan:
+        """The plan for ``iteration``: the solved one if ready (after at most ``timeout_s``,
+        or until done with ``wait=True``), else a fast fallback plan and a logged event."""
+        if iteration not in self._jobs:
+            raise KeyError(f"iteration {iteration} was never submitted")
+        lengths, fut = self._jobs.pop(iteration)
+        try:
+            plan = fut.result(timeout=None if wait else timeout_s)
+            plan.stats["service_source"] = "solver"
+            return plan
+        except cf.TimeoutError:
+            fut.cancel()
+            return self._fallback(iteration, lengths, "late", "solver not finished when the consumer asked")
+        except Exception as e:  # the worker failed: never stall training
+            return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
+
+    def _fallback(self, iteration: int, lengths: list[int], kind: str, detail: str) -> Plan:
+        event = ServiceEvent(iteration, kind, detail, self.fallback_policy)
+        self.events.append(event)
+        log.warning("plan for iteration %d %s (%s); using %s", iteration, kind, detail, self.fallback_policy)
+        plan = plan_iteration(lengths, cost=self.cost, policy=self.fallback_policy, options=self.fallback_options)
+        plan.stats["service_source"] = f"fallback:{kind}"
+        plan.events.append(f"service: {kind} ({detail}); fallback {self.fallback_policy}")
+        return plan
+
+    def pending(self) -> list[int]:
+        return sorted(self._jobs)
+
+    def close(self) -> None:
+        for _, fut in self._jobs.values():
+            fut.cancel()
+        self._jobs.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "PlanningService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,54 @@
+"""The planner CLI end to end: lengths file + config -> summary table and JSON."""
+
+import json
+
+import pytest
+
+from jvarlen.plan.__main__ import main
+from jvarlen.plan.plan import Plan
+
+CONFIG = """
+model:
+  vocab_size: 4096
+  d_model: 1024
+  num_layers: 8
+  num_heads: 8
+  num_kv_heads: 8
+  mlp_dim: 2816
+parallel:
+  pp: 4
+  sp: 2
+"""
+
+
+@pytest.mark.parametrize("policy", ["epp", "seq1f1b", "dapple"])
+def test_cli_writes_the_issue_fields(tmp_path, capsys, policy):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [30_000, 9_000, 4_000, 1_500, 800, 300, 120, 64] * 4) + "\n")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(CONFIG)
+    out, plan_path = tmp_path / "out.json", tmp_path / "plan.json"
+    rc = main([
+        "--lengths", str(lengths), "--config", str(config), "--policy", policy, "--json", str(out),
+        "--plan", str(plan_path), "--batch-size", "16", "--iterations", "2", "--cluster", "a800",
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert f"policy {policy}" in printed and "median solve" in printed
+    data = json.loads(out.read_text())
+    for key in ("policy", "solve_seconds", "iteration_time_s", "bubble_ratio", "peak_memory_bytes",
+                "memory_budget_bytes", "tokens_in", "tokens_planned"):
+        assert key in data, key
+        assert key in data["iterations"][0], key
+    assert data["policy"] == policy and data["tokens_in"] == data["tokens_planned"]
+    assert len(data["peak_memory_bytes"]) == 4 and len(data["iterations"]) == 2
+    plan = Plan.load(plan_path)
+    plan.validate(list(plan.lengths))
+
+
+def test_planner_never_imports_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, jvarlen.plan, jvarlen.plan.service; assert 'jax' not in sys.modules, 'planner imported jax'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,71 @@
+"""Planning service: background solving, never blocking the consumer, fallback + event, determinism."""
+
+import json
+
+from jvarlen.plan.api import PlannerOptions, plan_iteration
+from jvarlen.plan.service import PlanningService, deterministic_options
+from jvarlen.plan.workloads import sample_batch
+from planner_helpers import small_cost, tight_budget
+
+K = 1024
+OPTS = deterministic_options(PlannerOptions(n_candidates=2))
+
+
+def _cost():
+    cost = small_cost(pp=4, sp=2)
+    return small_cost(pp=4, sp=2, budget=tight_budget(cost, 20_000))
+
+
+def _strip(plan) -> str:
+    data = plan.to_json()
+    for key in ("solve_seconds", "simulate_seconds", "service_source"):
+        data["stats"].pop(key, None)
+    data["events"] = [e for e in data["events"] if not e.startswith("service:")]
+    return json.dumps(data, sort_keys=True)
+
+
+def test_service_solves_in_background_and_matches_direct_planning():
+    cost = _cost()
+    batches = [sample_batch("github", 32, 24 * K, seed=s) for s in range(3)]
+    with PlanningService(cost, options=OPTS, workers=1) as svc:
+        for i, b in enumerate(batches):
+            svc.submit(i, b)
+        plans = [svc.get(i, wait=True) for i in range(len(batches))]
+        assert svc.events == []
+    for b, plan in zip(batches, plans):
+        assert plan.stats["service_source"] == "solver"
+        plan.validate(b, cost)
+        # Determinism: another process, same data and options -> the same plan.
+        assert _strip(plan) == _strip(plan_iteration(b, cost=cost, policy="epp", options=OPTS))
+
+
+def test_late_plan_gives_a_fast_fallback_and_logs_it():
+    import time
+
+    cost = _cost()
+    batch = sample_batch("github", 32, 24 * K, seed=7)
+    with PlanningService(cost, options=OPTS, workers=1, delay_s=3.0) as svc:
+        svc.submit(0, batch)
+        t0 = time.perf_counter()
+        plan = svc.get(0)  # the worker sleeps 3 s: the consumer must not wait
+        waited = time.perf_counter() - t0
+        assert waited < 2.0
+        assert plan.stats["service_source"] == "fallback:late"
+        assert [e.kind for e in svc.events] == ["late"] and svc.events[0].iteration == 0
+        assert any(e.startswith("service: late") for e in plan.events)
+        plan.validate(batch, cost)
+        assert plan.policy == "epp-fast"
+        # The fallback is deterministic too.
+        again = plan_iteration(batch, cost=cost, policy="epp-fast", options=svc.fallback_options)
+        assert _strip(again) == _strip(plan)
+
+
+def test_failed_worker_falls_back():
+    cost = _cost()
+    with PlanningService(cost, policy="no-such-policy", options=OPTS, workers=1) as svc:
+        batch = [3000, 2000, 1000]
+        svc.submit(5, batch)
+        plan = svc.get(5, wait=True)
+        assert plan.stats["service_source"] == "fallback:failed"
+        assert svc.events[0].kind == "failed" and "ValueError" in svc.events[0].detail
+        plan.validate(batch, cost)
