@@ -6,7 +6,7 @@ import pytest
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
-from jvarlen.plan.gantt import draw_gantt
+from jvarlen.plan.gantt import draw_gantt, save_every
 from jvarlen.plan.schedule import Op, Schedule, gpipe, one_f_one_b, sequential, token_level_1f1b
 from jvarlen.plan.simulator import simulate, simulate_pipelines
 
@@ -144,3 +144,10 @@ def test_gantt_png_is_written(tmp_path):
     path = draw_gantt(r, s, tmp_path / "sub" / "gantt.png")
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_gantt_every_n_steps(tmp_path):
+    r = simulate(one_f_one_b(2, 2), one(2), None, cost())
+    assert save_every(3, 2, r, one_f_one_b(2, 2), tmp_path) is None
+    path = save_every(4, 2, r, one_f_one_b(2, 2), tmp_path)
+    assert path.endswith("gantt/step_0000004.png") and open(path, "rb").read(4) == b"\x89PNG"

@@ -140,7 +140,7 @@ class OnlineRefit:
         model: ModelShape,
         coeffs: CostCoefficients,
         every: int = 50,
-        window: int = 200,
+        window: int = 64,
         mode: str = "ticks",
         prior: float = 1e-3,
         iterations: int = 3,
@@ -167,7 +167,7 @@ class OnlineRefit:
 
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
-        return simulate(sched, list(chunk_shapes), ckpt_layers, cost, self.mode).iteration_time
+        return simulate(sched, list(chunk_shapes), ckpt_layers, cost, self.mode, validate=schedule is None).iteration_time
 
     def observe(
         self,
@@ -178,6 +178,7 @@ class OnlineRefit:
         ckpt_layers: Optional[np.ndarray] = None,
     ) -> float:
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
+        sched.validate()
         pred = self.predict(chunk_shapes, layout, sched, ckpt_layers)
         self.history.append(Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred))
         self._since_refit += 1

@@ -92,3 +92,13 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     if seconds >= 1e-3:
         return 1e3, "ms"
     return 1e6, "us"
+
+
+def save_every(
+    step: int, every: int, result: SimResult, schedule: Schedule, run_dir: str | os.PathLike
+) -> Optional[str]:
+    """For the training loop: writes ``run_dir/gantt/step_{step:07d}.png`` when ``step % every == 0``
+    (``every <= 0`` disables it). Returns the path written, or None."""
+    if every <= 0 or step % every:
+        return None
+    return draw_gantt(result, schedule, os.path.join(run_dir, "gantt", f"step_{step:07d}.png"), title=f"step {step}")
