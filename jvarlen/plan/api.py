@@ -31,7 +31,7 @@ from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostModel, ModelShape
-from jvarlen.plan.grouping import group, order_families
+from jvarlen.plan.grouping import group, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
@@ -47,10 +47,8 @@ class PlanningError(RuntimeError):
 class PlannerOptions:
     """Knobs of :func:`plan_iteration`.
 
-    ``n_slices``: fix Alg. 1's N (None: tune over ``n_candidates`` values
-    ``n0·n_ratio^i`` from the smallest feasible n0, skipping N with fewer than
-    ``min_slice_tokens`` tokens per slice on average, and going on past infeasible
-    ones). ``solver``: limits of each checkpointing MILP. ``chunk_tokens``: candidate
+    ``n_slices``: fix Alg. 1's N (None: tune over at most ``n_candidates`` values
+    of :func:`slice_candidates`). ``solver``: limits of each checkpointing MILP. ``chunk_tokens``: candidate
     fixed chunk sizes for seq1f1b-tuned / wo-wbc (the best simulated one is used).
     ``seq1f1b_chunk_tokens`` / ``seq1f1b_reference_context``: the paper-protocol
     Seq1F1B baseline's fixed chunk size and the context its uniform recomputation is
@@ -59,8 +57,8 @@ class PlannerOptions:
 
     n_slices: Optional[int] = None
     n_candidates: int = 3
-    n_ratio: float = 3.0
-    min_slice_tokens: int = 2048
+    n_ratio: float = 2.0
+    min_slice_tokens: int = 4096
     solver: SolverOptions = SolverOptions()
     chunk_tokens: tuple[int, ...] = (4096, 8192, 16384, 32768)
     seq1f1b_chunk_tokens: int = 8192
@@ -157,42 +155,54 @@ def _group(chunks: Sequence[PlannedChunk], lengths, cost, options: PlannerOption
     return group(fams, shapes, cost, cost.layout.pp, cost.layers_per_stage, options.solver, mode)
 
 
-def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) -> Plan:
-    events: list[str] = []
+def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> list[int]:
+    """Alg. 1's N candidates, largest first: ``n0·n_ratio^i`` up to an average slice of
+    ``min_slice_tokens`` (finer chunks lose GPU efficiency, InfiniPipe App. B)."""
     if options.n_slices is not None:
-        candidates = [options.n_slices]
-    else:
-        n0 = smallest_slices(lengths, cost)
-        n_max = max(n0, max(lengths) // max(1, options.min_slice_tokens))
-        candidates = []
-        x = float(n0)
-        while int(round(x)) <= n_max or not candidates:
-            if int(round(x)) not in candidates:
-                candidates.append(int(round(x)))
-            x = x * options.n_ratio if options.n_ratio > 1 else x + 1
-    tune_mode = "greedy" if (mode == "milp" and len(candidates) > 1) else mode
+        return [options.n_slices]
+    n0 = smallest_slices(lengths, cost)
+    if policy == "epp-fast":
+        return [n0]
+    n_max = max(n0, max(lengths) // max(1, options.min_slice_tokens))
+    out, x = [], float(n0)
+    while int(round(x)) <= n_max:
+        if int(round(x)) not in out:
+            out.append(int(round(x)))
+        x = x * options.n_ratio if options.n_ratio > 1 else x + 1
+    return sorted(out or [n0], reverse=True)
+
+
+def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) -> Plan:
+    """Alg. 1 + Eq. 14 + Alg. 2. N is tuned by simulating candidates (§3.2), largest first,
+    stopping at the first candidate slower than the best so far (or after
+    ``n_candidates``); during tuning the DP prices ranges with greedy checkpointing,
+    and the MILP then re-solves the chosen units."""
+    events: list[str] = []
+    candidates = slice_candidates(lengths, cost, options, policy)
+    tune_mode = "greedy" if mode == "milp" else mode
     best = None
-    tried = {}
-    for n in candidates:  # §3.2: N tuned by simulating candidates (greedy checkpointing while tuning)
-        if len(tried) >= (1 if policy == "epp-fast" else options.n_candidates):
+    tried: dict[int, float] = {}
+    for n in candidates:
+        if len(tried) >= options.n_candidates:
             break
         try:
             res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
         except (ValueError, PlanningError) as e:
             events.append(f"N={n}: infeasible ({e})")
             continue
-        if len(candidates) == 1 and tune_mode == mode:
-            best = (n, res, chunks, grouping, None)
-            break
         plan = assemble(policy, lengths, chunks, grouping.units, cost)
         tried[n] = plan.stats["iteration_time_s"]
-        if best is None or plan.stats["iteration_time_s"] < best[4]:
-            best = (n, res, chunks, grouping, plan.stats["iteration_time_s"])
+        if best is not None and tried[n] > best[4]:
+            break  # unimodal in N: further (smaller) candidates only get worse
+        if best is None or tried[n] < best[4]:
+            best = (n, res, chunks, grouping, tried[n], plan)
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
-    n, res, chunks, grouping, _ = best
-    if tune_mode != mode:
-        grouping = _group(chunks, lengths, cost, options, mode)
+    n, res, chunks, grouping, _, plan = best
+    units = list(grouping.units)
+    if mode == "milp":
+        shapes = [c.shape(lengths) for c in chunks]
+        units = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in units]
     stats = dict(
         n_slices=n,
         tuned_iteration_times={str(k): v for k, v in tried.items()},
@@ -202,7 +212,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         perturbations=res.perturbations,
         ckpt_solves=grouping.solves,
     )
-    return assemble(policy, lengths, chunks, grouping.units, cost, stats, events)
+    return assemble(policy, lengths, chunks, units, cost, stats, events)
 
 
 # --------------------------------------------------------------------------- fixed-size chunking

@@ -15,7 +15,7 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.checkpointing import SolverOptions, build_problem
 from jvarlen.plan.grouping import Unit
 from jvarlen.plan.plan import Plan, stage_peak_memory
-from jvarlen.plan.schedule import sequential
+from jvarlen.plan.schedule import Op, Schedule
 from jvarlen.plan.simulator import SimResult
 from jvarlen.plan.simulator import simulate as simulate_schedule
 from jvarlen.plan.units import PlannedChunk, unit_schedule
@@ -42,7 +42,7 @@ def assemble(
     order = [k for u in units for k in u.chunk_ids]
     if sorted(order) != list(range(len(chunks))):
         raise ValueError("units must cover every chunk exactly once")
-    schedule = sequential([u.schedule for u in units]) if len(units) > 1 else units[0].schedule
+    schedule = concatenate([u.schedule for u in units])
     ckpt = np.concatenate([u.ckpt.table for u in units], axis=0).astype(np.int32)
     plan = Plan(
         policy=policy,
@@ -65,6 +65,24 @@ def assemble(
     if run_simulation:
         record_simulation(plan, cost)
     return plan
+
+
+def concatenate(schedules: Sequence[Schedule]) -> Schedule:
+    """Units back to back on the same stages, chunk ids offset (what
+    :func:`jvarlen.plan.schedule.sequential` builds, without re-validating each time:
+    unit schedules are valid by construction and :meth:`Plan.validate` checks the result)."""
+    if len(schedules) == 1:
+        return schedules[0]
+    pp = schedules[0].pp
+    stages: list[list[Op]] = [[] for _ in range(pp)]
+    prev: list[int] = []
+    offset = 0
+    for u in schedules:
+        for p in range(pp):
+            stages[p].extend(Op(op.kind, op.chunk + offset) for op in u.stages[p])
+        prev.extend(j + offset if j >= 0 else -1 for j in u.chunk_prev)
+        offset += u.n_chunks
+    return Schedule(tuple(map(tuple, stages)), tuple(prev))
 
 
 def record_simulation(plan: Plan, cost) -> SimResult:

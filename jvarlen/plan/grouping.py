@@ -107,6 +107,16 @@ def solve_range(
     return None if right is None else left + right
 
 
+def resolve_unit(unit: Unit, shapes: Sequence[ChunkShape], cost, max_layers: int, options: SolverOptions) -> Unit:
+    """Re-solves a unit's checkpointing with the MILP (Alg. 2), keeping its order and schedule."""
+    ids = list(unit.chunk_ids)
+    problem = build_problem([shapes[k] for k in ids], unit.schedule, cost, max_layers)
+    sol = solve(problem, options)
+    if not sol.feasible or sol.cost_s > unit.ckpt.cost_s:
+        return unit
+    return dataclasses.replace(unit, ckpt=sol)
+
+
 def warmup_cost(shapes: Sequence[ChunkShape], cost, pp: int) -> float:
     """δ of Eq. 13/14: (d_p - 1) × mean per-stage forward+backward time of the iteration's chunks."""
     if not shapes:

@@ -12,6 +12,7 @@ The cost model is used only through ``cost.bwd_time(ChunkShape)``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Sequence
 
@@ -115,6 +116,20 @@ def split_document(length: int, mesh: Mesh) -> list[int]:
     return pieces
 
 
+def _added_time(cost):
+    """If the backward time of a chunk is a sum over its slices plus a per-chunk constant
+    (Eq. 1 and Eq. 3 are), return ``t_doc -> extra time of adding that whole document``;
+    else None (every candidate bucket is then re-evaluated with the cost model)."""
+    t = lambda *sl, ctx=0: cost.bwd_time(ChunkShape(ctx, tuple(sl)))  # noqa: E731
+    const = 2 * t(1) - t(1, 1)
+    for ctx, a, b in ((5000, 1000, 3000), (0, 7, 20000), (123, 4096, 1)):
+        direct = t(a, b, ctx=ctx)
+        summed = t(a, ctx=ctx) + t(b) - const
+        if abs(direct - summed) > 1e-9 * direct:
+            return None
+    return lambda doc_time: doc_time - const
+
+
 class _Bucket:
     __slots__ = ("pieces", "context", "tail", "tokens", "time")
 
@@ -171,27 +186,38 @@ def chunk_batch(
             start += s
         buckets.append(_Bucket((doc, start, parts[-1]), start, True, cost))
 
+    added = _added_time(cost)  # time of one more whole document in a bucket, if Eq. 1/3 are additive
+    # Line 9's order: buckets by time/token (then index), kept sorted incrementally.
+    order = sorted((b.time / b.tokens, i) for i, b in enumerate(buckets))
+
+    def add_bucket(piece: Piece, time_: float | None = None) -> None:
+        buckets.append(_Bucket(piece, 0, True, cost))
+        bisect.insort(order, (buckets[-1].time / buckets[-1].tokens, len(buckets) - 1))
+
     shorts.sort(key=lambda x: (-x[0], -x[1], x[2]))  # line 4: descending time, deterministic ties
     perturbations = 0
-    for _, length, doc in shorts:
+    min_tokens = min((b.tokens for b in buckets), default=None)
+    for short_time, length, doc in shorts:
         piece = (doc, 0, length)
-        if not buckets or min(b.tokens for b in buckets) + length > t_m:  # lines 7-8
-            buckets.append(_Bucket(piece, 0, True, cost))
+        if min_tokens is None or min_tokens + length > t_m:  # lines 7-8
+            add_bucket(piece)
+            min_tokens = min(b.tokens for b in buckets)
             continue
         while True:
-            order = sorted(range(len(buckets)), key=lambda i: (buckets[i].time / buckets[i].tokens, i))  # line 9
             placed = False
             candidates = []
-            for i in order:  # lines 10-14
+            for pos, (_, i) in enumerate(order):  # lines 10-14, lowest time/token first
                 b = buckets[i]
                 if b.tokens + length > t_m:
                     continue
-                new_time = cost.bwd_time(b.shape(length))
+                new_time = b.time + added(short_time) if added else cost.bwd_time(b.shape(length))
                 candidates.append(new_time)
                 if new_time <= t_t:
                     b.pieces.append(piece)
                     b.tokens += length
                     b.time = new_time
+                    del order[pos]
+                    bisect.insort(order, (b.time / b.tokens, i))
                     placed = True
                     break
             if placed:
@@ -199,10 +225,11 @@ def chunk_batch(
             # Line 16: perturb T_t to the least value that admits this document (token-feasible buckets only).
             least = min(candidates)
             if max_perturbation is not None and least > (1.0 + max_perturbation) * mesh.time_threshold:
-                buckets.append(_Bucket(piece, 0, True, cost))
+                add_bucket(piece)
                 break
             t_t = least
             perturbations += 1
+        min_tokens = min(b.tokens for b in buckets)
 
     chunks = split_chunks + [PlannedChunk(tuple(b.pieces)) for b in buckets]
     return ChunkingResult(tuple(chunks), mesh, t_t, t_m, perturbations)
