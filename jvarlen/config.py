@@ -44,7 +44,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # "auto": bfloat16 on GPU/TPU, float32 on CPU (no bf16 matmul units; emulated bf16 is slower).
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Attention implementation behind jvarlen.model.attention: "auto" picks Pallas on
     # GPU and the blockwise XLA path elsewhere.
     attention: Literal["auto", "xla", "pallas", "reference"] = "auto"
@@ -88,8 +89,8 @@ class DataConfig:
     tokens_field: Optional[str] = None  # jsonl/parquet column holding token ids instead of text
     tokenizer: str = "byte"  # "byte" or a Hugging Face tokenizers JSON file
     cache_dir: Optional[str] = None  # tokenized corpus cache; default ~/.cache/jvarlen
-    seq_len: int = 2048  # tokens per packed row
-    tokens_per_batch: int = 16_384  # global token budget of one step
+    seq_len: int = 1024  # tokens per packed row
+    tokens_per_batch: int = 8192  # global token budget of one step
     max_doc_tokens: Optional[int] = None  # longer documents are split/truncated; default seq_len
     long_doc_policy: Literal["split", "truncate"] = "split"
     max_documents: Optional[int] = None  # use only the first N documents of the corpus
@@ -163,7 +164,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 150
+    steps: int = 100
     seed: int = 0
     log_every: int = 1
 

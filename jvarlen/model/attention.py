@@ -1,0 +1,69 @@
+"""The one attention entry point of the model.
+
+Every attention call of the decoder goes through :func:`attention`, whose contract is
+ARCHITECTURE.md's "Packed attention inputs": a query sees a key iff both carry the same
+non-zero segment id and ``kv_position <= q_position``. The work is done by
+``jvarlen.kernels.varlen_attention`` (Pallas on GPU, blockwise XLA elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol
+
+import jax
+
+from jvarlen import kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """Per-token metadata shared by every layer of one forward pass.
+
+    segment_ids, positions: int32 ``[B, T]`` for the queries; the ``kv_*`` fields default
+    to the same arrays (self-attention) and are longer (``[B, S]``, S ≥ T) when a slice
+    attends to the cached K/V of earlier slices of its document.
+    """
+
+    segment_ids: jax.Array
+    positions: jax.Array
+    kv_segment_ids: jax.Array | None = None
+    kv_positions: jax.Array | None = None
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs) -> jax.Array:
+        """q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]."""
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    implementation: str = "auto",
+) -> jax.Array:
+    """Causal packed attention. q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]."""
+    kv_segment_ids = inputs.segment_ids if inputs.kv_segment_ids is None else inputs.kv_segment_ids
+    kv_positions = inputs.positions if inputs.kv_positions is None else inputs.kv_positions
+    return kernels.varlen_attention(
+        q,
+        k,
+        v,
+        q_segment_ids=inputs.segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_positions=inputs.positions,
+        kv_positions=kv_positions,
+        causal=True,
+        implementation=implementation,
+    )
+
+
+def make_attention_fn(implementation: str = "auto") -> Callable[..., jax.Array]:
+    """The default attention of the model for a given implementation name."""
+
+    def attention_fn(q, k, v, inputs):
+        return attention(q, k, v, inputs, implementation=implementation)
+
+    return attention_fn

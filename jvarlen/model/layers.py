@@ -1,0 +1,94 @@
+"""Building blocks of the LLaMA-style decoder: RMSNorm, rotary embeddings, GQA, SwiGLU.
+
+Parameters carry logical axis names (``axes=``); jvarlen.parallel maps them to mesh axes.
+Shapes: B batch rows, T tokens, d model width, H query heads, K kv heads, D head dim,
+F MLP width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvarlen.config import ModelConfig
+from jvarlen.model.attention import AttentionFn, AttentionInputs
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float) -> nnx.Param:
+    init = jax.nn.initializers.normal(stddev=scale)
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x32 = x_btd.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+def rotary(x_bthd: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding by the per-document position of each token (rotate-half form)."""
+    head_dim = x_bthd.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x_bthd.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_bthd.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention over packed documents."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
+        d, h, k, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dtype, d**-0.5)
+        self.wk = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype, d**-0.5)
+        self.wv = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype, d**-0.5)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dtype, (h * hd) ** -0.5)
+        self.rope_theta = cfg.rope_theta
+
+    def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, compute_dtype):
+        q = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(compute_dtype))
+        k = jnp.einsum("btd,dhk->bthk", x_btd, self.wk[...].astype(compute_dtype))
+        v = jnp.einsum("btd,dhk->bthk", x_btd, self.wv[...].astype(compute_dtype))
+        return rotary(q, positions_bt, self.rope_theta), rotary(k, positions_bt, self.rope_theta), v
+
+    def __call__(self, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype):
+        q, k, v = self.qkv(x_btd, inputs.positions, compute_dtype)
+        out_bthk = attention_fn(q, k, v, inputs)
+        return jnp.einsum("bthk,hkd->btd", out_bthk.astype(compute_dtype), self.wo[...].astype(compute_dtype))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dtype, d**-0.5)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dtype, d**-0.5)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dtype, f**-0.5)
+
+    def __call__(self, x_btd, compute_dtype):
+        gate = x_btd @ self.w_gate[...].astype(compute_dtype)
+        up = x_btd @ self.w_up[...].astype(compute_dtype)
+        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(compute_dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
+        self.attention = Attention(cfg, rngs=rngs, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(cfg, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype):
+        x_btd = x_btd + self.attention(self.attention_norm(x_btd), inputs, attention_fn, compute_dtype)
+        return x_btd + self.mlp(self.mlp_norm(x_btd), compute_dtype)

@@ -1,0 +1,121 @@
+"""The decoder: embedding, a stack of identical layers applied with ``lax.scan``, head.
+
+The layers are stored stacked along a leading ``layers`` axis (one pytree whose leaves
+are ``[L, ...]``) so that a pipeline stage is a slice of that axis and the forward is
+one compiled loop body regardless of depth.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvarlen.config import ModelConfig
+from jvarlen.model.attention import AttentionFn, AttentionInputs, make_attention_fn
+from jvarlen.model.layers import DecoderLayer, RMSNorm, _param
+
+
+class Transformer(nnx.Module):
+    """LLaMA-style decoder on packed documents.
+
+    ``__call__(tokens [B, T], inputs)`` returns fp32 logits ``[B, T, V]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dtype, cfg.d_model**-0.5)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype, cfg.d_model**-0.5)
+
+    @property
+    def compute_dtype(self):
+        return resolve_compute_dtype(self.config.compute_dtype)
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens_bt, axis=0).astype(self.compute_dtype)
+
+    def apply_layers(
+        self,
+        x_btd: jax.Array,
+        inputs: AttentionInputs,
+        attention_fn: AttentionFn,
+        *,
+        remat: Optional[bool] = None,
+    ) -> jax.Array:
+        """Runs every stacked layer over ``x`` with one ``lax.scan``."""
+        graphdef, stacked = nnx.split(self.layers)
+        return apply_stacked_layers(
+            graphdef,
+            stacked,
+            x_btd,
+            inputs,
+            attention_fn,
+            compute_dtype=self.compute_dtype,
+            remat=self.config.remat if remat is None else remat,
+        )
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        x_btd = self.final_norm(x_btd)
+        if self.config.tie_embeddings:
+            head = self.embed[...].astype(self.compute_dtype).T
+        else:
+            head = self.head[...].astype(self.compute_dtype)
+        return jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        inputs: AttentionInputs,
+        attention_fn: Optional[AttentionFn] = None,
+    ) -> jax.Array:
+        if attention_fn is None:
+            attention_fn = make_attention_fn(self.config.attention)
+        x_btd = self.embed_tokens(tokens_bt)
+        x_btd = self.apply_layers(x_btd, inputs, attention_fn)
+        return self.logits(x_btd)
+
+
+def apply_stacked_layers(graphdef, stacked, x_btd, inputs, attention_fn, *, compute_dtype, remat: bool):
+    """Scans ``x`` through layers whose state leaves are stacked ``[L, ...]``."""
+
+    def body(x, layer_state):
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(x, inputs, attention_fn, compute_dtype), None
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    x_btd, _ = jax.lax.scan(body, x_btd, stacked)
+    return x_btd
+
+
+def resolve_compute_dtype(name: str):
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: nothing is allocated (for big configs)."""
+    return nnx.eval_shape(functools.partial(build_model, cfg))
+
+
+def parameter_count(model: nnx.Module) -> int:
+    state = nnx.state(model, nnx.Param)
+    return sum(int(x.size) for x in jax.tree.leaves(state))

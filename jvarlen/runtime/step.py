@@ -1,0 +1,62 @@
+"""The pure training step ``train_step(state, batch) -> (state, metrics)``.
+
+A batch is a dict of ``[B, T]`` arrays from the packer: ``tokens``, ``segment_ids``,
+``positions``, ``targets``, ``loss_mask``. Metrics are sums plus token counts (token
+counts vary per batch), reduced over data-parallel shards by the sharded jit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jvarlen.model import AttentionInputs, cross_entropy_sums
+from jvarlen.runtime.state import TrainState
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+
+
+def loss_sums(graphdef, params, batch: dict, attention_fn=None) -> dict:
+    """Forward pass and loss sums of one packed batch."""
+    model = nnx.merge(graphdef, params)
+    inputs = AttentionInputs(segment_ids=batch["segment_ids"], positions=batch["positions"])
+    logits = model(batch["tokens"], inputs, attention_fn)
+    return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+
+
+def loss_and_grads(graphdef, params, batch: dict, attention_fn=None):
+    """(sums, grads) where grads are of the *mean* loss over the batch's real targets."""
+
+    def mean_loss(p):
+        sums = loss_sums(graphdef, p, batch, attention_fn)
+        return sums["loss_sum"] / jnp.maximum(sums["target_tokens"], 1.0), sums
+
+    (_, sums), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    return sums, grads
+
+
+def make_train_step(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    attention_fn: Optional[Callable] = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """Returns the un-jitted step; callers jit it with their shardings and donation."""
+    # attention_fn=None uses the model's configured implementation.
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        sums, grads = loss_and_grads(graphdef, state.params, batch, attention_fn)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            **sums,
+            "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+            "grad_norm": optax.tree.norm(grads),
+        }
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step

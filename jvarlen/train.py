@@ -1,0 +1,27 @@
+"""``python -m jvarlen.train [--config FILE.yaml] [--section.field=value ...]``.
+
+With no arguments it trains the default tiny model on the embedded corpus (the running
+Python's standard library sources).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jvarlen.config import ConfigError, parse_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
+        return 2
+    from jvarlen.runtime.loop import train
+
+    train(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Configuration: YAML + dotted overrides, and errors that name the field."""
+
+import draccus
+import pytest
+
+from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config
+
+
+def test_defaults_equal_configs_default_yaml():
+    assert load_config(CONFIG_DIR / "default.yaml") == Config()
+
+
+def test_dotted_override_on_top_of_yaml():
+    config = parse_config(["--config", str(CONFIG_DIR / "default.yaml"), "--model.num_layers=2", "--data.seq_len=512"])
+    assert config.model.num_layers == 2 and config.data.seq_len == 512
+    assert config.model.d_model == 128  # from the YAML
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(draccus.utils.DraccusException, match="model.bogus"):
+        parse_config(["--model.bogus=3"])
+
+
+def test_unknown_key_in_yaml_is_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  num_layerz: 3\n")
+    with pytest.raises(Exception, match="num_layerz"):
+        parse_config(["--config", str(path)])
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(Exception, match="model.num_layers"):
+        parse_config(["--model.num_layers=four"])
+
+
+def test_heads_not_divisible_by_kv_heads():
+    with pytest.raises(ConfigError, match=r"num_heads \(6\) must be divisible by model.num_kv_heads \(4\)"):
+        parse_config(["--model.num_heads=6", "--model.num_kv_heads=4", "--model.head_dim=32"])
+
+
+def test_batch_must_be_whole_rows():
+    with pytest.raises(ConfigError, match="tokens_per_batch"):
+        parse_config(["--data.seq_len=1000", "--data.tokens_per_batch=1500"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(["--config", "/nonexistent/x.yaml"])
