@@ -109,3 +109,15 @@ def test_packing_prefers_low_time_per_token_buckets():
 
         before = PlannedChunk(tuple(holder_before))
         assert all(ratio(before) <= ratio(o) + 1e-15 for o in others)
+
+
+def test_pack_tokens_caps_packing_and_long_unsplit_documents_stay_alone():
+    cost = small_cost()
+    lengths = [20_000, 6_000, 3_000, 2_500, 1_000, 700, 300]
+    result = chunk_batch(lengths, cost, 1, pack_tokens=5_000)  # N = 1: nothing is split
+    assert result.token_threshold == 5_000
+    for c in result.chunks:
+        assert all(p[1] == 0 for p in c.pieces)
+        if c.tokens > 5_000:
+            assert len(c.pieces) == 1  # a long document alone, never packed with others
+    assert sorted(p[0] for c in result.chunks for p in c.pieces) == list(range(len(lengths)))

@@ -144,7 +144,8 @@ def smallest_slices(lengths: Sequence[int], cost) -> int:
 
 def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int):
     cap = cost.max_tokens(in_flight=1, tail=n == 1)  # N = 1 splits nothing: all chunks are tails
-    res = chunk_batch(lengths, cost, n, token_capacity=cap)
+    pack = cost.max_tokens(in_flight=cost.layout.pp, tail=True)  # a full window of batched chunks
+    res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack)
     chunks = list(res.chunks)
     return res, chunks, _group(chunks, lengths, cost, options, mode)
 

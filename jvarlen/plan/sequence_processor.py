@@ -151,6 +151,7 @@ def chunk_batch(
     n_slices: int,
     token_capacity: int | None = None,
     max_perturbation: float | None = 0.05,
+    pack_tokens: int | None = None,
 ) -> ChunkingResult:
     """Alg. 1: workload-balanced chunks of the documents ``lengths`` for slice number N = ``n_slices``.
 
@@ -158,6 +159,8 @@ def chunk_batch(
     ``max_perturbation``: line 16 may raise T_t to at most ``(1 + max_perturbation)·τ``
     (τ = the mesh's slice time); a document that fits no bucket below that opens a new
     bucket instead. ``None`` keeps the paper's unbounded perturbation.
+    ``pack_tokens`` further caps T_m for packing (memory of a full 1F1B window of
+    batched chunks); an unsplit document longer than that becomes a chunk of its own.
     Returns split chunks (in document and slice order) followed by the buckets.
     """
     lengths = [int(x) for x in lengths]
@@ -170,6 +173,8 @@ def chunk_batch(
             f"N={n_slices}: longest mesh slice has {mesh.token_threshold} tokens > capacity {token_capacity}; "
             "raise n_slices"
         )
+    if pack_tokens is not None:
+        t_m = max(1, min(t_m, int(pack_tokens)))
     t_t = mesh.time_threshold
 
     split_chunks: list[PlannedChunk] = []
@@ -199,7 +204,7 @@ def chunk_batch(
     min_tokens = min((b.tokens for b in buckets), default=None)
     for short_time, length, doc in shorts:
         piece = (doc, 0, length)
-        if min_tokens is None or min_tokens + length > t_m:  # lines 7-8
+        if min_tokens is None or min_tokens + length > t_m:  # lines 7-8 (also: a document longer than T_m)
             add_bucket(piece)
             min_tokens = min(b.tokens for b in buckets)
             continue
