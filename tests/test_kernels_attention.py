@@ -74,33 +74,22 @@ def check(impl, layout, h, hkv, d, causal, *, dtype=jnp.float32, bq=32, bk=32, s
 CONTEXT = kt.context_layout([(1, 200, 37), (2, 0, 20), (0, 0, 9), (3, 0, 33), (4, 0, 1)], 70)
 SELF = kt.build([(1, 0, 45), (0, 0, 3), (2, 0, 60), (3, 0, 7), (0, 0, 5)])
 SELF = (SELF[0], SELF[1], SELF[0], SELF[1])
+# GQA ratios 1, 2, 4; head dims 64, 128; causal and not; context and self attention.
+GRID = [
+    (4, 4, 64, CONTEXT, True),
+    (4, 2, 128, SELF, True),
+    (4, 1, 64, CONTEXT, False),
+    (4, 2, 128, CONTEXT, False),
+]
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("h,hkv,d,layout", [
-    (4, 4, 64, CONTEXT),
-    (4, 2, 128, SELF),
-    (4, 1, 64, CONTEXT),
-])
+@pytest.mark.parametrize("h,hkv,d,layout,causal", GRID)
 def test_xla_matches_reference_f32(causal, h, hkv, d, layout):
   check("xla", layout, h, hkv, d, causal)
 
 
 def test_xla_matches_reference_bf16():
   check("xla", CONTEXT, 4, 2, 64, True, dtype=jnp.bfloat16)
-
-
-def test_batched_equals_per_row():
-  rows = [SELF, kt.context_layout([(5, 50, 60), (6, 0, 60)], 0)]
-  ids = [jnp.stack([jnp.asarray(r[i]) for r in rows]) for i in range(4)]
-  q, k, v, _ = make_inputs(1, 120, 120, 2, 1, 64, batch=2)
-  kw = dict(causal=True, block_sizes=BlockSizes(32, 32))
-  out = attention(q, k, v, q_segment_ids=ids[0], q_positions=ids[1],
-                         kv_segment_ids=ids[2], kv_positions=ids[3], **kw)
-  for b in range(2):
-    row = attention(q[b], k[b], v[b], q_segment_ids=ids[0][b], q_positions=ids[1][b],
-                           kv_segment_ids=ids[2][b], kv_positions=ids[3][b], **kw)
-    np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(row))
 
 
 def test_rows_without_keys_are_zero_and_finite():
@@ -121,9 +110,9 @@ def test_precomputed_block_info_is_used_and_checked():
   info = block_info_for(q_seg, kv_seg, q_pos, kv_pos, causal=True, block_sizes=bs)
   kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
             kv_positions=kv_pos, block_sizes=bs)
-  a = attention(q, k, v, block_info=info, **kw)
-  b = attention(q, k, v, **kw)
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out = attention(q, k, v, block_info=info, **kw)
+  ref = attention(q, k, v, implementation="reference", **kw)
+  assert kt.rel_err(out, ref) <= F32_TOL
   with pytest.raises(ValueError, match="block_info was built for"):
     varlen_attention(q, k, v, block_info=info, causal=False, **kw)
 

@@ -9,15 +9,10 @@ from jvarlen.kernels import BlockSizes, block_info_for, pallas_triton
 from jvarlen.kernels import testing as kt
 from jvarlen.kernels.common import pad_axis, round_up
 
-from test_kernels_attention import CONTEXT, SELF, check, fwd_vjp, make_inputs
+from test_kernels_attention import CONTEXT, GRID, SELF, check, fwd_vjp, make_inputs
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("h,hkv,d,layout", [
-    (4, 4, 64, CONTEXT),
-    (4, 2, 128, SELF),
-    (4, 1, 64, CONTEXT),
-])
+@pytest.mark.parametrize("h,hkv,d,layout,causal", GRID)
 def test_pallas_matches_reference_f32(causal, h, hkv, d, layout):
   check("pallas", layout, h, hkv, d, causal)
 
@@ -27,9 +22,12 @@ def test_pallas_matches_reference_bf16(d):
   check("pallas", CONTEXT, 4, 2, d, True, dtype=jnp.bfloat16)
 
 
-def test_three_implementations_agree():
-  q_seg, q_pos, kv_seg, kv_pos = (jnp.asarray(x) for x in CONTEXT)
-  q, k, v, ct = make_inputs(7, len(q_seg), len(kv_seg), 4, 2, 64)
+def test_three_implementations_agree_with_batch_axis():
+  # Row 0: context attention; row 1: the same keys, a different slice layout.
+  other = kt.build([(1, 150, 50), (0, 0, 10), (3, 5, 40)])
+  q_seg, q_pos, kv_seg, kv_pos = (jnp.stack([jnp.asarray(a), jnp.asarray(b)])
+                                  for a, b in zip(CONTEXT, (*other, *CONTEXT[2:])))
+  q, k, v, ct = make_inputs(7, q_seg.shape[1], kv_seg.shape[1], 4, 2, 64, batch=2)
   res = {impl: fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, impl=impl, causal=True,
                        bq=32, bk=16)
          for impl in ("pallas", "xla", "reference")}
@@ -77,8 +75,8 @@ def test_block_skipping_counts_visited_tiles(layout, causal):
   q, k, v, q_seg, q_pos, kv_seg, kv_pos, _ = args
   info = block_info_for(*(jnp.asarray(x)[None] for x in (layout[0], layout[2], layout[1], layout[3])),
                         causal=causal, block_sizes=bs)
-  visited = pallas_triton.tiles_visited(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info,
-                                        causal=causal, sm_scale=0.125)
+  visited = jax.jit(pallas_triton.tiles_visited, static_argnames=("causal", "sm_scale"))(
+      q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal, sm_scale=0.125)
   expected = kt.visible_tiles(kt.visible_pairs(*layout[:2], *layout[2:], causal=causal), 16, 16)
   np.testing.assert_array_equal(np.asarray(visited)[0, 0], expected)
   np.testing.assert_array_equal(np.asarray(visited)[0, 1], expected)
