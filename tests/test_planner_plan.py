@@ -63,8 +63,8 @@ def test_dapple_reports_out_of_memory_for_a_long_document(tight):
     plan.validate(lengths)  # everything but memory is fine
 
 
-def test_json_round_trip(batch, tight, plans):
-    plan = plans["epp"]
+def test_json_round_trip(batch, tight, split_plan):
+    plan = split_plan
     again = Plan.from_json(json.loads(plan.dumps()))
     assert again.dumps() == plan.dumps()
     again.validate(batch, tight)
@@ -78,8 +78,16 @@ def _corrupt(plan: Plan, **changes) -> Plan:
     return dataclasses.replace(plan, **changes)
 
 
-def test_validator_catches_corrupted_plans(batch, tight, plans):
-    plan = plans["epp"]
+@pytest.fixture(scope="module")
+def split_plan(batch, tight):
+    """An EPP plan with split documents (N fixed) and some recomputation."""
+    plan = plan_iteration(batch, cost=tight, policy="epp", options=dataclasses.replace(OPTS, n_slices=6))
+    assert any(j >= 0 for j in plan.schedule.chunk_prev) and plan.ckpt_layers.sum() > 0
+    return plan
+
+
+def test_validator_catches_corrupted_plans(batch, tight, split_plan):
+    plan = split_plan
     chunks = [list(c) for c in plan.chunks]
 
     # 1. A token missing: shorten a piece.

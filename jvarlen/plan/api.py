@@ -183,13 +183,20 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     tune_mode = "greedy" if mode == "milp" else mode
     best = None
     tried: dict[int, float] = {}
-    for n in candidates:
-        if len(tried) >= options.n_candidates:
-            break
+    queue = list(candidates)
+    finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
+    while queue and len(tried) < options.n_candidates:
+        n = queue.pop(0)
         try:
             res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
         except (ValueError, PlanningError) as e:
             events.append(f"N={n}: infeasible ({e})")
+            # Finer slicing shrinks the chunk windows: if even the largest candidate does not
+            # fit, try a finer one before the coarser ones.
+            bigger = int(round(n * max(options.n_ratio, 1.5)))
+            if best is None and options.n_slices is None and n == max(candidates) and bigger <= finest:
+                candidates.append(bigger)
+                queue.insert(0, bigger)
             continue
         plan = assemble(policy, lengths, chunks, grouping.units, cost)
         tried[n] = plan.stats["iteration_time_s"]
