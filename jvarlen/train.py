@@ -17,9 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
+    from jvarlen.data import DataError
+    from jvarlen.runtime.checkpoint import CheckpointMismatchError
     from jvarlen.runtime.loop import train
 
-    train(config)
+    try:
+        train(config)
+    except (ConfigError, DataError, CheckpointMismatchError) as error:
+        print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

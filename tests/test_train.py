@@ -55,6 +55,17 @@ def test_cli_reports_config_errors(tmp_path):
     assert "num_kv_heads" in proc.stderr
 
 
+def test_cli_reports_data_errors_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jvarlen.train", "--data.source=jsonl", f"--data.path={tmp_path}/missing.jsonl",
+         f"--logging.run_dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "missing.jsonl" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_resume_bitwise(tmp_path, cache_dir):
     full = train(_config(tmp_path / "full", cache_dir, "--train.steps=4", "--checkpoint.every_steps=2"), quiet=True)
     part_dir = tmp_path / "part"
