@@ -9,7 +9,7 @@ visible (q, k) pairs: 4*D flops per pair and head forward, 14*D forward+backward
 (2 + 5 matmuls). Prints a markdown table and writes every record as JSON.
 
     python scripts/bench_attention.py                       # GPU: 16K/64K/128K, D 64/128, GQA 1/4
-    python scripts/bench_attention.py --tokens 2048 4096    # CPU sizes (XLA path)
+    python scripts/bench_attention.py --tokens 2048 4096 --hidden 512 --doc-scale 0.0625  # CPU
 """
 
 from __future__ import annotations
@@ -33,9 +33,14 @@ from jvarlen.kernels import testing as kt  # noqa: E402
 from jvarlen.plan.workloads import sample_batch  # noqa: E402
 
 
-def packed_row(tokens: int, seed: int):
-  """One row of ``tokens`` tokens packed from stdlib document lengths (truncated)."""
-  lengths = sample_batch("stdlib", 4 * max(1, tokens // 1024) + 16, context=tokens, seed=seed)
+def packed_row(tokens: int, seed: int, doc_scale: float = 1.0):
+  """One row of ``tokens`` tokens packed from stdlib document lengths (truncated).
+
+  ``doc_scale`` < 1 shrinks every document (keeping the length distribution's shape)
+  so that small CPU-sized rows hold several documents as a long GPU row would.
+  """
+  lengths = sample_batch("stdlib", 64 + tokens // 256, context=round(tokens / doc_scale), seed=seed)
+  lengths = [max(1, round(n * doc_scale)) for n in lengths]
   return kt.pack_documents(lengths, tokens)
 
 
@@ -96,7 +101,7 @@ def run(args):
   baselines = ["xla", "reference"] + (["cudnn"] if on_gpu else [])
   records = []
   for tokens in args.tokens:
-    seg, pos = packed_row(tokens, args.seed)
+    seg, pos = packed_row(tokens, args.seed, args.doc_scale)
     pairs = visible_pair_count(seg, pos) * args.batch
     ids = (jnp.asarray(np.tile(seg, (args.batch, 1))), jnp.asarray(np.tile(pos, (args.batch, 1))))
     n_docs = len(np.unique(seg[seg != 0]))
@@ -164,6 +169,8 @@ def main():
   p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 elsewhere")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--doc-scale", type=float, default=1.0,
+                 help="multiply document lengths (e.g. 1/16 for CPU-sized rows)")
   p.add_argument("--max-dense-tokens", type=int, default=None,
                  help="skip dense baselines above this (default 16384 GPU, 4096 CPU)")
   p.add_argument("--out", default="bench_attention.json")

@@ -168,3 +168,38 @@ def test_reference_lse_for_empty_rows_is_finite():
   out, lse = reference_attention(q, k, v, *ids, causal=True, sm_scale=0.25, return_lse=True)
   assert np.isfinite(np.asarray(lse)).all()
   assert np.all(np.asarray(out)[0, :4] == 0)
+
+
+def _loss_fn(impl, t, s):
+  seg = jnp.ones((t,), jnp.int32)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  kv_seg = jnp.ones((s,), jnp.int32)
+  kv_pos = jnp.arange(s, dtype=jnp.int32) - (s - t)  # context: S - T cached tokens
+
+  def loss(q, k, v):
+    o = varlen_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=kv_seg, q_positions=pos,
+                         kv_positions=kv_pos, implementation=impl)
+    return jnp.sum(o.astype(jnp.float32))
+
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def test_xla_path_does_not_materialise_scores():
+  """fwd+bwd temp memory of the blockwise path stays far below one dense T x S score matrix."""
+  t, s, h, d = 2048, 2048, 2, 64
+  args = (jax.ShapeDtypeStruct((t, h, d), jnp.float32), jax.ShapeDtypeStruct((s, h, d), jnp.float32),
+          jax.ShapeDtypeStruct((s, h, d), jnp.float32))
+  temp = jax.jit(_loss_fn("xla", t, s)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  dense_scores = t * s * h * 4
+  assert temp < dense_scores / 8, (temp, dense_scores)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_long_context_shapes(impl):
+  """128K-token slice attending to 64K context: shapes and dtypes only (eval_shape)."""
+  t, s = 131072, 196608
+  args = (jax.ShapeDtypeStruct((t, 16, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((s, 4, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((s, 4, 128), jnp.bfloat16))
+  grads = jax.eval_shape(_loss_fn(impl, t, s), *args)
+  assert [(g.shape, g.dtype) for g in grads] == [(a.shape, a.dtype) for a in args]
