@@ -170,3 +170,19 @@ def test_no_solver_time_still_gives_a_valid_plan(batch, tight):
     assert "cp-sat" not in plan.stats["ckpt_sources"]
     assert "greedy" in plan.stats["ckpt_sources"]
     assert any("greedy" in e for e in plan.events)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,context", [("13b", 96), ("30b", 192)])
+def test_paper_scale_plans_are_valid(model, context):
+    from jvarlen.config import load_config
+    from jvarlen.layout import Layout
+    from jvarlen.plan.api import make_cost
+
+    cost = make_cost(load_config(f"configs/gpt-{model}.yaml").model, "a800", Layout(1, 4, 8), zero3_sp=True)
+    batch = sample_batch("github", 512, context * K, seed=11)
+    for policy in ("epp", "seq1f1b", "dapple"):
+        plan = plan_iteration(batch, cost=cost, policy=policy)
+        plan.validate(batch, cost if plan.stats["fits_memory"] else None)
+    epp = plan_iteration(batch, cost=cost, policy="epp")
+    assert epp.stats["fits_memory"] and epp.stats["bubble_ratio"] < 0.2

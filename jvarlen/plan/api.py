@@ -194,7 +194,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
             # Finer slicing shrinks the chunk windows: if even the largest candidate does not
             # fit, try a finer one before the coarser ones.
             bigger = int(round(n * max(options.n_ratio, 1.5)))
-            if best is None and options.n_slices is None and n == max(candidates) and bigger <= finest:
+            bumps = len(candidates) - len(slice_candidates(lengths, cost, options, policy))
+            if best is None and options.n_slices is None and n == max(candidates) and bigger <= finest and bumps < 2:
                 candidates.append(bigger)
                 queue.insert(0, bigger)
             continue

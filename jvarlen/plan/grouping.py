@@ -150,6 +150,10 @@ def group(
     sizes = list(range(len(bins)))
     by_size = {lv: [f for f in families if level_of[len(f)] == lv] for lv in sizes}
     levels = len(sizes)
+    # Quick infeasibility check: the largest families (the longest documents) must each fit alone.
+    for fam in by_size[sizes[-1]]:
+        if not solve_unit([fam], shapes, cost, pp, max_layers, options, "greedy" if ckpt_mode == "milp" else ckpt_mode, table).ckpt.feasible:
+            raise ValueError(f"a document split into {len(fam)} chunks does not fit the memory budget on its own")
     dp = [0.0] + [math.inf] * levels
     back: list[tuple[int, list[Unit]]] = [(0, [])] * (levels + 1)
     solves = 0
