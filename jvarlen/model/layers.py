@@ -92,3 +92,22 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype):
         x_btd = x_btd + self.attention(self.attention_norm(x_btd), inputs, attention_fn, compute_dtype)
         return x_btd + self.mlp(self.mlp_norm(x_btd), compute_dtype)
+
+
+def layer_with_context(layer: DecoderLayer, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype, ctx_k=None, ctx_v=None):
+    """One decoder layer whose keys are ``[ctx_k; own k]``; returns ``(y, k, v)``.
+
+    x [B, T, d]; ctx_k/ctx_v [B, Sc, K, D] (or None: plain self-attention); ``inputs``'
+    kv fields then describe the Sc + T keys. k/v [B, T, K, D] are this layer's own keys
+    and values (after rotary), for later slices of the same document. Used by the
+    pipeline executor; equal to ``layer(...)`` when there is no context.
+    """
+    attn = layer.attention
+    q, k, v = attn.qkv(layer.attention_norm(x_btd), inputs.positions, compute_dtype)
+    keys, values = k, v
+    if ctx_k is not None:
+        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
+    out_bthk = attention_fn(q, keys, values, inputs)
+    x_btd = x_btd + jnp.einsum("bthk,hkd->btd", out_bthk.astype(compute_dtype), attn.wo[...].astype(compute_dtype))
+    return x_btd + layer.mlp(layer.mlp_norm(x_btd), compute_dtype), k, v

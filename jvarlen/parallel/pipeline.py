@@ -1,0 +1,307 @@
+"""Elastic pipeline executor: any valid plan of chunks through ``pp`` stages in one program.
+
+See docs/design/pipeline.md. Static: the :class:`PipelineSignature` (layout, bucket,
+chunk count, tick count, context bucket, slot counts). Runtime data: the chunks, the
+tick table ``[ticks, pp, 2]`` from ``jvarlen.plan.schedule``, and the slot tables of
+``pipeline_buffers`` (which also encode the recomputation table). Mesh axes
+``(data, pp, sp)`` = ``Layout(dp, pp, sp)``; every pipeline (``data`` index) has its
+own chunks and tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jvarlen.config import ModelConfig
+from jvarlen.layout import Layout
+from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
+from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
+from jvarlen.parallel.pipeline_buffers import SlotTables, assign_slots
+from jvarlen.parallel.pipeline_chunks import CHUNK_KEYS, PackedChunks, stack_pipelines
+from jvarlen.parallel.pipeline_stage import StageFns, maybe, residual_shapes
+from jvarlen.plan.schedule import Schedule
+
+DATA, PP, SP = "data", "pp", "sp"
+TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "recv_act", "recv_grad")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSignature:
+    """Everything that shapes the compiled step (the compiled-step cache key)."""
+
+    layout: Layout
+    num_layers: int
+    bucket: int  # T, tokens per chunk
+    n_chunks: int
+    n_ticks: int
+    context: int  # Sc, context tokens per split document in flight (0: no split document)
+    n_stash: int
+    n_grad: int
+    n_ctx: int
+    n_res: int  # stored-layer residual slots per stage
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.layout.pp
+
+
+def pipeline_mesh(layout: Layout, devices=None) -> jax.sharding.Mesh:
+    """``(data, pp, sp)`` mesh over the first ``layout.num_devices`` devices."""
+    devices = jax.devices() if devices is None else devices
+    if len(devices) < layout.num_devices:
+        raise ValueError(f"{layout} needs {layout.num_devices} devices, have {len(devices)}")
+    return jax.make_mesh(
+        (layout.dp, layout.pp, layout.sp),
+        (DATA, PP, SP),
+        axis_types=(AxisType.Auto,) * 3,
+        devices=devices[: layout.num_devices],
+    )
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def prepare_batch(
+    packs: Sequence[PackedChunks],
+    schedules: Sequence[Schedule],
+    ckpt_layers: Sequence[np.ndarray],
+    layout: Layout,
+    num_layers: int,
+    *,
+    min_signature: Optional[PipelineSignature] = None,
+) -> tuple[PipelineSignature, dict]:
+    """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
+
+    ``ckpt_layers[i] [n, pp]``: layers recomputed per chunk and stage (InfiniPipe Eq. 15-16).
+    ``min_signature`` pads tick count, context and slot counts up to it (to reuse a compiled step).
+    Returns (signature, ``{key: [dp, ...]}``).
+    """
+    if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
+        raise ValueError(f"need one pack, schedule and ckpt table per pipeline (dp={layout.dp})")
+    if num_layers % layout.pp:
+        raise ValueError(f"num_layers ({num_layers}) must be divisible by pp ({layout.pp})")
+    ls = num_layers // layout.pp
+    tables = []
+    for pack, sched, ckpt in zip(packs, schedules, ckpt_layers):
+        if sched.pp != layout.pp:
+            raise ValueError(f"schedule has {sched.pp} stages, layout has pp={layout.pp}")
+        if tuple(sched.chunk_prev) != tuple(pack.chunk_prev):
+            raise ValueError(f"schedule links {sched.chunk_prev} differ from the chunks' {pack.chunk_prev}")
+        sched.validate()
+        ticks = sched.to_ticks()
+        slots = assign_slots(ticks, sched.chunk_prev, ckpt, ls,
+                             uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
+        tables.append((ticks, slots))
+    floor = min_signature
+    n_ticks = max([t.shape[0] for t, _ in tables] + [floor.n_ticks if floor else 0])
+    bucket = packs[0].bucket
+    context = max([p.context_bucket() for p in packs] + [floor.context if floor else 0])
+    if context:
+        context = -(-context // bucket) * bucket
+    counts = {
+        name: max([getattr(s, name) for _, s in tables] + [getattr(floor, name) if floor else 0])
+        for name in ("n_stash", "n_grad", "n_ctx", "n_res")
+    }
+    sig = PipelineSignature(layout, num_layers, bucket, packs[0].n_chunks, n_ticks, context, **counts)
+    out = stack_pipelines(packs)
+    per = {key: [] for key in TABLE_KEYS}
+    for ticks, slots in tables:
+        slots = slots.with_counts(**counts)
+        pad = n_ticks - ticks.shape[0]
+        idle = np.zeros((pad, layout.pp, 2), np.int32)
+        idle[..., 1] = -1
+        per["ops"].append(np.concatenate([ticks, idle]))
+        per["recv_act"].append(np.concatenate([slots.recv_act, np.full((pad, layout.pp), sig.n_stash, np.int32)]))
+        per["recv_grad"].append(np.concatenate([slots.recv_grad, np.full((pad, layout.pp), sig.n_grad, np.int32)]))
+        for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot"):
+            per[key].append(getattr(slots, key))
+    out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
+    return sig, out
+
+
+# --------------------------------------------------------------------------- device side
+
+
+def split_params(params):
+    """(stacked layer state [L, ...], the rest: embed, final norm, head)."""
+    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
+    return params["layers"], rest
+
+
+def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None):
+    """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
+
+    ``grads`` are of the mean loss over every real target of all pipelines (like
+    ``jvarlen.runtime.step.loss_and_grads``), accumulated over chunks and pipelines.
+    """
+    layout = sig.layout
+    if layout.sp != 1:
+        raise NotImplementedError("sp > 1 inside pipeline stages needs the Ulysses attention (not wired yet)")
+    pp, ls, T = layout.pp, sig.layers_per_stage, sig.bucket
+    d, K = cfg.d_model, cfg.num_kv_heads
+    D = cfg.head_dim or cfg.d_model // cfg.num_heads
+    Sc = sig.context
+    cdt = resolve_compute_dtype(cfg.compute_dtype)
+    attention_fn = attention_fn or make_attention_fn(cfg.attention)
+    layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0)
+    dummy = dict(stash=sig.n_stash, grad=sig.n_grad, ctx=sig.n_ctx, res=sig.n_res)
+
+    def device_fn(layers, rest, b, scale):
+        b = jax.tree.map(lambda a: a[0], b)
+        stage = jax.lax.axis_index(PP)
+        is_first, is_last = stage == 0, stage == pp - 1
+
+        def model_of(r):
+            return nnx.merge(graphdef, r, nnx.State({"layers": layers}))
+
+        def embed(r, tokens):
+            return model_of(r).embed_tokens(tokens[None])[0]
+
+        def head_loss(r, y, targets, mask):
+            logits = model_of(r).logits(y[None])
+            return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
+
+        def chunk(k):
+            c = {key: jax.lax.dynamic_index_in_dim(b[key], k, 0, keepdims=False) for key in CHUNK_KEYS}
+            c["C"] = b["ctx_len"][k]
+            c["slots"] = {name: b[name + "_slot"][k, stage] for name in ("stash", "grad", "ctx")}
+            c["res_slot"] = b["res_slot"][k, stage]
+            seg, pos = c["segment_ids"], c["positions"]
+            if Sc:
+                ar = jnp.arange(Sc, dtype=jnp.int32)
+                kv_seg = jnp.concatenate([jnp.where(ar < c["C"], seg[0], 0), seg])
+                kv_pos = jnp.concatenate([ar, pos])
+                c["inputs"] = AttentionInputs(seg[None], pos[None], kv_seg[None], kv_pos[None])
+            else:
+                c["inputs"] = AttentionInputs(seg[None], pos[None])
+            c["own"] = ((b["has_next"][k] > 0) & (seg == seg[0]) & (seg > 0)).astype(cdt)[None, :, None, None]
+            return c
+
+        def put(buf, i, value):
+            return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+
+        def get(buf, i):
+            return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+        def idle(carry, k):
+            return carry, jnp.zeros((T, d), cdt), jnp.zeros((T, d), cdt)
+
+        def fwd(carry, k):
+            c = chunk(k)
+            s = c["slots"]
+            carry = dict(carry)
+            x = jnp.where(is_first, embed(rest, c["tokens"]), get(carry["stash"], s["stash"]))
+            carry["stash"] = put(carry["stash"], jnp.where(is_first, s["stash"], dummy["stash"]), x)
+            y, k_own, v_own, carry["res"], n = fns.forward(
+                layers, x, get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"]), carry["res"], c["res_slot"], c["inputs"]
+            )
+            if Sc:
+                at = (s["ctx"], 0, c["C"], 0, 0)
+                carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], (k_own * c["own"])[None].astype(cdt), at)
+                carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], (v_own * c["own"])[None].astype(cdt), at)
+                start = (b["has_next"][k] > 0) & (c["C"] == 0)
+                zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
+                reset = jnp.where(start, s["ctx"], dummy["ctx"])
+                carry["dck"] = put(carry["dck"], reset, zero)
+                carry["dcv"] = put(carry["dcv"], reset, zero)
+
+            def last():
+                loss, vjp_fn = jax.vjp(lambda r, yy: head_loss(r, yy, c["targets"], c["loss_mask"]), rest, y)
+                d_rest, dy = vjp_fn(scale.astype(loss.dtype))
+                return loss, d_rest, dy
+
+            loss, d_rest, dy = maybe(is_last, last)
+            carry["grad_in"] = put(carry["grad_in"], jnp.where(is_last, s["grad"], dummy["grad"]), dy)
+            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], d_rest)
+            carry["loss"] = carry["loss"] + loss
+            carry["count"] = carry["count"] + n
+            return carry, y.astype(cdt), jnp.zeros((T, d), cdt)
+
+        def bwd(carry, k):
+            c = chunk(k)
+            s = c["slots"]
+            carry = dict(carry)
+            x, dy = get(carry["stash"], s["stash"]), get(carry["grad_in"], s["grad"])
+            ck, cv = get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"])
+            if Sc:
+                at, size = (0, c["C"], 0, 0), (ls, T, K, D)
+                dk_own = jax.lax.dynamic_slice(get(carry["dck"], s["ctx"]), at, size) * c["own"]
+                dv_own = jax.lax.dynamic_slice(get(carry["dcv"], s["ctx"]), at, size) * c["own"]
+            else:
+                dk_own = dv_own = jnp.zeros((ls, T, K, D), cdt)
+            dx, dlayers, dck, dcv, n = fns.backward(
+                layers, x, dy, ck, cv, dk_own, dv_own, carry["res"], c["res_slot"], dummy["res"], c["inputs"]
+            )
+            if Sc:
+                carry["dck"] = put(carry["dck"], s["ctx"], get(carry["dck"], s["ctx"]) + dck)
+                carry["dcv"] = put(carry["dcv"], s["ctx"], get(carry["dcv"], s["ctx"]) + dcv)
+
+            def first():
+                _, vjp_fn = jax.vjp(lambda r: embed(r, c["tokens"]), rest)
+                return vjp_fn(dx)[0]
+
+            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], maybe(is_first, first))
+            carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], dlayers)
+            carry["count"] = carry["count"] + n
+            return carry, jnp.zeros((T, d), cdt), dx.astype(cdt)
+
+        def tick(carry, t):
+            row = b["ops"][t, stage]
+            op, k = jnp.clip(row[0], 0, 2), jnp.maximum(row[1], 0)
+            carry, send_act, send_grad = jax.lax.switch(op, [idle, fwd, bwd], carry, k)
+            if pp > 1:
+                recv_act = jax.lax.ppermute(send_act, PP, [(i, i + 1) for i in range(pp - 1)])
+                recv_grad = jax.lax.ppermute(send_grad, PP, [(i + 1, i) for i in range(pp - 1)])
+                carry = dict(carry)
+                carry["stash"] = put(carry["stash"], b["recv_act"][t, stage], recv_act)
+                carry["grad_in"] = put(carry["grad_in"], b["recv_grad"][t, stage], recv_grad)
+            return carry, None
+
+        x0 = jnp.zeros((T, d), cdt)
+        c0 = chunk(jnp.int32(0))
+        layer0 = jax.tree.map(lambda a: a[0], layers)
+        ctx0 = jnp.zeros((Sc, K, D), cdt)
+        res_shapes = residual_shapes(fns, layer0, x0, ctx0, ctx0, c0["inputs"])
+        zeros_ctx = jnp.zeros((sig.n_ctx + 1, ls, Sc, K, D), cdt)
+        carry = dict(
+            stash=jnp.zeros((sig.n_stash + 1, T, d), cdt),
+            grad_in=jnp.zeros((sig.n_grad + 1, T, d), cdt),
+            ck=zeros_ctx, cv=zeros_ctx, dck=zeros_ctx, dcv=zeros_ctx,
+            res=[jnp.zeros((sig.n_res + 1,) + s.shape, s.dtype) for s in res_shapes],
+            g_layers=jax.tree.map(jnp.zeros_like, layers),
+            g_rest=jax.tree.map(jnp.zeros_like, rest),
+            loss=jnp.zeros((), jnp.float32),
+            count=jnp.zeros((), jnp.int32),
+        )
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(sig.n_ticks))
+        g_layers = jax.lax.psum(carry["g_layers"], DATA)
+        g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP))
+        loss = jax.lax.psum(carry["loss"], (DATA, PP))
+        return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
+
+    def grads(params, batch):
+        layers, rest = split_params(params)
+        targets = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
+        scale = 1.0 / jnp.maximum(targets, 1.0)
+        layer_spec = jax.tree.map(lambda _: P(PP), layers)
+        rest_spec = jax.tree.map(lambda _: P(), rest)
+        batch_spec = {key: P(DATA) for key in batch}
+        g_layers, g_rest, loss, count = jax.shard_map(
+            device_fn,
+            mesh=mesh,
+            in_specs=(layer_spec, rest_spec, batch_spec, P()),
+            out_specs=(layer_spec, rest_spec, P(), P(DATA, PP)),
+            check_vma=False,
+        )(layers, rest, batch, scale)
+        grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))
+        return {"loss_sum": loss, "target_tokens": targets}, grads, count
+
+    return grads

@@ -1,0 +1,183 @@
+"""Host-side buffer slots of the pipeline executor (numpy only, no JAX).
+
+Every buffer of a stage (stashed inputs, cotangent inboxes, KV context, stored
+residuals) is a fixed number of *slots*; a slot is held by one chunk over a live
+range of ticks. Slots are assigned by interval colouring of those live ranges in
+the tick table, so their number follows the pipeline window (InfiniPipe Eq. 7)
+rather than the number of chunks. Slot index ``count`` (one past the last) is the
+*dummy* slot: writing to it means "store nothing".
+
+Phases inside a tick: ``2t`` is the op (reads/writes of the running op), ``2t+1``
+is the filing of what the two ppermutes delivered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jvarlen.plan.schedule import BWD, FWD
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotTables:
+    """Slot tables of one pipeline (n chunks, pp stages, Ls layers per stage, `ticks` ticks).
+
+    stash_slot, grad_slot, ctx_slot: ``[n, pp]`` int32; res_slot: ``[n, pp, Ls]`` int32;
+    recv_act, recv_grad: ``[ticks, pp]`` int32. Counts exclude the dummy slot.
+    """
+
+    stash_slot: np.ndarray
+    grad_slot: np.ndarray
+    ctx_slot: np.ndarray
+    res_slot: np.ndarray
+    recv_act: np.ndarray
+    recv_grad: np.ndarray
+    n_stash: int
+    n_grad: int
+    n_ctx: int
+    n_res: int
+
+    def with_counts(self, n_stash: int, n_grad: int, n_ctx: int, n_res: int) -> "SlotTables":
+        """The same assignment inside bigger buffers (dummy index moves to the new count)."""
+        for name, new in (("n_stash", n_stash), ("n_grad", n_grad), ("n_ctx", n_ctx), ("n_res", n_res)):
+            if new < getattr(self, name):
+                raise ValueError(f"{name}={new} is below the {getattr(self, name)} slots this plan needs")
+
+        def move(a, old, new):
+            a = a.copy()
+            a[a == old] = new
+            return a
+
+        return SlotTables(
+            stash_slot=move(self.stash_slot, self.n_stash, n_stash),
+            grad_slot=move(self.grad_slot, self.n_grad, n_grad),
+            ctx_slot=move(self.ctx_slot, self.n_ctx, n_ctx),
+            res_slot=move(self.res_slot, self.n_res, n_res),
+            recv_act=move(self.recv_act, self.n_stash, n_stash),
+            recv_grad=move(self.recv_grad, self.n_grad, n_grad),
+            n_stash=n_stash,
+            n_grad=n_grad,
+            n_ctx=n_ctx,
+            n_res=n_res,
+        )
+
+
+def op_ticks(ticks: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tf, tb): ``[n, pp]`` tick of F(k) and B(k) on each stage; raises if one is missing."""
+    ticks = np.asarray(ticks)
+    pp = ticks.shape[1]
+    tf = np.full((n_chunks, pp), -1, np.int64)
+    tb = np.full((n_chunks, pp), -1, np.int64)
+    for t in range(ticks.shape[0]):
+        for p in range(pp):
+            op, k = int(ticks[t, p, 0]), int(ticks[t, p, 1])
+            if op == FWD:
+                tf[k, p] = t
+            elif op == BWD:
+                tb[k, p] = t
+    if (tf < 0).any() or (tb < 0).any():
+        k, p = np.argwhere((tf < 0) | (tb < 0))[0]
+        raise ValueError(f"tick table lacks F or B of chunk {k} on stage {p}")
+    return tf, tb
+
+
+def colour(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Greedy interval colouring: {key: slot}, number of slots. Closed intervals (start, end, key)."""
+    free_at: list[int] = []  # end phase of each slot's current holder
+    out = {}
+    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for s, busy_until in enumerate(free_at):
+            if busy_until < start:
+                free_at[s] = end
+                out[key] = s
+                break
+        else:
+            out[key] = len(free_at)
+            free_at.append(end)
+    return out, len(free_at)
+
+
+def assign_slots(
+    ticks: np.ndarray,
+    chunk_prev: Sequence[int],
+    ckpt_layers: np.ndarray,
+    layers_per_stage: int,
+    *,
+    uses_context: Optional[Sequence[bool]] = None,
+) -> SlotTables:
+    """Slots for one pipeline.
+
+    ticks ``[T, pp, 2]`` (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
+    ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of stage p are recomputed for chunk k,
+    the others keep their residuals. ``uses_context[k]``: chunk k reads or writes KV context
+    (default: it is linked to another chunk).
+    """
+    ticks = np.asarray(ticks)
+    n = len(chunk_prev)
+    pp = ticks.shape[1]
+    ls = layers_per_stage
+    ckpt = np.asarray(ckpt_layers).reshape(n, pp)
+    if (ckpt < 0).any() or (ckpt > ls).any():
+        raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
+    tf, tb = op_ticks(ticks, n)
+    nxt = [-1] * n
+    for k, j in enumerate(chunk_prev):
+        if j >= 0:
+            nxt[j] = k
+    root = []
+    for k in range(n):
+        r = k
+        while chunk_prev[r] >= 0:
+            r = chunk_prev[r]
+        root.append(r)
+    if uses_context is None:
+        uses_context = [chunk_prev[k] >= 0 or nxt[k] >= 0 for k in range(n)]
+
+    stash = np.zeros((n, pp), np.int32)
+    grad = np.zeros((n, pp), np.int32)
+    ctx = np.zeros((n, pp), np.int32)
+    res = np.zeros((n, pp, ls), np.int32)
+    counts = {"stash": 0, "grad": 0, "ctx": 0, "res": 0}
+    per_stage = []
+    for p in range(pp):
+        iv_stash = [((2 * tf[k, p - 1] + 1) if p else 2 * tf[k, p], 2 * tb[k, p], k) for k in range(n)]
+        iv_grad = [((2 * tb[k, p + 1] + 1) if p < pp - 1 else 2 * tf[k, p], 2 * tb[k, p], k) for k in range(n)]
+        roots = sorted({root[k] for k in range(n) if uses_context[k]})
+        iv_ctx = [(2 * tf[r, p], 2 * tb[r, p], r) for r in roots]
+        iv_res = [(2 * tf[k, p], 2 * tb[k, p], (k, l)) for k in range(n) for l in range(int(ckpt[k, p]), ls)]
+        col = {}
+        for name, iv in (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res)):
+            col[name], c = colour(iv)
+            counts[name] = max(counts[name], c)
+        per_stage.append(col)
+    for p, col in enumerate(per_stage):
+        for k in range(n):
+            stash[k, p] = col["stash"][k]
+            grad[k, p] = col["grad"][k]
+            ctx[k, p] = col["ctx"][root[k]] if uses_context[k] else counts["ctx"]
+            for l in range(ls):
+                res[k, p, l] = col["res"].get((k, l), counts["res"])
+    recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
+    recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
+    for t in range(ticks.shape[0]):
+        for p in range(pp):
+            op, k = int(ticks[t, p, 0]), int(ticks[t, p, 1])
+            if op == FWD and p + 1 < pp:
+                recv_act[t, p + 1] = stash[k, p + 1]
+            if op == BWD and p > 0:
+                recv_grad[t, p - 1] = grad[k, p - 1]
+    return SlotTables(
+        stash_slot=stash,
+        grad_slot=grad,
+        ctx_slot=ctx,
+        res_slot=res,
+        recv_act=recv_act,
+        recv_grad=recv_grad,
+        n_stash=counts["stash"],
+        n_grad=counts["grad"],
+        n_ctx=counts["ctx"],
+        n_res=counts["res"],
+    )

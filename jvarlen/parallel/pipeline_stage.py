@@ -1,0 +1,153 @@
+"""What one pipeline stage computes for one chunk: layer forwards with stored residuals,
+and backwards that rebuild each layer's ``vjp_fn`` from stored or recomputed residuals.
+
+Device code that runs inside ``shard_map`` over ``pp``; shapes are per chunk: T tokens,
+d model width, Ls layers of the stage, Sc context tokens, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvarlen.model import AttentionInputs
+from jvarlen.model.layers import layer_with_context
+
+
+@dataclasses.dataclass
+class ResidualRecipe:
+    """How a layer's ``vjp_fn`` is flattened: which leaves are shared inputs (layer
+    parameters, context K/V: never stored) and which are per-chunk residuals (stored)."""
+
+    treedef: Any = None
+    sources: tuple = ()  # per leaf: ("in", i) shared input leaf i, or ("res", j) residual j
+    shapes: tuple = ()  # ShapeDtypeStruct of each residual
+
+
+def split_vjp(vjp_fn, shared_leaves, recipe: ResidualRecipe) -> list:
+    """Residual leaves of ``vjp_fn``; records the recipe (trace-time identity of shared leaves)."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    sources, res = [], []
+    for leaf in leaves:
+        hit = next((i for i, s in enumerate(shared_leaves) if leaf is s), None)
+        if hit is None:
+            sources.append(("res", len(res)))
+            res.append(leaf)
+        else:
+            sources.append(("in", hit))
+    recipe.treedef = treedef
+    recipe.sources = tuple(sources)
+    recipe.shapes = tuple(jax.ShapeDtypeStruct(jnp.shape(r), jnp.result_type(r)) for r in res)
+    return res
+
+
+def join_vjp(recipe: ResidualRecipe, residuals, shared_leaves):
+    leaves = [shared_leaves[i] if kind == "in" else residuals[i] for kind, i in recipe.sources]
+    return jax.tree.unflatten(recipe.treedef, leaves)
+
+
+@dataclasses.dataclass
+class StageFns:
+    """The per-layer function of a stage, closed over the chunk's attention inputs."""
+
+    layer_graphdef: Any
+    attention_fn: Callable
+    compute_dtype: Any
+    with_context: bool
+    recipe: ResidualRecipe = dataclasses.field(default_factory=ResidualRecipe)
+
+    def layer(self, inputs: AttentionInputs):
+        """f(layer_params, x [T, d], ck [Sc,K,D], cv) -> (y [T, d], k [T,K,D], v [T,K,D])."""
+
+        def f(lp, x, ck, cv):
+            layer = nnx.merge(self.layer_graphdef, lp)
+            if self.with_context:
+                y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype, ck[None], cv[None])
+            else:
+                y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype)
+            return y[0], k[0], v[0]
+
+        return f
+
+    def forward(self, layers, x, ctx_k, ctx_v, res_bufs, res_slots, inputs):
+        """Scan over the stage's layers; stores each layer's residuals into ``res_bufs[res_slots[l]]``.
+
+        layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D]; res_slots [Ls].
+        -> (y [T, d], own k/v [Ls, T, K, D], res_bufs, layer forwards run)
+        """
+        f = self.layer(inputs)
+
+        def body(carry, xs):
+            x, bufs, count = carry
+            lp, ck, cv, slot = xs
+            (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
+            res = split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
+            bufs = [jax.lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), slot, 0) for b, r in zip(bufs, res)]
+            return (y, bufs, count + 1), (k, v)
+
+        (y, res_bufs, count), (k, v) = jax.lax.scan(
+            body, (x, list(res_bufs), jnp.zeros((), jnp.int32)), (layers, ctx_k, ctx_v, res_slots)
+        )
+        return y, k, v, res_bufs, count
+
+    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, res_bufs, res_slots, dummy, inputs):
+        """Rebuilds every layer's vjp_fn (recomputing layers whose slot is ``dummy``, which must
+        be a prefix) and runs them in reverse.
+
+        -> (dx [T, d], d layers [Ls, ...], d ctx_k/v [Ls, Sc, K, D], layers recomputed)
+        """
+        f = self.layer(inputs)
+        recipe = self.recipe
+
+        def gather(x, xs):
+            lp, ck, cv, slot = xs
+
+            def recompute():
+                (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
+                return y, split_vjp(vjp_fn, _shared(lp, ck, cv), recipe), jnp.ones((), jnp.int32)
+
+            def stored():
+                res = [jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in res_bufs]
+                return x, res, jnp.zeros((), jnp.int32)
+
+            y, res, ran = jax.lax.cond(slot == dummy, recompute, stored)
+            return y, (res, ran)
+
+        _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, res_slots))
+
+        def back(dy, xs):
+            lp, ck, cv, res, dk, dv = xs
+            vjp_fn = join_vjp(recipe, res, _shared(lp, ck, cv))
+            dlp, dx, dck, dcv = vjp_fn((dy, dk, dv))
+            return dx, (dlp, dck, dcv)
+
+        dx, (dlayers, dck, dcv) = jax.lax.scan(
+            back, dy, (layers, ctx_k, ctx_v, residuals, dk_own, dv_own), reverse=True
+        )
+        return dx, dlayers, dck, dcv, jnp.sum(ran)
+
+
+def _shared(lp, ck, cv) -> list:
+    return jax.tree.leaves(lp) + [ck, cv]
+
+
+def residual_shapes(fns: StageFns, layers_one, x, ck, cv, inputs) -> tuple:
+    """ShapeDtypeStructs of one layer's stored residuals (traces the layer once, abstractly)."""
+
+    def probe(lp, x, ck, cv, arrays):
+        (_, _, _), vjp_fn = jax.vjp(fns.layer(AttentionInputs(*arrays)), lp, x, ck, cv)
+        return split_vjp(vjp_fn, _shared(lp, ck, cv), fns.recipe)
+
+    arrays = (inputs.segment_ids, inputs.positions, inputs.kv_segment_ids, inputs.kv_positions)
+    jax.eval_shape(probe, layers_one, x, ck, cv, arrays)
+    return fns.recipe.shapes
+
+
+def maybe(pred, fn: Callable, zeros_like: Optional[Any] = None):
+    """``fn()`` where ``pred`` holds, zeros of its result elsewhere (a ``lax.cond``)."""
+    shapes = jax.eval_shape(fn) if zeros_like is None else zeros_like
+    return jax.lax.cond(pred, fn, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
