@@ -22,6 +22,23 @@ from jvarlen.kernels.common import EMPTY_ROW_LSE, visible
 _F32 = jnp.float32
 
 
+def _varying_like(*arrays):
+  """-> f(init) casting a loop-carry init to the mesh axes the inputs vary over.
+
+  Inside ``shard_map(check_vma=True)`` a carry built from constants is unvarying while
+  the loop body makes it varying; both must match.
+  """
+  vma = frozenset()
+  for x in jax.tree.leaves(arrays):
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+: aval.manual_axis_type.varying
+    vma |= frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+  axes = tuple(sorted(vma))
+  if not axes:
+    return lambda tree: tree
+  return lambda tree: jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
+
+
 def _rows(x, b, start, size):
   """x [B, N, ...] -> x[b, start:start+size] (dynamic b, start)."""
   idx = (b, start) + (0,) * (x.ndim - 2)
@@ -41,6 +58,7 @@ def forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, s
   g = h // hkv
   bq, bk = info.block_q, info.block_kv
   nq = t // bq
+  varying = _varying_like(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info)
 
   def q_block(idx):
     b, i = idx // nq, idx % nq
@@ -67,8 +85,8 @@ def forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, s
         return m_new, l, alpha[..., None] * acc + pv
       return body
 
-    carry = (jnp.full((hkv, g, bq), -jnp.inf, _F32), jnp.zeros((hkv, g, bq), _F32),
-             jnp.zeros((hkv, g, bq, d), _F32))
+    carry = varying((jnp.full((hkv, g, bq), -jnp.inf, _F32), jnp.zeros((hkv, g, bq), _F32),
+                     jnp.zeros((hkv, g, bq, d), _F32)))
     carry = lax.fori_loop(0, n_part, tile(True), carry)
     m, l, acc = lax.fori_loop(n_part, n_part + n_full, tile(False), carry)
     safe_l = jnp.where(l > 0, l, 1.0)
@@ -91,6 +109,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
   bq, bk = info.block_q, info.block_kv
   nq, nk = t // bq, s_len // bk
   delta = jnp.einsum("bthd,bthd->bht", o.astype(_F32), do.astype(_F32))
+  varying = _varying_like(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, lse, do)
 
   def scores(b, q_blk, k_blk, lse_blk, qs, qp, ks, kp, masked):
     s = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk, preferred_element_type=_F32) * sm_scale
@@ -119,7 +138,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
         return dq + jnp.einsum("hgqk,khd->qhgd", ds, k_blk, preferred_element_type=_F32)
       return body
 
-    dq = jnp.zeros((bq, hkv, g, d), _F32)
+    dq = varying(jnp.zeros((bq, hkv, g, d), _F32))
     dq = lax.fori_loop(0, n_part, tile(True), dq)
     dq = lax.fori_loop(n_part, n_part + n_full, tile(False), dq)
     return (dq * sm_scale).astype(q.dtype).reshape(bq, h, d)
@@ -148,7 +167,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
         return dk, dv
       return body
 
-    carry = (jnp.zeros((bk, hkv, d), _F32), jnp.zeros((bk, hkv, d), _F32))
+    carry = varying((jnp.zeros((bk, hkv, d), _F32), jnp.zeros((bk, hkv, d), _F32)))
     carry = lax.fori_loop(0, n_part, tile(True), carry)
     dk, dv = lax.fori_loop(n_part, n_part + n_full, tile(False), carry)
     return (dk * sm_scale).astype(k.dtype), dv.astype(v.dtype)

@@ -203,3 +203,27 @@ def test_long_context_shapes(impl):
           jax.ShapeDtypeStruct((s, 4, 128), jnp.bfloat16))
   grads = jax.eval_shape(_loss_fn(impl, t, s), *args)
   assert [(g.shape, g.dtype) for g in grads] == [(a.shape, a.dtype) for a in args]
+
+
+def test_xla_path_inside_shard_map_with_vma_checks():
+  """Batch-sharded call inside shard_map(check_vma=True), as a DP layout would do."""
+  from jax.sharding import AxisType
+  from jax.sharding import PartitionSpec as P
+
+  from conftest import require_devices
+  require_devices(2)
+  mesh = jax.make_mesh((2,), ("dp",), axis_types=(AxisType.Auto,))
+  q_seg, q_pos, kv_seg, kv_pos = (jnp.stack([jnp.asarray(x)] * 2) for x in CONTEXT)
+  q, k, v, _ = make_inputs(5, q_seg.shape[1], kv_seg.shape[1], 2, 1, 64, batch=2)
+
+  def f(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    return varlen_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                            q_positions=q_pos, kv_positions=kv_pos, implementation="xla",
+                            block_sizes=BlockSizes(32, 32))
+
+  sharded = jax.shard_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), check_vma=True)
+  loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, q_seg, kv_seg, q_pos, kv_pos) ** 2)  # noqa: E731
+  g_sharded = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+  g_plain = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(g_sharded, g_plain):
+    assert kt.rel_err(a, b) <= F32_TOL
