@@ -14,7 +14,7 @@ from jvarlen.kernels.common import BlockSizes, fit_block_sizes, pad_axis, round_
 from jvarlen.kernels.reference import reference_attention
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def _backend(name):
@@ -74,7 +74,7 @@ def _validate(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
       raise ValueError(f"{name} must have the rank of q ({q.ndim}), got shape {x.shape}")
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not any(x.dtype == dt for dt in _FLOAT_DTYPES):
-      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+      raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   if k.shape != v.shape:

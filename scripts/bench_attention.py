@@ -79,7 +79,6 @@ def make_fns(name, ids, causal=True, block_sizes=None, info=None):
       return reference_attention(q, k, v, q_seg, q_seg, q_pos, q_pos, causal=causal, sm_scale=scale)
   else:  # "xla" / "cudnn": jax.nn.dot_product_attention with a dense [B, 1, T, S] mask
     impl = name
-    mask = kt.visible_pairs  # noqa: F841 (documentation of the visibility rule)
 
     def attn(q, k, v):
       m = (q_seg[:, :, None] == q_seg[:, None, :]) & (q_seg[:, :, None] != 0)
