@@ -186,3 +186,17 @@ def test_paper_scale_plans_are_valid(model, context):
         plan.validate(batch, cost if plan.stats["fits_memory"] else None)
     epp = plan_iteration(batch, cost=cost, policy="epp")
     assert epp.stats["fits_memory"] and epp.stats["bubble_ratio"] < 0.2
+
+
+def test_plan_iteration_builds_an_analytic_cost_from_cluster_and_model():
+    from jvarlen.layout import Layout
+    from jvarlen.plan import plan_iteration as exported, simulate
+    from planner_helpers import SMALL
+
+    lengths = [9_000, 3_000, 1_200, 700, 300]
+    plan = exported(lengths, "a800", SMALL, policy="epp", layout=Layout(1, 4, 2))
+    cost = small_cost(pp=4, sp=2)
+    plan.validate(lengths, cost)
+    sim = simulate(plan, cost)
+    assert sim.iteration_time == pytest.approx(plan.stats["iteration_time_s"])
+    assert list(sim.peak_memory) == pytest.approx(plan.stats["peak_memory_bytes"])
