@@ -155,11 +155,33 @@ class ParallelConfig:
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
     compilation_cache_dir: Optional[str] = None  # persistent XLA compilation cache
+    # Layout per iteration (jvarlen.runtime.layout_policy). With tokens_per_device set,
+    # each step uses the smallest sp whose per-device tokens fit it (dp and sp above are
+    # then ignored); sp_cycle instead cycles through the given sp degrees step by step
+    # (for tests and benchmarks). Neither: the fixed layout (dp, pp, sp).
+    tokens_per_device: Optional[int] = None
+    sp_cycle: Optional[list[int]] = None
 
     def __post_init__(self):
         _positive("parallel", pp=self.pp, sp=self.sp)
         if self.dp is not None:
             _positive("parallel", dp=self.dp)
+        if self.tokens_per_device is not None:
+            _positive("parallel", tokens_per_device=self.tokens_per_device)
+        if self.sp_cycle is not None:
+            _require(len(self.sp_cycle) > 0 and all(isinstance(s, int) and s > 0 for s in self.sp_cycle),
+                     f"parallel.sp_cycle must be a non-empty list of positive ints, got {self.sp_cycle}")
+        _require(
+            self.tokens_per_device is None or self.sp_cycle is None,
+            "parallel.tokens_per_device and parallel.sp_cycle both choose the layout per step; set only one",
+        )
+        if self.num_processes is not None:
+            _positive("parallel", num_processes=self.num_processes)
+        if self.process_id is not None:
+            _require(
+                self.process_id >= 0 and (self.num_processes is None or self.process_id < self.num_processes),
+                f"parallel.process_id ({self.process_id}) must be in [0, parallel.num_processes={self.num_processes})",
+            )
 
 
 @dataclasses.dataclass

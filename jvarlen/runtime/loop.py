@@ -1,4 +1,9 @@
-"""The training loop: data pipeline → sharded jitted step → metrics and checkpoints."""
+"""The training loop: data pipeline → layout per iteration → cached compiled step → metrics.
+
+The train state stays in one canonical FSDP sharding for the whole run (and in
+checkpoints); each iteration's layout only selects which compiled step runs, so layout
+changes need no transfer code and a resumed run may use other layouts than the first.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,24 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
+from flax import nnx
 
-from jvarlen.config import Config, ConfigError, to_dict
+from jvarlen.config import Config, to_dict
 from jvarlen.data import DataPipeline
-from jvarlen.parallel.mesh import batch_sharded, data_mesh, replicated
+from jvarlen.layout import Layout
+from jvarlen.parallel.layouts import batch_sharding
+from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
+from jvarlen.runtime.layout_policy import LayoutPolicy, pad_rows
+from jvarlen.runtime.layout_step import Placement, make_layout_step, place_global
 from jvarlen.runtime.metrics import MetricsLogger
 from jvarlen.runtime.state import create_train_state, learning_rate_schedule
-from jvarlen.runtime.step import BATCH_KEYS, make_train_step
+from jvarlen.runtime.step import BATCH_KEYS
+from jvarlen.runtime.step_cache import StepCache, enable_persistent_cache
 
 
 @dataclasses.dataclass
@@ -29,40 +40,47 @@ class TrainResult:
 
 
 def jit_train_step(graphdef, optimizer, state, mesh):
-    """The step jitted with replicated state, row-sharded batch and a donated state."""
-    state_sharding = jax.tree.map(lambda _: replicated(mesh), state)
-    batch_sharding = {key: batch_sharded(mesh) for key in BATCH_KEYS}
-    return jax.jit(
-        make_train_step(graphdef, optimizer),
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated(mesh)),
-        donate_argnums=0,
-    ), state_sharding, batch_sharding
+    """A data-parallel step over ``mesh``'s devices with the canonical FSDP state.
+
+    Returns (step, state_sharding, batch_sharding); the step donates the state.
+    """
+    placement = Placement.for_state(state, optimizer, list(mesh.devices.flat))
+    layout = Layout(dp=mesh.size)
+    model_cfg = nnx.merge(graphdef, state.params).config
+    step = make_layout_step(graphdef, optimizer, placement, layout, model_cfg)
+    batch = {key: batch_sharding(placement.mesh(layout)) for key in BATCH_KEYS}
+    return step, placement.state_sharding, batch
 
 
-def train(config: Config, *, quiet: bool = False, stop_after: Optional[int] = None) -> TrainResult:
+def train(
+    config: Config,
+    *,
+    quiet: bool = False,
+    stop_after: Optional[int] = None,
+    layout_for_step: Optional[Callable[[int, int, int], Layout]] = None,
+) -> TrainResult:
     """Trains up to ``config.train.steps`` (resuming first if asked) and returns the losses.
 
     ``stop_after`` ends the run early at that step, as a preemption would: the schedule
     still follows ``train.steps`` and the last step reached is checkpointed.
+    ``layout_for_step(step, rows, seq_len)`` overrides the config's layout policy.
     """
+    distributed.initialize(config.parallel)
+    enable_persistent_cache(config.parallel.compilation_cache_dir)
+    main = jax.process_index() == 0
+    quiet = quiet or not main
     run_dir = os.path.abspath(config.logging.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
     say(f"[jvarlen] run directory: {run_dir}")
-
-    mesh = data_mesh()
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
-    if config.data.rows_per_batch % mesh.size:
-        raise ConfigError(
-            f"data.rows_per_batch ({config.data.rows_per_batch} = tokens_per_batch / seq_len) must be "
-            f"divisible by the {mesh.size} data-parallel devices; change data.tokens_per_batch"
-        )
     say(f"[jvarlen] corpus: {pipeline.summary()}")
 
-    graphdef, optimizer, state = create_train_state(config)
-    step_fn, state_sharding, batch_sharding = jit_train_step(graphdef, optimizer, state, mesh)
-    state = jax.device_put(state, state_sharding)
+    graphdef, optimizer, host_state = create_train_state(config)
+    placement = Placement.for_state(host_state, optimizer)
+    policy = LayoutPolicy.from_config(config, len(placement.devices))
+    state = place_global(host_state, placement.state_sharding)
+    del host_state
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint)
 
     start = 0
@@ -72,13 +90,23 @@ def train(config: Config, *, quiet: bool = False, stop_after: Optional[int] = No
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
         say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
-    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(to_dict(config), f, indent=2)
+    if main:
+        with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(to_dict(config), f, indent=2)
 
     total = config.train.steps
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
     logger = MetricsLogger(run_dir, config.logging, total_steps=total, initial_step=start, show_progress=not quiet)
+    note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
+    cache = StepCache(
+        lambda layout: make_layout_step(graphdef, optimizer, placement, layout, config.model),
+        abstract_like(state),
+        batch_sharding=lambda layout: batch_sharding(placement.mesh(layout)),
+        say=note,
+    )
+    layout_for_step = layout_for_step or (lambda step, rows, seq_len: policy.choose(step, rows, seq_len))
+    last_layout: Optional[Layout] = None
     losses: list[float] = []
     tokens_seen, t_start = 0.0, time.perf_counter()
     try:
@@ -86,7 +114,16 @@ def train(config: Config, *, quiet: bool = False, stop_after: Optional[int] = No
             t0 = time.perf_counter()
             batch = pipeline.next_batch()
             arrays = {key: batch.as_dict()[key] for key in BATCH_KEYS}
-            state, metrics = step_fn(state, jax.device_put(arrays, batch_sharding))
+            layout = layout_for_step(step, *arrays["tokens"].shape)
+            if layout != last_layout:
+                note(f"[jvarlen] step {step + 1}: {layout}")
+                last_layout = layout
+            arrays = pad_rows(arrays, layout.dp)
+            misses = cache.stats.misses
+            compiled = cache.get(layout, arrays)
+            compile_s = cache.stats.last_compile_s if cache.stats.misses > misses else 0.0
+            mesh = placement.mesh(layout)
+            state, metrics = compiled(state, place_global(arrays, {k: batch_sharding(mesh) for k in arrays}))
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             loss = float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0))
@@ -101,8 +138,14 @@ def train(config: Config, *, quiet: bool = False, stop_after: Optional[int] = No
                 "learning_rate": float(lr_at(step)),
                 "step_time_s": dt,
                 "tokens_per_s": float(metrics["real_tokens"]) / dt,
+                "dp": layout.dp,
+                "sp": layout.sp,
+                "compile_s": compile_s,
+                "step_cache_hits": cache.stats.hits,
+                "step_cache_misses": cache.stats.misses,
             }
-            logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
+            if main:
+                logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
             if checkpointer.should_save(step + 1, end):
                 checkpointer.save(step + 1, state, pipeline.state(), config.model)
         checkpointer.wait()

@@ -43,12 +43,22 @@ def make_train_step(
     graphdef,
     optimizer: optax.GradientTransformation,
     attention_fn: Optional[Callable] = None,
+    *,
+    pull: Optional[Callable] = None,
+    push: Optional[Callable] = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """Returns the un-jitted step; callers jit it with their shardings and donation."""
-    # attention_fn=None uses the model's configured implementation.
+    """Returns the un-jitted step; callers jit it with their shardings and donation.
+
+    ``attention_fn=None`` uses the model's configured implementation. ``pull(params)``
+    maps the stored params to what propagation uses and ``push(grads, params)`` maps the
+    gradients back (jvarlen.parallel.sharding); both default to the identity.
+    """
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        sums, grads = loss_and_grads(graphdef, state.params, batch, attention_fn)
+        params = state.params if pull is None else pull(state.params)
+        sums, grads = loss_and_grads(graphdef, params, batch, attention_fn)
+        if push is not None:
+            grads = push(grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {

@@ -1,0 +1,112 @@
+"""One canonical, fully sharded train state; pull/push between it and a layout.
+
+* **Canonical**: fp32 parameters and optimizer moments split over *all* devices
+  (ZeRO-3/FSDP) on the 1-D ``fsdp`` mesh, by :data:`~jvarlen.parallel.layouts.STATE_RULES`.
+  It is the sharding of the state between steps, in checkpoints, for the whole run.
+* **Pull** (inside the jitted step): weight matrices cast to the compute dtype, then
+  constrained to the layout's compute sharding (whole weights: XLA emits the
+  all-gather, in the compute dtype).
+* **Push**: gradients cast back to the parameter dtype and constrained to the canonical
+  sharding (XLA turns the data-parallel all-reduce + slice into a reduce-scatter).
+
+Only shardings and ``with_sharding_constraint`` are used; no transfer code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jvarlen.parallel.layouts import COMPUTE_RULES, STATE_RULES, Rules, logical_to_spec
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_axes(params) -> list[tuple[str, ...]]:
+    """Logical axes of every parameter leaf (leaf order); stacked layers get ``layers`` first."""
+    out = []
+    for var in jax.tree.leaves(params, is_leaf=_is_variable):
+        axes = tuple(var.get_metadata().get("axes") or ()) if _is_variable(var) else ()
+        ndim = len(var.shape)
+        if len(axes) == ndim - 1:
+            axes = ("layers", *axes)
+        elif len(axes) != ndim:
+            axes = (None,) * ndim  # unnamed parameter: replicated
+        out.append(axes)
+    return out
+
+
+def _param_tree(params, values: list) -> Any:
+    return jax.tree.structure(params).unflatten(values)
+
+
+def param_shardings(params, mesh: Mesh, rules: Rules = STATE_RULES):
+    """NamedShardings of ``params`` (same tree) under ``rules`` on ``mesh``."""
+    leaves = jax.tree.leaves(params)
+    specs = [logical_to_spec(axes, x.shape, rules, mesh) for axes, x in zip(param_axes(params), leaves)]
+    return _param_tree(params, [NamedSharding(mesh, s) for s in specs])
+
+
+def state_shardings(state, optimizer, mesh: Mesh):
+    """Canonical shardings of a ``TrainState``: params and moments FSDP, scalars replicated.
+
+    ``state`` may be concrete or abstract (``jax.eval_shape``); ``mesh`` is the state mesh.
+    """
+    params = param_shardings(state.params, mesh)
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(lambda _: replicated, state.opt_state)
+    try:  # moments follow their parameter; counts etc. stay replicated
+        opt_state = _moments_like_params(optimizer, state.opt_state, params, replicated)
+    except (ValueError, TypeError):
+        pass
+    return state.replace(
+        step=replicated,
+        params=params,
+        opt_state=opt_state,
+        rng=replicated,
+    )
+
+
+def _moments_like_params(optimizer, opt_state, param_sharding_tree, replicated):
+    import optax
+
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        opt_state,
+        param_sharding_tree,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def _castable(axes: tuple) -> bool:
+    """Weight matrices are cast for compute; vectors (norm scales) stay in fp32."""
+    return len([a for a in axes if a not in (None, "layers")]) >= 2
+
+
+def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES):
+    """Canonical params -> params as the layout's propagation sees them (cast, resharded)."""
+    compute = jax.tree.leaves(param_shardings(params, layout_mesh, rules))
+    leaves = jax.tree.leaves(params)
+    out = []
+    for axes, x, sharding in zip(param_axes(params), leaves, compute):
+        if _castable(axes) and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(compute_dtype)
+        out.append(jax.lax.with_sharding_constraint(x, sharding))
+    return _param_tree(params, out)
+
+
+def push(grads, canonical_params_sharding, params):
+    """Layout gradients -> canonical: cast to the dtype of ``params``, reshard to FSDP."""
+    shardings = jax.tree.leaves(canonical_params_sharding)
+    out = [
+        jax.lax.with_sharding_constraint(g.astype(p.dtype), s)
+        for g, s, p in zip(jax.tree.leaves(grads), shardings, jax.tree.leaves(params))
+    ]
+    return jax.tree.structure(grads).unflatten(out)

@@ -1,0 +1,55 @@
+"""Multi-host start-up: ``jax.distributed.initialize`` from the config or the cluster.
+
+Call :func:`initialize` before anything touches a device. With
+``parallel.distributed=true``:
+
+* ``coordinator_address`` + ``num_processes`` + ``process_id`` given: used as is (any
+  launcher; e.g. ``127.0.0.1:12345`` for processes on one machine);
+* none of them: JAX's cluster auto-detection (SLURM ``srun``, Open MPI, Kubernetes…);
+  outside a detectable cluster this fails with JAX's message.
+
+Every process then runs the same program; ``jax.devices()`` lists all devices of all
+processes and the layouts span them (jvarlen.parallel.layouts orders them by process).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jvarlen.config import ConfigError, ParallelConfig
+
+_initialized = False
+
+
+def running_under_slurm() -> bool:
+    """True inside a SLURM job step with more than one task (``srun``)."""
+    return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def initialize(cfg: ParallelConfig) -> bool:
+    """Initialises jax.distributed when ``cfg.distributed``; returns whether it did."""
+    global _initialized
+    if not cfg.distributed or _initialized:
+        return _initialized
+    explicit = (cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    if any(x is not None for x in explicit):
+        if any(x is None for x in explicit):
+            raise ConfigError(
+                "parallel.coordinator_address, parallel.num_processes and parallel.process_id must be set "
+                "together (or none of them, to auto-detect the cluster, e.g. under SLURM)"
+            )
+        jax.distributed.initialize(
+            coordinator_address=cfg.coordinator_address,
+            num_processes=cfg.num_processes,
+            process_id=cfg.process_id,
+        )
+    else:
+        jax.distributed.initialize()  # auto-detects SLURM / MPI / ... or raises
+    _initialized = True
+    return True
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
