@@ -11,7 +11,7 @@ own chunks and tables.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,10 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
 from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
-from jvarlen.parallel.pipeline_buffers import SlotTables, assign_slots
+from jvarlen.parallel.pipeline_buffers import assign_slots
 from jvarlen.parallel.pipeline_chunks import CHUNK_KEYS, PackedChunks, stack_pipelines
 from jvarlen.parallel.pipeline_stage import StageFns, maybe, residual_shapes
-from jvarlen.plan.schedule import Schedule
+from jvarlen.plan.schedule import Schedule, ScheduleError
 
 DATA, PP, SP = "data", "pp", "sp"
 TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "recv_act", "recv_grad")
@@ -70,17 +70,20 @@ def pipeline_mesh(layout: Layout, devices=None) -> jax.sharding.Mesh:
 
 def prepare_batch(
     packs: Sequence[PackedChunks],
-    schedules: Sequence[Schedule],
+    schedules: Sequence[Union[Schedule, np.ndarray]],
     ckpt_layers: Sequence[np.ndarray],
     layout: Layout,
     num_layers: int,
     *,
-    min_signature: Optional[PipelineSignature] = None,
+    signature: Optional[PipelineSignature] = None,
 ) -> tuple[PipelineSignature, dict]:
     """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
 
+    ``schedules[i]``: a :class:`Schedule` (run as its ASAP tick table) or a tick table
+    ``[ticks, pp, 2]`` from the planner (validated with ``Schedule.from_ticks``).
     ``ckpt_layers[i] [n, pp]``: layers recomputed per chunk and stage (InfiniPipe Eq. 15-16).
-    ``min_signature`` pads tick count, context and slot counts up to it (to reuse a compiled step).
+    ``signature``: run inside that compiled step's buffers (raises naming the stage, tick and
+    chunks when the tables need more slots, ticks or context); else the smallest signature.
     Returns (signature, ``{key: [dp, ...]}``).
     """
     if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
@@ -90,31 +93,39 @@ def prepare_batch(
     ls = num_layers // layout.pp
     tables = []
     for pack, sched, ckpt in zip(packs, schedules, ckpt_layers):
-        if sched.pp != layout.pp:
-            raise ValueError(f"schedule has {sched.pp} stages, layout has pp={layout.pp}")
-        if tuple(sched.chunk_prev) != tuple(pack.chunk_prev):
-            raise ValueError(f"schedule links {sched.chunk_prev} differ from the chunks' {pack.chunk_prev}")
-        sched.validate()
-        ticks = sched.to_ticks()
-        slots = assign_slots(ticks, sched.chunk_prev, ckpt, ls,
-                             uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
+        if isinstance(sched, Schedule):
+            if tuple(sched.chunk_prev) != tuple(pack.chunk_prev):
+                raise ScheduleError(f"schedule links {sched.chunk_prev} differ from the chunks' {pack.chunk_prev}")
+            sched.validate()
+            ticks = sched.to_ticks()
+        else:
+            ticks = np.asarray(sched, np.int32)
+            Schedule.from_ticks(ticks, pack.chunk_prev)
+        if ticks.shape[1] != layout.pp:
+            raise ScheduleError(f"tick table has {ticks.shape[1]} stages, layout has pp={layout.pp}")
+        ckpt = np.asarray(ckpt, np.int32)
+        if ckpt.shape != (pack.n_chunks, layout.pp):
+            raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
+        slots = assign_slots(ticks, pack.chunk_prev, ckpt, ls, uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
         tables.append((ticks, slots))
-    floor = min_signature
-    n_ticks = max([t.shape[0] for t, _ in tables] + [floor.n_ticks if floor else 0])
     bucket = packs[0].bucket
-    context = max([p.context_bucket() for p in packs] + [floor.context if floor else 0])
-    if context:
-        context = -(-context // bucket) * bucket
-    counts = {
-        name: max([getattr(s, name) for _, s in tables] + [getattr(floor, name) if floor else 0])
-        for name in ("n_stash", "n_grad", "n_ctx", "n_res")
-    }
-    sig = PipelineSignature(layout, num_layers, bucket, packs[0].n_chunks, n_ticks, context, **counts)
+    context = max(p.context_bucket() for p in packs)
+    context = -(-context // bucket) * bucket if context else 0
+    need = dict(
+        n_ticks=max(t.shape[0] for t, _ in tables),
+        context=context,
+        **{name: max(getattr(s, name) for _, s in tables) for name in ("n_stash", "n_grad", "n_ctx", "n_res")},
+    )
+    if signature is None:
+        sig = PipelineSignature(layout, num_layers, bucket, packs[0].n_chunks, **need)
+    else:
+        sig = signature
+        _check_fits(sig, layout, num_layers, bucket, packs[0].n_chunks, need, [s for _, s in tables])
     out = stack_pipelines(packs)
     per = {key: [] for key in TABLE_KEYS}
     for ticks, slots in tables:
-        slots = slots.with_counts(**counts)
-        pad = n_ticks - ticks.shape[0]
+        slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res)
+        pad = sig.n_ticks - ticks.shape[0]
         idle = np.zeros((pad, layout.pp, 2), np.int32)
         idle[..., 1] = -1
         per["ops"].append(np.concatenate([ticks, idle]))
@@ -124,6 +135,26 @@ def prepare_batch(
             per[key].append(getattr(slots, key))
     out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
     return sig, out
+
+
+def _check_fits(sig, layout, num_layers, bucket, n_chunks, need, slot_tables) -> None:
+    fixed = dict(layout=layout, num_layers=num_layers, bucket=bucket, n_chunks=n_chunks)
+    for name, value in fixed.items():
+        if getattr(sig, name) != value:
+            raise ValueError(f"plan has {name}={value}, the compiled signature has {getattr(sig, name)}")
+    for name, value in need.items():
+        if value <= getattr(sig, name):
+            continue
+        where = ""
+        kind = name[2:] if name.startswith("n_") else None
+        for slots in slot_tables:
+            if kind in slots.peaks and getattr(slots, name) == value:
+                stage, tick, who = slots.peaks[kind]
+                where = f" (stage {stage}, tick {tick}: chunks {who} live at once)"
+        raise ScheduleError(
+            f"window overflow: the tables need {name}={value} but the compiled signature has "
+            f"{getattr(sig, name)}{where}"
+        )
 
 
 # --------------------------------------------------------------------------- device side

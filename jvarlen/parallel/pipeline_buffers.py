@@ -39,6 +39,7 @@ class SlotTables:
     n_grad: int
     n_ctx: int
     n_res: int
+    peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
 
     def with_counts(self, n_stash: int, n_grad: int, n_ctx: int, n_res: int) -> "SlotTables":
         """The same assignment inside bigger buffers (dummy index moves to the new count)."""
@@ -62,6 +63,7 @@ class SlotTables:
             n_grad=n_grad,
             n_ctx=n_ctx,
             n_res=n_res,
+            peaks=self.peaks,
         )
 
 
@@ -141,6 +143,7 @@ def assign_slots(
     ctx = np.zeros((n, pp), np.int32)
     res = np.zeros((n, pp, ls), np.int32)
     counts = {"stash": 0, "grad": 0, "ctx": 0, "res": 0}
+    peaks = {}
     per_stage = []
     for p in range(pp):
         iv_stash = [((2 * tf[k, p - 1] + 1) if p else 2 * tf[k, p], 2 * tb[k, p], k) for k in range(n)]
@@ -151,6 +154,8 @@ def assign_slots(
         col = {}
         for name, iv in (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res)):
             col[name], c = colour(iv)
+            if c > counts[name] or name not in peaks:
+                peaks[name] = (p,) + _peak(iv)
             counts[name] = max(counts[name], c)
         per_stage.append(col)
     for p, col in enumerate(per_stage):
@@ -180,4 +185,15 @@ def assign_slots(
         n_grad=counts["grad"],
         n_ctx=counts["ctx"],
         n_res=counts["res"],
+        peaks=peaks,
     )
+
+
+def _peak(intervals) -> tuple[int, list]:
+    """(tick, holders) at the first phase where the most intervals are live."""
+    best, when, who = -1, 0, []
+    for start, _, _ in intervals:
+        live = [key for s, e, key in intervals if s <= start <= e]
+        if len(live) > best:
+            best, when, who = len(live), start // 2, sorted(live)
+    return when, who

@@ -1,0 +1,94 @@
+"""Shared fixtures of the pipeline tests: a tiny model, plans mixing all chunk kinds, the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvarlen.config import ModelConfig
+from jvarlen.model import build_model
+from jvarlen.parallel.pipeline import PipelineSignature
+from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.runtime.state import split_model
+from jvarlen.runtime.step import loss_and_grads
+
+BUCKET = 32
+
+
+def tiny_config(num_layers: int = 4, attention: str = "reference") -> ModelConfig:
+    return ModelConfig(vocab_size=64, d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+                       mlp_dim=64, compute_dtype="float32", attention=attention)
+
+
+def tiny_params(cfg: ModelConfig, seed: int = 0):
+    return split_model(build_model(cfg, seed=seed))
+
+
+# Plan A: a batched chunk, document 2 split into 4 slices (3 split chunks + a hybrid tail
+# packed with two short documents), a batched chunk. Plan B: two documents split in 2.
+PLAN_A = (
+    (10, 7, 60, 5, 9, 14),
+    [[(0, 0, 10), (1, 0, 7)], [(2, 0, 16)], [(2, 16, 16)], [(2, 32, 16)], [(2, 48, 12), (3, 0, 5), (4, 0, 9)], [(5, 0, 14)]],
+)
+PLAN_B = (
+    (40, 6, 50, 3, 8, 11, 21),
+    [[(0, 0, 24)], [(0, 24, 16), (1, 0, 6)], [(2, 0, 30)], [(2, 30, 20), (3, 0, 3), (4, 0, 8)], [(5, 0, 11)], [(6, 0, 21)]],
+)
+
+PLAN_C = (  # batched chunks only
+    (12, 9, 20, 31, 4, 17, 8, 25, 6, 13),
+    [[(0, 0, 12), (1, 0, 9)], [(2, 0, 20)], [(3, 0, 31)], [(4, 0, 4), (5, 0, 17), (6, 0, 8)], [(7, 0, 25), (8, 0, 6)], [(9, 0, 13)]],
+)
+
+
+def plan_documents(plan, seed: int, vocab: int = 64):
+    """(documents, chunks) of a plan template with fresh random tokens."""
+    lengths, chunks = plan
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=n).astype(np.int32) for n in lengths], chunks
+
+
+def pipelines(dp: int, bucket: int = BUCKET, plans=(PLAN_A, PLAN_B), seed: int = 100):
+    """Per pipeline: (documents, PackedChunks); the plan templates alternate."""
+    out = []
+    for i in range(dp):
+        docs, chunks = plan_documents(plans[i % len(plans)], seed=seed + i)
+        out.append((docs, pack_chunks(chunks, docs, bucket)))
+    return out
+
+
+def reference(graphdef, params, documents):
+    """Single-device (sums, grads of the mean loss) with one document per row."""
+    width = max(len(d) for d in documents)
+    batch = {k: np.zeros((len(documents), width), np.int32)
+             for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
+    for i, doc in enumerate(documents):
+        n = len(doc)
+        batch["tokens"][i, :n] = doc
+        batch["segment_ids"][i, :n] = 1
+        batch["positions"][i, :n] = np.arange(n)
+        batch["targets"][i, : n - 1] = doc[1:]
+        batch["loss_mask"][i, : n - 1] = 1
+    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(params, batch)
+
+
+def assert_tree_close(actual, expected, rtol: float = 1e-5):
+    """Elementwise rtol, with an absolute floor of rtol × the tensor's largest magnitude."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def cover(*sigs: PipelineSignature) -> PipelineSignature:
+    """The smallest signature every one of ``sigs`` fits into."""
+    base = sigs[0]
+    grow = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res")
+    return dataclasses.replace(base, **{f: max(getattr(s, f) for s in sigs) for f in grow})
+
+
+def zeros_like_tree(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
