@@ -153,14 +153,19 @@ def build_problem(
             var_of[p, k] = j
             weight[j] = max(weight[j], rec1[k])
         stage_cap = int((cost.memory_budget - cost.model_state_memory(p)) // KIB)
-        for window in live_windows(program):
-            w = np.asarray(window, dtype=np.int64)
-            row = np.zeros(n_vars, dtype=np.int64)
-            np.add.at(row, var_of[p, w], f_kib[p, w])
-            rows.append(row)
-            base.append(int(i_kib[p, w].sum()))
-            cap.append(stage_cap)
-            row_stage.append(p)
+        windows = live_windows(program)
+        if not windows:
+            continue
+        flat = np.fromiter((k for w in windows for k in w), dtype=np.int64)
+        row_id = np.repeat(np.arange(len(windows)), [len(w) for w in windows])
+        stage_rows = np.zeros((len(windows), n_vars), dtype=np.int64)
+        np.add.at(stage_rows, (row_id, var_of[p, flat]), f_kib[p, flat])
+        stage_base = np.zeros(len(windows), dtype=np.int64)
+        np.add.at(stage_base, row_id, i_kib[p, flat])
+        rows.extend(stage_rows)
+        base.extend(stage_base.tolist())
+        cap.extend([stage_cap] * len(windows))
+        row_stage.extend([p] * len(windows))
     return CkptProblem(
         var_of=var_of,
         rows=np.array(rows, dtype=np.int64).reshape(-1, n_vars),
@@ -178,8 +183,8 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
     Returns ``values [n_vars]`` or None when even full recomputation does not fit.
     """
     c = np.zeros(problem.n_vars, dtype=np.int64)
+    excess = problem.violation(c)
     while True:
-        excess = problem.violation(c)
         r = int(np.argmax(excess))
         if excess[r] <= 0:
             return c
@@ -191,7 +196,9 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
         j = int(np.argmax(ratio))
         # Raise by as many layers as this window needs from j alone (bounded), then re-check all windows.
         need = int(math.ceil(excess[r] / gain[j]))
-        c[j] = min(problem.max_layers, c[j] + max(1, need))
+        step = min(problem.max_layers, c[j] + max(1, need)) - c[j]
+        c[j] += step
+        excess -= problem.rows[:, j] * step
 
 
 def _cp_model(problem: CkptProblem, hint: np.ndarray | None) -> tuple[cp_model.CpModel, list]:

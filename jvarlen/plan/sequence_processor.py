@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from typing import Sequence
+
+import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.units import Piece, PlannedChunk
@@ -49,14 +52,35 @@ class ChunkingResult:
 
 
 def _longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: bool) -> int:
-    """Longest s ≤ remaining with bwd_time({context, (s,)}) ≤ tau (at least 1 token)."""
+    """Longest s ≤ remaining with bwd_time({context, (s,)}) ≤ tau (at least 1 token).
+
+    Eq. 1 + Eq. 3 make the time quadratic in s for a fixed context; a quadratic
+    through three evaluations gives the answer, confirmed (and corrected by a few
+    tokens) with the cost model itself; bisection when that does not settle.
+    """
 
     def t(s: int) -> float:
         return cost.bwd_time(ChunkShape(context, (s,), tail=tail_at_end and s == remaining))
 
     if t(remaining) <= tau:
         return remaining
-    lo, hi = 1, remaining  # t(lo) may exceed tau: then 1 token is the best we can do
+    if remaining >= 8:
+        xs = (1.0, float(remaining // 2), float(remaining - 1))
+        ys = [cost.bwd_time(ChunkShape(context, (int(x),), tail=False)) for x in xs]
+        qa, qb, qc = np.polyfit(xs, ys, 2)
+        disc = qb * qb - 4 * qa * (qc - tau)
+        if qa > 0 and disc >= 0:
+            guess = int(min(remaining - 1, max(1, math.floor((-qb + math.sqrt(disc)) / (2 * qa)))))
+            for _ in range(8):
+                if t(guess) > tau:
+                    if guess == 1:
+                        return 1
+                    guess -= 1
+                elif guess + 1 < remaining and t(guess + 1) <= tau:
+                    guess += 1
+                else:
+                    return guess
+    lo, hi = 1, remaining  # bisection; t(lo) may exceed tau: then 1 token is the best we can do
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if t(mid) <= tau:
@@ -84,9 +108,16 @@ def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
     if n_slices < 1 or max_length < 1:
         raise ValueError(f"need n_slices >= 1 and max_length >= 1, got {n_slices}, {max_length}")
     n_slices = min(n_slices, max_length)
-    hi = cost.bwd_time(ChunkShape(0, (max_length,)))
-    lo = 0.0
+    # Equal-time slices take about T(whole)/N each (plus per-chunk constants): bracket around that.
+    whole = cost.bwd_time(ChunkShape(0, (max_length,)))
+    hi = 2.0 * whole / n_slices
     best = _cut(cost, max_length, hi)
+    while len(best) > n_slices:
+        hi *= 2.0
+        best = _cut(cost, max_length, hi)
+    lo = 0.5 * whole / n_slices
+    while lo > 0 and len(_cut(cost, max_length, lo)) <= n_slices:
+        lo *= 0.5
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         slices = _cut(cost, max_length, mid)

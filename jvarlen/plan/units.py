@@ -62,6 +62,17 @@ def families_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> list[
     return families
 
 
+_OPS: dict[tuple[str, int], Op] = {}
+
+
+def _op(kind: str, chunk: int) -> Op:
+    """Interned (immutable) ops: building thousands of them dominates schedule construction."""
+    op = _OPS.get((kind, chunk))
+    if op is None:
+        op = _OPS[(kind, chunk)] = Op(kind, chunk)
+    return op
+
+
 def unit_schedule(families: Sequence[Sequence[int]], pp: int) -> tuple[list[int], Schedule]:
     """Token-level 1F1B schedule of one unit (§3.3, Eq. 7; Seq1F1B's order).
 
@@ -93,9 +104,9 @@ def unit_schedule(families: Sequence[Sequence[int]], pp: int) -> tuple[list[int]
         for i, b in enumerate(border):
             target = min(n, window + i)
             while f_done < target:
-                prog.append(Op("F", f_done))
+                prog.append(_op("F", f_done))
                 f_done += 1
-            prog.append(Op("B", b))
+            prog.append(_op("B", b))
         stages.append(tuple(prog))
     return ids, Schedule(tuple(stages), tuple(prev))  # valid by construction; Plan.validate re-checks
 
