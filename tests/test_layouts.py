@@ -1,0 +1,144 @@
+"""Layouts, the logical-axis rules, the canonical sharding, the layout policy and the step cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.config import Config, ConfigError, ModelConfig, ParallelConfig, parse_config
+from jvarlen.layout import Layout
+from jvarlen.parallel.layouts import (COMPUTE_RULES, STATE_RULES, batch_sharding, layout_mesh, logical_to_spec,
+                                      state_mesh)
+from jvarlen.parallel.sharding import param_axes, param_shardings, state_shardings
+from jvarlen.runtime.layout_policy import LayoutPolicy, pad_rows, per_device_tokens
+from jvarlen.runtime.state import create_train_state
+from jvarlen.runtime.step_cache import StepCache
+
+N = 8
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    if jax.device_count() < N:
+        pytest.skip(f"needs {N} devices, have {jax.device_count()}")
+
+
+def test_layout_mesh_orders_sp_fastest():
+    mesh = layout_mesh(Layout(dp=2, sp=4))
+    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sp": 4}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    np.testing.assert_array_equal(ids.reshape(-1), sorted(d.id for d in jax.devices()))
+    # one SP group = consecutive devices
+    assert list(ids[1, 0]) == sorted(d.id for d in jax.devices())[4:]
+
+
+@pytest.mark.parametrize(
+    "layout, kwargs, message",
+    [
+        (Layout(dp=2, sp=2), {}, r"dp\*pp\*sp = 4 but there are 8 devices"),
+        (Layout(dp=1, sp=8), {"num_heads": 4}, r"num_heads \(4\) divisible by sp \(8\)"),
+        (Layout(dp=2, pp=4), {"num_layers": 2}, r"num_layers \(2\) must be divisible by pp \(4\)"),
+    ],
+)
+def test_invalid_layouts_name_the_constraint(layout, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        layout.validate(N, **kwargs)
+
+
+def test_layout_rejects_non_positive_degrees():
+    with pytest.raises(ValueError, match="Layout.sp must be a positive int"):
+        Layout(dp=8, sp=0)
+    with pytest.raises(ValueError, match=r"dp\*pp\*sp = 16"):
+        layout_mesh(Layout(dp=4, sp=4))
+
+
+def test_logical_rules():
+    mesh = state_mesh()
+    # FSDP: the first listed logical axis the device count divides takes all devices
+    assert logical_to_spec(("vocab", "embed"), (320, 32), STATE_RULES, mesh) == P(None, "fsdp")
+    assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (2, 12, 2, 8), STATE_RULES, mesh) == P(
+        None, None, None, "fsdp")
+    assert logical_to_spec(("embed",), (6,), STATE_RULES, mesh) == P()  # indivisible: replicated
+    lmesh = layout_mesh(Layout(dp=2, sp=4))
+    assert logical_to_spec(("batch", "seq", "embed"), (4, 64, 32), COMPUTE_RULES, lmesh) == P("dp", "sp")
+    assert logical_to_spec(("embed", "heads", "head_dim"), (32, 8, 4), COMPUTE_RULES, lmesh) == P()
+    with pytest.raises(ValueError, match="do not match shape"):
+        logical_to_spec(("embed",), (4, 4), STATE_RULES, mesh)
+
+
+def test_canonical_state_is_fully_sharded_and_layout_independent():
+    config = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2, mlp_dim=64))
+    _, optimizer, state = create_train_state(config)
+    abstract = jax.eval_shape(lambda: state)
+    shardings = state_shardings(abstract, optimizer, state_mesh())
+    axes = param_axes(state.params)
+    assert ("layers", "embed", "heads", "head_dim") in axes
+    for leaf, sharding in zip(jax.tree.leaves(state.params), jax.tree.leaves(shardings.params)):
+        assert sharding.spec != P(), leaf.shape  # every parameter of this model is split 8 ways
+        assert sharding.shard_shape(leaf.shape) != leaf.shape
+    # AdamW moments follow their parameters; the step counter is replicated
+    moment_specs = {s.spec for s in jax.tree.leaves(shardings.opt_state)}
+    assert {s.spec for s in jax.tree.leaves(shardings.params)} <= moment_specs
+    assert shardings.step.spec == P()
+    # the same device order under every layout: one fixed sharding for the run
+    assert jax.tree.leaves(param_shardings(state.params, state_mesh()))[0] == jax.tree.leaves(shardings.params)[0]
+
+
+def _policy(**parallel) -> LayoutPolicy:
+    config = Config(model=ModelConfig(num_heads=8, num_kv_heads=2, d_model=64), parallel=ParallelConfig(**parallel))
+    return LayoutPolicy.from_config(config, N)
+
+
+def test_policy_picks_smallest_sp_that_fits_the_token_budget():
+    policy = _policy(tokens_per_device=1024)
+    assert [str(x) for x in policy.candidates(4096)] == [str(Layout(dp=N // s, sp=s)) for s in (1, 2, 4, 8)]
+    assert policy.choose(0, rows=16, seq_len=512) == Layout(dp=8, sp=1)  # 2 rows x 512 per device
+    assert policy.choose(0, rows=2, seq_len=4096) == Layout(dp=2, sp=4)  # one row split 4 ways
+    assert policy.choose(0, rows=1, seq_len=8192) == Layout(dp=1, sp=8)
+    assert per_device_tokens(Layout(dp=2, sp=4), 3, 4096) == 2 * 1024  # rows padded up to dp
+    with pytest.raises(ValueError, match="no layout fits parallel.tokens_per_device=1024"):
+        policy.choose(0, rows=1, seq_len=16384)
+
+
+def test_policy_fixed_and_cycle_and_config_errors():
+    assert _policy(sp=2).choose(5, 8, 128) == Layout(dp=4, sp=2)
+    cycle = _policy(sp_cycle=[1, 4])
+    assert [cycle.choose(i, 8, 128).sp for i in range(4)] == [1, 4, 1, 4]
+    with pytest.raises(ConfigError, match=r"num_heads \(8\) divisible by sp \(16\)|dp\*pp\*sp"):
+        _policy(sp_cycle=[1, 16])
+    with pytest.raises(ConfigError, match=r"pp\*sp = 3 must divide the 8 devices"):
+        _policy(sp=3)
+    with pytest.raises(ConfigError, match="set only one"):
+        parse_config(["--parallel.tokens_per_device=64", "--parallel.sp_cycle=[1,2]"])
+    with pytest.raises(ConfigError, match="tokens_per_device must be > 0"):
+        parse_config(["--parallel.tokens_per_device=0"])
+
+
+def test_pad_rows_adds_padding_rows_only():
+    batch = {"tokens": np.ones((3, 4), np.int32), "loss_mask": np.ones((3, 4), np.float32)}
+    padded = pad_rows(batch, 4)
+    assert padded["tokens"].shape == (4, 4) and padded["loss_mask"][3].sum() == 0
+    assert pad_rows(batch, 3) is batch
+
+
+def test_step_cache_hits_misses_and_buckets():
+    built = []
+
+    def build(layout):
+        built.append(layout)
+        return jax.jit(lambda state, batch: (state + 1, jnp.sum(batch["tokens"])))
+
+    messages = []
+    cache = StepCache(build, jax.ShapeDtypeStruct((), jnp.float32), say=messages.append,
+                      batch_sharding=lambda layout: batch_sharding(layout_mesh(layout)))
+    a, b = Layout(dp=8), Layout(dp=2, sp=4)
+    small, big = {"tokens": np.ones((8, 16), np.int32)}, {"tokens": np.ones((8, 32), np.int32)}
+    for layout, batch in [(a, small), (b, small), (a, small), (a, big), (b, small)]:
+        cache.get(layout, batch)
+    assert (cache.stats.misses, cache.stats.hits, len(cache)) == (3, 2, 3)
+    assert built == [a, b, a]
+    assert cache.stats.compile_s > 0 and len(messages) == 3 and "compiled in" in messages[0]
+    step = cache.get(b, small)
+    state, total = step(jnp.zeros(()), jax.device_put(small, {"tokens": batch_sharding(layout_mesh(b))}))
+    assert float(state) == 1.0 and int(total) == 8 * 16
