@@ -1,6 +1,6 @@
 """The pipeline executor against the single-device reference: all chunk kinds (one document
 split into 4 slices), GPipe / 1F1B / token-level 1F1B tables, recomputation none/all/mixed,
-on (pp, sp, dp) = (2, 1, 4) and (4, 1, 2) — one compiled step per layout."""
+on (pp, sp, dp) = (2, 1, 4), (4, 1, 2), (2, 2, 2), (4, 2, 1) — one compiled step per layout."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def _cases(layout: Layout, num_layers: int):
     return cases
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=4, pp=2, sp=1), Layout(dp=2, pp=4, sp=1)], ids=str)
+LAYOUTS = [Layout(dp=4, pp=2, sp=1), Layout(dp=2, pp=4, sp=1), Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_matches_reference_under_every_table(layout):
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)

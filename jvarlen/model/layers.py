@@ -94,20 +94,41 @@ class DecoderLayer(nnx.Module):
         return x_btd + self.mlp(self.mlp_norm(x_btd), compute_dtype)
 
 
-def layer_with_context(layer: DecoderLayer, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype, ctx_k=None, ctx_v=None):
+def layer_with_context(
+    layer: DecoderLayer,
+    x_btd,
+    inputs: AttentionInputs,
+    attention_fn: AttentionFn,
+    compute_dtype,
+    ctx_k=None,
+    ctx_v=None,
+    *,
+    rotary_positions=None,
+    to_heads=None,
+    to_seq=None,
+):
     """One decoder layer whose keys are ``[ctx_k; own k]``; returns ``(y, k, v)``.
 
     x [B, T, d]; ctx_k/ctx_v [B, Sc, K, D] (or None: plain self-attention); ``inputs``'
     kv fields then describe the Sc + T keys. k/v [B, T, K, D] are this layer's own keys
     and values (after rotary), for later slices of the same document. Used by the
-    pipeline executor; equal to ``layer(...)`` when there is no context.
+    pipeline executor; equal to ``layer(...)`` when there is no context and no hooks.
+
+    Sequence parallelism (Ulysses): x holds this device's T/sp tokens, ``rotary_positions``
+    their positions, ``to_heads(q, k, v)`` trades tokens for heads before attention (k/v and
+    the context are then [B, T, K/sp, D]) and ``to_seq(out)`` trades back.
     """
     attn = layer.attention
-    q, k, v = attn.qkv(layer.attention_norm(x_btd), inputs.positions, compute_dtype)
+    positions = inputs.positions if rotary_positions is None else rotary_positions
+    q, k, v = attn.qkv(layer.attention_norm(x_btd), positions, compute_dtype)
+    if to_heads is not None:
+        q, k, v = to_heads(q, k, v)
     keys, values = k, v
     if ctx_k is not None:
         keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
     out_bthk = attention_fn(q, keys, values, inputs)
+    if to_seq is not None:
+        out_bthk = to_seq(out_bthk)
     x_btd = x_btd + jnp.einsum("bthk,hkd->btd", out_bthk.astype(compute_dtype), attn.wo[...].astype(compute_dtype))
     return x_btd + layer.mlp(layer.mlp_norm(x_btd), compute_dtype), k, v

@@ -17,18 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
 from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
+from jvarlen.parallel import ulysses
+from jvarlen.parallel.layouts import DP, PP, SP, layout_mesh
 from jvarlen.parallel.pipeline_buffers import assign_slots
 from jvarlen.parallel.pipeline_chunks import CHUNK_KEYS, PackedChunks, stack_pipelines
 from jvarlen.parallel.pipeline_stage import StageFns, maybe, residual_shapes
 from jvarlen.plan.schedule import Schedule, ScheduleError
 
-DATA, PP, SP = "data", "pp", "sp"
+DATA = DP  # pipelines (independent data) over the layout's dp axis
 TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "recv_act", "recv_grad")
 
 
@@ -53,16 +55,12 @@ class PipelineSignature:
 
 
 def pipeline_mesh(layout: Layout, devices=None) -> jax.sharding.Mesh:
-    """``(data, pp, sp)`` mesh over the first ``layout.num_devices`` devices."""
-    devices = jax.devices() if devices is None else devices
+    """The layout's ``(dp, pp, sp)`` mesh (``jvarlen.parallel.layouts``) over the first
+    ``layout.num_devices`` devices."""
+    devices = jax.devices() if devices is None else list(devices)
     if len(devices) < layout.num_devices:
         raise ValueError(f"{layout} needs {layout.num_devices} devices, have {len(devices)}")
-    return jax.make_mesh(
-        (layout.dp, layout.pp, layout.sp),
-        (DATA, PP, SP),
-        axis_types=(AxisType.Auto,) * 3,
-        devices=devices[: layout.num_devices],
-    )
+    return layout_mesh(layout, devices[: layout.num_devices])
 
 
 # --------------------------------------------------------------------------- host side
@@ -173,21 +171,24 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
     ``jvarlen.runtime.step.loss_and_grads``), accumulated over chunks and pipelines.
     """
     layout = sig.layout
-    if layout.sp != 1:
-        raise NotImplementedError("sp > 1 inside pipeline stages needs the Ulysses attention (not wired yet)")
-    pp, ls, T = layout.pp, sig.layers_per_stage, sig.bucket
-    d, K = cfg.d_model, cfg.num_kv_heads
-    D = cfg.head_dim or cfg.d_model // cfg.num_heads
+    pp, ls, T, sp = layout.pp, sig.layers_per_stage, sig.bucket, layout.sp
+    if T % sp or cfg.num_heads % sp:
+        raise ValueError(f"sp={sp} must divide the chunk bucket ({T}) and num_heads ({cfg.num_heads})")
+    Tl = T // sp  # tokens of a chunk on one device of an sp group
+    d, D = cfg.d_model, cfg.head_dim or cfg.d_model // cfg.num_heads
+    repeats = ulysses.kv_repeats(cfg.num_kv_heads, sp)
+    K = cfg.num_kv_heads * repeats // sp  # kv heads per device after the Ulysses all_to_all
     Sc = sig.context
     cdt = resolve_compute_dtype(cfg.compute_dtype)
     attention_fn = attention_fn or make_attention_fn(cfg.attention)
     layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
-    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0)
+    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0, sp=sp, kv_repeats=repeats)
     dummy = dict(stash=sig.n_stash, grad=sig.n_grad, ctx=sig.n_ctx, res=sig.n_res)
 
     def device_fn(layers, rest, b, scale):
         b = jax.tree.map(lambda a: a[0], b)
         stage = jax.lax.axis_index(PP)
+        mine = jax.lax.axis_index(SP) * Tl  # first token of this device's part of a chunk
         is_first, is_last = stage == 0, stage == pp - 1
 
         def model_of(r):
@@ -214,6 +215,8 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             else:
                 c["inputs"] = AttentionInputs(seg[None], pos[None])
             c["own"] = ((b["has_next"][k] > 0) & (seg == seg[0]) & (seg > 0)).astype(cdt)[None, :, None, None]
+            for key in ("tokens", "targets", "loss_mask", "positions"):  # this device's tokens
+                c["local_" + key] = jax.lax.dynamic_slice_in_dim(c[key], mine, Tl)
             return c
 
         def put(buf, i, value):
@@ -223,16 +226,17 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
         def idle(carry, k):
-            return carry, jnp.zeros((T, d), cdt), jnp.zeros((T, d), cdt)
+            return carry, jnp.zeros((Tl, d), cdt), jnp.zeros((Tl, d), cdt)
 
         def fwd(carry, k):
             c = chunk(k)
             s = c["slots"]
             carry = dict(carry)
-            x = jnp.where(is_first, embed(rest, c["tokens"]), get(carry["stash"], s["stash"]))
+            x = jnp.where(is_first, embed(rest, c["local_tokens"]), get(carry["stash"], s["stash"]))
             carry["stash"] = put(carry["stash"], jnp.where(is_first, s["stash"], dummy["stash"]), x)
             y, k_own, v_own, carry["res"], n = fns.forward(
-                layers, x, get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"]), carry["res"], c["res_slot"], c["inputs"]
+                layers, x, get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"]), carry["res"], c["res_slot"], c["inputs"],
+                c["local_positions"],
             )
             if Sc:
                 at = (s["ctx"], 0, c["C"], 0, 0)
@@ -245,7 +249,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                 carry["dcv"] = put(carry["dcv"], reset, zero)
 
             def last():
-                loss, vjp_fn = jax.vjp(lambda r, yy: head_loss(r, yy, c["targets"], c["loss_mask"]), rest, y)
+                loss, vjp_fn = jax.vjp(lambda r, yy: head_loss(r, yy, c["local_targets"], c["local_loss_mask"]), rest, y)
                 d_rest, dy = vjp_fn(scale.astype(loss.dtype))
                 return loss, d_rest, dy
 
@@ -254,7 +258,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], d_rest)
             carry["loss"] = carry["loss"] + loss
             carry["count"] = carry["count"] + n
-            return carry, y.astype(cdt), jnp.zeros((T, d), cdt)
+            return carry, y.astype(cdt), jnp.zeros((Tl, d), cdt)
 
         def bwd(carry, k):
             c = chunk(k)
@@ -269,20 +273,21 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             else:
                 dk_own = dv_own = jnp.zeros((ls, T, K, D), cdt)
             dx, dlayers, dck, dcv, n = fns.backward(
-                layers, x, dy, ck, cv, dk_own, dv_own, carry["res"], c["res_slot"], dummy["res"], c["inputs"]
+                layers, x, dy, ck, cv, dk_own, dv_own, carry["res"], c["res_slot"], dummy["res"], c["inputs"],
+                c["local_positions"],
             )
             if Sc:
                 carry["dck"] = put(carry["dck"], s["ctx"], get(carry["dck"], s["ctx"]) + dck)
                 carry["dcv"] = put(carry["dcv"], s["ctx"], get(carry["dcv"], s["ctx"]) + dcv)
 
             def first():
-                _, vjp_fn = jax.vjp(lambda r: embed(r, c["tokens"]), rest)
+                _, vjp_fn = jax.vjp(lambda r: embed(r, c["local_tokens"]), rest)
                 return vjp_fn(dx)[0]
 
             carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], maybe(is_first, first))
             carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], dlayers)
             carry["count"] = carry["count"] + n
-            return carry, jnp.zeros((T, d), cdt), dx.astype(cdt)
+            return carry, jnp.zeros((Tl, d), cdt), dx.astype(cdt)
 
         def tick(carry, t):
             row = b["ops"][t, stage]
@@ -296,15 +301,15 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                 carry["grad_in"] = put(carry["grad_in"], b["recv_grad"][t, stage], recv_grad)
             return carry, None
 
-        x0 = jnp.zeros((T, d), cdt)
+        x0 = jnp.zeros((Tl, d), cdt)
         c0 = chunk(jnp.int32(0))
         layer0 = jax.tree.map(lambda a: a[0], layers)
         ctx0 = jnp.zeros((Sc, K, D), cdt)
-        res_shapes = residual_shapes(fns, layer0, x0, ctx0, ctx0, c0["inputs"])
+        res_shapes = residual_shapes(fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
         zeros_ctx = jnp.zeros((sig.n_ctx + 1, ls, Sc, K, D), cdt)
         carry = dict(
-            stash=jnp.zeros((sig.n_stash + 1, T, d), cdt),
-            grad_in=jnp.zeros((sig.n_grad + 1, T, d), cdt),
+            stash=jnp.zeros((sig.n_stash + 1, Tl, d), cdt),
+            grad_in=jnp.zeros((sig.n_grad + 1, Tl, d), cdt),
             ck=zeros_ctx, cv=zeros_ctx, dck=zeros_ctx, dcv=zeros_ctx,
             res=[jnp.zeros((sig.n_res + 1,) + s.shape, s.dtype) for s in res_shapes],
             g_layers=jax.tree.map(jnp.zeros_like, layers),
@@ -313,9 +318,9 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             count=jnp.zeros((), jnp.int32),
         )
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(sig.n_ticks))
-        g_layers = jax.lax.psum(carry["g_layers"], DATA)
-        g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP))
-        loss = jax.lax.psum(carry["loss"], (DATA, PP))
+        g_layers = jax.lax.psum(carry["g_layers"], (DATA, SP))
+        g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP, SP))
+        loss = jax.lax.psum(carry["loss"], (DATA, PP, SP))
         return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
 
     def grads(params, batch):

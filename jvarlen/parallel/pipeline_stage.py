@@ -16,6 +16,7 @@ from flax import nnx
 
 from jvarlen.model import AttentionInputs
 from jvarlen.model.layers import layer_with_context
+from jvarlen.parallel import ulysses
 
 
 @dataclasses.dataclass
@@ -58,28 +59,39 @@ class StageFns:
     attention_fn: Callable
     compute_dtype: Any
     with_context: bool
+    sp: int = 1  # Ulysses degree inside the stage (mesh axis ``sp``)
+    kv_repeats: int = 1  # kv heads repeated so that sp divides them
     recipe: ResidualRecipe = dataclasses.field(default_factory=ResidualRecipe)
 
-    def layer(self, inputs: AttentionInputs):
-        """f(layer_params, x [T, d], ck [Sc,K,D], cv) -> (y [T, d], k [T,K,D], v [T,K,D])."""
+    def layer(self, inputs: AttentionInputs, rotary_positions):
+        """f(layer_params, x [T/sp, d], ck [Sc,K',D], cv) -> (y [T/sp, d], k [T,K',D], v [T,K',D]).
+
+        ``inputs`` describe all T tokens of the chunk (and its Sc context keys);
+        K' = K * kv_repeats / sp kv heads per device (K' = K without sp).
+        """
+        hooks = {}
+        if self.sp > 1:
+            def to_heads(q, k, v):
+                k, v = ulysses.repeat_kv_heads(k, self.kv_repeats), ulysses.repeat_kv_heads(v, self.kv_repeats)
+                return ulysses.seq_to_heads(q), ulysses.seq_to_heads(k), ulysses.seq_to_heads(v)
+
+            hooks = dict(rotary_positions=rotary_positions[None], to_heads=to_heads, to_seq=ulysses.heads_to_seq)
 
         def f(lp, x, ck, cv):
             layer = nnx.merge(self.layer_graphdef, lp)
-            if self.with_context:
-                y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype, ck[None], cv[None])
-            else:
-                y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype)
+            ctx = (ck[None], cv[None]) if self.with_context else (None, None)
+            y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype, *ctx, **hooks)
             return y[0], k[0], v[0]
 
         return f
 
-    def forward(self, layers, x, ctx_k, ctx_v, res_bufs, res_slots, inputs):
+    def forward(self, layers, x, ctx_k, ctx_v, res_bufs, res_slots, inputs, rotary_positions):
         """Scan over the stage's layers; stores each layer's residuals into ``res_bufs[res_slots[l]]``.
 
         layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D]; res_slots [Ls].
         -> (y [T, d], own k/v [Ls, T, K, D], res_bufs, layer forwards run)
         """
-        f = self.layer(inputs)
+        f = self.layer(inputs, rotary_positions)
 
         def body(carry, xs):
             x, bufs, count = carry
@@ -94,13 +106,13 @@ class StageFns:
         )
         return y, k, v, res_bufs, count
 
-    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, res_bufs, res_slots, dummy, inputs):
+    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, res_bufs, res_slots, dummy, inputs, rotary_positions):
         """Rebuilds every layer's vjp_fn (recomputing layers whose slot is ``dummy``, which must
         be a prefix) and runs them in reverse.
 
         -> (dx [T, d], d layers [Ls, ...], d ctx_k/v [Ls, Sc, K, D], layers recomputed)
         """
-        f = self.layer(inputs)
+        f = self.layer(inputs, rotary_positions)
         recipe = self.recipe
 
         def gather(x, xs):
@@ -135,15 +147,15 @@ def _shared(lp, ck, cv) -> list:
     return jax.tree.leaves(lp) + [ck, cv]
 
 
-def residual_shapes(fns: StageFns, layers_one, x, ck, cv, inputs) -> tuple:
+def residual_shapes(fns: StageFns, layers_one, x, ck, cv, inputs, rotary_positions) -> tuple:
     """ShapeDtypeStructs of one layer's stored residuals (traces the layer once, abstractly)."""
 
-    def probe(lp, x, ck, cv, arrays):
-        (_, _, _), vjp_fn = jax.vjp(fns.layer(AttentionInputs(*arrays)), lp, x, ck, cv)
+    def probe(lp, x, ck, cv, arrays, rotary_positions):
+        (_, _, _), vjp_fn = jax.vjp(fns.layer(AttentionInputs(*arrays), rotary_positions), lp, x, ck, cv)
         return split_vjp(vjp_fn, _shared(lp, ck, cv), fns.recipe)
 
     arrays = (inputs.segment_ids, inputs.positions, inputs.kv_segment_ids, inputs.kv_positions)
-    jax.eval_shape(probe, layers_one, x, ck, cv, arrays)
+    jax.eval_shape(probe, layers_one, x, ck, cv, arrays, rotary_positions)
     return fns.recipe.shapes
 
 
