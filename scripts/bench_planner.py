@@ -125,6 +125,28 @@ def table(rows, iterations, workload) -> str:
     return "\n".join(lines)
 
 
+def bars(rows) -> str:
+    """The issue's bars, stated against the measured medians."""
+    solve, bubble, s48, s96 = [], [], [], []
+    for name, ctx, per in rows:
+        e = [r for r in per["epp"] if _ok(r)]
+        solve.append(med([r["solve_s"] for r in e]))
+        bubble.append(med([r["bubble"] for r in e]))
+        sp = speedups(per, "seq1f1b")[0]
+        (s48 if ctx == 48 else s96 if ctx == 96 else []).append(sp)
+    n = len(rows)
+    ok = lambda xs, f: sum(1 for x in xs if x is not None and f(x))  # noqa: E731
+    top = lambda xs: max((x for x in xs if x is not None), default=None)  # noqa: E731
+    met = lambda xs, f: "met" if xs and ok(xs, f) == len(xs) else "not met"  # noqa: E731
+    return "\n".join([
+        "Bars of issue 6 against these medians:",
+        f"- median solve time ≤ 1 s: {ok(solve, lambda x: x <= 1.0)}/{n} settings (worst median {fmt(top(solve))} s).",
+        f"- simulated bubble ≤ 10 %: {ok(bubble, lambda x: x <= 0.10)}/{n} settings (worst {fmt(top(bubble), '.1%')}).",
+        f"- speedup over Seq1F1B ≥ 1.27× at 48K: {ok(s48, lambda x: x >= 1.27)}/{len(s48)} (best {fmt(top(s48), '.3f', '×')}): {met(s48, lambda x: x >= 1.27)}.",
+        f"- speedup over Seq1F1B ≥ 1.40× at 96K: {ok(s96, lambda x: x >= 1.40)}/{len(s96)} (best {fmt(top(s96), '.3f', '×')}): {met(s96, lambda x: x >= 1.40)}.",
+    ]) if s48 or s96 else ""
+
+
 def oom_table(rows) -> str:
     lines = ["| model | context | policy | fits (batches) | median iteration s of fitting batches |", "|---|---|---|---|---|"]
     for name, ctx, per in rows:
@@ -158,23 +180,27 @@ def write_section(text: str, path: pathlib.Path = ROOT / "docs" / "benchmarks.md
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=5)
-    ap.add_argument("--workload", default="github")
+    ap.add_argument("--workload", default="github", help="workload of the ablation and memory-tight runs")
+    ap.add_argument("--workloads", default="github,commoncrawl", help="comma-separated workloads of the main table")
     ap.add_argument("--quick", action="store_true", help="one model/context, two iterations (smoke run)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench_planner.json"))
     args = ap.parse_args()
     models, contexts, iters = (("13b",), (48,), 2) if args.quick else (MODELS, CONTEXTS, args.iterations)
     t0 = time.time()
-    rows, records = bench(args.workload, iters, models, contexts, POLICIES)
+    main_parts, records = [], []
+    for wl in args.workloads.split(","):
+        rows, recs = bench(wl, iters, models, contexts, POLICIES)
+        records += recs
+        main_parts += [table(rows, iters, wl), bars(rows)]
     abl_rows, abl_records = bench(args.workload, min(iters, 3), ("13b",), (96,), ABLATIONS)
     oom_rows, oom_records = bench(
         args.workload, min(iters, 3), ("30b",), (48,) if args.quick else CONTEXTS, ("epp", "seq1f1b", "dapple"), zero3_sp=False
     )
-    main_table = table(rows, iters, args.workload)
     text = "\n\n".join([
         "Produced by `python scripts/bench_planner.py` (simulated with the analytic A800 cost model; "
         "no GPU run). Setting: 4 pipeline stages × Ulysses SP 8 (32 GPUs), ZeRO-3 over the SP group.",
-        main_table,
+        *main_parts,
         "Ablations (InfiniPipe §5.5), GPT-13B, 96K:",
         ablation_table(abl_rows),
         "Memory-tight variant: GPT-30B without ZeRO-3 over the SP group (the cost model's default: every "
