@@ -27,7 +27,10 @@ def cache_dir(tmp_path_factory):
 
 
 def _config(run_dir, cache_dir, *extra):
-    return parse_config([*TINY_ARGS, f"--logging.run_dir={run_dir}", f"--data.cache_dir={cache_dir}", *extra])
+    """In-process runs use dense reference attention (cheap to compile at T=128); the
+    CLI test keeps the default implementation."""
+    return parse_config([*TINY_ARGS, "--model.attention=reference", f"--logging.run_dir={run_dir}",
+                         f"--data.cache_dir={cache_dir}", *extra])
 
 
 def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_dir):

@@ -7,7 +7,6 @@ one compiled loop body regardless of depth.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
@@ -108,12 +107,13 @@ def resolve_compute_dtype(name: str):
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    """Initialises the parameters in one compiled program (eager init compiles per op)."""
+    return nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed)))()
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct leaves: nothing is allocated (for big configs)."""
-    return nnx.eval_shape(functools.partial(build_model, cfg))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
 
 
 def parameter_count(model: nnx.Module) -> int:
