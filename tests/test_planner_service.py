@@ -28,10 +28,8 @@ def test_service_solves_in_background_and_matches_direct_planning():
     cost = _cost()
     batches = [sample_batch("github", 32, 24 * K, seed=s) for s in range(3)]
     with PlanningService(cost, options=OPTS, workers=1) as svc:
-        for i, b in enumerate(batches):
-            svc.submit(i, b)
-        plans = [svc.get(i, wait=True) for i in range(len(batches))]
-        assert svc.events == []
+        plans = list(svc.stream(iter(batches), ahead=1, wait=True))  # fed like a sampler
+        assert svc.events == [] and svc.pending() == []
     for b, plan in zip(batches, plans):
         assert plan.stats["service_source"] == "solver"
         plan.validate(b, cost)

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import time
-from typing import Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
@@ -110,6 +110,25 @@ class PlanningService:
         plan.stats["service_source"] = f"fallback:{kind}"
         plan.events.append(f"service: {kind} ({detail}); fallback {self.fallback_policy}")
         return plan
+
+    def stream(self, batches: Iterable[Sequence[int]], ahead: int = 2, wait: bool = False) -> Iterator[Plan]:
+        """Producer/consumer loop over a sampler's batches: keeps ``ahead`` iterations
+        submitted beyond the one being consumed and yields plans in order (fallbacks
+        when late, unless ``wait``)."""
+        it = iter(batches)
+        submitted = consumed = 0
+        exhausted = False
+        while True:
+            while not exhausted and submitted <= consumed + ahead:
+                try:
+                    self.submit(submitted, next(it))
+                    submitted += 1
+                except StopIteration:
+                    exhausted = True
+            if consumed >= submitted:
+                return
+            yield self.get(consumed, wait=wait)
+            consumed += 1
 
     def pending(self) -> list[int]:
         return sorted(self._jobs)
