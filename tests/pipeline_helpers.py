@@ -16,6 +16,7 @@ from jvarlen.runtime.state import split_model
 from jvarlen.runtime.step import loss_and_grads
 
 BUCKET = 32
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves CPU compile time; numerics unchanged in kind
 
 
 def tiny_config(num_layers: int = 4, attention: str = "reference") -> ModelConfig:

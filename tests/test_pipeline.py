@@ -12,7 +12,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline_step import PipelineStepCache
 from jvarlen.plan import schedule as sch
-from pipeline_helpers import PLAN_A, PLAN_B, PLAN_C, assert_tree_close, cover, pipelines, reference, tiny_config, tiny_params
+from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, PLAN_C, assert_tree_close, cover, pipelines, reference, tiny_config, tiny_params
 
 
 def _cases(layout: Layout, num_layers: int):
@@ -51,7 +51,7 @@ def test_matches_reference_under_every_table(layout):
     sig = cover(*[pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)[0]
                   for _, pipes, scheds, ckpts in cases])
     assert sig.context > 0 and sig.n_res > 0
-    cache = PipelineStepCache(graphdef, cfg, params, say=lambda _: None)
+    cache = PipelineStepCache(graphdef, cfg, params, say=lambda _: None, compiler_options=FAST_COMPILE)
     refs = {}
     for name, pipes, scheds, ckpts in cases:
         _, batch = pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers, signature=sig)

@@ -68,11 +68,13 @@ class PipelineStepCache:
     """
 
     def __init__(self, graphdef, cfg: ModelConfig, example, *, optimizer=None, attention_fn=None,
-                 mesh_for: Optional[Callable] = None, say: Callable[[str], None] = log.info):
+                 mesh_for: Optional[Callable] = None, say: Callable[[str], None] = log.info,
+                 compiler_options: Optional[dict] = None):
         self.graphdef, self.cfg, self.optimizer, self.attention_fn = graphdef, cfg, optimizer, attention_fn
         self.example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), example)
         self.mesh_for = mesh_for or pipeline_mesh
         self.say = say
+        self.compiler_options = compiler_options  # e.g. {"xla_backend_optimization_level": 0} in tests
         self.hits = self.misses = 0
         self.compile_seconds: dict = {}
         self._compiled: dict = {}
@@ -93,10 +95,11 @@ class PipelineStepCache:
                  for k, s in batch_shapes(sig).items()}
         if self.optimizer is None:
             fn = jax.jit(make_pipeline_grads(self.graphdef, self.cfg, sig, mesh, self.attention_fn))
-            compiled = fn.lower(self.example, batch).compile()
+            compiled = fn.lower(self.example, batch).compile(compiler_options=self.compiler_options)
         else:
             step = make_pipeline_train_step(self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn)
-            compiled = jax.jit(step, donate_argnums=0).lower(self.example, batch).compile()
+            lowered = jax.jit(step, donate_argnums=0).lower(self.example, batch)
+            compiled = lowered.compile(compiler_options=self.compiler_options)
         seconds = time.perf_counter() - start
         with self._lock:
             self._compiled[sig] = compiled

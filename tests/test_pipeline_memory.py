@@ -1,0 +1,77 @@
+"""Compiled temp memory (``memory_analysis``) of the pipeline step follows the buffer slots:
+1F1B's stays flat in the number of chunks (the window is pp), GPipe's grows with it, and a
+signature with fewer residual slots (more recomputation) compiles to less."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import require_devices
+from jvarlen.layout import Layout
+from jvarlen.parallel import pipeline as pl
+from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.plan import schedule as sch
+from pipeline_helpers import FAST_COMPILE, tiny_config, tiny_params
+
+LAYOUT = Layout(dp=1, pp=2, sp=1)
+BUCKET = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    require_devices(LAYOUT.num_devices)
+    cfg = tiny_config(num_layers=2)
+    return (cfg,) + tiny_params(cfg)
+
+
+_SEEN: dict = {}
+
+
+def _compiled(model, n: int, kind: str, recompute: int):
+    """(signature, temp bytes) of the step for n one-document chunks (compiled once per case)."""
+    if (n, kind, recompute) not in _SEEN:
+        _SEEN[(n, kind, recompute)] = _compile(model, n, kind, recompute)
+    return _SEEN[(n, kind, recompute)]
+
+
+def _compile(model, n: int, kind: str, recompute: int):
+    cfg, graphdef, params = model
+    rng = np.random.default_rng(n)
+    docs = [rng.integers(1, cfg.vocab_size, size=20).astype(np.int32) for _ in range(n)]
+    pack = pack_chunks([[(i, 0, 20)] for i in range(n)], docs, BUCKET)
+    sched = sch.gpipe(n, LAYOUT.pp) if kind == "gpipe" else sch.one_f_one_b(n, LAYOUT.pp)
+    ckpt = np.full((n, LAYOUT.pp), recompute, np.int32)
+    sig, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, cfg.num_layers)
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(LAYOUT)))
+    compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+    return sig, compiled.memory_analysis().temp_size_in_bytes
+
+
+def _chunk_state_bytes(cfg) -> int:
+    """Stashed input + cotangent inbox of one chunk on one stage (fp32)."""
+    return 2 * BUCKET * cfg.d_model * 4
+
+
+def test_1f1b_memory_follows_the_window_gpipe_follows_the_chunks(model):
+    cfg = model[0]
+    sig4, f4 = _compiled(model, 4, "1f1b", 0)
+    sig8, f8 = _compiled(model, 8, "1f1b", 0)
+    assert (sig4.n_stash, sig4.n_res) == (sig8.n_stash, sig8.n_res) == (LAYOUT.pp, LAYOUT.pp)
+    assert abs(f8 - f4) < 0.02 * f4, (f4, f8)
+    gsig4, g4 = _compiled(model, 4, "gpipe", 0)
+    gsig8, g8 = _compiled(model, 8, "gpipe", 0)
+    assert (gsig4.n_stash, gsig8.n_stash) == (4, 8)
+    # four more chunks in flight: at least their stashed inputs and inboxes
+    assert g8 - g4 >= 4 * _chunk_state_bytes(cfg), (g4, g8)
+    assert g8 > f8 and g4 > f4
+
+
+def test_fewer_residual_slots_compile_to_less_temp_memory(model):
+    cfg = model[0]
+    sig_keep, keep = _compiled(model, 8, "gpipe", 0)  # every layer's residuals stored
+    sig_rec, rec = _compiled(model, 8, "gpipe", 1)  # every layer recomputed
+    assert sig_keep.n_res == 8 and sig_rec.n_res == 0
+    # each residual slot holds at least a layer input and its attention output
+    assert keep - rec >= 8 * 2 * BUCKET * cfg.d_model * 4, (keep, rec)

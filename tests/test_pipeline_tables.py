@@ -1,0 +1,162 @@
+"""Host side of the pipeline executor: chunk packing, buffer slots following the window,
+and tables the executor refuses (each kind of broken dependency, window overflow)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jvarlen.layout import Layout
+from jvarlen.parallel import pipeline as pl
+from jvarlen.parallel.pipeline_buffers import assign_slots
+from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.plan import schedule as sch
+from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
+from pipeline_helpers import PLAN_A, plan_documents
+
+LAYOUT = Layout(dp=1, pp=2, sp=1)
+
+
+def _plan_a():
+    docs, chunks = plan_documents(PLAN_A, seed=1)
+    return docs, pack_chunks(chunks, docs, 32)
+
+
+def test_pack_chunks_lays_out_all_three_kinds():
+    docs, pack = _plan_a()
+    a = pack.arrays
+    assert pack.chunk_prev == (-1, -1, 1, 2, 3, -1)
+    np.testing.assert_array_equal(pack.ctx_len, [0, 0, 16, 32, 48, 0])
+    np.testing.assert_array_equal(pack.has_next, [0, 1, 1, 1, 0, 0])
+    # hybrid chunk 4: tail slice of doc 2 (positions 48..59), then docs 3 and 4 from 0
+    np.testing.assert_array_equal(a["positions"][4, :12], np.arange(48, 60))
+    np.testing.assert_array_equal(a["segment_ids"][4, :26], [1] * 12 + [2] * 5 + [3] * 9)
+    np.testing.assert_array_equal(a["segment_ids"][4, 26:], 0)
+    np.testing.assert_array_equal(a["tokens"][4, 12:17], docs[3])
+    # a split slice's last target is the next slice's first token
+    assert a["targets"][1, 15] == docs[2][16] and a["loss_mask"][1, 15] == 1
+    # every token is a target once, except each document's last token
+    assert a["loss_mask"].sum() == sum(len(d) - 1 for d in docs)
+    assert pack.context_bucket() == 48 + 32
+
+
+def test_pack_chunks_rejects_bad_pieces():
+    docs, _ = _plan_a()
+    with pytest.raises(ValueError, match="bucket"):
+        pack_chunks([[(2, 0, 60)]], docs, 32)
+    with pytest.raises(ValueError, match="alone"):
+        pack_chunks([[(2, 0, 16), (0, 0, 10)]], docs, 32)
+    with pytest.raises(ValueError, match="whole documents"):
+        pack_chunks([[(0, 0, 10), (2, 0, 16)]], docs, 32)
+    with pytest.raises(ValueError, match="no chunk's piece 0 ends there"):
+        pack_chunks([[(2, 16, 16)]], docs, 32)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_1f1b_slots_follow_the_window_gpipe_slots_the_chunks(pp):
+    for n in (4, 8, 16):
+        ones = np.zeros((n, pp), np.int32)
+        f1b = assign_slots(sch.one_f_one_b(n, pp).to_ticks(), [-1] * n, ones, 1)
+        gp = assign_slots(sch.gpipe(n, pp).to_ticks(), [-1] * n, ones, 1)
+        assert f1b.n_stash == pp and f1b.n_res == pp  # Eq. 7 window without split documents
+        assert gp.n_stash == n and gp.n_res == n
+
+
+def test_split_document_window_and_context_slots():
+    # one document split in 4 slices, then 2 batched chunks: window d_p - p + N_prefill
+    prev = [-1, 0, 1, 2, -1, -1]
+    slots = assign_slots(sch.token_level_1f1b(prev, 2).to_ticks(), prev, np.zeros((6, 2), np.int32), 1)
+    assert slots.n_stash == 2 - 1 + 4 and slots.n_ctx == 1
+    assert (slots.ctx_slot[:4] == 0).all() and (slots.ctx_slot[4:] == slots.n_ctx).all()
+
+
+def test_recomputed_layers_get_the_dummy_slot():
+    n, pp, ls = 3, 2, 4
+    ckpt = np.array([[0, 4], [2, 1], [4, 0]], np.int32)
+    slots = assign_slots(sch.gpipe(n, pp).to_ticks(), [-1] * n, ckpt, ls)
+    stored = slots.res_slot != slots.n_res
+    for k in range(n):
+        for p in range(pp):
+            np.testing.assert_array_equal(stored[k, p], np.arange(ls) >= ckpt[k, p])
+    with pytest.raises(ValueError, match="ckpt_layers"):
+        assign_slots(sch.gpipe(n, pp).to_ticks(), [-1] * n, ckpt + 1, ls)
+
+
+def _prepare(ticks, pack, **kw):
+    return pl.prepare_batch([pack], [ticks], [np.zeros((pack.n_chunks, 2), np.int32)], LAYOUT, 4, **kw)
+
+
+def _swap(table, a, b):
+    table = table.copy()
+    table[[a, b]] = table[[b, a]]
+    return table
+
+
+def test_planner_tick_table_is_accepted_and_matches_the_schedule():
+    _, pack = _plan_a()
+    sched = sch.token_level_1f1b(pack.chunk_prev, 2)
+    sig_a, batch_a = _prepare(sched.to_ticks(), pack)
+    sig_b, batch_b = pl.prepare_batch([pack], [sched], [np.zeros((6, 2), np.int32)], LAYOUT, 4)
+    assert sig_a == sig_b
+    for key in batch_a:
+        np.testing.assert_array_equal(batch_a[key], batch_b[key], err_msg=key)
+
+
+def _find(table, stage, op, chunk):
+    return int(np.nonzero((table[:, stage, 0] == op) & (table[:, stage, 1] == chunk))[0][0])
+
+
+def test_rejects_stage_order_violation():
+    _, pack = _plan_a()
+    table = sch.token_level_1f1b(pack.chunk_prev, 2).to_ticks()
+    t0, t1 = _find(table, 0, FWD, 0), _find(table, 1, FWD, 0)
+    bad = table.copy()
+    bad[t1, 1] = (IDLE, -1)
+    bad[t0, 1] = (FWD, 0)  # F0 on stage 1 in the same tick as on stage 0
+    with pytest.raises(ScheduleError, match=rf"tick {t0}, stage 1: F0 \(chunk 0\)"):
+        _prepare(bad, pack)
+
+
+def test_rejects_slice_order_violation():
+    _, pack = _plan_a()
+    table = sch.gpipe(6, 2, pack.chunk_prev).to_ticks()
+    # F of slice 2 (chunk 2) before F of slice 1 (chunk 1) on both stages
+    bad = table.copy()
+    for p in range(2):
+        a, b = _find(table, p, FWD, 1), _find(table, p, FWD, 2)
+        bad[a, p, 1], bad[b, p, 1] = 2, 1
+    with pytest.raises(ScheduleError, match=r"tick \d+: stage 0 waits at F2 \(chunk 2\) for F1 on stage 0"):
+        _prepare(bad, pack)
+
+
+def test_rejects_backward_before_forward():
+    _, pack = _plan_a()
+    table = sch.gpipe(6, 2, pack.chunk_prev).to_ticks()
+    bad = table.copy()
+    tf, tb = _find(table, 1, FWD, 5), _find(table, 1, BWD, 5)
+    bad[tf, 1], bad[tb, 1] = table[tb, 1], table[tf, 1]
+    with pytest.raises(ScheduleError, match=r"stage 1, position \d+: B5 comes before F5"):
+        _prepare(bad, pack)
+
+
+def test_rejects_backward_slice_order_violation():
+    _, pack = _plan_a()
+    table = sch.gpipe(6, 2, pack.chunk_prev).to_ticks()
+    bad = table.copy()  # B of slice 1 before B of slice 2 on stage 0
+    a, b = _find(table, 0, BWD, 1), _find(table, 0, BWD, 2)
+    bad[a, 0, 1], bad[b, 0, 1] = 2, 1
+    with pytest.raises(ScheduleError, match=r"tick \d+: stage 0 waits at B1 \(chunk 1\) for B2 on stage 0"):
+        _prepare(bad, pack)
+
+
+def test_rejects_window_overflow_naming_stage_tick_and_chunks():
+    _, pack = _plan_a()
+    sig, _ = _prepare(sch.token_level_1f1b(pack.chunk_prev, 2).to_ticks(), pack)
+    gpipe = sch.gpipe(6, 2, pack.chunk_prev).to_ticks()
+    small = dataclasses.replace(sig, n_ticks=max(sig.n_ticks, gpipe.shape[0]), n_grad=6, n_res=12)
+    with pytest.raises(ScheduleError, match=r"window overflow: .*n_stash=6 .* has 5 \(stage 0, tick \d+: chunks \[0, 1, 2, 3, 4, 5\]"):
+        _prepare(gpipe, pack, signature=small)
+    with pytest.raises(ValueError, match="n_chunks"):
+        _prepare(gpipe, pack, signature=dataclasses.replace(sig, n_chunks=7))
