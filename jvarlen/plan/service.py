@@ -23,7 +23,7 @@ import multiprocessing as mp
 import time
 from typing import Iterable, Iterator, Optional, Sequence
 
-from jvarlen.plan.api import PlannerOptions, plan_iteration
+from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.plan import Plan
 
@@ -106,10 +106,17 @@ class PlanningService:
         event = ServiceEvent(iteration, kind, detail, self.fallback_policy)
         self.events.append(event)
         log.warning("plan for iteration %d %s (%s); using %s", iteration, kind, detail, self.fallback_policy)
-        plan = plan_iteration(lengths, cost=self.cost, policy=self.fallback_policy, options=self.fallback_options)
-        plan.stats["service_source"] = f"fallback:{kind}"
-        plan.events.append(f"service: {kind} ({detail}); fallback {self.fallback_policy}")
-        return plan
+        errors = []
+        for policy in (self.fallback_policy, "epp-fast", "seq1f1b-tuned"):  # last resorts, in order
+            try:
+                plan = plan_iteration(lengths, cost=self.cost, policy=policy, options=self.fallback_options)
+            except PlanningError as e:
+                errors.append(f"{policy}: {e}")
+                continue
+            plan.stats["service_source"] = f"fallback:{kind}"
+            plan.events.append(f"service: {kind} ({detail}); fallback {policy}")
+            return plan
+        raise PlanningError(f"iteration {iteration}: no fallback plan fits: " + "; ".join(errors))
 
     def stream(self, batches: Iterable[Sequence[int]], ahead: int = 2, wait: bool = False) -> Iterator[Plan]:
         """Producer/consumer loop over a sampler's batches: keeps ``ahead`` iterations
