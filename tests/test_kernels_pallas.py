@@ -104,3 +104,14 @@ def test_kernels_lower_to_triton(d, hkv):
   text = lowered.as_text()
   for name in ("varlen_flash_fwd", "varlen_flash_dq", "varlen_flash_dkv"):
     assert name in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_blocks_on_a_packed_context_slice(dtype):
+  """Default 128x128 blocks, 1024 queries: a long document's slice after 512 context
+  tokens, then documents of assorted lengths and a padding tail."""
+  pieces = [(1, 700, 300), (2, 0, 129), (3, 0, 1), (4, 0, 255), (5, 0, 200), (0, 0, 139)]
+  layout = kt.context_layout(pieces, 512)
+  check("pallas", layout, 8, 2, 128, True, dtype=dtype, bq=128, bk=128)
+  check("xla", layout, 8, 2, 128, True, dtype=dtype, bq=128, bk=128)
