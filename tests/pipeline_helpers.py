@@ -63,6 +63,12 @@ def pipelines(dp: int, bucket: int = BUCKET, plans=(PLAN_A, PLAN_B), seed: int =
 
 def reference(graphdef, params, documents):
     """Single-device (sums, grads of the mean loss) with one document per row."""
+    batch = reference_batch(documents)
+    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(params, batch)
+
+
+def reference_batch(documents) -> dict:
+    """One document per row, like ``jvarlen.runtime.step``'s packed batches."""
     width = max(len(d) for d in documents)
     batch = {k: np.zeros((len(documents), width), np.int32)
              for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
@@ -73,7 +79,7 @@ def reference(graphdef, params, documents):
         batch["positions"][i, :n] = np.arange(n)
         batch["targets"][i, : n - 1] = doc[1:]
         batch["loss_mask"][i, : n - 1] = 1
-    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(params, batch)
+    return batch
 
 
 def assert_tree_close(actual, expected, rtol: float = 1e-5):

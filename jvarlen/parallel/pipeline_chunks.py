@@ -47,10 +47,14 @@ def chunk_links(chunks: Sequence[Sequence[tuple[int, int, int]]]) -> list[int]:
     """``prev[k]``: the chunk whose piece 0 ends where chunk k's piece 0 starts, else -1."""
     ends = {}
     for k, c in enumerate(chunks):
-        d, s, n = c[0]
-        ends[(d, s + n)] = k
+        if c:
+            d, s, n = c[0]
+            ends[(d, s + n)] = k
     prev = []
     for c in chunks:
+        if not c:  # an empty (all padding) chunk
+            prev.append(-1)
+            continue
         d, s, _ = c[0]
         if s > 0 and (d, s) not in ends:
             raise ValueError(f"piece {c[0]} continues document {d} at {s} but no chunk's piece 0 ends there")
@@ -92,6 +96,8 @@ def pack_chunks(
             arrays["targets"][k, sl] = np.where(valid, doc[np.minimum(nxt, len(doc) - 1)], 0)
             arrays["loss_mask"][k, sl] = valid
             off += length
+        if not pieces:
+            continue
         d0, s0, l0 = pieces[0]
         ctx_len[k] = s0
         has_next[k] = int(s0 + l0 < len(documents[d0]))

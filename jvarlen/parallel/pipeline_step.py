@@ -85,6 +85,10 @@ class PipelineStepCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
+    def signatures(self) -> list:
+        with self._lock:
+            return list(self._compiled) + list(self._futures)
+
     def __contains__(self, sig) -> bool:
         return sig in self._compiled
 
