@@ -2,8 +2,8 @@
 
 from jvarlen.kernels.api import block_info_for, varlen_attention
 from jvarlen.kernels.block_ranges import BlockInfo, compute_block_info
-from jvarlen.kernels.common import BlockSizes
+from jvarlen.kernels.common import EMPTY_ROW_LSE, BlockSizes
 from jvarlen.kernels.reference import reference_attention
 
-__all__ = ["BlockInfo", "BlockSizes", "block_info_for", "compute_block_info",
+__all__ = ["EMPTY_ROW_LSE", "BlockInfo", "BlockSizes", "block_info_for", "compute_block_info",
            "reference_attention", "varlen_attention"]

@@ -27,6 +27,7 @@ def _backend(name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _flash(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg, kv_pos, info):
+  """-> (out [B, T, H, D], lse [B, H, T] f32); both differentiable."""
   return _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg,
                     kv_pos, info)[0]
 
@@ -42,13 +43,15 @@ def _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_s
   fwd, _ = _backend(backend)
   o, lse = fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info,
                **_kw(backend, causal, sm_scale, interpret))
-  return o, (q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse)
+  return (o, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse)
 
 
-def _flash_bwd(backend, causal, sm_scale, interpret, res, do):
+def _flash_bwd(backend, causal, sm_scale, interpret, res, cts):
   q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse = res
+  do, dlse = cts
   _, bwd = _backend(backend)
-  dq, dk, dv = bwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse, do,
+  # d lse_i / d s_ij = p_ij, so an lse cotangent enters as delta_i -= dlse_i.
+  dq, dk, dv = bwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse, do, dlse,
                    **_kw(backend, causal, sm_scale, interpret))
   return dq, dk, dv, None, None, None, None, None
 
@@ -96,13 +99,16 @@ def _validate(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
 def varlen_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
                      causal: bool = True, sm_scale: float | None = None,
                      block_sizes: BlockSizes | None = None, implementation: str = "auto",
-                     interpret: bool | None = None, block_info: BlockInfo | None = None):
+                     interpret: bool | None = None, block_info: BlockInfo | None = None,
+                     return_lse: bool = False):
   """Attention over packed variable-length documents.
 
   q [T, H, D] or [B, T, H, D]; k, v [S, Hkv, D] or [B, S, Hkv, D] with H % Hkv == 0;
   segment ids / positions [T] / [S] (or [B, T] / [B, S]) int32. A query sees a key
   iff both have the same non-zero segment id and (causal) kv_position <= q_position.
-  Rows seeing no key return 0. Returns the shape and dtype of q.
+  Rows seeing no key return 0. Returns the shape and dtype of q; with
+  ``return_lse`` also the softmax logsumexp [H, T] / [B, H, T] float32 (differentiable;
+  ``EMPTY_ROW_LSE`` = -1e30 for rows seeing no key).
 
   implementation: "auto" (Pallas on GPU, XLA blockwise elsewhere), "pallas", "xla",
   "reference" (dense; small inputs only). ``interpret`` (Pallas only) defaults to
@@ -127,7 +133,8 @@ def varlen_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_
     interpret = not on_gpu
 
   if implementation == "reference":
-    out = reference_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal=causal, sm_scale=scale)
+    out, lse = reference_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal=causal,
+                                   sm_scale=scale, return_lse=True)
   else:
     bs = fit_block_sizes(block_sizes or BlockSizes(), t, s)
     if block_info is None:
@@ -137,9 +144,12 @@ def varlen_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_
     tp, sp = round_up(t, bs.block_q), round_up(s, bs.block_kv)
     qp, q_seg, q_pos = (pad_axis(x, 1, tp) for x in (q, q_seg, q_pos))
     kp, vp, kv_seg, kv_pos = (pad_axis(x, 1, sp) for x in (k, v, kv_seg, kv_pos))
-    out = _flash(implementation, bool(causal), scale, bool(interpret), qp, kp, vp,
-                 q_seg, q_pos, kv_seg, kv_pos, block_info)[:, :t]
-  return out[0] if unbatched else out
+    out, lse = _flash(implementation, bool(causal), scale, bool(interpret), qp, kp, vp,
+                      q_seg, q_pos, kv_seg, kv_pos, block_info)
+    out, lse = out[:, :t], lse[:, :, :t]
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_lse else out
 
 
 def block_info_for(q_segment_ids, kv_segment_ids, q_positions, kv_positions, *,

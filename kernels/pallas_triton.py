@@ -185,14 +185,16 @@ def tiles_visited(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, cau
   return tiles[:, :, ::info.block_q]
 
 
-def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, *, causal,
-             sm_scale, interpret):
-  """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes."""
+def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, dlse=None, *,
+             causal, sm_scale, interpret):
+  """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes. dlse [B, H, T] or None."""
   b, t, h, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = h // hkv
   bq, bk = info.block_q, info.block_kv
   delta = jnp.einsum("bthd,bthd->bht", o.astype(_F32), do.astype(_F32))
+  if dlse is not None:  # lse cotangent: d lse_i / d s_ij = p_ij
+    delta = delta - dlse
 
   # dq: grid (B, nq, H), walks fwd lists.
   q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0))

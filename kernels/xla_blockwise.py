@@ -100,15 +100,17 @@ def forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, s
   return o, lse
 
 
-def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, *,
+def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, dlse=None, *,
              causal, sm_scale):
-  """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes."""
+  """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes. dlse [B, H, T] or None."""
   bsz, t, h, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   g = h // hkv
   bq, bk = info.block_q, info.block_kv
   nq, nk = t // bq, s_len // bk
   delta = jnp.einsum("bthd,bthd->bht", o.astype(_F32), do.astype(_F32))
+  if dlse is not None:
+    delta = delta - dlse
   varying = _varying_like(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, lse, do)
 
   def scores(b, q_blk, k_blk, lse_blk, qs, qp, ks, kp, masked):

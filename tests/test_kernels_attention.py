@@ -231,3 +231,30 @@ def test_xla_path_inside_shard_map_with_vma_checks():
       argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(g_sharded, g_plain):
     assert kt.rel_err(a, b) <= F32_TOL
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_logsumexp_output_and_its_gradient(impl):
+  """return_lse: lse matches the reference on rows that see keys, is the finite
+  sentinel on rows that do not, and its cotangent reaches dq, dk, dv."""
+  q_seg, q_pos, kv_seg, kv_pos = (jnp.asarray(x) for x in CONTEXT)
+  q, k, v, ct = make_inputs(4, len(q_seg), len(kv_seg), 4, 2, 64)
+  ct_lse = jnp.asarray(np.random.default_rng(9).normal(size=(4, len(q_seg))), jnp.float32)
+
+  def run(impl):
+    def f(q, k, v):
+      return varlen_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                              q_positions=q_pos, kv_positions=kv_pos, implementation=impl,
+                              block_sizes=BlockSizes(32, 32), return_lse=True)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((ct, ct_lse))
+
+  out, lse, grads = jax.jit(run, static_argnums=0)(impl)
+  ref_out, ref_lse, ref_grads = jax.jit(run, static_argnums=0)("reference")
+  seen = np.asarray(q_seg != 0)
+  assert lse.shape == (4, len(q_seg)) and lse.dtype == jnp.float32
+  assert np.all(np.asarray(lse)[:, ~seen] == -1e30)
+  assert kt.rel_err(np.asarray(lse)[:, seen], np.asarray(ref_lse)[:, seen]) <= F32_TOL
+  assert kt.rel_err(out, ref_out) <= F32_TOL
+  for g, rg in zip(grads, ref_grads):
+    assert kt.rel_err(g, rg) <= F32_TOL
