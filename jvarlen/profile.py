@@ -8,11 +8,12 @@ The file name is keyed by model shape, backend and device kind
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Optional
 
 import draccus
+
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 @dataclasses.dataclass
@@ -22,6 +23,7 @@ class ProfileConfig:
     repeats: int = 5  # timings per measurement; the minimum is kept
     force: bool = False  # re-profile even if a profile for this key exists
     compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
+    cpu_single_thread: bool = True  # XLA CPU on one thread, timed by process CPU time (see profiler)
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -30,6 +32,8 @@ class ProfileConfig:
 
 def main(args: Optional[list[str]] = None) -> str:
     cfg = draccus.parse(ProfileConfig, args=args)
+    if cfg.cpu_single_thread:  # must happen before JAX initialises its CPU client
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
     from jvarlen.runtime.profiler import run_profiler
 
     return run_profiler(cfg)

@@ -16,6 +16,10 @@ plans (gradient accumulation over the plan's chunks + optimizer update, pp = 1).
 with context ``C`` attends to ``C`` cached K/V entries of its document (random values of
 the right shape; the time does not depend on the values) and produces their gradients.
 
+On the CPU backend times are process CPU times of a single-threaded XLA
+(:data:`SINGLE_THREAD_XLA_FLAGS`, set by the entry points before JAX starts): on a machine
+shared with other jobs wall time varies several-fold, CPU time of one thread does not.
+
 Ulysses sp > 1 is not profiled here yet: the layers of this repository have no sequence-
 parallel path (the per-sp entries of a profile are left empty, so the ideal ``1/sp``
 scaling of the sp = 1 fit is used).
@@ -42,19 +46,28 @@ from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.cost_fit import fit_layer_time, fit_linear
 
 
-def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> float:
-    """Minimum wall time (s) of ``fn(*args)`` over ``repeats`` runs after ``warmup`` runs.
+def default_clock() -> Callable[[], float]:
+    """Process CPU time on the CPU backend (robust when other processes share the cores; run XLA
+    single-threaded so that it equals the step's compute time), wall time elsewhere."""
+    return time.process_time if jax.default_backend() == "cpu" else time.perf_counter
 
-    The minimum is the estimate least disturbed by other processes sharing the machine.
-    """
+
+def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1, clock: Optional[Callable] = None) -> float:
+    """Minimum time (s) of ``fn(*args)`` over ``repeats`` runs after ``warmup`` runs, measured with
+    ``clock`` (default :func:`default_clock`). The minimum is the estimate least disturbed by
+    other processes sharing the machine."""
+    clock = clock or default_clock()
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
+
+
+from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS  # noqa: E402,F401  (re-exported)
 
 
 TOKEN_BUCKETS = (256, 512, 1024, 2048)
@@ -117,7 +130,7 @@ class ChunkHarness:
         self.shape = ModelShape.from_config(cfg)
         self.model = build_model(cfg, seed=seed)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)
-        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.dtype = jnp.dtype(self.model.compute_dtype)
         self.attention_impl = cfg.attention
         self._cache: dict = {}
         self.optimizer_cfg = optimizer or OptimizerConfig()
@@ -265,10 +278,10 @@ class ChunkHarness:
         return jax.tree.map(jnp.zeros_like, self.params)
 
 
-def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> float:
-    """Wall time (s, min over ``repeats``) of one pp = 1 plan: every chunk forward + backward with
-    its recomputed layers, gradients accumulated, then the optimizer update. Programs are
-    compiled (and run once) before timing."""
+def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> dict:
+    """Time of one pp = 1 plan: every chunk forward + backward with its recomputed layers,
+    gradients accumulated, then the optimizer update. Programs are compiled (and run once)
+    before timing. Returns ``{"cpu": s, "wall": s}``, each the minimum over ``repeats``."""
     init, update = harness.optimizer_program()
     batches = [harness.chunk_inputs(c, seed=i) for i, c in enumerate(chunks)]
     programs = [harness.chunk_step_program(int(k)) for k in ckpt]
@@ -278,15 +291,16 @@ def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence
         opt_state = init(params)
         acc = harness.zeros_like_params()
         jax.block_until_ready((params, opt_state, acc))
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         for prog, batch in zip(programs, batches):
             acc, _ = prog(params, acc, batch)
         params, opt_state = update(params, opt_state, acc)
         jax.block_until_ready(params)
-        return time.perf_counter() - t0
+        return time.process_time() - c0, time.perf_counter() - w0
 
     once()  # compile
-    return min(once() for _ in range(repeats))
+    runs = [once() for _ in range(repeats)]
+    return {"cpu": min(r[0] for r in runs), "wall": min(r[1] for r in runs)}
 
 
 # --------------------------------------------------------------------------- profiling
@@ -337,8 +351,15 @@ class ProfileSamples:
     raw: dict
 
 
+def dual_layers(num_layers: int) -> tuple[int, int]:
+    """Layer counts whose time difference is one layer: (2, 3) — a one-layer scan compiles to a
+    different program than a loop, so as in DCP the first layer only warms up — or (1, 2)."""
+    return (2, 3) if num_layers >= 3 else (1, 2)
+
+
 def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[Callable] = None) -> ProfileSamples:
-    """Per-layer forward/backward/recompute samples by the dual-layer difference (2 layers − 1)."""
+    """Per-layer forward/backward/recompute samples by the dual-layer difference (3 layers − 2)."""
+    lo, hi = dual_layers(harness.cfg.num_layers)
     pairs = [(tb, cb) for tb in grid.token_buckets for cb in grid.context_buckets]
     chunks, fwd, bwd, rec, raw = [], [], [], [], {}
     for done, (tb, cb) in enumerate(pairs):
@@ -346,17 +367,17 @@ def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[
         for chunk in grid.chunks(tb, cb):
             batch = harness.layer_inputs(chunk)
             t = {}
-            for nl in (1, 2):
+            for nl in (lo, hi):
                 t[("fwd", nl)] = time_call(harness.layers_program(nl, "fwd", False), harness.params, batch, repeats=grid.repeats)
                 t[("fb", nl)] = time_call(harness.layers_program(nl, "fwdbwd", False), harness.params, batch, repeats=grid.repeats)
                 if remat:
                     t[("fbr", nl)] = time_call(harness.layers_program(nl, "fwdbwd", True), harness.params, batch, repeats=grid.repeats)
-            f = t[("fwd", 2)] - t[("fwd", 1)]
-            fb = t[("fb", 2)] - t[("fb", 1)]
+            f = t[("fwd", hi)] - t[("fwd", lo)]
+            fb = t[("fb", hi)] - t[("fb", lo)]
             chunks.append(chunk)
             fwd.append(f)
             bwd.append(fb - f)
-            rec.append((t[("fbr", 2)] - t[("fbr", 1)]) - fb if remat else np.nan)
+            rec.append((t[("fbr", hi)] - t[("fbr", lo)]) - fb if remat else np.nan)
             raw[str(chunk)] = {f"{k[0]}{k[1]}": v for k, v in t.items()}
         if progress:
             progress(done + 1, len(pairs), (tb, cb))
@@ -380,12 +401,13 @@ def profile_head(harness: ChunkHarness, tokens: Iterable[int], repeats: int = 5)
 
 def profile_memory(harness: ChunkHarness, tokens: Sequence[int]) -> Optional[float]:
     """Activation bytes per token per layer (``m_token``) from XLA's temp buffer size of the
-    2-layer minus 1-layer forward+backward program; None when the backend reports nothing."""
+    dual-layer forward+backward programs; None when the backend reports nothing."""
+    lo, hi = dual_layers(harness.cfg.num_layers)
     per = []
     for t in tokens:
         batch = harness.layer_inputs(ChunkShape(0, (t,)))
         temps = []
-        for nl in (1, 2):
+        for nl in (lo, hi):
             try:
                 compiled = harness.layers_program(nl, "fwdbwd", False).lower(harness.params, batch).compile()
                 stats = compiled.memory_analysis()
@@ -470,7 +492,7 @@ def build_profile(
             backend=jax.default_backend(),
             device_kind=dev.device_kind,
             analytic=False,
-            source=f"jvarlen.profile dual-layer grid: {len(samples.chunks)} chunks, remat {grid.remat}, "
+            source=f"jvarlen.profile dual-layer grid: {len(samples.chunks)} chunks, remat on {len(grid.remat_pairs)} bucket pairs, "
             f"min of {grid.repeats}; chunk overhead {chunk_overhead:.3e} s; jax {jax.__version__}",
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
@@ -503,7 +525,7 @@ def _default_base(harness: ChunkHarness) -> CostCoefficients:
             budget = float(stats["bytes_limit"]) * 0.9
     except Exception:  # noqa: BLE001 - CPU has no memory_stats
         pass
-    e = jnp.dtype(harness.cfg.compute_dtype).itemsize
+    e = jnp.dtype(harness.dtype).itemsize
     return CostCoefficients(
         fwd=LayerTime(),
         m_token=activation_bytes_per_token(harness.shape, e),
