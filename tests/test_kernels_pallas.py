@@ -17,9 +17,9 @@ def test_pallas_matches_reference_f32(causal, h, hkv, d, layout):
   check("pallas", layout, h, hkv, d, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_pallas_matches_reference_bf16(d):
-  check("pallas", CONTEXT, 4, 2, d, True, dtype=jnp.bfloat16)
+def test_pallas_matches_reference_bf16():
+  # (The XLA bf16 test uses D=64; f32 grids cover both head dims for both paths.)
+  check("pallas", CONTEXT, 4, 2, 128, True, dtype=jnp.bfloat16)
 
 
 def test_three_implementations_agree_with_batch_axis():
@@ -68,7 +68,8 @@ def test_every_output_element_is_written():
   assert np.all(np.asarray(grads[1])[0, 64:96] == 0)  # padding keys get zero grads
 
 
-@pytest.mark.parametrize("layout,causal", [(CONTEXT, True), (CONTEXT, False), (SELF, True)])
+# Causal context layouts are covered by hypothesis in test_kernels_properties.py.
+@pytest.mark.parametrize("layout,causal", [(CONTEXT, False), (SELF, True)])
 def test_block_skipping_counts_visited_tiles(layout, causal):
   bs = BlockSizes(16, 16)
   args, _ = _padded(layout, 2, 1, 64, bs)
