@@ -113,7 +113,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
     delta = delta - dlse
   varying = _varying_like(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, lse, do)
 
-  def scores(b, q_blk, k_blk, lse_blk, qs, qp, ks, kp, masked):
+  def scores(q_blk, k_blk, lse_blk, qs, qp, ks, kp, masked):
     s = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk, preferred_element_type=_F32) * sm_scale
     p = jnp.exp(s - lse_blk[..., None])
     if masked:
@@ -133,7 +133,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
       def body(step, dq):
         j = blocks[step]
         k_blk, v_blk = _rows(k, b, j * bk, bk), _rows(v, b, j * bk, bk)
-        p = scores(b, q_blk, k_blk, lse_blk, qs, qp, _rows(kv_seg, b, j * bk, bk),
+        p = scores(q_blk, k_blk, lse_blk, qs, qp, _rows(kv_seg, b, j * bk, bk),
                    _rows(kv_pos, b, j * bk, bk), masked)
         dp = jnp.einsum("qhgd,khd->hgqk", do_blk, v_blk, preferred_element_type=_F32)
         ds = (p * (dp - delta_blk[..., None])).astype(k.dtype)
@@ -159,7 +159,7 @@ def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do,
         q_blk = _rows(q, b, i * bq, bq).reshape(bq, hkv, g, d)
         do_blk = _rows(do, b, i * bq, bq).reshape(bq, hkv, g, d)
         lse_blk, delta_blk = _hg(lse, b, i * bq, bq, hkv), _hg(delta, b, i * bq, bq, hkv)
-        p = scores(b, q_blk, k_blk, lse_blk, _rows(q_seg, b, i * bq, bq),
+        p = scores(q_blk, k_blk, lse_blk, _rows(q_seg, b, i * bq, bq),
                    _rows(q_pos, b, i * bq, bq), ks, kp, masked)
         dv = dv + jnp.einsum("hgqk,qhgd->khd", p.astype(do.dtype), do_blk,
                              preferred_element_type=_F32)
