@@ -10,7 +10,7 @@ from jvarlen.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from jvarlen.kernels import reference_attention
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs
-from jvarlen.parallel.layouts import batch_sharding
+from jvarlen.parallel.layouts import batch_sharding, layout_mesh
 from jvarlen.parallel.ulysses import gather_seq, heads_to_seq, kv_repeats, seq_to_heads, ulysses_attention_fn
 from jvarlen.runtime.layout_step import Placement, layout_loss_and_grads, make_layout_step, place_global
 from jvarlen.runtime.state import create_train_state
@@ -134,7 +134,7 @@ def test_gqa_fewer_kv_heads_than_sp_matches_reference(num_kv_heads, layout):
     v = _rank_coded((2, 64, num_kv_heads, d), 2.0)
     dout = _rank_coded((2, 64, h, d), 3.0)
     assert kv_repeats(num_kv_heads, layout.sp) == layout.sp // num_kv_heads
-    mesh = Placement(tuple(jax.devices()), None).mesh(layout)
+    mesh = layout_mesh(layout)
     ulysses = ulysses_attention_fn(mesh, "reference")
     inputs = AttentionInputs(segment_ids=seg, positions=pos)
 
@@ -156,7 +156,7 @@ def test_gqa_fewer_kv_heads_than_sp_matches_reference(num_kv_heads, layout):
 
 
 def test_all_to_all_helpers_move_rank_coded_blocks():
-    mesh = Placement(tuple(jax.devices()), None).mesh(Layout(dp=2, sp=4))
+    mesh = layout_mesh(Layout(dp=2, sp=4))
     x = jnp.arange(2 * 16 * 8 * 1, dtype=jnp.float32).reshape(2, 16, 8, 1)  # value = rank
 
     def body(x_local, ids_local):
@@ -176,7 +176,7 @@ def test_all_to_all_helpers_move_rank_coded_blocks():
 
 
 def test_ulysses_rejects_indivisible_shapes():
-    mesh = Placement(tuple(jax.devices()), None).mesh(Layout(dp=2, sp=4))
+    mesh = layout_mesh(Layout(dp=2, sp=4))
     fn = ulysses_attention_fn(mesh, "reference")
     ids = jnp.ones((2, 30), jnp.int32)
     with pytest.raises(ValueError, match=r"tokens \(30\).*divisible by sp \(4\)"):

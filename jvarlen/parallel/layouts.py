@@ -114,11 +114,3 @@ def batch_spec() -> P:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, batch_spec())
-
-
-def check_batch_shape(layout: Layout, rows: int, seq_len: int) -> None:
-    """Raises ValueError unless a ``[rows, seq_len]`` batch divides over ``layout``."""
-    if rows % layout.dp:
-        raise ValueError(f"{layout}: batch rows ({rows}) must be divisible by dp ({layout.dp})")
-    if seq_len % layout.sp:
-        raise ValueError(f"{layout}: row length ({seq_len}) must be divisible by sp ({layout.sp})")

@@ -60,11 +60,8 @@ def state_shardings(state, optimizer, mesh: Mesh):
     """
     params = param_shardings(state.params, mesh)
     replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(lambda _: replicated, state.opt_state)
-    try:  # moments follow their parameter; counts etc. stay replicated
-        opt_state = _moments_like_params(optimizer, state.opt_state, params, replicated)
-    except (ValueError, TypeError):
-        pass
+    # moments follow their parameter; counts etc. stay replicated
+    opt_state = _moments_like_params(optimizer, state.opt_state, params, replicated)
     return state.replace(
         step=replicated,
         params=params,

@@ -97,7 +97,8 @@ def train(
     total = config.train.steps
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
-    logger = MetricsLogger(run_dir, config.logging, total_steps=total, initial_step=start, show_progress=not quiet)
+    log_cfg = config.logging if main else dataclasses.replace(config.logging, tensorboard=False)
+    logger = MetricsLogger(run_dir, log_cfg, total_steps=total, initial_step=start, show_progress=not quiet)
     note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
     cache = StepCache(
         lambda layout: make_layout_step(graphdef, optimizer, placement, layout, config.model),

@@ -86,7 +86,8 @@ class StepCache:
         self.stats.misses += 1
         self.stats.compile_s += dt
         self.stats.last_compile_s = dt
-        shapes = ", ".join(f"{k}{list(s)}" for k, s, _ in key[1][:1])
+        name = "tokens" if "tokens" in batch else next(iter(batch))
+        shapes = f"{name}{list(np.shape(batch[name]))}"
         self._say(f"[jvarlen] step cache miss: {layout} batch {shapes}: compiled in {dt:.1f} s "
                   f"({self.stats.misses} compiled, {self.stats.hits} hits)")
         return compiled
