@@ -99,11 +99,23 @@ def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES)
     return _param_tree(params, out)
 
 
-def push(grads, canonical_params_sharding, params):
-    """Layout gradients -> canonical: cast to the dtype of ``params``, reshard to FSDP."""
+def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = None,
+         rules: Rules = COMPUTE_RULES):
+    """Layout gradients -> canonical: cast to the dtype of ``params``, reshard to FSDP.
+
+    With ``layout_mesh`` the gradients are first pinned to the layout's compute sharding
+    (where the backward pass produces them). Without that pin GSPMD pulls the FSDP
+    sharding back into the backward pass and, for the embedding's scatter-add, reshards
+    the activations with a full rematerialisation (measured on CPU: the warning goes away
+    and the step needs 6 instead of 8 all-reduces).
+    """
     shardings = jax.tree.leaves(canonical_params_sharding)
-    out = [
-        jax.lax.with_sharding_constraint(g.astype(p.dtype), s)
-        for g, s, p in zip(jax.tree.leaves(grads), shardings, jax.tree.leaves(params))
-    ]
+    compute = [None] * len(shardings)
+    if layout_mesh is not None:
+        compute = jax.tree.leaves(param_shardings(params, layout_mesh, rules))
+    out = []
+    for g, s, c, p in zip(jax.tree.leaves(grads), shardings, compute, jax.tree.leaves(params)):
+        if c is not None:
+            g = jax.lax.with_sharding_constraint(g, c)
+        out.append(jax.lax.with_sharding_constraint(g.astype(p.dtype), s))
     return jax.tree.structure(grads).unflatten(out)

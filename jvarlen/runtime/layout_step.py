@@ -56,7 +56,7 @@ def make_layout_step(graphdef, optimizer, placement: Placement, layout: Layout, 
         optimizer,
         ulysses_attention_fn(mesh, model_cfg.attention),
         pull=lambda params: pull(params, mesh, dtype),
-        push=lambda grads, params: push(grads, placement.state_sharding.params, params),
+        push=lambda grads, params: push(grads, placement.state_sharding.params, params, mesh),
     )
     batch = {key: batch_sharding(mesh) for key in BATCH_KEYS}
     return jax.jit(
@@ -75,7 +75,7 @@ def layout_loss_and_grads(graphdef, params, params_sharding, batch: dict, mesh: 
 
     def run(p, b):
         sums, grads = loss_and_grads(graphdef, pull(p, mesh, dtype), b, attention_fn)
-        return sums, push(grads, params_sharding, p)
+        return sums, push(grads, params_sharding, p, mesh)
 
     b_sharding = {key: batch_sharding(mesh) for key in batch}
     return jax.jit(run, in_shardings=(params_sharding, b_sharding), out_shardings=(None, params_sharding))(
