@@ -9,7 +9,7 @@ non-zero segment id and ``kv_position <= q_position``. The work is done by
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -29,6 +29,23 @@ class AttentionInputs:
     positions: jax.Array
     kv_segment_ids: jax.Array | None = None
     kv_positions: jax.Array | None = None
+    # Tile schedule of the kernel (kernels.block_info_for), computed once per forward
+    # pass and shared by every layer; None lets each call compute its own.
+    block_info: Any = None
+
+    def with_block_info(self, implementation: str) -> "AttentionInputs":
+        """These inputs with the kernel's tile schedule attached (not needed by "reference")."""
+        if implementation == "reference" or self.block_info is not None:
+            return self
+        kv_segment_ids, kv_positions = self.keys()
+        info = kernels.block_info_for(self.segment_ids, kv_segment_ids, self.positions, kv_positions, causal=True)
+        return dataclasses.replace(self, block_info=info)
+
+    def keys(self) -> tuple[jax.Array, jax.Array]:
+        """(kv_segment_ids, kv_positions), defaulting to the queries' own (self-attention)."""
+        kv_segment_ids = self.segment_ids if self.kv_segment_ids is None else self.kv_segment_ids
+        kv_positions = self.positions if self.kv_positions is None else self.kv_positions
+        return kv_segment_ids, kv_positions
 
 
 class AttentionFn(Protocol):
@@ -45,8 +62,7 @@ def attention(
     implementation: str = "auto",
 ) -> jax.Array:
     """Causal packed attention. q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]."""
-    kv_segment_ids = inputs.segment_ids if inputs.kv_segment_ids is None else inputs.kv_segment_ids
-    kv_positions = inputs.positions if inputs.kv_positions is None else inputs.kv_positions
+    kv_segment_ids, kv_positions = inputs.keys()
     return kernels.varlen_attention(
         q,
         k,
@@ -57,6 +73,7 @@ def attention(
         kv_positions=kv_positions,
         causal=True,
         implementation=implementation,
+        block_info=None if implementation == "reference" else inputs.block_info,
     )
 
 

@@ -82,6 +82,7 @@ class Transformer(nnx.Module):
     ) -> jax.Array:
         if attention_fn is None:
             attention_fn = make_attention_fn(self.config.attention)
+            inputs = inputs.with_block_info(self.config.attention)
         x_btd = self.embed_tokens(tokens_bt)
         x_btd = self.apply_layers(x_btd, inputs, attention_fn)
         return self.logits(x_btd)
