@@ -44,6 +44,12 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
                        rng=jax.random.key_data(jax.random.key(0)))
     runner = PipelineRunner(graphdef, cfg, optimizer, state, bucket=32, compiler_options=FAST_COMPILE)
     reference_step = jax.jit(make_train_step(graphdef, optimizer))
+    # the first plan's signature is predicted and compiled ahead of time in the background
+    (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
+    future = runner.precompile([pa, pb], [da, db])
+    future.result()
+    (sig,) = runner.cache.compiled_by
+    assert runner.cache.compiled_by[sig].startswith("pipeline-aot")
     for it, kind in enumerate(("gpipe", "token")):  # token-level 1F1B fits GPipe's buffers
         (pa, da), (pb, db) = _plan(PLAN_A, 10 + it, kind, it), _plan(PLAN_B, 20 + it, kind, 5 + it)
         expected, ref_metrics = reference_step(state, _reference_batch(da + db))
@@ -53,7 +59,7 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
         assert_tree_close(state.params, expected.params)
         assert int(state.step) == it + 1
         assert info.chunks == 12 and info.split_documents == split_documents(pa) + split_documents(pb) == 3
-        assert info.cache_hit == (it == 1) and info.as_dict()["predicted_bubble_ratio"] == 0.25
+        assert info.cache_hit and info.signature == sig and info.as_dict()["predicted_bubble_ratio"] == 0.25
         ckpts = [pa.ckpt_layers, pb.ckpt_layers]
         np.testing.assert_array_equal(metrics["layer_forwards"], [6 * 2 + c.sum(0) for c in ckpts])
-    assert len(runner.cache) == 1
+    assert len(runner.cache) == 1 and runner.cache.misses == 0

@@ -201,6 +201,8 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             logits = model_of(r).logits(y[None])
             return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
 
+        out = {}  # every op's outputs, zeros where the op has none (filled in below)
+
         def chunk(k):
             c = {key: jax.lax.dynamic_index_in_dim(b[key], k, 0, keepdims=False) for key in CHUNK_KEYS}
             c["C"] = b["ctx_len"][k]
@@ -225,78 +227,90 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         def get(buf, i):
             return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
-        def idle(carry, k):
-            return carry, jnp.zeros((Tl, d), cdt), jnp.zeros((Tl, d), cdt)
-
-        def fwd(carry, k):
+        # The switch branches never see a buffer: what an op reads is gathered before it and
+        # what it writes is scattered after it (to the dummy slot when it writes nothing), so
+        # every buffer update is an in-place dynamic-update-slice in the tick loop's carry.
+        def fwd(r, k):
             c = chunk(k)
-            s = c["slots"]
-            carry = dict(carry)
-            x = jnp.where(is_first, embed(rest, c["local_tokens"]), get(carry["stash"], s["stash"]))
-            carry["stash"] = put(carry["stash"], jnp.where(is_first, s["stash"], dummy["stash"]), x)
-            y, k_own, v_own, carry["res"], n = fns.forward(
-                layers, x, get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"]), carry["res"], c["res_slot"], c["inputs"],
-                c["local_positions"],
-            )
-            if Sc:
-                at = (s["ctx"], 0, c["C"], 0, 0)
-                carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], (k_own * c["own"])[None].astype(cdt), at)
-                carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], (v_own * c["own"])[None].astype(cdt), at)
-                start = (b["has_next"][k] > 0) & (c["C"] == 0)
-                zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
-                reset = jnp.where(start, s["ctx"], dummy["ctx"])
-                carry["dck"] = put(carry["dck"], reset, zero)
-                carry["dcv"] = put(carry["dcv"], reset, zero)
+            x = jnp.where(is_first, embed(rest, c["local_tokens"]), r["x"])
+            y, k_own, v_own, residuals, n = fns.forward(layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"])
 
             def last():
-                loss, vjp_fn = jax.vjp(lambda r, yy: head_loss(r, yy, c["local_targets"], c["local_loss_mask"]), rest, y)
+                loss, vjp_fn = jax.vjp(lambda rr, yy: head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), rest, y)
                 d_rest, dy = vjp_fn(scale.astype(loss.dtype))
                 return loss, d_rest, dy
 
             loss, d_rest, dy = maybe(is_last, last)
-            carry["grad_in"] = put(carry["grad_in"], jnp.where(is_last, s["grad"], dummy["grad"]), dy)
-            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], d_rest)
-            carry["loss"] = carry["loss"] + loss
-            carry["count"] = carry["count"] + n
-            return carry, y.astype(cdt), jnp.zeros((Tl, d), cdt)
+            return dict(out, send_act=y, x_in=x, dy_last=dy, res=residuals, k_own=k_own * c["own"],
+                        v_own=v_own * c["own"], d_rest=d_rest, loss=loss, count=n)
 
-        def bwd(carry, k):
+        def bwd(r, k):
             c = chunk(k)
-            s = c["slots"]
-            carry = dict(carry)
-            x, dy = get(carry["stash"], s["stash"]), get(carry["grad_in"], s["grad"])
-            ck, cv = get(carry["ck"], s["ctx"]), get(carry["cv"], s["ctx"])
             if Sc:
                 at, size = (0, c["C"], 0, 0), (ls, T, K, D)
-                dk_own = jax.lax.dynamic_slice(get(carry["dck"], s["ctx"]), at, size) * c["own"]
-                dv_own = jax.lax.dynamic_slice(get(carry["dcv"], s["ctx"]), at, size) * c["own"]
+                dk_own = jax.lax.dynamic_slice(r["dck"], at, size) * c["own"]
+                dv_own = jax.lax.dynamic_slice(r["dcv"], at, size) * c["own"]
             else:
                 dk_own = dv_own = jnp.zeros((ls, T, K, D), cdt)
             dx, dlayers, dck, dcv, n = fns.backward(
-                layers, x, dy, ck, cv, dk_own, dv_own, carry["res"], c["res_slot"], dummy["res"], c["inputs"],
-                c["local_positions"],
+                layers, r["x"], r["dy"], r["ck"], r["cv"], dk_own, dv_own, r["res"],
+                c["res_slot"] == dummy["res"], c["inputs"], c["local_positions"],
             )
-            if Sc:
-                carry["dck"] = put(carry["dck"], s["ctx"], get(carry["dck"], s["ctx"]) + dck)
-                carry["dcv"] = put(carry["dcv"], s["ctx"], get(carry["dcv"], s["ctx"]) + dcv)
 
             def first():
-                _, vjp_fn = jax.vjp(lambda r: embed(r, c["local_tokens"]), rest)
+                _, vjp_fn = jax.vjp(lambda rr: embed(rr, c["local_tokens"]), rest)
                 return vjp_fn(dx)[0]
 
-            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], maybe(is_first, first))
-            carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], dlayers)
-            carry["count"] = carry["count"] + n
-            return carry, jnp.zeros((Tl, d), cdt), dx.astype(cdt)
+            return dict(out, send_grad=dx, d_layers=dlayers, dck=dck, dcv=dcv, d_rest=maybe(is_first, first), count=n)
+
+        def idle(r, k):
+            return out
 
         def tick(carry, t):
             row = b["ops"][t, stage]
             op, k = jnp.clip(row[0], 0, 2), jnp.maximum(row[1], 0)
-            carry, send_act, send_grad = jax.lax.switch(op, [idle, fwd, bwd], carry, k)
+            is_f, is_b = op == 1, op == 2
+            c = chunk(k)
+            s = c["slots"]
+            reads = dict(
+                x=get(carry["stash"], s["stash"]), dy=get(carry["grad_in"], s["grad"]),
+                ck=get(carry["ck"], s["ctx"]), cv=get(carry["cv"], s["ctx"]),
+                dck=get(carry["dck"], s["ctx"]), dcv=get(carry["dcv"], s["ctx"]),
+                res=jax.lax.cond(
+                    is_b,
+                    # recomputed layers (slot n_res) read a clipped slot they never use
+                    lambda bufs: [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in bufs],
+                    lambda bufs: [jnp.zeros((ls,) + buf.shape[1:], buf.dtype) for buf in bufs],
+                    carry["res"],
+                ),
+            )
+            o = jax.lax.switch(op, [idle, fwd, bwd], reads, k)
+            carry = dict(carry)
+            carry["stash"] = put(carry["stash"], jnp.where(is_f & is_first, s["stash"], dummy["stash"]), o["x_in"])
+            carry["grad_in"] = put(carry["grad_in"], jnp.where(is_f & is_last, s["grad"], dummy["grad"]), o["dy_last"])
+            carry["res"] = jax.lax.cond(
+                is_f,
+                lambda bufs, new: [buf.at[c["res_slot"]].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(bufs, new)],
+                lambda bufs, new: list(bufs),
+                carry["res"], o["res"],
+            )
+            if Sc:
+                ctx_f = jnp.where(is_f, s["ctx"], dummy["ctx"])
+                carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
+                carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
+                # a document's first slice clears its dK/dV accumulator; a backward adds to it
+                start = is_f & (b["has_next"][k] > 0) & (c["C"] == 0)
+                ctx_b = jnp.where(is_b, s["ctx"], jnp.where(start, s["ctx"], dummy["ctx"]))
+                keep = is_b.astype(cdt)
+                carry["dck"] = put(carry["dck"], ctx_b, keep * reads["dck"] + o["dck"])
+                carry["dcv"] = put(carry["dcv"], ctx_b, keep * reads["dcv"] + o["dcv"])
+            carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
+            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
+            carry["loss"] = carry["loss"] + o["loss"]
+            carry["count"] = carry["count"] + o["count"]
             if pp > 1:
-                recv_act = jax.lax.ppermute(send_act, PP, [(i, i + 1) for i in range(pp - 1)])
-                recv_grad = jax.lax.ppermute(send_grad, PP, [(i + 1, i) for i in range(pp - 1)])
-                carry = dict(carry)
+                recv_act = jax.lax.ppermute(o["send_act"].astype(cdt), PP, [(i, i + 1) for i in range(pp - 1)])
+                recv_grad = jax.lax.ppermute(o["send_grad"].astype(cdt), PP, [(i + 1, i) for i in range(pp - 1)])
                 carry["stash"] = put(carry["stash"], b["recv_act"][t, stage], recv_act)
                 carry["grad_in"] = put(carry["grad_in"], b["recv_grad"][t, stage], recv_grad)
             return carry, None
@@ -307,11 +321,21 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         ctx0 = jnp.zeros((Sc, K, D), cdt)
         res_shapes = residual_shapes(fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
         zeros_ctx = jnp.zeros((sig.n_ctx + 1, ls, Sc, K, D), cdt)
+        act = jnp.zeros((Tl, d), cdt)
+        kv_own = jnp.zeros((ls, T, K, D), cdt)
+        out.update(
+            send_act=act, send_grad=act, x_in=act, dy_last=act,
+            res=[jnp.zeros((ls,) + r.shape, r.dtype) for r in res_shapes],
+            k_own=kv_own, v_own=kv_own, dck=zeros_ctx[0], dcv=zeros_ctx[0],
+            d_layers=jax.tree.map(jnp.zeros_like, layers), d_rest=jax.tree.map(jnp.zeros_like, rest),
+            loss=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32),
+        )
         carry = dict(
             stash=jnp.zeros((sig.n_stash + 1, Tl, d), cdt),
             grad_in=jnp.zeros((sig.n_grad + 1, Tl, d), cdt),
             ck=zeros_ctx, cv=zeros_ctx, dck=zeros_ctx, dcv=zeros_ctx,
-            res=[jnp.zeros((sig.n_res + 1,) + s.shape, s.dtype) for s in res_shapes],
+            # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
+            res=[jnp.zeros((max(sig.n_res, 1),) + s.shape, s.dtype) for s in res_shapes],
             g_layers=jax.tree.map(jnp.zeros_like, layers),
             g_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),

@@ -85,30 +85,25 @@ class StageFns:
 
         return f
 
-    def forward(self, layers, x, ctx_k, ctx_v, res_bufs, res_slots, inputs, rotary_positions):
-        """Scan over the stage's layers; stores each layer's residuals into ``res_bufs[res_slots[l]]``.
+    def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions):
+        """Scan over the stage's layers, keeping every layer's residuals.
 
-        layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D]; res_slots [Ls].
-        -> (y [T, d], own k/v [Ls, T, K, D], res_bufs, layer forwards run)
+        layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D].
+        -> (y [T, d], own k/v [Ls, T, K, D], residuals (list of [Ls, ...]), layer forwards run)
         """
         f = self.layer(inputs, rotary_positions)
 
-        def body(carry, xs):
-            x, bufs, count = carry
-            lp, ck, cv, slot = xs
+        def body(x, xs):
+            lp, ck, cv = xs
             (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
-            res = split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
-            bufs = [jax.lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), slot, 0) for b, r in zip(bufs, res)]
-            return (y, bufs, count + 1), (k, v)
+            return y, (k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe))
 
-        (y, res_bufs, count), (k, v) = jax.lax.scan(
-            body, (x, list(res_bufs), jnp.zeros((), jnp.int32)), (layers, ctx_k, ctx_v, res_slots)
-        )
-        return y, k, v, res_bufs, count
+        y, (k, v, residuals) = jax.lax.scan(body, x, (layers, ctx_k, ctx_v))
+        return y, k, v, residuals, jnp.int32(jax.tree.leaves(layers)[0].shape[0])
 
-    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, res_bufs, res_slots, dummy, inputs, rotary_positions):
-        """Rebuilds every layer's vjp_fn (recomputing layers whose slot is ``dummy``, which must
-        be a prefix) and runs them in reverse.
+    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, stored, recompute, inputs, rotary_positions):
+        """Rebuilds every layer's vjp_fn — from ``stored`` residuals (list of [Ls, ...]) or, where
+        ``recompute [Ls]`` is set (a prefix), by recomputing the layer — and runs them in reverse.
 
         -> (dx [T, d], d layers [Ls, ...], d ctx_k/v [Ls, Sc, K, D], layers recomputed)
         """
@@ -116,20 +111,19 @@ class StageFns:
         recipe = self.recipe
 
         def gather(x, xs):
-            lp, ck, cv, slot = xs
+            lp, ck, cv, res, again = xs
 
-            def recompute():
+            def recompute_layer():
                 (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
                 return y, split_vjp(vjp_fn, _shared(lp, ck, cv), recipe), jnp.ones((), jnp.int32)
 
-            def stored():
-                res = [jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in res_bufs]
-                return x, res, jnp.zeros((), jnp.int32)
+            def use_stored():
+                return x, list(res), jnp.zeros((), jnp.int32)
 
-            y, res, ran = jax.lax.cond(slot == dummy, recompute, stored)
+            y, res, ran = jax.lax.cond(again, recompute_layer, use_stored)
             return y, (res, ran)
 
-        _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, res_slots))
+        _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, list(stored), recompute))
 
         def back(dy, xs):
             lp, ck, cv, res, dk, dv = xs

@@ -77,6 +77,7 @@ class PipelineStepCache:
         self.compiler_options = compiler_options  # e.g. {"xla_backend_optimization_level": 0} in tests
         self.hits = self.misses = 0
         self.compile_seconds: dict = {}
+        self.compiled_by: dict = {}  # signature -> name of the thread that compiled it
         self._compiled: dict = {}
         self._futures: dict = {}
         self._lock = threading.Lock()
@@ -108,6 +109,7 @@ class PipelineStepCache:
         with self._lock:
             self._compiled[sig] = compiled
             self.compile_seconds[sig] = seconds
+            self.compiled_by[sig] = threading.current_thread().name
         self.say(f"[pipeline] compiled {sig} in {seconds:.2f}s")
         return compiled
 
