@@ -1,0 +1,132 @@
+"""Pipeline executor benchmark on CPU (fake host devices).
+
+1. Overhead of the executor (pp = 1, one chunk) over the plain jitted loss+grad step.
+2. Per-tick time and compile time versus the number of chunks (pp = 2, 1F1B).
+3. Step time versus the number of recomputed layers per stage (table as data, one compile).
+
+    python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10]
+
+Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jvarlen.config import ModelConfig  # noqa: E402
+from jvarlen.layout import Layout  # noqa: E402
+from jvarlen.model import build_model  # noqa: E402
+from jvarlen.parallel import pipeline as pl  # noqa: E402
+from jvarlen.parallel.pipeline_chunks import pack_chunks  # noqa: E402
+from jvarlen.plan import schedule as sch  # noqa: E402
+from jvarlen.runtime.state import split_model  # noqa: E402
+from jvarlen.runtime.step import loss_and_grads  # noqa: E402
+
+
+def timed(fn, *args, repeats: int) -> float:
+    """Best-of-``repeats`` seconds of one call (after a warm-up call)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
+    """Two documents per chunk filling it: (docs, chunks)."""
+    rng = np.random.default_rng(seed)
+    docs, chunks = [], []
+    for k in range(n_chunks):
+        a = int(rng.integers(tokens // 4, 3 * tokens // 4))
+        docs += [rng.integers(1, vocab, size=a), rng.integers(1, vocab, size=tokens - a)]
+        chunks.append([(2 * k, 0, a), (2 * k + 1, 0, tokens - a)])
+    return [d.astype(np.int32) for d in docs], chunks
+
+
+def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts):
+    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(layout)))
+    start = time.perf_counter()
+    compiled = fn.lower(params, batch).compile()
+    return sig, batch, compiled, time.perf_counter() - start
+
+
+def overhead(graphdef, cfg, params, tokens, repeats):
+    docs, chunks = documents(1, tokens, cfg.vocab_size)
+    pack = pack_chunks(chunks, docs, tokens)
+    layout = Layout(1, 1, 1)
+    _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)], [np.zeros((1, 1), np.int32)])
+    plain_batch = {k: pack.arrays[k] for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
+    plain = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))
+    t_plain = timed(plain, params, plain_batch, repeats=repeats)
+    t_pipe = timed(step, params, batch, repeats=repeats)
+    print("\n| step (pp=1, one chunk of %d tokens) | ms | overhead |" % tokens)
+    print("|---|---|---|")
+    print(f"| plain jitted loss+grads | {t_plain * 1e3:.2f} | |")
+    print(f"| pipeline executor | {t_pipe * 1e3:.2f} | {100 * (t_pipe / t_plain - 1):+.1f} % |")
+
+
+def per_tick(graphdef, cfg, params, tokens, repeats, counts=(2, 4, 8, 16)):
+    layout = Layout(1, 2, 1)
+    print("\n| chunks (pp=2, 1F1B, %d tokens each) | ticks | compile s | step ms | ms per tick |" % tokens)
+    print("|---|---|---|---|---|")
+    for n in counts:
+        docs, chunks = documents(n, tokens, cfg.vocab_size, seed=n)
+        pack = pack_chunks(chunks, docs, tokens)
+        sig, batch, step, compile_s = compile_step(
+            graphdef, cfg, params, layout, [pack], [sch.one_f_one_b(n, 2)], [np.zeros((n, 2), np.int32)]
+        )
+        t = timed(step, params, batch, repeats=repeats)
+        print(f"| {n} | {sig.n_ticks} | {compile_s:.1f} | {t * 1e3:.1f} | {t * 1e3 / sig.n_ticks:.2f} |")
+
+
+def recompute(graphdef, cfg, params, tokens, repeats, n=4):
+    layout = Layout(1, 2, 1)
+    ls = cfg.num_layers // 2
+    docs, chunks = documents(n, tokens, cfg.vocab_size, seed=99)
+    pack = pack_chunks(chunks, docs, tokens)
+    sched = sch.one_f_one_b(n, 2)
+    sig, _, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)])
+    print(f"\n| layers recomputed per stage (of {ls}; pp=2, {n} chunks, one executable) | layer forwards per stage | step ms |")
+    print("|---|---|---|")
+    for r in range(ls, -1, -1):
+        _, batch = pl.prepare_batch([pack], [sched], [np.full((n, 2), r, np.int32)], layout, cfg.num_layers, signature=sig)
+        t = timed(step, params, batch, repeats=repeats)
+        forwards = np.asarray(step(params, batch)[2])[0].tolist()
+        print(f"| {r} | {forwards} | {t * 1e3:.1f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attention", default="xla")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--parts", default="overhead,ticks,recompute")
+    args = parser.parse_args()
+    cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                      mlp_dim=3 * args.d_model, compute_dtype="float32", attention=args.attention)
+    graphdef, params = split_model(build_model(cfg))
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
+          f"attention={cfg.attention}, best of {args.repeats}")
+    parts = args.parts.split(",")
+    if "overhead" in parts:
+        overhead(graphdef, cfg, params, args.tokens, args.repeats)
+    if "ticks" in parts:
+        per_tick(graphdef, cfg, params, args.tokens, args.repeats)
+    if "recompute" in parts:
+        recompute(graphdef, cfg, params, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
