@@ -285,3 +285,29 @@ def test_tile_pairs_matches_the_harness_layout(chunk):
     tiles = vis.reshape(tb // b, b, (cb + tb) // b, b).any(axis=(1, 3)).sum()
     assert tile_pairs(chunk, b) == 2 * b * b * tiles
     assert (qs > 0).sum() == chunk.tokens and (ks > 0).sum() == chunk.tokens + chunk.context
+
+
+def test_joint_layer_program_fit_recovers_per_layer_coefficients():
+    """fit_layer_programs separates per-layer cost from per-call overhead on noisy program times."""
+    from jvarlen.runtime.profiler import _parse_chunk, fit_layer_programs
+
+    rng = np.random.default_rng(3)
+    true, c1, c0 = LayerTime(2e-8, 3e-6, 1e-4), 5e-7, 2e-3
+    rows = []
+    for _ in range(80):
+        p, t = float(rng.integers(1, 40) * 32768), float(rng.choice([512, 1024, 2048]))
+        for n in (2, 3):
+            rows.append((n, p, t, (n * true(p, t) + c1 * t + c0) * (1 + 0.02 * rng.standard_normal())))
+    got, (g1, g0) = fit_layer_programs(rows)
+    assert got.alpha1 == pytest.approx(true.alpha1, rel=0.1)
+    assert got.alpha2 == pytest.approx(true.alpha2, rel=0.2)
+    assert g0 + got.beta1 * 2 == pytest.approx(c0 + true.beta1 * 2, rel=0.3)
+    assert _parse_chunk(str(ChunkShape(12, (3, 4), tail=False))) == ChunkShape(12, (3, 4), tail=False)
+
+
+def test_shipped_measured_profile_is_labelled():
+    path = pathlib.Path(__file__).parent.parent / "jvarlen" / "profiles" / "measured"
+    f = path / profile_filename(ModelShape.from_config(ModelConfig()), "cpu", "cpu")
+    c = CostCoefficients.load(f)
+    assert c.meta.analytic is False and c.meta.backend == "cpu"
+    assert c.token_buckets and c.attention_block == 128 and c.fwd.alpha1 > 0 and c.bwd.alpha1 > 0

@@ -384,21 +384,6 @@ def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[
     return ProfileSamples(chunks, np.array(fwd), np.array(bwd), np.array(rec), raw)
 
 
-def profile_head(harness: ChunkHarness, tokens: Iterable[int], repeats: int = 5) -> tuple[LayerTime, LayerTime]:
-    """Head (final norm + logits + loss) forward and backward coefficients (alpha1 = 0)."""
-    tokens = list(tokens)
-    tf, tb = [], []
-    for t in tokens:
-        batch = harness.chunk_inputs(ChunkShape(0, (t,)))
-        x = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, harness.shape.d_model)), harness.dtype)
-        f = time_call(harness.head_program("fwd"), harness.params, x, batch, repeats=repeats)
-        fb = time_call(harness.head_program("fwdbwd"), harness.params, x, batch, repeats=repeats)
-        tf.append(f)
-        tb.append(max(fb - f, 1e-9))
-    zero = np.zeros(len(tokens))
-    return fit_layer_time(zero, tokens, tf), fit_layer_time(zero, tokens, tb)
-
-
 def profile_memory(harness: ChunkHarness, tokens: Sequence[int]) -> Optional[float]:
     """Activation bytes per token per layer (``m_token``) from XLA's temp buffer size of the
     dual-layer forward+backward programs; None when the backend reports nothing."""
@@ -421,27 +406,41 @@ def profile_memory(harness: ChunkHarness, tokens: Sequence[int]) -> Optional[flo
     return slope if slope > 0 else None
 
 
-def build_profile(
-    harness: ChunkHarness,
-    grid: ProfileGrid = ProfileGrid(),
-    base: Optional[CostCoefficients] = None,
-    progress: Optional[Callable] = None,
-) -> tuple[CostCoefficients, dict]:
-    """Measures and fits a complete profile. ``base`` supplies what is not measured here
-    (links, memory budget, bytes per parameter); default: analytic values for this model."""
+def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]]) -> tuple[LayerTime, tuple[float, float]]:
+    """Joint NNLS fit of whole layer-program times ``t = n·(α1·P + α2·T + β1) + c1·T + c0``.
+
+    ``rows``: ``(n_layers, pairs, tokens, seconds)``. Fitting the raw times of both layer counts
+    at once (relative error weights) instead of fitting their per-chunk differences averages
+    the timing noise over all samples rather than amplifying it. Returns the per-layer
+    :class:`LayerTime` and the per-call ``(c1, c0)``.
+    """
+    from scipy.optimize import nnls
+
+    n, p, t, y = (np.asarray(c, float) for c in zip(*rows))
+    x = np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1)
+    w = 1.0 / y
+    scale = np.abs(x * w[:, None]).max(axis=0)
+    scale[scale == 0] = 1.0
+    theta, _ = nnls(x * w[:, None] / scale, np.ones_like(y))
+    theta = theta / scale
+    return LayerTime(float(theta[0]), float(theta[1]), float(theta[2])), (float(theta[3]), float(theta[4]))
+
+
+def _difference(a: LayerTime, b: LayerTime) -> LayerTime:
+    """``a − b`` term by term, clipped at 0."""
+    return LayerTime(max(0.0, a.alpha1 - b.alpha1), max(0.0, a.alpha2 - b.alpha2), max(0.0, a.beta1 - b.beta1))
+
+
+def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None) -> dict:
+    """All measurements of a profile as a JSON-able report (no fitting)."""
     samples = profile_layers(harness, grid, progress)
-    c0 = base or _default_base(harness)
-    c0 = c0.replace(token_buckets=harness.token_buckets, attention_block=_attention_block())
-    shape_cost = CostModel(harness.shape, Layout(1, 1, 1), c0)
-    pairs = [shape_cost.pairs(c) for c in samples.chunks]
-    toks = [shape_cost.linear_tokens(c) for c in samples.chunks]
-    fwd = fit_layer_time(pairs, toks, np.maximum(samples.fwd, 1e-9))
-    bwd = fit_layer_time(pairs, toks, np.maximum(samples.bwd, 1e-9))
-    recompute = None
-    if not np.all(np.isnan(samples.recompute)):
-        ok = ~np.isnan(samples.recompute)
-        recompute = fit_layer_time(np.asarray(pairs)[ok], np.asarray(toks)[ok], np.maximum(samples.recompute[ok], 1e-9))
-    head_fwd, head_bwd = profile_head(harness, grid.token_buckets, grid.repeats)
+    head = []
+    for t in grid.token_buckets:
+        batch = harness.chunk_inputs(ChunkShape(0, (t,)))
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, harness.shape.d_model)), harness.dtype)
+        f = time_call(harness.head_program("fwd"), harness.params, x, batch, repeats=grid.repeats)
+        fb = time_call(harness.head_program("fwdbwd"), harness.params, x, batch, repeats=grid.repeats)
+        head.append([t, f, fb])
     m_token = profile_memory(harness, grid.token_buckets)
 
     init, update = harness.optimizer_program()
@@ -454,22 +453,8 @@ def build_profile(
         params, opt_state = update(params, opt_state, grads)
         return params
 
-    step_overhead = time_call(opt_once, repeats=grid.repeats)
-
-    coeffs = c0.replace(
-        fwd=fwd,
-        bwd=bwd,
-        recompute=recompute,
-        head_fwd=head_fwd,
-        head_bwd=head_bwd,
-        m_token=m_token if m_token is not None else c0.m_token,
-        step_overhead=step_overhead,
-        per_sp={},
-    )
-    # Per-chunk overhead of a whole-model chunk step (embedding, accumulation, dispatch) that the
-    # layer and head programs do not contain: mean residual on the calibration chunks.
-    cost = CostModel(harness.shape, Layout(1, 1, 1), coeffs)  # pp = 1: the stage has the head
-    resid = []
+    optimizer_s = time_call(opt_once, repeats=grid.repeats)
+    calibration = []
     for chunk in grid.calibration:
         batch = harness.chunk_inputs(chunk)
         prog = harness.chunk_step_program(0)
@@ -480,30 +465,104 @@ def build_profile(
             acc, v = prog(harness.params, acc, batch)
             return v
 
-        measured = time_call(once, repeats=grid.repeats)
-        predicted = cost.fwd_time(chunk, 0) + cost.bwd_time(chunk, 0)
-        resid.append(measured - predicted)
-    chunk_overhead = float(np.median(resid))
-    coeffs = coeffs.replace(head_bwd=dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + chunk_overhead)))
-    dev = jax.devices()[0]
-    coeffs = coeffs.replace(
-        meta=ProfileMeta(
-            model_key=harness.shape.key(),
-            backend=jax.default_backend(),
-            device_kind=dev.device_kind,
-            analytic=False,
-            source=f"jvarlen.profile dual-layer grid: {len(samples.chunks)} chunks, remat on {len(grid.remat_pairs)} bucket pairs, "
-            f"min of {grid.repeats}; chunk overhead {chunk_overhead:.3e} s; jax {jax.__version__}",
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        )
-    )
-    report = {
-        "samples": {str(c): [f, b, r] for c, f, b, r in zip(samples.chunks, samples.fwd, samples.bwd, samples.recompute)},
+        calibration.append([[chunk.context, list(chunk.slices), chunk.tail], time_call(once, repeats=grid.repeats)])
+    return {
         "raw": samples.raw,
-        "chunk_overhead_s": chunk_overhead,
-        "calibration_residuals_s": resid,
+        "dual_layers": list(dual_layers(harness.cfg.num_layers)),
+        "head": head,
+        "m_token": m_token,
+        "optimizer_s": optimizer_s,
+        "calibration": calibration,
+        "repeats": grid.repeats,
+        "token_buckets": list(harness.token_buckets),
+        "context_buckets": list(harness.context_buckets),
     }
-    return coeffs, report
+
+
+def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> CostCoefficients:
+    """Coefficients from a :func:`measure_profile` report (pure numpy; re-runnable on saved reports).
+
+    Forward, forward+backward and forward+backward-with-remat layer programs are fitted with
+    :func:`fit_layer_programs`; backward = (fwd+bwd) − fwd, recompute = (remat) − (fwd+bwd), term
+    by term. The head is fitted on its own; the median residual of whole-model chunk steps on the
+    calibration chunks becomes a per-chunk constant (embedding, accumulation, dispatch), charged
+    to the head's backward; the optimizer update is ``step_overhead``.
+    """
+    c0 = base.replace(token_buckets=tuple(report["token_buckets"]), attention_block=_attention_block())
+    shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
+    rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
+    for key, times in report["raw"].items():
+        chunk = _parse_chunk(key)
+        p, t = shape_cost.pairs(chunk), shape_cost.linear_tokens(chunk)
+        for name, sec in times.items():
+            rows[name[:-1]].append((int(name[-1]), p, t, sec))
+    fwd, _ = fit_layer_programs(rows["fwd"])
+    fb, _ = fit_layer_programs(rows["fb"])
+    bwd = _difference(fb, fwd)
+    recompute = None
+    if rows["fbr"]:
+        fbr, _ = fit_layer_programs(rows["fbr"])
+        recompute = _difference(fbr, fb)
+    tokens = [h[0] for h in report["head"]]
+    zero = np.zeros(len(tokens))
+    head_fwd = fit_layer_time(zero, tokens, [h[1] for h in report["head"]])
+    head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) for h in report["head"]])
+    coeffs = c0.replace(
+        fwd=fwd,
+        bwd=bwd,
+        recompute=recompute,
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
+        m_token=report["m_token"] if report.get("m_token") else c0.m_token,
+        step_overhead=report["optimizer_s"],
+        per_sp={},
+    )
+    cost = CostModel(shape, Layout(1, 1, 1), coeffs)  # pp = 1: the stage has the head
+    resid = []
+    for (ctx, slices, tail), measured in report["calibration"]:
+        chunk = ChunkShape(ctx, tuple(slices), tail)
+        resid.append(measured - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
+    overhead = float(np.median(resid))
+    report["chunk_overhead_s"] = overhead
+    return coeffs.replace(head_bwd=dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead)))
+
+
+def _parse_chunk(key: str) -> ChunkShape:
+    """Inverse of ``str(ChunkShape)`` as stored in reports."""
+    import re
+
+    m = re.fullmatch(r"ChunkShape\(context=(\d+), slices=\(([\d, ]*)\), tail=(True|False)\)", key)
+    if m is None:
+        raise ValueError(f"not a ChunkShape: {key!r}")
+    slices = tuple(int(x) for x in m.group(2).replace(" ", "").split(",") if x)
+    return ChunkShape(int(m.group(1)), slices, m.group(3) == "True")
+
+
+def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
+    dev = jax.devices()[0]
+    return ProfileMeta(
+        model_key=shape.key(),
+        backend=jax.default_backend(),
+        device_kind=dev.device_kind,
+        analytic=False,
+        source=f"jvarlen.profile dual-layer {report['dual_layers']} grid: {len(report['raw'])} chunks, "
+        f"min of {report['repeats']}, joint NNLS; chunk overhead {report.get('chunk_overhead_s', 0):.3e} s; "
+        f"jax {jax.__version__}",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def build_profile(
+    harness: ChunkHarness,
+    grid: ProfileGrid = ProfileGrid(),
+    base: Optional[CostCoefficients] = None,
+    progress: Optional[Callable] = None,
+) -> tuple[CostCoefficients, dict]:
+    """Measures (:func:`measure_profile`) and fits (:func:`fit_profile`) a complete profile. ``base``
+    supplies what is not measured here (links, memory budget, bytes per parameter)."""
+    report = measure_profile(harness, grid, progress)
+    coeffs = fit_profile(report, harness.shape, base or _default_base(harness))
+    return coeffs.replace(meta=profile_meta(harness.shape, report)), report
 
 
 def _attention_block() -> int:
@@ -573,6 +632,21 @@ def run_profiler(cfg) -> str:
 
         coeffs, report = build_profile(harness, grid, progress=progress)
     coeffs.save(path)
-    with open(path.replace(".json", ".samples.json"), "w") as f:
+    with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return path
+
+
+def refit_profile(report_path: str, model_cfg: ModelConfig, out_path: str, base: Optional[CostCoefficients] = None) -> CostCoefficients:
+    """Re-fits a profile from a saved report (``*.report.json``) without measuring again."""
+    import json
+
+    with open(report_path) as f:
+        report = json.load(f)
+    shape = ModelShape.from_config(model_cfg)
+    if base is None:
+        base = _default_base(ChunkHarness(model_cfg, token_buckets=report["token_buckets"], context_buckets=report["context_buckets"]))
+    coeffs = fit_profile(report, shape, base)
+    coeffs = coeffs.replace(meta=profile_meta(shape, report))
+    coeffs.save(out_path)
+    return coeffs
