@@ -23,6 +23,7 @@ class ProfileConfig:
     repeats: int = 5  # timings per measurement; the minimum is kept
     force: bool = False  # re-profile even if a profile for this key exists
     compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
+    refit_from: Optional[str] = None  # a saved *.report.json: fit again without measuring
     cpu_single_thread: bool = True  # XLA CPU on one thread, timed by process CPU time (see profiler)
 
     def __post_init__(self):

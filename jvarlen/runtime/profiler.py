@@ -619,6 +619,9 @@ def run_profiler(cfg) -> str:
     shape = ModelShape.from_config(model_cfg)
     dev = jax.devices()[0]
     path = os.path.join(cfg.out_dir, profile_filename(shape, jax.default_backend(), dev.device_kind))
+    if cfg.refit_from:
+        refit_profile(cfg.refit_from, model_cfg, path)
+        return path
     if os.path.exists(path) and not cfg.force:
         return path
     grid = ProfileGrid(repeats=cfg.repeats)
