@@ -311,3 +311,11 @@ def test_shipped_measured_profile_is_labelled():
     c = CostCoefficients.load(f)
     assert c.meta.analytic is False and c.meta.backend == "cpu"
     assert c.token_buckets and c.attention_block == 128 and c.fwd.alpha1 > 0 and c.bwd.alpha1 > 0
+
+
+def test_step_overhead_syncs_the_largest_stage():
+    c = coeffs(step_overhead=0.5, sync_bytes_per_param=6.0, sync_link=Link(1e6, 0.01))
+    cm = CostModel(MHA, Layout(1, 2, 1), c)
+    big = max(MHA.stage_params(p, 2) for p in range(2))
+    assert cm.step_overhead() == pytest.approx(0.5 + 6 * big / 1e6 + 0.01)
+    assert CostModel(MHA, Layout(1, 1, 1), c).step_overhead() > cm.step_overhead()  # pp=1 holds everything

@@ -198,7 +198,9 @@ class CostCoefficients:
       stage's own parameters, on every device of the stage. ``workspace_bytes``: constant.
     * ``alltoall_intra`` / ``alltoall_inter``: Eq. 3 bandwidth/latency keyed by sp degree
       (``alltoall_default`` when the degree is missing); ``p2p_intra`` / ``p2p_inter`` for Eq. 2.
-    * ``step_overhead``: seconds per iteration outside the pipeline (gradient reduction, optimizer).
+    * ``step_overhead``: seconds per iteration outside the pipeline (optimizer update, measured
+      sync); plus ``sync_bytes_per_param`` x the largest stage's parameters over ``sync_link``
+      (gradient push to / parameter pull from the canonical sharded state, per layout).
     * ``token_buckets``: when the executor pads a chunk to the smallest bucket >= its tokens, the
       linear (matmul) term is charged on the padded count (empty: no padding).
     * ``attention_block``: when > 0, the quadratic term counts visited ``block x block`` tiles of a
@@ -227,6 +229,8 @@ class CostCoefficients:
     p2p_intra: Link = Link(float("inf"), 0.0)
     p2p_inter: Link = Link(float("inf"), 0.0)
     step_overhead: float = 0.0
+    sync_bytes_per_param: float = 0.0
+    sync_link: Link = Link(float("inf"), 0.0)
     token_buckets: tuple[int, ...] = ()
     attention_block: int = 0
     meta: ProfileMeta = ProfileMeta()
@@ -267,13 +271,14 @@ class CostCoefficients:
             "alltoall_default": link(self.alltoall_default),
             "p2p_intra": link(self.p2p_intra),
             "p2p_inter": link(self.p2p_inter),
+            "sync_link": link(self.sync_link),
             "token_buckets": list(self.token_buckets),
             "meta": dataclasses.asdict(self.meta),
         }
         for name in (
             "m_token", "m_head_token", "bytes_per_element", "dkv_bytes_per_element", "master_bytes_per_param",
             "stage_bytes_per_param", "workspace_bytes", "memory_budget", "gpus_per_node", "step_overhead",
-            "attention_block",
+            "attention_block", "sync_bytes_per_param",
         ):
             out[name] = getattr(self, name)
         return out
@@ -295,7 +300,7 @@ class CostCoefficients:
         kwargs["per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("per_sp", {}).items()}
         kwargs["alltoall_intra"] = {int(k): link(v) for k, v in data.get("alltoall_intra", {}).items()}
         kwargs["alltoall_inter"] = {int(k): link(v) for k, v in data.get("alltoall_inter", {}).items()}
-        for name in ("alltoall_default", "p2p_intra", "p2p_inter"):
+        for name in ("alltoall_default", "p2p_intra", "p2p_inter", "sync_link"):
             if name in data:
                 kwargs[name] = link(data[name])
         kwargs["token_buckets"] = tuple(int(b) for b in data.get("token_buckets", ()))
@@ -472,7 +477,13 @@ class CostModel:
         return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / sp)
 
     def step_overhead(self) -> float:
-        return self.coeffs.step_overhead
+        """Seconds per iteration outside the pipeline: ``step_overhead`` + gradient/parameter sync of
+        the largest stage (``sync_bytes_per_param`` over ``sync_link``)."""
+        c = self.coeffs
+        if c.sync_bytes_per_param <= 0:
+            return c.step_overhead
+        params = max(self.model.stage_params(p, self.layout.pp) for p in range(self.layout.pp))
+        return c.step_overhead + c.sync_link.time(c.sync_bytes_per_param * params)
 
     # ---- memory (bytes per device)
     def activation_memory(self, chunk: ChunkShape, ckpt_layers: int = 0, stage: Optional[int] = None) -> float:

@@ -101,6 +101,7 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
         alltoall_default=ln(c.alltoall_default),
         p2p_intra=ln(c.p2p_intra),
         p2p_inter=ln(c.p2p_inter),
+        sync_link=ln(c.sync_link),
         step_overhead=c.step_overhead * s.get("overhead", 1.0),
     )
 

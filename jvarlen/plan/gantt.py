@@ -66,9 +66,11 @@ def draw_gantt(
     names = list(doc_names) if doc_names is not None else [f"doc {d}" for d in doc_ids]
     legend += [Patch(color=colour[d], label=names[i] if i < len(names) else f"doc {d}") for i, d in enumerate(doc_ids[:12])]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    overhead = result.iteration_time - result.makespan
     ax.set_title(
         title
-        or f"iteration {result.iteration_time * scale:.3g} {unit}, bubble {100 * result.bubble_ratio:.1f}%"
+        or f"iteration {result.iteration_time * scale:.3g} {unit} (pipeline {result.makespan * scale:.3g} + "
+        f"step {overhead * scale:.3g}), bubble {100 * result.bubble_ratio:.1f}%"
     )
 
     for p, (times, values) in enumerate(result.memory):

@@ -103,10 +103,10 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
     intra = Link(nvlink, c.intra_latency_s)
     inter = Link(net, c.inter_latency_s)
     n = num_nodes * c.gpus_per_node
-    # Gradient reduce-scatter + parameter all-gather (fp32 grads, bf16 params) over the slowest link,
-    # then the Adam update streaming 16 + 4 bytes per local parameter through HBM.
+    # Gradient push (fp32) + parameter pull (bf16) of a stage's parameters over the slowest link
+    # (CostModel.step_overhead scales it by the layout's largest stage), then the Adam update
+    # streaming 16 + 4 bytes per local parameter through HBM.
     link = inter if num_nodes > 1 else intra
-    sync = model.param_count * (4 + 2) * (n - 1) / n / link.bandwidth
     update = model.param_count / n * 20 / c.hbm_bandwidth
     degrees = [d for d in (2, 4, 8, 16, 32, 64) if d <= n]
     return CostCoefficients(
@@ -129,7 +129,9 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
         alltoall_default=inter,
         p2p_intra=intra,
         p2p_inter=inter,
-        step_overhead=sync + update,
+        step_overhead=update,
+        sync_bytes_per_param=4.0 + 2.0,
+        sync_link=link,
         meta=ProfileMeta(
             model_key=model.key(),
             backend="analytic",
