@@ -113,6 +113,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_distributed_config_is_all_or_nothing():
+    from jvarlen.config import ConfigError, ParallelConfig, parse_config
+    from jvarlen.runtime.distributed import initialize
+
+    assert initialize(ParallelConfig()) is False  # not configured: nothing happens
+    with pytest.raises(ConfigError, match="must be set together"):
+        initialize(ParallelConfig(distributed=True, coordinator_address="127.0.0.1:1234"))
+    with pytest.raises(ConfigError, match=r"process_id \(2\) must be in \[0, parallel.num_processes=2\)"):
+        parse_config(["--parallel.num_processes=2", "--parallel.process_id=2"])
+
+
 @pytest.mark.slow  # two fresh JAX processes compile the step: ~50-90 s on 2 shared cores
 def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
     import jax
