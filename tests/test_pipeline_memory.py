@@ -13,7 +13,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline_chunks import pack_chunks
 from jvarlen.plan import schedule as sch
-from pipeline_helpers import FAST_COMPILE, tiny_config, tiny_params
+from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference, tiny_config, tiny_params
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
 BUCKET = 32
@@ -36,7 +36,7 @@ def _compiled(model, n: int, kind: str, recompute: int):
     return _SEEN[(n, kind, recompute)]
 
 
-def _compile(model, n: int, kind: str, recompute: int):
+def _compile(model, n: int, kind: str, recompute: int, policy=None, run=False):
     cfg, graphdef, params = model
     rng = np.random.default_rng(n)
     docs = [rng.integers(1, cfg.vocab_size, size=20).astype(np.int32) for _ in range(n)]
@@ -44,8 +44,10 @@ def _compile(model, n: int, kind: str, recompute: int):
     sched = sch.gpipe(n, LAYOUT.pp) if kind == "gpipe" else sch.one_f_one_b(n, LAYOUT.pp)
     ckpt = np.full((n, LAYOUT.pp), recompute, np.int32)
     sig, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, cfg.num_layers)
-    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(LAYOUT)))
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(LAYOUT), residual_policy=policy))
     compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+    if run:
+        return sig, compiled.memory_analysis().temp_size_in_bytes, compiled(params, batch), docs
     return sig, compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -75,3 +77,15 @@ def test_fewer_residual_slots_compile_to_less_temp_memory(model):
     assert sig_keep.n_res == 8 and sig_rec.n_res == 0
     # each residual slot holds at least a layer input and its attention output
     assert keep - rec >= 8 * 2 * BUCKET * cfg.d_model * 4, (keep, rec)
+
+
+def test_selective_residual_policy_is_exact_and_stores_less(model):
+    """A stored layer that keeps only its matmul outputs (the rest recomputed in the backward)."""
+    cfg, graphdef, params = model
+    _, full = _compiled(model, 8, "gpipe", 0)
+    _, dots, (sums, grads, forwards), docs = _compile(model, 8, "gpipe", 0, "dots_with_no_batch_dims_saveable", run=True)
+    assert dots < full, (dots, full)
+    ref_sums, ref_grads = reference(graphdef, params, docs)
+    np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
+    assert_tree_close(grads, ref_grads)
+    np.testing.assert_array_equal(np.asarray(forwards), [[8, 8]])  # no whole layer recomputed

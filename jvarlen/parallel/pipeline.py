@@ -164,11 +164,13 @@ def split_params(params):
     return params["layers"], rest
 
 
-def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None):
+def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None,
+                        residual_policy: Optional[str] = None):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
     ``grads`` are of the mean loss over every real target of all pipelines (like
     ``jvarlen.runtime.step.loss_and_grads``), accumulated over chunks and pipelines.
+    ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
     """
     layout = sig.layout
     pp, ls, T, sp = layout.pp, sig.layers_per_stage, sig.bucket, layout.sp
@@ -182,7 +184,8 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
     cdt = resolve_compute_dtype(cfg.compute_dtype)
     attention_fn = attention_fn or make_attention_fn(cfg.attention)
     layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
-    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0, sp=sp, kv_repeats=repeats)
+    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0, sp=sp, kv_repeats=repeats,
+                   residual_policy=residual_policy)
     dummy = dict(stash=sig.n_stash, grad=sig.n_grad, ctx=sig.n_ctx, res=sig.n_res)
 
     def device_fn(layers, rest, b, scale):

@@ -105,10 +105,10 @@ class PipelineRunner:
 
     def __init__(self, graphdef, cfg: ModelConfig, optimizer, state, *, bucket: Optional[int] = None,
                  chunk_multiple: int = 2, attention_fn=None, compiler_options=None,
-                 say: Callable[[str], None] = lambda _: None):
+                 residual_policy: Optional[str] = None, say: Callable[[str], None] = lambda _: None):
         self.cfg, self.bucket, self.chunk_multiple, self.say = cfg, bucket, chunk_multiple, say
         self.cache = PipelineStepCache(graphdef, cfg, state, optimizer=optimizer, attention_fn=attention_fn,
-                                       compiler_options=compiler_options, say=say)
+                                       compiler_options=compiler_options, residual_policy=residual_policy, say=say)
 
     def _bucket(self, plans: Sequence[Plan], sp: int) -> int:
         if self.bucket is not None:

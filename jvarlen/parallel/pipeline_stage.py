@@ -61,6 +61,10 @@ class StageFns:
     with_context: bool
     sp: int = 1  # Ulysses degree inside the stage (mesh axis ``sp``)
     kv_repeats: int = 1  # kv heads repeated so that sp divides them
+    # None: a stored layer keeps every residual of its vjp; a jax.checkpoint_policies name
+    # (e.g. "dots_with_no_batch_dims_saveable") keeps only what the policy saves and
+    # recomputes the rest inside the backward (selective recomputation).
+    residual_policy: Optional[str] = None
     recipe: ResidualRecipe = dataclasses.field(default_factory=ResidualRecipe)
 
     def layer(self, inputs: AttentionInputs, rotary_positions):
@@ -83,6 +87,8 @@ class StageFns:
             y, k, v = layer_with_context(layer, x[None], inputs, self.attention_fn, self.compute_dtype, *ctx, **hooks)
             return y[0], k[0], v[0]
 
+        if self.residual_policy:
+            return jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, self.residual_policy))
         return f
 
     def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions):

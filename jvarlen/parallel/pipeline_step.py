@@ -39,11 +39,12 @@ def batch_shapes(sig: PipelineSignature) -> dict:
     return {key: jax.ShapeDtypeStruct(shape, i32) for key, shape in shapes.items()}
 
 
-def make_pipeline_train_step(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, optimizer, attention_fn=None):
+def make_pipeline_train_step(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, optimizer, attention_fn=None,
+                             residual_policy=None):
     """``train_step(state, batch) -> (state, metrics)``: grads of one plan accumulated over its
     chunks and pipelines, applied once. Metrics: loss_sum, target_tokens, real_tokens,
     grad_norm and ``layer_forwards [dp, pp]`` (forwards + recomputations per stage)."""
-    grads_fn = make_pipeline_grads(graphdef, cfg, sig, mesh, attention_fn)
+    grads_fn = make_pipeline_grads(graphdef, cfg, sig, mesh, attention_fn, residual_policy)
 
     def train_step(state, batch):
         sums, grads, count = grads_fn(state.params, batch)
@@ -69,11 +70,12 @@ class PipelineStepCache:
 
     def __init__(self, graphdef, cfg: ModelConfig, example, *, optimizer=None, attention_fn=None,
                  mesh_for: Optional[Callable] = None, say: Callable[[str], None] = log.info,
-                 compiler_options: Optional[dict] = None):
+                 compiler_options: Optional[dict] = None, residual_policy: Optional[str] = None):
         self.graphdef, self.cfg, self.optimizer, self.attention_fn = graphdef, cfg, optimizer, attention_fn
         self.example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), example)
         self.mesh_for = mesh_for or pipeline_mesh
         self.say = say
+        self.residual_policy = residual_policy
         self.compiler_options = compiler_options  # e.g. {"xla_backend_optimization_level": 0} in tests
         self.hits = self.misses = 0
         self.compile_seconds: dict = {}
@@ -99,10 +101,11 @@ class PipelineStepCache:
         batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(DATA)))
                  for k, s in batch_shapes(sig).items()}
         if self.optimizer is None:
-            fn = jax.jit(make_pipeline_grads(self.graphdef, self.cfg, sig, mesh, self.attention_fn))
+            fn = jax.jit(make_pipeline_grads(self.graphdef, self.cfg, sig, mesh, self.attention_fn, self.residual_policy))
             compiled = fn.lower(self.example, batch).compile(compiler_options=self.compiler_options)
         else:
-            step = make_pipeline_train_step(self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn)
+            step = make_pipeline_train_step(self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn,
+                                            self.residual_policy)
             lowered = jax.jit(step, donate_argnums=0).lower(self.example, batch)
             compiled = lowered.compile(compiler_options=self.compiler_options)
         seconds = time.perf_counter() - start
