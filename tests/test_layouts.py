@@ -142,3 +142,25 @@ def test_step_cache_hits_misses_and_buckets():
     step = cache.get(b, small)
     state, total = step(jnp.zeros(()), jax.device_put(small, {"tokens": batch_sharding(layout_mesh(b))}))
     assert float(state) == 1.0 and int(total) == 8 * 16
+
+
+def test_pull_casts_matrices_and_push_returns_canonical_fp32():
+    from jvarlen.parallel.sharding import pull, push
+
+    config = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2, mlp_dim=64))
+    _, optimizer, state = create_train_state(config)
+    canonical = state_shardings(jax.eval_shape(lambda: state), optimizer, state_mesh()).params
+    mesh = layout_mesh(Layout(dp=2, sp=4))
+
+    def roundtrip(params):
+        pulled = pull(params, mesh, jnp.bfloat16)
+        return pulled, push(pulled, canonical, params, mesh)
+
+    params = jax.device_put(state.params, canonical)
+    pulled, pushed = jax.jit(roundtrip)(params)
+    for axes, x, y, s in zip(param_axes(state.params), jax.tree.leaves(pulled), jax.tree.leaves(pushed),
+                             jax.tree.leaves(canonical)):
+        matrix = len([a for a in axes if a != "layers"]) >= 2
+        assert x.dtype == (jnp.bfloat16 if matrix else jnp.float32), axes
+        assert x.sharding.is_fully_replicated  # whole weights for propagation (no tensor parallelism)
+        assert y.dtype == jnp.float32 and y.sharding == s
