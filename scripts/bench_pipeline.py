@@ -41,6 +41,19 @@ def timed(fn, *args, repeats: int) -> float:
     return best
 
 
+def interleaved(runs: dict, params, repeats: int) -> dict:
+    """Best-of-``repeats`` seconds of each run, the runs taking turns (fairer on a loaded machine)."""
+    for fn, batch in runs.values():
+        jax.block_until_ready(fn(params, batch))
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, (fn, batch) in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(params, batch))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
     """Two documents per chunk filling it: (docs, chunks)."""
     rng = np.random.default_rng(seed)
@@ -52,9 +65,12 @@ def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
     return [d.astype(np.int32) for d in docs], chunks
 
 
-def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts):
+POLICIES = (None, "dots_with_no_batch_dims_saveable")  # what a stored layer keeps: everything / matmul outputs
+
+
+def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None):
     sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
-    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(layout)))
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(layout), residual_policy=policy))
     start = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
     return sig, batch, compiled, time.perf_counter() - start
@@ -64,15 +80,19 @@ def overhead(graphdef, cfg, params, tokens, repeats):
     docs, chunks = documents(1, tokens, cfg.vocab_size)
     pack = pack_chunks(chunks, docs, tokens)
     layout = Layout(1, 1, 1)
-    _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)], [np.zeros((1, 1), np.int32)])
     plain_batch = {k: pack.arrays[k] for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
-    plain = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))
-    t_plain = timed(plain, params, plain_batch, repeats=repeats)
-    t_pipe = timed(step, params, batch, repeats=repeats)
+    runs = {"plain jitted loss+grads": (jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)), plain_batch)}
+    for policy in POLICIES:
+        for r in (0, cfg.num_layers):
+            _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)],
+                                             [np.full((1, 1), r, np.int32)], policy)
+            runs[f"executor, residuals kept: {policy or 'all'}, layers recomputed: {r}"] = (step, batch)
+    best = interleaved(runs, params, repeats)
+    plain = best["plain jitted loss+grads"]
     print("\n| step (pp=1, one chunk of %d tokens) | ms | overhead |" % tokens)
     print("|---|---|---|")
-    print(f"| plain jitted loss+grads | {t_plain * 1e3:.2f} | |")
-    print(f"| pipeline executor | {t_pipe * 1e3:.2f} | {100 * (t_pipe / t_plain - 1):+.1f} % |")
+    for name, t in best.items():
+        print(f"| {name} | {t * 1e3:.2f} | {'' if t == plain else f'{100 * (t / plain - 1):+.1f} %'} |")
 
 
 def per_tick(graphdef, cfg, params, tokens, repeats, counts=(2, 4, 8, 16)):
@@ -95,14 +115,20 @@ def recompute(graphdef, cfg, params, tokens, repeats, n=4):
     docs, chunks = documents(n, tokens, cfg.vocab_size, seed=99)
     pack = pack_chunks(chunks, docs, tokens)
     sched = sch.one_f_one_b(n, 2)
-    sig, _, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)])
-    print(f"\n| layers recomputed per stage (of {ls}; pp=2, {n} chunks, one executable) | layer forwards per stage | step ms |")
-    print("|---|---|---|")
-    for r in range(ls, -1, -1):
-        _, batch = pl.prepare_batch([pack], [sched], [np.full((n, 2), r, np.int32)], layout, cfg.num_layers, signature=sig)
-        t = timed(step, params, batch, repeats=repeats)
-        forwards = np.asarray(step(params, batch)[2])[0].tolist()
-        print(f"| {r} | {forwards} | {t * 1e3:.1f} |")
+    print(f"\n| residuals kept | layers recomputed per stage (of {ls}; pp=2, {n} chunks, one executable) "
+          "| layer forwards per stage | step ms |")
+    print("|---|---|---|---|")
+    for policy in POLICIES:
+        sig, _, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], policy)
+        runs = {}
+        for r in range(ls, -1, -1):
+            _, batch = pl.prepare_batch([pack], [sched], [np.full((n, 2), r, np.int32)], layout, cfg.num_layers,
+                                        signature=sig)
+            runs[r] = (step, batch)
+        best = interleaved(runs, params, repeats)
+        for r, (fn, batch) in runs.items():
+            forwards = np.asarray(fn(params, batch)[2])[0].tolist()
+            print(f"| {policy or 'all'} | {r} | {forwards} | {best[r] * 1e3:.1f} |")
 
 
 def main():

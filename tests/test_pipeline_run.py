@@ -13,12 +13,13 @@ from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline_run import PipelineRunner, split_documents
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.plan import Plan
+from jvarlen.runtime.layout_step import Placement, place_global
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step
 from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
 from pipeline_helpers import reference_batch as _reference_batch
 
-LAYOUT = Layout(dp=2, pp=2, sp=1)
+LAYOUT = Layout(dp=2, pp=2, sp=2)  # all 8 devices, like the loop's layouts
 
 
 def _plan(template, seed, schedule_kind, ckpt_seed):
@@ -42,8 +43,12 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     optimizer = optax.sgd(0.5)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                        rng=jax.random.key_data(jax.random.key(0)))
-    runner = PipelineRunner(graphdef, cfg, optimizer, state, bucket=32, compiler_options=FAST_COMPILE)
     reference_step = jax.jit(make_train_step(graphdef, optimizer))
+    reference_state = state
+    # the loop's canonical FSDP placement of the state stays the placement after each step
+    placement = Placement.for_state(state, optimizer)
+    state = place_global(state, placement.state_sharding)
+    runner = PipelineRunner(graphdef, cfg, optimizer, state, bucket=32, compiler_options=FAST_COMPILE)
     # the first plan's signature is predicted and compiled ahead of time in the background
     (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
     future = runner.precompile([pa, pb], [da, db])
@@ -52,12 +57,15 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     assert runner.cache.compiled_by[sig].startswith("pipeline-aot")
     for it, kind in enumerate(("gpipe", "token")):  # token-level 1F1B fits GPipe's buffers
         (pa, da), (pb, db) = _plan(PLAN_A, 10 + it, kind, it), _plan(PLAN_B, 20 + it, kind, 5 + it)
-        expected, ref_metrics = reference_step(state, _reference_batch(da + db))
+        expected, ref_metrics = reference_step(reference_state, _reference_batch(da + db))
+        reference_state = expected
         state, metrics, info = runner.step(state, [pa, pb], [da, db])
         np.testing.assert_allclose(metrics["loss_sum"], ref_metrics["loss_sum"], rtol=1e-5)
         np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
         assert_tree_close(state.params, expected.params)
         assert int(state.step) == it + 1
+        for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placement.state_sharding)):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
         assert info.chunks == 12 and info.split_documents == split_documents(pa) + split_documents(pb) == 3
         assert info.cache_hit and info.signature == sig and info.as_dict()["predicted_bubble_ratio"] == 0.25
         ckpts = [pa.ckpt_layers, pb.ckpt_layers]

@@ -72,7 +72,7 @@ class PipelineStepCache:
                  mesh_for: Optional[Callable] = None, say: Callable[[str], None] = log.info,
                  compiler_options: Optional[dict] = None, residual_policy: Optional[str] = None):
         self.graphdef, self.cfg, self.optimizer, self.attention_fn = graphdef, cfg, optimizer, attention_fn
-        self.example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), example)
+        self.example = jax.tree.map(_abstract, example)
         self.mesh_for = mesh_for or pipeline_mesh
         self.say = say
         self.residual_policy = residual_policy
@@ -106,7 +106,14 @@ class PipelineStepCache:
         else:
             step = make_pipeline_train_step(self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn,
                                             self.residual_policy)
-            lowered = jax.jit(step, donate_argnums=0).lower(self.example, batch)
+            # a state placed on a mesh (the loop's canonical sharding) keeps that sharding
+            shardings = jax.tree.map(lambda a: a.sharding, self.example)
+            leaves = jax.tree.leaves(shardings, is_leaf=_none)
+            kw = {}
+            if leaves and all(s is not None for s in leaves):
+                metrics = NamedSharding(leaves[0].mesh, P())
+                kw["out_shardings"] = (shardings, metrics)
+            lowered = jax.jit(step, donate_argnums=0, **kw).lower(self.example, batch)
             compiled = lowered.compile(compiler_options=self.compiler_options)
         seconds = time.perf_counter() - start
         with self._lock:
@@ -146,6 +153,16 @@ class PipelineStepCache:
         first = jax.device_put(first, first_sharding)
         batch = {k: jax.device_put(np.asarray(v), batch_sharding[k]) for k, v in batch.items()}
         return compiled(first, batch)
+
+
+def _abstract(a) -> jax.ShapeDtypeStruct:
+    sharding = getattr(a, "sharding", None)
+    keep = sharding if isinstance(sharding, NamedSharding) else None
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=keep)
+
+
+def _none(x) -> bool:
+    return x is None
 
 
 def _done(value) -> concurrent.futures.Future:
