@@ -165,3 +165,49 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+CLI_ARGS = [
+    "--model.vocab_size=320", "--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4",
+    "--model.num_kv_heads=2", "--model.mlp_dim=64", "--model.compute_dtype=float32", "--model.attention=reference",
+    "--data.seq_len=128", "--data.tokens_per_batch=1024", "--data.max_documents=60",
+    "--logging.tensorboard=false", "--logging.progress_bar=false", "--train.steps=2", "--parallel.sp_cycle=[4,2]",
+]
+
+
+@pytest.mark.slow  # the training CLI in two processes: ~1-2 min on 2 shared cores
+def test_training_cli_on_two_processes_matches_one_process(tmp_path):
+    import json
+
+    import jax
+
+    from jvarlen.config import parse_config
+    from jvarlen.runtime.loop import train
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jvarlen.train", *CLI_ARGS, f"--logging.run_dir={tmp_path / 'two'}",
+             f"--data.cache_dir={tmp_path / f'cache{pid}'}", "--parallel.distributed=true",
+             f"--parallel.coordinator_address=127.0.0.1:{port}", "--parallel.num_processes=2",
+             f"--parallel.process_id={pid}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in (0, 1)
+    ]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dp"], r["sp"]) for r in records] == [(1, 2, 4), (2, 4, 2)]  # only process 0 logs
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2"]
+    one = train(parse_config([*CLI_ARGS, f"--logging.run_dir={tmp_path / 'one'}",
+                              f"--data.cache_dir={tmp_path / 'cache0'}"]), quiet=True)
+    np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
