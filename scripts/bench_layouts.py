@@ -41,11 +41,9 @@ def main(argv=None) -> int:
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jvarlen.config import Config, ModelConfig, TrainConfig
-    from jvarlen.layout import Layout
     from jvarlen.model.transformer import resolve_compute_dtype
     from jvarlen.parallel.layouts import batch_sharding
     from jvarlen.parallel.sharding import pull
