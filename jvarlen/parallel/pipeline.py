@@ -236,7 +236,9 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         def fwd(r, k):
             c = chunk(k)
             x = jnp.where(is_first, embed(rest, c["local_tokens"]), r["x"])
-            y, k_own, v_own, residuals, n = fns.forward(layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"])
+            y, k_own, v_own, residuals, n = fns.forward(
+                layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"], c["res_slot"] == dummy["res"]
+            )
 
             def last():
                 loss, vjp_fn = jax.vjp(lambda rr, yy: head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), rest, y)

@@ -91,8 +91,9 @@ class StageFns:
             return jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, self.residual_policy))
         return f
 
-    def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions):
-        """Scan over the stage's layers, keeping every layer's residuals.
+    def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions, recompute):
+        """Scan over the stage's layers, keeping the residuals of layers not in ``recompute [Ls]``
+        (those run a plain forward and return zero residuals, which are not stored).
 
         layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D].
         -> (y [T, d], own k/v [Ls, T, K, D], residuals (list of [Ls, ...]), layer forwards run)
@@ -100,11 +101,20 @@ class StageFns:
         f = self.layer(inputs, rotary_positions)
 
         def body(x, xs):
-            lp, ck, cv = xs
-            (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
-            return y, (k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe))
+            lp, ck, cv, again = xs
 
-        y, (k, v, residuals) = jax.lax.scan(body, x, (layers, ctx_k, ctx_v))
+            def keep():
+                (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
+                return y, k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
+
+            def plain():
+                y, k, v = f(lp, x, ck, cv)
+                return y, k, v, [jnp.zeros(r.shape, r.dtype) for r in self.recipe.shapes]
+
+            y, k, v, res = jax.lax.cond(again, plain, keep)
+            return y, (k, v, res)
+
+        y, (k, v, residuals) = jax.lax.scan(body, x, (layers, ctx_k, ctx_v, recompute))
         return y, k, v, residuals, jnp.int32(jax.tree.leaves(layers)[0].shape[0])
 
     def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, stored, recompute, inputs, rotary_positions):
