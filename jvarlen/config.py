@@ -189,9 +189,13 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     log_every: int = 1
+    # Cost model used to log predicted vs measured step time: "auto" finds the profile of
+    # this model on this backend (python -m jvarlen.profile), "none" disables, or a path.
+    cost_profile: Optional[str] = "auto"
+    cost_refit_every: int = 20  # refit the cost coefficients from measured steps this often
 
     def __post_init__(self):
-        _positive("train", steps=self.steps, log_every=self.log_every)
+        _positive("train", steps=self.steps, log_every=self.log_every, cost_refit_every=self.cost_refit_every)
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel.layouts import batch_sharding
 from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
+from jvarlen.runtime.cost_check import StepTimeCheck
 from jvarlen.runtime.layout_policy import LayoutPolicy, pad_rows
 from jvarlen.runtime.layout_step import Placement, make_layout_step, place_global
 from jvarlen.runtime.metrics import MetricsLogger
@@ -106,6 +107,7 @@ def train(
         batch_sharding=lambda layout: batch_sharding(placement.mesh(layout)),
         say=note,
     )
+    step_time_check = StepTimeCheck.from_config(config, note)
     layout_for_step = layout_for_step or (lambda step, rows, seq_len: policy.choose(step, rows, seq_len))
     last_layout: Optional[Layout] = None
     losses: list[float] = []
@@ -145,6 +147,8 @@ def train(
                 "step_cache_hits": cache.stats.hits,
                 "step_cache_misses": cache.stats.misses,
             }
+            if step_time_check is not None and compile_s == 0.0:
+                record.update(step_time_check.observe(arrays["segment_ids"], layout, dt))
             if main:
                 logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
             if checkpointer.should_save(step + 1, end):

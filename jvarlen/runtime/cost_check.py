@@ -1,0 +1,92 @@
+"""Predicted vs measured step time, every iteration, with a periodic refit of the cost model.
+
+The data-parallel step runs each replica's rows as one batched chunk ``{0, S}``
+(InfiniPipe §3.1.1) on a pp = 1 layout; the prediction is the simulator's iteration time
+for the slowest replica under the current coefficients, made *before* this step's
+measurement is used (so the logged error is held out). Every ``every`` observed steps
+:class:`jvarlen.plan.cost_fit.OnlineRefit` rescales the coefficients to the measured steps.
+Steps that compiled are not observed: compile time is not step time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from jvarlen.config import Config
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostCoefficients, ModelShape, profile_filename
+from jvarlen.plan.cost_fit import OnlineRefit
+
+PACKAGE_PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", "measured")
+USER_PROFILES = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "profiles")
+
+
+def find_profile(config: Config) -> Optional[str]:
+    """The profile for this model on this backend: ``train.cost_profile``, else the user
+    cache of ``python -m jvarlen.profile``, else one shipped with jvarlen; None if none."""
+    if config.train.cost_profile not in (None, "auto", "none"):
+        if not os.path.exists(config.train.cost_profile):
+            raise FileNotFoundError(f"train.cost_profile {config.train.cost_profile!r} does not exist")
+        return config.train.cost_profile
+    if config.train.cost_profile == "none":
+        return None
+    name = profile_filename(ModelShape.from_config(config.model), jax.default_backend(), jax.devices()[0].device_kind)
+    for folder in (USER_PROFILES, PACKAGE_PROFILES):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def replica_chunks(segment_ids: np.ndarray, dp: int) -> list[ChunkShape]:
+    """One batched chunk per data-parallel replica from packed ``segment_ids [R, T]``."""
+    chunks = []
+    for rows in np.array_split(np.asarray(segment_ids), dp):
+        pieces = [int(n) for row in rows for n in np.bincount(row)[1:] if n > 0]
+        chunks.append(ChunkShape(0, tuple(pieces) if pieces else (1,)))
+    return chunks
+
+
+class StepTimeCheck:
+    """Logs ``predicted_step_s`` and ``cost_error`` per step; refits every ``every`` steps."""
+
+    def __init__(self, refit: OnlineRefit, source: str, say: Callable[[str], None]):
+        self.refit = refit
+        self.source = source
+        self.say = say
+
+    @classmethod
+    def from_config(cls, config: Config, say: Callable[[str], None]) -> Optional["StepTimeCheck"]:
+        path = find_profile(config)
+        shape = ModelShape.from_config(config.model)
+        if path is None:
+            if config.train.cost_profile != "none":
+                say(
+                    f"[jvarlen] no cost profile for {shape.key()} on {jax.default_backend()}: predicted step "
+                    "times are off (run `python -m jvarlen.profile` to measure one)"
+                )
+            return None
+        coeffs = CostCoefficients.load(path)
+        say(f"[jvarlen] cost model: {path} (refit every {config.train.cost_refit_every} steps)")
+        return cls(OnlineRefit(shape, coeffs, every=config.train.cost_refit_every), path, say)
+
+    def observe(self, segment_ids: np.ndarray, layout: Layout, measured_s: float) -> dict:
+        """Predicts the step from its packed layout, records the measurement, refits when due."""
+        pp1 = Layout(dp=layout.dp, pp=1, sp=layout.sp)
+        chunks = replica_chunks(segment_ids, layout.dp)
+        slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1))
+        predicted = self.refit.observe([slowest], pp1, measured_s)
+        record = {"predicted_step_s": predicted, "cost_error": abs(predicted - measured_s) / measured_s}
+        if self.refit.due():
+            errors = self.refit.relative_errors()
+            self.refit.refit()
+            self.say(
+                f"[jvarlen] cost model refit #{self.refit.refits}: median |pred-meas|/meas over the last "
+                f"{errors.size} steps was {np.median(errors):.1%}"
+            )
+        return record

@@ -1,0 +1,40 @@
+"""The training loop's predicted-vs-measured step time and its online refit."""
+
+import glob
+
+import numpy as np
+
+from jvarlen.config import Config
+from jvarlen.layout import Layout
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostCoefficients, ModelShape
+from jvarlen.plan.cost_fit import OnlineRefit
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES, StepTimeCheck, replica_chunks
+
+
+def test_replica_chunks_are_the_pieces_of_each_replicas_rows():
+    seg = np.array([[1, 1, 1, 2, 0, 0], [1, 2, 2, 2, 2, 3], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    assert replica_chunks(seg, 1) == [ChunkShape(0, (3, 1, 1, 4, 1, 6))]
+    assert replica_chunks(seg, 2) == [ChunkShape(0, (3, 1, 1, 4, 1)), ChunkShape(0, (6,))]
+
+
+def test_refit_turns_a_mis_scaled_profile_into_accurate_predictions():
+    config = Config()
+    shape = ModelShape.from_config(config.model)
+    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    check = StepTimeCheck(OnlineRefit(shape, coeffs, every=8), "test", say=lambda _: None)
+    truth = OnlineRefit(shape, coeffs)  # the machine: 2.5x slower than the profile says
+    rng = np.random.default_rng(0)
+    errors = []
+    for _ in range(24):
+        seg = np.zeros((8, 1024), np.int32)
+        for row in seg:
+            cuts = np.sort(rng.choice(np.arange(1, 1024), size=rng.integers(1, 6), replace=False))
+            for i, (a, b) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, 1024])):
+                row[a:b] = i + 1
+        layout = Layout(dp=2)
+        measured = 2.5 * max(truth.predict([c], layout) for c in replica_chunks(seg, 2))
+        errors.append(check.observe(seg, layout, measured)["cost_error"])
+    assert min(errors[:8]) > 0.5  # before any refit the profile is 2.5x off
+    assert max(errors[8:]) < 0.02  # after the first refit it is not
+    assert check.refit.refits == 3
