@@ -4,8 +4,8 @@ See docs/design/pipeline.md. Static: the :class:`PipelineSignature` (layout, buc
 chunk count, tick count, context bucket, slot counts). Runtime data: the chunks, the
 tick table ``[ticks, pp, 2]`` from ``jvarlen.plan.schedule``, and the slot tables of
 ``pipeline_buffers`` (which also encode the recomputation table). Mesh axes
-``(data, pp, sp)`` = ``Layout(dp, pp, sp)``; every pipeline (``data`` index) has its
-own chunks and tables.
+``(dp, pp, sp)`` of ``jvarlen.parallel.layouts``; every pipeline (``dp`` index) has its
+own chunks and tables; Ulysses runs inside each stage over ``sp``.
 """
 
 from __future__ import annotations
