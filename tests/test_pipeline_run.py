@@ -20,6 +20,8 @@ from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, pl
 from pipeline_helpers import reference_batch as _reference_batch
 
 LAYOUT = Layout(dp=2, pp=2, sp=2)  # all 8 devices, like the loop's layouts
+# plan B without its last chunk: the runner pads that pipeline with an empty chunk
+PLAN_B5 = (PLAN_B[0][:6], PLAN_B[1][:5])
 
 
 def _plan(template, seed, schedule_kind, ckpt_seed):
@@ -55,8 +57,10 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     future.result()
     (sig,) = runner.cache.compiled_by
     assert runner.cache.compiled_by[sig].startswith("pipeline-aot")
-    for it, kind in enumerate(("gpipe", "token")):  # token-level 1F1B fits GPipe's buffers
-        (pa, da), (pb, db) = _plan(PLAN_A, 10 + it, kind, it), _plan(PLAN_B, 20 + it, kind, 5 + it)
+    # token-level 1F1B fits GPipe's buffers; then plan B loses a chunk and is padded with an
+    # empty one (its token-level table plus a GPipe tail needs more ticks: a new signature)
+    for it, (kind, plan_b) in enumerate((("gpipe", PLAN_B), ("token", PLAN_B), ("token", PLAN_B5))):
+        (pa, da), (pb, db) = _plan(PLAN_A, 10 + it, kind, it), _plan(plan_b, 20 + it, kind, 5 + it)
         expected, ref_metrics = reference_step(reference_state, _reference_batch(da + db))
         reference_state = expected
         state, metrics, info = runner.step(state, [pa, pb], [da, db])
@@ -66,8 +70,11 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
         assert int(state.step) == it + 1
         for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placement.state_sharding)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-        assert info.chunks == 12 and info.split_documents == split_documents(pa) + split_documents(pb) == 3
-        assert info.cache_hit and info.signature == sig and info.as_dict()["predicted_bubble_ratio"] == 0.25
-        ckpts = [pa.ckpt_layers, pb.ckpt_layers]
-        np.testing.assert_array_equal(metrics["layer_forwards"], [6 * 2 + c.sum(0) for c in ckpts])
-    assert len(runner.cache) == 1 and runner.cache.misses == 0
+        assert info.chunks == 6 + pb.n_chunks and info.split_documents == split_documents(pa) + split_documents(pb) == 3
+        assert info.cache_hit == (it < 2) and (info.signature == sig) == (it < 2)
+        assert info.as_dict()["predicted_bubble_ratio"] == 0.25
+        # 6 chunks x 2 layers of forwards per stage, plus recomputation; B's padding chunk recomputes both layers
+        padding = 2 * (6 - pb.n_chunks)
+        expected_forwards = [6 * 2 + pa.ckpt_layers.sum(0), 6 * 2 + pb.ckpt_layers.sum(0) + padding]
+        np.testing.assert_array_equal(metrics["layer_forwards"], expected_forwards)
+    assert len(runner.cache) == 2 and runner.cache.misses == 1
