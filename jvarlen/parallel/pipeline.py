@@ -187,6 +187,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
     fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0, sp=sp, kv_repeats=repeats,
                    residual_policy=residual_policy)
     dummy = dict(stash=sig.n_stash, grad=sig.n_grad, ctx=sig.n_ctx, res=sig.n_res)
+    stores = sig.n_res > 0  # static: a signature without residual slots recomputes every layer
 
     def device_fn(layers, rest, b, scale):
         b = jax.tree.map(lambda a: a[0], b)
@@ -236,8 +237,9 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         def fwd(r, k):
             c = chunk(k)
             x = jnp.where(is_first, embed(rest, c["local_tokens"]), r["x"])
+            recompute = c["res_slot"] == dummy["res"] if stores else None
             y, k_own, v_own, residuals, n = fns.forward(
-                layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"], c["res_slot"] == dummy["res"]
+                layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"], recompute
             )
 
             def last():
@@ -258,7 +260,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             else:
                 dk_own = dv_own = jnp.zeros((ls, T, K, D), cdt)
             dx, dlayers, dck, dcv, n = fns.backward(
-                layers, r["x"], r["dy"], r["ck"], r["cv"], dk_own, dv_own, r["res"],
+                layers, r["x"], r["dy"], r["ck"], r["cv"], dk_own, dv_own, r["res"] if stores else None,
                 c["res_slot"] == dummy["res"], c["inputs"], c["local_positions"],
             )
 
@@ -281,7 +283,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                 x=get(carry["stash"], s["stash"]), dy=get(carry["grad_in"], s["grad"]),
                 ck=get(carry["ck"], s["ctx"]), cv=get(carry["cv"], s["ctx"]),
                 dck=get(carry["dck"], s["ctx"]), dcv=get(carry["dcv"], s["ctx"]),
-                res=jax.lax.cond(
+                res=[] if not stores else jax.lax.cond(
                     is_b,
                     # recomputed layers (slot n_res) read a clipped slot they never use
                     lambda bufs: [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in bufs],
@@ -293,7 +295,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             carry = dict(carry)
             carry["stash"] = put(carry["stash"], jnp.where(is_f & is_first, s["stash"], dummy["stash"]), o["x_in"])
             carry["grad_in"] = put(carry["grad_in"], jnp.where(is_f & is_last, s["grad"], dummy["grad"]), o["dy_last"])
-            carry["res"] = jax.lax.cond(
+            carry["res"] = [] if not stores else jax.lax.cond(
                 is_f,
                 lambda bufs, new: [buf.at[c["res_slot"]].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(bufs, new)],
                 lambda bufs, new: list(bufs),
@@ -330,7 +332,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         kv_own = jnp.zeros((ls, T, K, D), cdt)
         out.update(
             send_act=act, send_grad=act, x_in=act, dy_last=act,
-            res=[jnp.zeros((ls,) + r.shape, r.dtype) for r in res_shapes],
+            res=[jnp.zeros((ls,) + r.shape, r.dtype) for r in res_shapes] if stores else [],
             k_own=kv_own, v_own=kv_own, dck=zeros_ctx[0], dcv=zeros_ctx[0],
             d_layers=jax.tree.map(jnp.zeros_like, layers), d_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32),
@@ -340,7 +342,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             grad_in=jnp.zeros((sig.n_grad + 1, Tl, d), cdt),
             ck=zeros_ctx, cv=zeros_ctx, dck=zeros_ctx, dcv=zeros_ctx,
             # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
-            res=[jnp.zeros((max(sig.n_res, 1),) + s.shape, s.dtype) for s in res_shapes],
+            res=[jnp.zeros((sig.n_res,) + s.shape, s.dtype) for s in res_shapes] if stores else [],
             g_layers=jax.tree.map(jnp.zeros_like, layers),
             g_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),

@@ -93,7 +93,8 @@ class StageFns:
 
     def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions, recompute):
         """Scan over the stage's layers, keeping the residuals of layers not in ``recompute [Ls]``
-        (those run a plain forward and return zero residuals, which are not stored).
+        (those run a plain forward and return zero residuals, which are not stored);
+        ``recompute=None``: plain forwards, no residuals.
 
         layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D].
         -> (y [T, d], own k/v [Ls, T, K, D], residuals (list of [Ls, ...]), layer forwards run)
@@ -114,12 +115,20 @@ class StageFns:
             y, k, v, res = jax.lax.cond(again, plain, keep)
             return y, (k, v, res)
 
+        if recompute is None:  # nothing is stored in this signature: plain forwards only
+            def plain_body(x, xs):
+                y, k, v = f(*xs[:1], x, *xs[1:])
+                return y, (k, v)
+
+            y, (k, v) = jax.lax.scan(plain_body, x, (layers, ctx_k, ctx_v))
+            return y, k, v, [], jnp.int32(jax.tree.leaves(layers)[0].shape[0])
         y, (k, v, residuals) = jax.lax.scan(body, x, (layers, ctx_k, ctx_v, recompute))
         return y, k, v, residuals, jnp.int32(jax.tree.leaves(layers)[0].shape[0])
 
     def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, stored, recompute, inputs, rotary_positions):
         """Rebuilds every layer's vjp_fn — from ``stored`` residuals (list of [Ls, ...]) or, where
         ``recompute [Ls]`` is set (a prefix), by recomputing the layer — and runs them in reverse.
+        ``stored=None``: every layer is recomputed.
 
         -> (dx [T, d], d layers [Ls, ...], d ctx_k/v [Ls, Sc, K, D], layers recomputed)
         """
@@ -139,7 +148,15 @@ class StageFns:
             y, res, ran = jax.lax.cond(again, recompute_layer, use_stored)
             return y, (res, ran)
 
-        _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, list(stored), recompute))
+        if stored is None:  # nothing is stored in this signature: recompute every layer
+            def recompute_all(x, xs):
+                lp, ck, cv = xs
+                (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
+                return y, (split_vjp(vjp_fn, _shared(lp, ck, cv), recipe), jnp.ones((), jnp.int32))
+
+            _, (residuals, ran) = jax.lax.scan(recompute_all, x, (layers, ctx_k, ctx_v))
+        else:
+            _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, list(stored), recompute))
 
         def back(dy, xs):
             lp, ck, cv, res, dk, dv = xs
