@@ -161,9 +161,15 @@ class ParallelConfig:
     # (for tests and benchmarks). Neither: the fixed layout (dp, pp, sp).
     tokens_per_device: Optional[int] = None
     sp_cycle: Optional[list[int]] = None
+    # pp > 1 selects the elastic pipeline path (jvarlen.runtime.pipeline_loop): every
+    # iteration's documents are planned by jvarlen.plan with this policy into chunks,
+    # schedule and recomputation tables, and run by the pipeline executor. There,
+    # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
+    plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
+    plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
 
     def __post_init__(self):
-        _positive("parallel", pp=self.pp, sp=self.sp)
+        _positive("parallel", pp=self.pp, sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
         if self.dp is not None:
             _positive("parallel", dp=self.dp)
         if self.tokens_per_device is not None:

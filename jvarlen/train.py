@@ -6,6 +6,7 @@ Python's standard library sources).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jvarlen.config import ConfigError, parse_config
@@ -17,6 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
+    par = config.parallel
+    if par.pp > 1 and par.dp is not None and "jax" not in sys.modules:
+        # the pipeline path on a CPU host: give the host platform the devices the layout needs
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            count = par.dp * par.pp * par.sp
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
     from jvarlen.runtime.checkpoint import CheckpointMismatchError
     from jvarlen.runtime.loop import train

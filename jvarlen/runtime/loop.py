@@ -40,6 +40,80 @@ class TrainResult:
     final_state: object
 
 
+@dataclasses.dataclass
+class Run:
+    """What both training paths share: output, data, canonical state, checkpoints, logger."""
+
+    config: Config
+    main: bool
+    say: Callable[[str], None]
+    note: Callable[[str], None]
+    run_dir: str
+    pipeline: DataPipeline
+    graphdef: object
+    optimizer: object
+    placement: Placement
+    state: object
+    checkpointer: Checkpointer
+    logger: MetricsLogger
+    start: int
+    end: int
+    lr_at: Callable[[int], float]
+
+
+def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
+    """Run directory, data pipeline, canonical FSDP state (resumed if asked), logger."""
+    distributed.initialize(config.parallel)
+    enable_persistent_cache(config.parallel.compilation_cache_dir)
+    main = jax.process_index() == 0
+    quiet = quiet or not main
+    run_dir = os.path.abspath(config.logging.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
+    say(f"[jvarlen] run directory: {run_dir}")
+    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
+    say(f"[jvarlen] corpus: {pipeline.summary()}")
+
+    graphdef, optimizer, host_state = create_train_state(config)
+    placement = Placement.for_state(host_state, optimizer)
+    state = place_global(host_state, placement.state_sharding)
+    del host_state
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint)
+
+    start = 0
+    if config.checkpoint.resume and checkpointer.latest_step() is not None:
+        start, state, data_state = checkpointer.restore(abstract_like(state), config.model)
+        pipeline.restore(data_state)
+        say(f"[jvarlen] resumed from step {start}")
+    elif config.checkpoint.resume:
+        say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
+    if main:
+        with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(to_dict(config), f, indent=2)
+
+    total = config.train.steps
+    end = total if stop_after is None else min(stop_after, total)
+    lr_at = learning_rate_schedule(config.optimizer, total)
+    log_cfg = config.logging if main else dataclasses.replace(config.logging, tensorboard=False)
+    logger = MetricsLogger(run_dir, log_cfg, total_steps=total, initial_step=start, show_progress=not quiet)
+    note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
+    return Run(config, main, say, note, run_dir, pipeline, graphdef, optimizer, placement, state, checkpointer,
+               logger, start, end, lr_at)
+
+
+def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float, state) -> TrainResult:
+    """The closing summary line and the result (call after the loop's ``finally``)."""
+    if losses:
+        k = max(1, min(10, len(losses) // 4))
+        elapsed = time.perf_counter() - t_start
+        run.say(
+            f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
+            f"last {k} avg {np.mean(losses[-k:]):.4f}; {tokens_seen / elapsed:.0f} tokens/s"
+        )
+    run.say(f"[jvarlen] done; run directory: {run.run_dir}")
+    return TrainResult(run_dir=run.run_dir, first_step=run.start, losses=losses, final_state=state)
+
+
 def jit_train_step(graphdef, optimizer, state, mesh):
     """A data-parallel step over ``mesh``'s devices with the canonical FSDP state.
 
@@ -66,41 +140,15 @@ def train(
     still follows ``train.steps`` and the last step reached is checkpointed.
     ``layout_for_step(step, rows, seq_len)`` overrides the config's layout policy.
     """
-    distributed.initialize(config.parallel)
-    enable_persistent_cache(config.parallel.compilation_cache_dir)
-    main = jax.process_index() == 0
-    quiet = quiet or not main
-    run_dir = os.path.abspath(config.logging.run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
-    say(f"[jvarlen] run directory: {run_dir}")
-    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
-    say(f"[jvarlen] corpus: {pipeline.summary()}")
+    if config.parallel.pp > 1:
+        from jvarlen.runtime.pipeline_loop import train_pipeline
 
-    graphdef, optimizer, host_state = create_train_state(config)
-    placement = Placement.for_state(host_state, optimizer)
+        return train_pipeline(config, quiet=quiet, stop_after=stop_after)
+    run = open_run(config, quiet, stop_after)
+    say, note, main, pipeline, checkpointer, logger = run.say, run.note, run.main, run.pipeline, run.checkpointer, run.logger
+    graphdef, optimizer, placement, state = run.graphdef, run.optimizer, run.placement, run.state
+    start, end, lr_at = run.start, run.end, run.lr_at
     policy = LayoutPolicy.from_config(config, len(placement.devices))
-    state = place_global(host_state, placement.state_sharding)
-    del host_state
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint)
-
-    start = 0
-    if config.checkpoint.resume and checkpointer.latest_step() is not None:
-        start, state, data_state = checkpointer.restore(abstract_like(state), config.model)
-        pipeline.restore(data_state)
-        say(f"[jvarlen] resumed from step {start}")
-    elif config.checkpoint.resume:
-        say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
-    if main:
-        with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(to_dict(config), f, indent=2)
-
-    total = config.train.steps
-    end = total if stop_after is None else min(stop_after, total)
-    lr_at = learning_rate_schedule(config.optimizer, total)
-    log_cfg = config.logging if main else dataclasses.replace(config.logging, tensorboard=False)
-    logger = MetricsLogger(run_dir, log_cfg, total_steps=total, initial_step=start, show_progress=not quiet)
-    note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
     cache = StepCache(
         lambda layout: make_layout_step(graphdef, optimizer, placement, layout, config.model),
         abstract_like(state),
@@ -158,12 +206,4 @@ def train(
         checkpointer.close()
         logger.close()
 
-    if losses:
-        k = max(1, min(10, len(losses) // 4))
-        elapsed = time.perf_counter() - t_start
-        say(
-            f"[jvarlen] steps {start + 1}-{end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
-            f"last {k} avg {np.mean(losses[-k:]):.4f}; {tokens_seen / elapsed:.0f} tokens/s"
-        )
-    say(f"[jvarlen] done; run directory: {run_dir}")
-    return TrainResult(run_dir=run_dir, first_step=start, losses=losses, final_state=state)
+    return close_run(run, losses, tokens_seen, t_start, state)

@@ -1,0 +1,155 @@
+"""The elastic pipeline (EPP) training path, selected by ``parallel.pp > 1``.
+
+Per iteration: the token-budget sampler draws a global batch of whole document pieces
+(up to ``data.max_doc_tokens`` = ``data.seq_len`` tokens each; its packing rows only
+decide which pieces make the batch), the pieces are split into ``dp`` groups by row,
+each group is planned by :func:`jvarlen.plan.plan_iteration` (chunks, split documents,
+schedule and recomputation tables) with the cost model of this model, and
+:class:`jvarlen.parallel.pipeline_run.PipelineRunner` runs the ``dp`` plans as one
+optimizer update. The state stays in the data-parallel loop's canonical FSDP sharding,
+so checkpoints, resume and logging are the shared ones of :mod:`jvarlen.runtime.loop`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jvarlen.config import Config, ConfigError
+from jvarlen.layout import Layout
+from jvarlen.parallel.pipeline_run import PipelineRunner
+from jvarlen.plan.api import PlannerOptions, PlanningError, make_cost, plan_iteration
+from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+from jvarlen.plan.plan import Plan
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
+from jvarlen.runtime.loop import TrainResult, close_run, open_run
+
+# Deterministic-time limits only, so that a resumed run plans exactly the same chunks.
+SOLVER = SolverOptions(time_limit_s=30.0, deterministic_time=0.5, workers=1, seed=0)
+
+
+def pipeline_layout(config: Config, num_devices: int) -> Layout:
+    """(dp, pp, sp) over all devices; dp defaults to the devices left by pp and sp."""
+    par = config.parallel
+    if par.tokens_per_device is not None or par.sp_cycle is not None:
+        raise ConfigError("parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; "
+                          "the pipeline path (parallel.pp > 1) uses the fixed (dp, pp, sp)")
+    if num_devices % (par.pp * par.sp):
+        raise ConfigError(f"parallel.pp * parallel.sp = {par.pp * par.sp} must divide the {num_devices} devices")
+    dp = par.dp if par.dp is not None else num_devices // (par.pp * par.sp)
+    layout = Layout(dp=dp, pp=par.pp, sp=par.sp)
+    if layout.num_devices != num_devices:
+        raise ConfigError(f"{layout} uses {layout.num_devices} devices, but there are {num_devices}: "
+                          "set parallel.dp to devices / (pp * sp) or leave it unset")
+    if config.model.num_layers % par.pp:
+        raise ConfigError(f"model.num_layers ({config.model.num_layers}) must be divisible by parallel.pp ({par.pp})")
+    if config.model.num_heads % par.sp or config.model.num_kv_heads % par.sp:
+        raise ConfigError(f"model.num_heads ({config.model.num_heads}) and model.num_kv_heads "
+                          f"({config.model.num_kv_heads}) must be divisible by parallel.sp ({par.sp})")
+    if config.data.rows_per_batch % dp:
+        raise ConfigError(f"data.tokens_per_batch / data.seq_len = {config.data.rows_per_batch} rows must be "
+                          f"divisible by dp = {dp}: each pipeline plans the documents of its rows")
+    return layout
+
+
+def cost_model(config: Config, layout: Layout, say) -> CostModel:
+    """The measured profile for this backend (``train.cost_profile``, see ``find_profile``)
+    with this model's shape, else the analytic a800 model (plans are still valid)."""
+    shape = ModelShape.from_config(config.model)
+    path = find_profile(config)
+    if path is None and config.train.cost_profile != "none":
+        shipped = [f for f in sorted(os.listdir(PACKAGE_PROFILES)) if f.endswith(f"__{jax.default_backend()}__cpu.json")]
+        if shipped:  # another shape's coefficients: plans are valid, predicted times are approximate
+            path = os.path.join(PACKAGE_PROFILES, shipped[0])
+            say(f"[jvarlen] planner: no profile for {shape.key()}; using the shipped {shipped[0]}")
+    if path is None:
+        say("[jvarlen] planner: analytic a800 cost model (no measured profile for this backend)")
+        return make_cost(shape, "a800", layout)
+    say(f"[jvarlen] planner cost model: {path}")
+    return CostModel(shape, layout, CostCoefficients.load(path))
+
+
+def group_documents(pipeline, sample, dp: int) -> list[list[np.ndarray]]:
+    """The sampled pieces' tokens in ``dp`` groups: pipeline ``g`` takes rows ``[g R/dp, (g+1) R/dp)``."""
+    rows = pipeline.rows
+    groups: list[list[np.ndarray]] = [[] for _ in range(dp)]
+    for pid, row in zip(sample.piece_ids, sample.rows):
+        groups[int(row) * dp // rows].append(pipeline._piece(int(pid)).tokens)
+    return groups
+
+
+def plan_groups(groups, cost: CostModel, policy: str, options: PlannerOptions) -> list[Plan]:
+    plans = []
+    for g, docs in enumerate(groups):
+        if not docs:
+            raise PlanningError(f"pipeline {g} drew no documents (data.tokens_per_batch too small for dp?)")
+        plan = plan_iteration([len(d) for d in docs], cost=cost, policy=policy, options=options)
+        plan.validate([len(d) for d in docs])
+        plans.append(plan)
+    return plans
+
+
+def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[int] = None) -> TrainResult:
+    """Trains with EPP plans; same outputs (metrics.jsonl, checkpoints, resume) as the DP loop."""
+    layout = pipeline_layout(config, len(jax.devices()))
+    run = open_run(config, quiet, stop_after)
+    say, note, pipeline, checkpointer, logger = run.say, run.note, run.pipeline, run.checkpointer, run.logger
+    state = run.state
+    run.state = None
+    cost = cost_model(config, layout, say)
+    options = PlannerOptions(min_slice_tokens=config.parallel.plan_min_slice_tokens, solver=SOLVER)
+    runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state,
+                            chunk_multiple=4, say=note)
+    say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
+        "chunks padded to the smallest power-of-two bucket")
+    losses: list[float] = []
+    tokens_seen, t_start = 0.0, time.perf_counter()
+    try:
+        for step in range(run.start, run.end):
+            t0 = time.perf_counter()
+            sample = pipeline.sampler.next()
+            groups = group_documents(pipeline, sample, layout.dp)
+            t_plan = time.perf_counter()
+            plans = plan_groups(groups, cost, config.parallel.plan_policy, options)
+            plan_s = time.perf_counter() - t_plan
+            misses = runner.cache.misses
+            state, metrics, info = runner.step(state, plans, groups)
+            metrics = jax.device_get(metrics)
+            dt = time.perf_counter() - t0
+            loss = float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0))
+            losses.append(loss)
+            tokens_seen += float(metrics["real_tokens"])
+            record = {
+                "loss": loss,
+                "target_tokens": float(metrics["target_tokens"]),
+                "real_tokens": float(metrics["real_tokens"]),
+                "documents": sum(len(g) for g in groups),
+                "longest_document": max(len(d) for g in groups for d in g),
+                "grad_norm": float(metrics["grad_norm"]),
+                "learning_rate": float(run.lr_at(step)),
+                "step_time_s": dt,
+                "tokens_per_s": float(metrics["real_tokens"]) / dt,
+                "plan_s": plan_s,
+                "dp": layout.dp,
+                "pp": layout.pp,
+                "sp": layout.sp,
+                "compiled": runner.cache.misses > misses,
+                "step_cache_misses": runner.cache.misses,
+                "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
+                **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
+            }
+            if run.main:
+                logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "chunks": info.chunks,
+                                                      "split": info.split_documents})
+            if checkpointer.should_save(step + 1, run.end):
+                checkpointer.save(step + 1, state, pipeline.state(), config.model)
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+        logger.close()
+    return close_run(run, losses, tokens_seen, t_start, state)
