@@ -26,12 +26,13 @@ def main(argv: list[str] | None = None) -> int:
             count = par.dp * par.pp * par.sp
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
+    from jvarlen.plan.api import PlanningError
     from jvarlen.runtime.checkpoint import CheckpointMismatchError
     from jvarlen.runtime.loop import train
 
     try:
         train(config)
-    except (ConfigError, DataError, CheckpointMismatchError) as error:
+    except (ConfigError, DataError, CheckpointMismatchError, PlanningError) as error:
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0
