@@ -114,6 +114,20 @@ def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float,
     return TrainResult(run_dir=run.run_dir, first_step=run.start, losses=losses, final_state=state)
 
 
+def step_record(metrics: dict, step_time_s: float, learning_rate: float) -> dict:
+    """The metrics every training path logs for a step, from the step's host metrics."""
+    real = float(metrics["real_tokens"])
+    return {
+        "loss": float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0)),
+        "target_tokens": float(metrics["target_tokens"]),
+        "real_tokens": real,
+        "grad_norm": float(metrics["grad_norm"]),
+        "learning_rate": learning_rate,
+        "step_time_s": step_time_s,
+        "tokens_per_s": real / step_time_s,
+    }
+
+
 def jit_train_step(graphdef, optimizer, state, mesh):
     """A data-parallel step over ``mesh``'s devices with the canonical FSDP state.
 
@@ -177,28 +191,21 @@ def train(
             state, metrics = compiled(state, place_global(arrays, {k: batch_sharding(mesh) for k in arrays}))
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
-            loss = float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0))
-            losses.append(loss)
-            tokens_seen += float(metrics["real_tokens"])
-            record = {
-                "loss": loss,
-                "target_tokens": float(metrics["target_tokens"]),
-                "real_tokens": float(metrics["real_tokens"]),
+            record = step_record(metrics, dt, float(lr_at(step)))
+            losses.append(record["loss"])
+            tokens_seen += record["real_tokens"]
+            record.update({
                 "padding_ratio": float(batch.padding_ratio),
-                "grad_norm": float(metrics["grad_norm"]),
-                "learning_rate": float(lr_at(step)),
-                "step_time_s": dt,
-                "tokens_per_s": float(metrics["real_tokens"]) / dt,
                 "dp": layout.dp,
                 "sp": layout.sp,
                 "compile_s": compile_s,
                 "step_cache_hits": cache.stats.hits,
                 "step_cache_misses": cache.stats.misses,
-            }
+            })
             if step_time_check is not None and compile_s == 0.0:
                 record.update(step_time_check.observe(arrays["segment_ids"], layout, dt))
             if main:
-                logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
+                logger.log(step + 1, record, postfix={"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
             if checkpointer.should_save(step + 1, end):
                 checkpointer.save(step + 1, state, pipeline.state(), config.model)
         checkpointer.wait()

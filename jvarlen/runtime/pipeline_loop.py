@@ -27,7 +27,7 @@ from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.plan import Plan
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
-from jvarlen.runtime.loop import TrainResult, close_run, open_run
+from jvarlen.runtime.loop import TrainResult, close_run, open_run, step_record
 
 # Deterministic-time limits only, so that a resumed run plans exactly the same chunks.
 SOLVER = SolverOptions(time_limit_s=30.0, deterministic_time=0.5, workers=1, seed=0)
@@ -121,19 +121,12 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
             state, metrics, info = runner.step(state, plans, groups)
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
-            loss = float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0))
-            losses.append(loss)
-            tokens_seen += float(metrics["real_tokens"])
-            record = {
-                "loss": loss,
-                "target_tokens": float(metrics["target_tokens"]),
-                "real_tokens": float(metrics["real_tokens"]),
+            record = step_record(metrics, dt, float(run.lr_at(step)))
+            losses.append(record["loss"])
+            tokens_seen += record["real_tokens"]
+            record.update({
                 "documents": sum(len(g) for g in groups),
                 "longest_document": max(len(d) for g in groups for d in g),
-                "grad_norm": float(metrics["grad_norm"]),
-                "learning_rate": float(run.lr_at(step)),
-                "step_time_s": dt,
-                "tokens_per_s": float(metrics["real_tokens"]) / dt,
                 "plan_s": plan_s,
                 "dp": layout.dp,
                 "pp": layout.pp,
@@ -142,9 +135,9 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                 "step_cache_misses": runner.cache.misses,
                 "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
                 **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
-            }
+            })
             if run.main:
-                logger.log(step + 1, record, postfix={"loss": f"{loss:.3f}", "chunks": info.chunks,
+                logger.log(step + 1, record, postfix={"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
                                                       "split": info.split_documents})
             if checkpointer.should_save(step + 1, run.end):
                 checkpointer.save(step + 1, state, pipeline.state(), config.model)
