@@ -60,6 +60,17 @@ class Run:
     end: int
     lr_at: Callable[[int], float]
 
+    def end_step(self, step: int, record: dict, state, postfix: dict) -> None:
+        """Logs step ``step`` (0-based) and saves a checkpoint when one is due."""
+        if self.main:
+            self.logger.log(step + 1, record, postfix=postfix)
+        if self.checkpointer.should_save(step + 1, self.end):
+            self.checkpointer.save(step + 1, state, self.pipeline.state(), self.config.model)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.logger.close()
+
 
 def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     """Run directory, data pipeline, canonical FSDP state (resumed if asked), logger."""
@@ -159,7 +170,7 @@ def train(
 
         return train_pipeline(config, quiet=quiet, stop_after=stop_after)
     run = open_run(config, quiet, stop_after)
-    say, note, main, pipeline, checkpointer, logger = run.say, run.note, run.main, run.pipeline, run.checkpointer, run.logger
+    note, pipeline, checkpointer = run.note, run.pipeline, run.checkpointer
     graphdef, optimizer, placement, state = run.graphdef, run.optimizer, run.placement, run.state
     start, end, lr_at = run.start, run.end, run.lr_at
     policy = LayoutPolicy.from_config(config, len(placement.devices))
@@ -204,13 +215,9 @@ def train(
             })
             if step_time_check is not None and compile_s == 0.0:
                 record.update(step_time_check.observe(arrays["segment_ids"], layout, dt))
-            if main:
-                logger.log(step + 1, record, postfix={"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
-            if checkpointer.should_save(step + 1, end):
-                checkpointer.save(step + 1, state, pipeline.state(), config.model)
+            run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
         checkpointer.wait()
     finally:
-        checkpointer.close()
-        logger.close()
+        run.close()
 
     return close_run(run, losses, tokens_seen, t_start, state)

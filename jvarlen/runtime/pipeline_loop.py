@@ -98,7 +98,7 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
     """Trains with EPP plans; same outputs (metrics.jsonl, checkpoints, resume) as the DP loop."""
     layout = pipeline_layout(config, len(jax.devices()))
     run = open_run(config, quiet, stop_after)
-    say, note, pipeline, checkpointer, logger = run.say, run.note, run.pipeline, run.checkpointer, run.logger
+    say, note, pipeline, checkpointer = run.say, run.note, run.pipeline, run.checkpointer
     state = run.state
     run.state = None
     cost = cost_model(config, layout, say)
@@ -136,13 +136,9 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                 "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
                 **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
             })
-            if run.main:
-                logger.log(step + 1, record, postfix={"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
-                                                      "split": info.split_documents})
-            if checkpointer.should_save(step + 1, run.end):
-                checkpointer.save(step + 1, state, pipeline.state(), config.model)
+            run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
+                                               "split": info.split_documents})
         checkpointer.wait()
     finally:
-        checkpointer.close()
-        logger.close()
+        run.close()
     return close_run(run, losses, tokens_seen, t_start, state)
