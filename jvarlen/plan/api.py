@@ -65,13 +65,18 @@ class PlannerOptions:
     seq1f1b_reference_context: int = 96 * 1024
 
 
-def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
-    """Analytic cost model of ``model`` (ModelShape or ModelConfig) on ``cluster`` (see hardware.py).
+def make_cost(model, cluster="a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
+    """Analytic cost model of ``model`` (ModelShape or ModelConfig) on ``cluster`` (a name or
+    a :class:`~jvarlen.plan.hardware.ClusterSpec`, see hardware.py).
 
-    ``zero3_sp``: the stage's compute parameters and gradient accumulators are sharded
-    over its SP group (InfiniPipe §3: Ulysses SP "equipped with ZeRO-3 (degree d_s)"),
-    i.e. ``stage_bytes_per_param / sp`` per device; the gathered layer lives in the
-    profile's workspace. Default off: the cost model's own assumption (full stage copy).
+    ``zero3_sp``: InfiniPipe's testbed (§3: Ulysses SP "equipped with ZeRO-3 (degree d_s)",
+    SP intra-node, PP inter-node, §5.1). The stage's compute parameters and gradient
+    accumulators are sharded over its SP group (``stage_bytes_per_param / sp`` per
+    device; the gathered layer lives in the profile's workspace), and the end-of-step
+    gradient/parameter sync of a stage stays inside that group: over NVLink when the
+    group fits in a node (with dp = 1 no parameter or gradient crosses nodes). Default
+    off: the cost model's own assumption (full stage copy, sync over the slowest link,
+    which is what jvarlen's executor does).
     """
     from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
 
@@ -80,7 +85,8 @@ def make_cost(model, cluster: str = "a800", layout: Layout = Layout(1, 4, 8), ze
     nodes = max(1, math.ceil(layout.num_devices / spec.gpus_per_node))
     coeffs = analytic_coefficients(shape, spec, num_nodes=nodes)
     if zero3_sp:
-        coeffs = coeffs.replace(stage_bytes_per_param=coeffs.stage_bytes_per_param / layout.sp)
+        sync = coeffs.p2p_intra if layout.sp <= spec.gpus_per_node and layout.dp == 1 else coeffs.sync_link
+        coeffs = coeffs.replace(stage_bytes_per_param=coeffs.stage_bytes_per_param / layout.sp, sync_link=sync)
     return CostModel(shape, layout, coeffs)
 
 
@@ -173,11 +179,28 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
     return sorted(out or [n0], reverse=True)
 
 
+def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int) -> int | None:
+    """One refinement step of the N search: the geometric midpoint ``best·ratio^±1/2``
+    towards the faster of best's two coarse neighbours ``best·ratio^±1`` (a neighbour
+    not simulated counts as faster: the coarse search never looked there). None when
+    both midpoints are out of ``[n_lo, n_hi]``, equal to ``best`` or already tried."""
+    if ratio <= 1:
+        return None
+    step = math.sqrt(ratio)
+    sides = []
+    for mid, nb in ((int(round(best * step)), int(round(best * ratio))), (int(round(best / step)), int(round(best / ratio)))):
+        if n_lo <= mid <= n_hi and mid != best and mid not in tried:
+            sides.append((tried.get(nb, -math.inf), mid))
+    return min(sides)[1] if sides else None
+
+
 def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) -> Plan:
     """Alg. 1 + Eq. 14 + Alg. 2. N is tuned by simulating candidates (§3.2), largest first,
     stopping at the first candidate slower than the best so far (or after
-    ``n_candidates``); during tuning the DP prices ranges with greedy checkpointing,
-    and the MILP then re-solves the chosen units."""
+    ``n_candidates``), then refined once: the geometric midpoint between the best N and
+    its faster coarse neighbour (an untried neighbour counts as faster) is simulated too
+    (:func:`refine_candidate`). During tuning the DP prices ranges with greedy
+    checkpointing, and the MILP then re-solves the chosen units."""
     events: list[str] = []
     candidates = slice_candidates(lengths, cost, options, policy)
     tune_mode = "greedy" if mode == "milp" else mode
@@ -185,10 +208,17 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     tried: dict[int, float] = {}
     queue = list(candidates)
     finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
+
+    def evaluate(n: int):
+        res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
+        plan = assemble(policy, lengths, chunks, grouping.units, cost)
+        tried[n] = plan.stats["iteration_time_s"]
+        return (n, res, chunks, grouping, tried[n], plan)
+
     while queue and len(tried) < options.n_candidates:
         n = queue.pop(0)
         try:
-            res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
+            found = evaluate(n)
         except (ValueError, PlanningError) as e:
             events.append(f"N={n}: infeasible ({e})")
             # Finer slicing shrinks the chunk windows: if even the largest candidate does not
@@ -199,12 +229,20 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
                 candidates.append(bigger)
                 queue.insert(0, bigger)
             continue
-        plan = assemble(policy, lengths, chunks, grouping.units, cost)
-        tried[n] = plan.stats["iteration_time_s"]
-        if best is not None and tried[n] > best[4]:
+        if best is not None and found[4] > best[4]:
             break  # unimodal in N: further (smaller) candidates only get worse
-        if best is None or tried[n] < best[4]:
-            best = (n, res, chunks, grouping, tried[n], plan)
+        if best is None or found[4] < best[4]:
+            best = found
+    if best is not None and options.n_slices is None and policy != "epp-fast":
+        n_hi = max(max(candidates), max(lengths) // max(1, options.min_slice_tokens))
+        mid = refine_candidate(best[0], tried, options.n_ratio, min(candidates), n_hi)
+        if mid is not None:
+            try:
+                found = evaluate(mid)
+                if found[4] < best[4]:
+                    best = found
+            except (ValueError, PlanningError) as e:
+                events.append(f"N={mid}: infeasible ({e})")
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
     n, res, chunks, grouping, _, plan = best

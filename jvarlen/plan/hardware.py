@@ -13,6 +13,18 @@ Shipped specs (public datasheets, dense bf16 without sparsity):
   8 x 400 Gb/s InfiniBand NDR per node (DGX H100).
 * ``h200``: 8 x H200-SXM-141GB per node, 989 TFLOP/s, 4.8 TB/s HBM, NVLink 900 GB/s,
   8 x 400 Gb/s InfiniBand per node.
+
+Small-chunk efficiency (``ClusterSpec.gemm_half_rows``, default 0 = off). A GEMM whose
+row count ``m`` (tokens per device, i.e. chunk tokens / sp under Ulysses) is small
+reaches only part of the large-GEMM throughput (InfiniPipe App. B, Fig. 13: finer
+chunks are slower per token). We model this with Hockney's half-performance length
+(R. Hockney, C. Jesshope, *Parallel Computers 2*, 1988, §1.3: ``r(m) = r_inf·m/(m + m_half)``),
+which is exact for "a fixed start-up cost plus a per-row cost": the layer's matmul time
+becomes ``alpha2·(m + m_half)``, i.e. ``alpha2·m_half`` more per chunk and layer
+(``LayerTime.beta1``; twice that in the backward, which runs two GEMMs per forward GEMM).
+We ship no value: none of our measurements covers an A800/H100 GEMM sweep, so the
+benchmark reports the speedups as a function of ``m_half`` instead (a sensitivity
+analysis, still analytic) rather than pick a number.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ class ClusterSpec:
     inter_latency_s: float = 20e-6
     memory_margin: float = 0.9  # usable fraction of HBM (Hydraulis B.1 "safety margin")
     workspace_bytes: float = 2e9  # runtime context, collective buffers, allocator slack
+    gemm_half_rows: float = 0.0  # Hockney m_half of the layer GEMMs, rows per device (0: no small-GEMM penalty)
 
 
 A800 = ClusterSpec(
@@ -91,13 +104,15 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
     c = CLUSTERS[cluster] if isinstance(cluster, str) else cluster
     mm = c.peak_flops * c.matmul_efficiency
     at = c.peak_flops * c.attention_efficiency
+    alpha2 = model.layer_linear_flops_per_token / mm
+    head_alpha2 = model.head_flops_per_token / mm
     fwd = LayerTime(
         alpha1=model.attention_flops_per_pair / at,
-        alpha2=model.layer_linear_flops_per_token / mm,
-        beta1=c.layer_overhead_s,
+        alpha2=alpha2,
+        beta1=c.layer_overhead_s + c.gemm_half_rows * alpha2,
     )
     bwd = LayerTime(fwd.alpha1 * c.attention_bwd_factor, fwd.alpha2 * 2.0, fwd.beta1 * 2.0)
-    head_fwd = LayerTime(0.0, model.head_flops_per_token / mm, c.layer_overhead_s)
+    head_fwd = LayerTime(0.0, head_alpha2, c.layer_overhead_s + c.gemm_half_rows * head_alpha2)
     nvlink = c.nvlink_bandwidth * c.link_efficiency / 2  # one direction
     net = c.network_bandwidth_per_node / c.gpus_per_node * c.link_efficiency
     intra = Link(nvlink, c.intra_latency_s)
