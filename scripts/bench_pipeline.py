@@ -68,8 +68,8 @@ def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
 POLICIES = (None, "dots_with_no_batch_dims_saveable")  # what a stored layer keeps: everything / matmul outputs
 
 
-def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None):
-    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None, fuse=True):
+    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers, fuse=fuse)
     fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(layout), residual_policy=policy))
     start = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
@@ -77,16 +77,23 @@ def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=Non
 
 
 def overhead(graphdef, cfg, params, tokens, repeats):
+    """pp = 1, one chunk: the executor as it runs such a plan (F and B fused into one tick),
+    and with F and B kept in separate ticks — the stored-residual / recompute path every
+    stage but the last takes when pp > 1."""
     docs, chunks = documents(1, tokens, cfg.vocab_size)
     pack = pack_chunks(chunks, docs, tokens)
     layout = Layout(1, 1, 1)
     plain_batch = {k: pack.arrays[k] for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
     runs = {"plain jitted loss+grads": (jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)), plain_batch)}
+    variants = [("executor, F and B fused in one tick", None, 0, True)]
     for policy in POLICIES:
         for r in (0, cfg.num_layers):
-            _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)],
-                                             [np.full((1, 1), r, np.int32)], policy)
-            runs[f"executor, residuals kept: {policy or 'all'}, layers recomputed: {r}"] = (step, batch)
+            variants.append((f"executor, F and B in separate ticks, residuals kept: {policy or 'all'}, "
+                             f"layers recomputed: {r}", policy, r, False))
+    for name, policy, r, fuse in variants:
+        _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)],
+                                         [np.full((1, 1), r, np.int32)], policy, fuse)
+        runs[name] = (step, batch)
     best = interleaved(runs, params, repeats)
     plain = best["plain jitted loss+grads"]
     print("\n| step (pp=1, one chunk of %d tokens) | ms | overhead |" % tokens)

@@ -1,6 +1,7 @@
 """The pipeline executor against the single-device reference: all chunk kinds (one document
 split into 4 slices), GPipe / 1F1B / token-level 1F1B tables, recomputation none/all/mixed,
-on (pp, sp, dp) = (2, 1, 4), (4, 1, 2), (2, 2, 2), (4, 2, 1) — one compiled step per layout."""
+on (pp, sp, dp) = (2, 1, 4), (4, 1, 2), (2, 2, 2), (4, 2, 1) and (1, 2, 2) (one stage:
+adjacent F and B fused) — one compiled step per layout."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from conftest import require_devices
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
+from jvarlen.parallel.pipeline_buffers import fuse_single_stage, op_ticks
 from jvarlen.parallel.pipeline_step import PipelineStepCache
 from jvarlen.plan import schedule as sch
 from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, PLAN_C, assert_tree_close, cover, pipelines, reference, tiny_config, tiny_params
@@ -38,7 +40,19 @@ def _cases(layout: Layout, num_layers: int):
     return cases
 
 
-LAYOUTS = [Layout(dp=4, pp=2, sp=1), Layout(dp=2, pp=4, sp=1), Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2)]
+LAYOUTS = [Layout(dp=4, pp=2, sp=1), Layout(dp=2, pp=4, sp=1), Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2),
+           Layout(dp=2, pp=1, sp=2)]
+
+
+def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int) -> np.ndarray:
+    """Layer forwards per stage the table asks for: one per chunk and layer, plus the
+    recomputed layers — except chunks whose F and B are fused (pp = 1), which recompute nothing."""
+    ckpt = np.array(ckpt)
+    if layout.pp == 1:
+        ticks = fuse_single_stage(sched.to_ticks())
+        tf, tb = op_ticks(ticks, pack.n_chunks)
+        ckpt[tf == tb] = 0
+    return pack.n_chunks * ls + ckpt.sum(axis=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -64,7 +78,7 @@ def test_matches_reference_under_every_table(layout):
         np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5, err_msg=name)
         assert_tree_close(grads, ref_grads)
         # recomputation is real: forwards + recomputed layers, per pipeline and stage
-        expected = np.stack([pk.n_chunks * ls + ck.sum(axis=0) for (_, pk), ck in zip(pipes, ckpts)])
+        expected = np.stack([expected_forwards(pk, sc, ck, layout, ls) for (_, pk), sc, ck in zip(pipes, scheds, ckpts)])
         np.testing.assert_array_equal(np.asarray(forwards), expected, err_msg=name)
     # new schedule and recomputation tables never recompiled
     assert len(cache) == 1 and cache.misses == 1 and cache.hits == len(cases) - 1

@@ -10,7 +10,7 @@ import pytest
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
-from jvarlen.parallel.pipeline_buffers import assign_slots
+from jvarlen.parallel.pipeline_buffers import FUSED, assign_slots, fuse_single_stage
 from jvarlen.parallel.pipeline_chunks import pack_chunks
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
@@ -82,6 +82,22 @@ def test_recomputed_layers_get_the_dummy_slot():
             np.testing.assert_array_equal(stored[k, p], np.arange(ls) >= ckpt[k, p])
     with pytest.raises(ValueError, match="ckpt_layers"):
         assign_slots(sch.gpipe(n, pp).to_ticks(), [-1] * n, ckpt + 1, ls)
+
+
+def test_one_stage_fuses_adjacent_forward_and_backward():
+    # token-level order of a 3-slice document then a batched chunk: F0 F1 F2 B2 B1 B0 F3 B3
+    prev = [-1, 0, 1, -1]
+    ticks = sch.token_level_1f1b(prev, 1).to_ticks()
+    fused = fuse_single_stage(ticks)
+    ops = [(int(op), int(k)) for op, k in fused[:, 0]]
+    assert ops == [(FWD, 0), (FWD, 1), (FUSED, 2), (BWD, 1), (BWD, 0), (FUSED, 3)]
+    slots = assign_slots(fused, prev, np.zeros((4, 1), np.int32), 2)
+    # fused chunks hold no stash, inbox or residual slot; the others keep theirs
+    assert slots.stash_slot[2, 0] == slots.grad_slot[2, 0] == slots.n_stash == slots.n_grad == 2
+    assert (slots.res_slot[[2, 3]] == slots.n_res).all() and slots.n_res == 2 * 2
+    assert slots.ctx_slot[2, 0] == slots.ctx_slot[0, 0] == 0  # the last slice still reads context
+    with pytest.raises(ValueError, match="one-stage"):
+        fuse_single_stage(sch.one_f_one_b(2, 2).to_ticks())
 
 
 def _prepare(ticks, pack, **kw):

@@ -25,7 +25,7 @@ from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
 from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
 from jvarlen.parallel import ulysses
 from jvarlen.parallel.layouts import DP, PP, SP, layout_mesh
-from jvarlen.parallel.pipeline_buffers import assign_slots
+from jvarlen.parallel.pipeline_buffers import FUSED, assign_slots, fuse_single_stage
 from jvarlen.parallel.pipeline_chunks import CHUNK_KEYS, PackedChunks, stack_pipelines
 from jvarlen.parallel.pipeline_stage import StageFns, maybe, residual_shapes
 from jvarlen.plan.schedule import Schedule, ScheduleError
@@ -74,6 +74,7 @@ def prepare_batch(
     num_layers: int,
     *,
     signature: Optional[PipelineSignature] = None,
+    fuse: bool = True,
 ) -> tuple[PipelineSignature, dict]:
     """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
 
@@ -82,6 +83,8 @@ def prepare_batch(
     ``ckpt_layers[i] [n, pp]``: layers recomputed per chunk and stage (InfiniPipe Eq. 15-16).
     ``signature``: run inside that compiled step's buffers (raises naming the stage, tick and
     chunks when the tables need more slots, ticks or context); else the smallest signature.
+    ``fuse``: with one stage, run each F directly followed by its B as one fused op
+    (``pipeline_buffers.fuse_single_stage``); False keeps them in separate ticks.
     Returns (signature, ``{key: [dp, ...]}``).
     """
     if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
@@ -101,6 +104,8 @@ def prepare_batch(
             Schedule.from_ticks(ticks, pack.chunk_prev)
         if ticks.shape[1] != layout.pp:
             raise ScheduleError(f"tick table has {ticks.shape[1]} stages, layout has pp={layout.pp}")
+        if layout.pp == 1 and fuse:
+            ticks = fuse_single_stage(ticks)
         ckpt = np.asarray(ckpt, np.int32)
         if ckpt.shape != (pack.n_chunks, layout.pp):
             raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
@@ -270,13 +275,29 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
 
             return dict(out, send_grad=dx, d_layers=dlayers, dck=dck, dcv=dcv, d_rest=maybe(is_first, first), count=n)
 
+        def fused(r, k):
+            """pp = 1: F and B of chunk k in one tick (plain autodiff, nothing stored across ticks)."""
+            c = chunk(k)
+
+            def stage_loss(layers_, rest_, ck, cv):
+                x = embed(rest_, c["local_tokens"])
+                y, *_ = fns.forward(layers_, x, ck, cv, c["inputs"], c["local_positions"], None)
+                return head_loss(rest_, y, c["local_targets"], c["local_loss_mask"])
+
+            loss, vjp_fn = jax.vjp(stage_loss, layers, rest, r["ck"], r["cv"])
+            d_layers, d_rest, dck, dcv = vjp_fn(scale.astype(loss.dtype))
+            return dict(out, d_layers=d_layers, d_rest=d_rest, dck=dck, dcv=dcv, loss=loss, count=jnp.int32(ls))
+
         def idle(r, k):
             return out
 
+        branches = [idle, fwd, bwd] + ([fused] if pp == 1 else [])
+
         def tick(carry, t):
             row = b["ops"][t, stage]
-            op, k = jnp.clip(row[0], 0, 2), jnp.maximum(row[1], 0)
+            op, k = jnp.clip(row[0], 0, len(branches) - 1), jnp.maximum(row[1], 0)
             is_f, is_b = op == 1, op == 2
+            takes_dctx = is_b | (op == FUSED)  # ops that add to the context dK/dV accumulator
             c = chunk(k)
             s = c["slots"]
             reads = dict(
@@ -291,7 +312,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                     carry["res"],
                 ),
             )
-            o = jax.lax.switch(op, [idle, fwd, bwd], reads, k)
+            o = jax.lax.switch(op, branches, reads, k)
             carry = dict(carry)
             carry["stash"] = put(carry["stash"], jnp.where(is_f & is_first, s["stash"], dummy["stash"]), o["x_in"])
             carry["grad_in"] = put(carry["grad_in"], jnp.where(is_f & is_last, s["grad"], dummy["grad"]), o["dy_last"])
@@ -307,8 +328,8 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                 carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
                 # a document's first slice clears its dK/dV accumulator; a backward adds to it
                 start = is_f & (b["has_next"][k] > 0) & (c["C"] == 0)
-                ctx_b = jnp.where(is_b, s["ctx"], jnp.where(start, s["ctx"], dummy["ctx"]))
-                keep = is_b.astype(cdt)
+                ctx_b = jnp.where(takes_dctx | start, s["ctx"], dummy["ctx"])
+                keep = takes_dctx.astype(cdt)
                 carry["dck"] = put(carry["dck"], ctx_b, keep * reads["dck"] + o["dck"])
                 carry["dcv"] = put(carry["dcv"], ctx_b, keep * reads["dcv"] + o["dcv"])
             carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])

@@ -9,6 +9,10 @@ rather than the number of chunks. Slot index ``count`` (one past the last) is th
 
 Phases inside a tick: ``2t`` is the op (reads/writes of the running op), ``2t+1``
 is the filing of what the two ppermutes delivered.
+
+With one stage (``pp = 1``) a chunk whose backward directly follows its forward runs both
+as one *fused* op (:data:`FUSED`, plain autodiff inside the tick): it needs no stash,
+inbox or residual slot, whatever the recomputation table says (see :func:`fuse_single_stage`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.schedule import BWD, FWD
+from jvarlen.plan.schedule import BWD, FWD, IDLE
+
+FUSED = 3  # executor-only op code: forward and backward of one chunk in one tick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +82,34 @@ def op_ticks(ticks: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     for t in range(ticks.shape[0]):
         for p in range(pp):
             op, k = int(ticks[t, p, 0]), int(ticks[t, p, 1])
-            if op == FWD:
+            if op in (FWD, FUSED):
                 tf[k, p] = t
-            elif op == BWD:
+            if op in (BWD, FUSED):
                 tb[k, p] = t
     if (tf < 0).any() or (tb < 0).any():
         k, p = np.argwhere((tf < 0) | (tb < 0))[0]
         raise ValueError(f"tick table lacks F or B of chunk {k} on stage {p}")
     return tf, tb
+
+
+def fuse_single_stage(ticks: np.ndarray) -> np.ndarray:
+    """The executor's tick table for a validated one-stage table ``[T, 1, 2]``: every F(k)
+    directly followed by B(k) becomes one :data:`FUSED` op, and ticks left idle are dropped.
+
+    With one stage nothing is sent between ticks, so fusing cannot delay another stage, and
+    the fused chunk's residuals never leave the tick (no slot traffic, no recomputation).
+    """
+    ticks = np.asarray(ticks, np.int32)
+    if ticks.shape[1] != 1:
+        raise ValueError(f"fuse_single_stage takes a one-stage table, got {ticks.shape[1]} stages")
+    rows = [r.copy() for r in ticks]
+    for t in range(len(rows) - 1):
+        (op, k), (op_next, k_next) = rows[t][0], rows[t + 1][0]
+        if op == FWD and op_next == BWD and k == k_next:
+            rows[t][0] = (IDLE, -1)
+            rows[t + 1][0] = (FUSED, k)
+    kept = [r for r in rows if r[0, 0] != IDLE]
+    return np.stack(kept) if kept else ticks[:1]
 
 
 def colour(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -125,6 +151,7 @@ def assign_slots(
     if (ckpt < 0).any() or (ckpt > ls).any():
         raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
     tf, tb = op_ticks(ticks, n)
+    fused = tf == tb  # [n, pp]: F and B in one tick, nothing kept between ticks
     nxt = [-1] * n
     for k, j in enumerate(chunk_prev):
         if j >= 0:
@@ -146,11 +173,12 @@ def assign_slots(
     peaks = {}
     per_stage = []
     for p in range(pp):
-        iv_stash = [((2 * tf[k, p - 1] + 1) if p else 2 * tf[k, p], 2 * tb[k, p], k) for k in range(n)]
-        iv_grad = [((2 * tb[k, p + 1] + 1) if p < pp - 1 else 2 * tf[k, p], 2 * tb[k, p], k) for k in range(n)]
+        staged = [k for k in range(n) if not fused[k, p]]
+        iv_stash = [((2 * tf[k, p - 1] + 1) if p else 2 * tf[k, p], 2 * tb[k, p], k) for k in staged]
+        iv_grad = [((2 * tb[k, p + 1] + 1) if p < pp - 1 else 2 * tf[k, p], 2 * tb[k, p], k) for k in staged]
         roots = sorted({root[k] for k in range(n) if uses_context[k]})
         iv_ctx = [(2 * tf[r, p], 2 * tb[r, p], r) for r in roots]
-        iv_res = [(2 * tf[k, p], 2 * tb[k, p], (k, l)) for k in range(n) for l in range(int(ckpt[k, p]), ls)]
+        iv_res = [(2 * tf[k, p], 2 * tb[k, p], (k, l)) for k in staged for l in range(int(ckpt[k, p]), ls)]
         col = {}
         for name, iv in (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res)):
             col[name], c = colour(iv)
@@ -160,8 +188,8 @@ def assign_slots(
         per_stage.append(col)
     for p, col in enumerate(per_stage):
         for k in range(n):
-            stash[k, p] = col["stash"][k]
-            grad[k, p] = col["grad"][k]
+            stash[k, p] = col["stash"].get(k, counts["stash"])
+            grad[k, p] = col["grad"].get(k, counts["grad"])
             ctx[k, p] = col["ctx"][root[k]] if uses_context[k] else counts["ctx"]
             for l in range(ls):
                 res[k, p, l] = col["res"].get((k, l), counts["res"])
