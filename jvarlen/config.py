@@ -167,11 +167,17 @@ class ParallelConfig:
     # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
     plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
     plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
+    # Iterations sampled and solved ahead in a background planning process (0: plan inline).
+    plan_ahead: int = 2
+    # Wait for the solver instead of taking a fast fallback plan when it is late: plans
+    # (and so a resumed run) are then reproducible whatever the machine load.
+    plan_wait: bool = False
 
     def __post_init__(self):
         _positive("parallel", pp=self.pp, sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
         if self.dp is not None:
             _positive("parallel", dp=self.dp)
+        _require(self.plan_ahead >= 0, f"parallel.plan_ahead must be >= 0, got {self.plan_ahead}")
         if self.tokens_per_device is not None:
             _positive("parallel", tokens_per_device=self.tokens_per_device)
         if self.sp_cycle is not None:

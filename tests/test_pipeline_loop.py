@@ -50,7 +50,7 @@ def _config(run_dir, cache, *extra):
     return load_config(CONFIG, **{"logging.run_dir": str(run_dir), "logging.tensorboard": "false",
                                   "logging.progress_bar": "false", "train.steps": "4",
                                   "checkpoint.every_steps": "2", "parallel.compilation_cache_dir": str(cache),
-                                  **dict(extra)})
+                                  "parallel.plan_wait": "true", **dict(extra)})
 
 
 def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):

@@ -137,6 +137,13 @@ class PlanningService:
             yield self.get(consumed, wait=wait)
             consumed += 1
 
+    def peek(self, iteration: int) -> Optional[Plan]:
+        """The solved plan for ``iteration`` if its worker has finished (without taking it), else None."""
+        job = self._jobs.get(iteration)
+        if job is None or not job[1].done() or job[1].cancelled() or job[1].exception() is not None:
+            return None
+        return job[1].result()
+
     def pending(self) -> list[int]:
         return sorted(self._jobs)
 

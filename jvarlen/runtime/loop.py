@@ -60,12 +60,14 @@ class Run:
     end: int
     lr_at: Callable[[int], float]
 
-    def end_step(self, step: int, record: dict, state, postfix: dict) -> None:
-        """Logs step ``step`` (0-based) and saves a checkpoint when one is due."""
+    def end_step(self, step: int, record: dict, state, postfix: dict, data_state: Optional[dict] = None) -> None:
+        """Logs step ``step`` (0-based) and saves a checkpoint when one is due. ``data_state``:
+        the data position after this step when the sampler has run ahead of training."""
         if self.main:
             self.logger.log(step + 1, record, postfix=postfix)
         if self.checkpointer.should_save(step + 1, self.end):
-            self.checkpointer.save(step + 1, state, self.pipeline.state(), self.config.model)
+            data_state = self.pipeline.state() if data_state is None else data_state
+            self.checkpointer.save(step + 1, state, data_state, self.config.model)
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -4,7 +4,9 @@ Per iteration: the token-budget sampler draws a global batch of whole document p
 (up to ``data.max_doc_tokens`` = ``data.seq_len`` tokens each; its packing rows only
 decide which pieces make the batch), the pieces are split into ``dp`` groups by row,
 each group is planned by :func:`jvarlen.plan.plan_iteration` (chunks, split documents,
-schedule and recomputation tables) with the cost model of this model, and
+schedule and recomputation tables) with the cost model of this model — ahead of time, in
+background worker processes (:mod:`jvarlen.runtime.plan_feed`), while earlier iterations
+train, and the next iteration's step signature is compiled ahead in a thread — and
 :class:`jvarlen.parallel.pipeline_run.PipelineRunner` runs the ``dp`` plans as one
 optimizer update. The state stays in the data-parallel loop's canonical FSDP sharding,
 so checkpoints, resume and logging are the shared ones of :mod:`jvarlen.runtime.loop`.
@@ -22,12 +24,12 @@ import numpy as np
 from jvarlen.config import Config, ConfigError
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline_run import PipelineRunner
-from jvarlen.plan.api import PlannerOptions, PlanningError, make_cost, plan_iteration
+from jvarlen.plan.api import PlannerOptions, make_cost
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
-from jvarlen.plan.plan import Plan
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
 from jvarlen.runtime.loop import TrainResult, close_run, open_run, step_record
+from jvarlen.runtime.plan_feed import PlanFeed
 
 # Deterministic-time limits only, so that a resumed run plans exactly the same chunks.
 SOLVER = SolverOptions(time_limit_s=30.0, deterministic_time=0.5, workers=1, seed=0)
@@ -74,26 +76,6 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
     return CostModel(shape, layout, CostCoefficients.load(path))
 
 
-def group_documents(pipeline, sample, dp: int) -> list[list[np.ndarray]]:
-    """The sampled pieces' tokens in ``dp`` groups: pipeline ``g`` takes rows ``[g R/dp, (g+1) R/dp)``."""
-    rows = pipeline.rows
-    groups: list[list[np.ndarray]] = [[] for _ in range(dp)]
-    for pid, row in zip(sample.piece_ids, sample.rows):
-        groups[int(row) * dp // rows].append(pipeline._piece(int(pid)).tokens)
-    return groups
-
-
-def plan_groups(groups, cost: CostModel, policy: str, options: PlannerOptions) -> list[Plan]:
-    plans = []
-    for g, docs in enumerate(groups):
-        if not docs:
-            raise PlanningError(f"pipeline {g} drew no documents (data.tokens_per_batch too small for dp?)")
-        plan = plan_iteration([len(d) for d in docs], cost=cost, policy=policy, options=options)
-        plan.validate([len(d) for d in docs])
-        plans.append(plan)
-    return plans
-
-
 def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[int] = None) -> TrainResult:
     """Trains with EPP plans; same outputs (metrics.jsonl, checkpoints, resume) as the DP loop."""
     layout = pipeline_layout(config, len(jax.devices()))
@@ -107,27 +89,29 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                             chunk_multiple=4, say=note)
     say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
         "chunks padded to the smallest power-of-two bucket")
+    feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
+                    ahead=config.parallel.plan_ahead, wait=config.parallel.plan_wait, say=note)
     losses: list[float] = []
     tokens_seen, t_start = 0.0, time.perf_counter()
     try:
         for step in range(run.start, run.end):
             t0 = time.perf_counter()
-            sample = pipeline.sampler.next()
-            groups = group_documents(pipeline, sample, layout.dp)
-            t_plan = time.perf_counter()
-            plans = plan_groups(groups, cost, config.parallel.plan_policy, options)
-            plan_s = time.perf_counter() - t_plan
+            it = feed.next()
+            ahead = feed.peek_plans()  # compile the next iteration's signature while this one runs
+            if ahead is not None:
+                runner.precompile(*ahead)
             misses = runner.cache.misses
-            state, metrics, info = runner.step(state, plans, groups)
+            state, metrics, info = runner.step(state, it.plans, it.groups)
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             record = step_record(metrics, dt, float(run.lr_at(step)))
             losses.append(record["loss"])
             tokens_seen += record["real_tokens"]
             record.update({
-                "documents": sum(len(g) for g in groups),
-                "longest_document": max(len(d) for g in groups for d in g),
-                "plan_s": plan_s,
+                "documents": sum(len(g) for g in it.groups),
+                "longest_document": max(len(d) for g in it.groups for d in g),
+                "plan_s": it.plan_s,
+                "plan_fallbacks": it.fallbacks,
                 "dp": layout.dp,
                 "pp": layout.pp,
                 "sp": layout.sp,
@@ -137,8 +121,9 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                 **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
             })
             run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
-                                               "split": info.split_documents})
+                                               "split": info.split_documents}, data_state=it.data_state)
         checkpointer.wait()
     finally:
+        feed.close()
         run.close()
     return close_run(run, losses, tokens_seen, t_start, state)
