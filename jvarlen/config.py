@@ -146,7 +146,11 @@ class ParallelConfig:
     """Device arrangement. dp defaults to all devices not used by pp and sp."""
 
     dp: Optional[int] = None
-    pp: int = 1
+    # Pipeline stages. None (default) = auto: 2 — the elastic pipeline path — when the
+    # devices and layers split in two and no data-parallel layout policy is set, else 1
+    # (see resolve_pipeline_stages). On a CPU-only host `python -m jvarlen.train` gives the
+    # host platform the devices a pipeline needs.
+    pp: Optional[int] = None
     sp: int = 1
     # Multi-host: jax.distributed.initialize is called when enabled; with no address
     # it auto-detects the cluster (SLURM and friends).
@@ -174,7 +178,9 @@ class ParallelConfig:
     plan_wait: bool = False
 
     def __post_init__(self):
-        _positive("parallel", pp=self.pp, sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
+        _positive("parallel", sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
+        if self.pp is not None:
+            _positive("parallel", pp=self.pp)
         if self.dp is not None:
             _positive("parallel", dp=self.dp)
         _require(self.plan_ahead >= 0, f"parallel.plan_ahead must be >= 0, got {self.plan_ahead}")
@@ -194,6 +200,21 @@ class ParallelConfig:
                 self.process_id >= 0 and (self.num_processes is None or self.process_id < self.num_processes),
                 f"parallel.process_id ({self.process_id}) must be in [0, parallel.num_processes={self.num_processes})",
             )
+
+
+def resolve_pipeline_stages(config: "Config", num_devices: int) -> "Config":
+    """``config`` with ``parallel.pp`` fixed: unchanged when set; auto (None) -> 2 when
+    ``num_devices`` splits into two stages (times sp and a set dp), the model's layers split
+    in two and no data-parallel layout policy (tokens_per_device / sp_cycle) is set, else 1."""
+    par = config.parallel
+    if par.pp is not None:
+        return config
+    per_stage = par.sp * (par.dp or 1)
+    two = (
+        par.tokens_per_device is None and par.sp_cycle is None and config.model.num_layers % 2 == 0
+        and num_devices % (2 * per_stage) == 0 and (par.dp is None or num_devices == 2 * per_stage)
+    )
+    return dataclasses.replace(config, parallel=dataclasses.replace(par, pp=2 if two else 1))
 
 
 @dataclasses.dataclass

@@ -19,11 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
     par = config.parallel
-    if par.pp > 1 and par.dp is not None and "jax" not in sys.modules:
-        # the pipeline path on a CPU host: give the host platform the devices the layout needs
+    pipeline = par.pp > 1 if par.pp is not None else par.tokens_per_device is None and par.sp_cycle is None
+    if pipeline and "jax" not in sys.modules:
+        # the pipeline path on a CPU-only host: give the host platform the devices the layout
+        # needs (no effect on GPU/TPU devices; auto pp counts as 2 stages)
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
-            count = par.dp * par.pp * par.sp
+            count = (par.dp or 1) * (par.pp or 2) * par.sp
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError

@@ -3,7 +3,7 @@
 import draccus
 import pytest
 
-from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config
+from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config, resolve_pipeline_stages
 
 
 def test_defaults_equal_configs_default_yaml():
@@ -46,3 +46,19 @@ def test_batch_must_be_whole_rows():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(["--config", "/nonexistent/x.yaml"])
+
+
+def test_auto_pipeline_stages_pick_the_elastic_pipeline_when_two_stages_fit():
+    auto = Config()
+    assert auto.parallel.pp is None
+    assert resolve_pipeline_stages(auto, 2).parallel.pp == 2
+    assert resolve_pipeline_stages(auto, 8).parallel.pp == 2  # dp = 4 pipelines of 2 stages
+    assert resolve_pipeline_stages(auto, 1).parallel.pp == 1  # one device: data parallel
+    assert resolve_pipeline_stages(auto, 3).parallel.pp == 1
+    odd = parse_config(["--model.num_layers=3"])
+    assert resolve_pipeline_stages(odd, 8).parallel.pp == 1
+    policy = parse_config(["--parallel.tokens_per_device=512"])
+    assert resolve_pipeline_stages(policy, 8).parallel.pp == 1  # a data-parallel layout policy
+    fixed = parse_config(["--parallel.dp=2", "--parallel.sp=2"])
+    assert resolve_pipeline_stages(fixed, 8).parallel.pp == 2 and resolve_pipeline_stages(fixed, 4).parallel.pp == 1
+    assert resolve_pipeline_stages(parse_config(["--parallel.pp=4"]), 8).parallel.pp == 4  # set: kept

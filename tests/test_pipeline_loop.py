@@ -46,6 +46,21 @@ def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
 
 
+def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path):
+    # no parallel settings and no XLA_FLAGS: auto stages give pp = 2 and the entry point
+    # gives the host platform the two devices (the default `python -m jvarlen.train`)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    tiny = ["--model.d_model=32", "--model.num_layers=2", "--model.mlp_dim=64", "--model.compute_dtype=float32",
+            "--data.seq_len=256", "--data.tokens_per_batch=1024", "--data.max_documents=40", "--train.steps=1",
+            "--logging.tensorboard=false", f"--logging.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "jvarlen.train", *tiny], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "elastic pipeline: Layout(dp=1, pp=2, sp=1)" in proc.stdout
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (record["dp"], record["pp"], record["sp"]) == (1, 2, 1) and np.isfinite(record["loss"])
+
+
 def _config(run_dir, cache, *extra):
     return load_config(CONFIG, **{"logging.run_dir": str(run_dir), "logging.tensorboard": "false",
                                   "logging.progress_bar": "false", "train.steps": "4",

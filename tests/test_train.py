@@ -17,7 +17,7 @@ TINY_ARGS = [
     "--model.vocab_size=320", "--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4",
     "--model.num_kv_heads=2", "--model.mlp_dim=64", "--model.compute_dtype=float32",
     "--data.seq_len=128", "--data.tokens_per_batch=1024", "--data.max_documents=60",
-    "--logging.tensorboard=false", "--logging.progress_bar=false",
+    "--logging.tensorboard=false", "--logging.progress_bar=false", "--parallel.pp=1",
 ]
 
 

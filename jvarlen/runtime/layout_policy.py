@@ -38,6 +38,8 @@ class LayoutPolicy:
     @classmethod
     def from_config(cls, config: Config, num_devices: int) -> "LayoutPolicy":
         par = config.parallel
+        if par.pp is None:  # auto stages, asked for the data-parallel path: one stage
+            par = dataclasses.replace(par, pp=1)
         heads = config.model.num_heads
         if par.pp != 1:
             raise ConfigError(f"parallel.pp={par.pp}: pipeline parallelism needs the pipeline executor; use pp=1")

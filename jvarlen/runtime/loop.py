@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jvarlen.config import Config, to_dict
+from jvarlen.config import Config, resolve_pipeline_stages, to_dict
 from jvarlen.data import DataPipeline
 from jvarlen.layout import Layout
 from jvarlen.parallel.layouts import batch_sharding
@@ -167,6 +167,7 @@ def train(
     still follows ``train.steps`` and the last step reached is checkpointed.
     ``layout_for_step(step, rows, seq_len)`` overrides the config's layout policy.
     """
+    config = resolve_pipeline_stages(config, len(jax.devices()))
     if config.parallel.pp > 1:
         from jvarlen.runtime.pipeline_loop import train_pipeline
 

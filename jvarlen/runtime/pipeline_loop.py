@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jvarlen.config import Config, ConfigError
+from jvarlen.config import Config, ConfigError, resolve_pipeline_stages
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline_run import PipelineRunner
 from jvarlen.plan.api import PlannerOptions, make_cost
@@ -37,7 +37,7 @@ SOLVER = SolverOptions(time_limit_s=30.0, deterministic_time=0.5, workers=1, see
 
 def pipeline_layout(config: Config, num_devices: int) -> Layout:
     """(dp, pp, sp) over all devices; dp defaults to the devices left by pp and sp."""
-    par = config.parallel
+    par = resolve_pipeline_stages(config, num_devices).parallel
     if par.tokens_per_device is not None or par.sp_cycle is not None:
         raise ConfigError("parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; "
                           "the pipeline path (parallel.pp > 1) uses the fixed (dp, pp, sp)")
