@@ -191,6 +191,15 @@ class CostCoefficients:
     * ``m_token``: activation bytes stored per token per layer on one device without
       checkpointing (Eq. 5 ``M_token / L``); divided by ``sp``. ``m_head_token``: bytes per token
       the last stage keeps for the head (logits) until its backward.
+    * ``m_context_token``: bytes per *context* token per un-checkpointed layer that the attention
+      backward keeps on top of ``m_token`` (the kernel reads ``[cached K/V; own K/V]`` as one
+      concatenated array and autodiff saves it: ``2·e·kv_dim`` here; 0 for a kernel that reads the
+      cache in place). Divided by ``sp``.
+    * ``m_work_token`` / ``m_work_remat_token``: working memory per token of the backward in
+      flight (cotangents and temporaries of one layer; with recomputation also the rebuilt
+      residuals of one layer), measured from XLA's temp sizes; ``m_work_context_token`` per context
+      token (the cotangent of the concatenated K/V and the context gradient cut from it:
+      ``2 · 2·e·kv_dim``). Used by :meth:`CostModel.peak_memory` only, not by Eq. 10.
     * ``bytes_per_element`` (``e``): compute dtype size, used for K/V, dK/dV, checkpoints, P2P and
       all-to-all volumes. ``dkv_bytes_per_element``: accumulated dK/dV dtype (Eq. 5 M_dkv).
     * Model state (per device): ``master_bytes_per_param`` (fp32 params + Adam m, v) sharded over
@@ -216,6 +225,10 @@ class CostCoefficients:
     head_bwd: Optional[LayerTime] = None
     m_token: float = 0.0
     m_head_token: float = 0.0
+    m_context_token: float = 0.0
+    m_work_token: float = 0.0
+    m_work_remat_token: float = 0.0
+    m_work_context_token: float = 0.0
     bytes_per_element: int = 2
     dkv_bytes_per_element: int = 4
     master_bytes_per_param: float = 12.0
@@ -276,7 +289,8 @@ class CostCoefficients:
             "meta": dataclasses.asdict(self.meta),
         }
         for name in (
-            "m_token", "m_head_token", "bytes_per_element", "dkv_bytes_per_element", "master_bytes_per_param",
+            "m_token", "m_head_token", "m_context_token", "m_work_token", "m_work_remat_token", "m_work_context_token",
+            "bytes_per_element", "dkv_bytes_per_element", "master_bytes_per_param",
             "stage_bytes_per_param", "workspace_bytes", "memory_budget", "gpus_per_node", "step_overhead",
             "attention_block", "sync_bytes_per_param",
         ):
@@ -491,6 +505,8 @@ class CostModel:
         of its forward to the end of its backward.
 
         ``(L_s - l) · M_token · T/sp``  (Eq. 5 Act, un-checkpointed layers)
+        ``+ (L_s - l) · m_context_token · C/sp``  (attention residual over the chunk's C context
+        keys: the concatenated K/V the kernel reads; not in the paper's Eq. 5, measured here)
         ``+ (1 - I) · 2 · e_dkv · kv_dim · L_s · T/sp``  (Eq. 5 M_dkv)
         ``+ l · e · (D + (1 - I) · 2 · kv_dim) · T/sp``  (Eq. 9 M_ckpt: input, plus K/V kept for
         later slices; with MHA this is ``(3 - 2I) e D``)
@@ -502,11 +518,28 @@ class CostModel:
         c, m = self.coeffs, self.model
         t = chunk.tokens / self.layout.sp
         not_tail = 0 if chunk.tail else 1
-        act = (Ls - ckpt_layers) * c.m_token * t
+        act = (Ls - ckpt_layers) * (c.m_token * t + c.m_context_token * chunk.context / self.layout.sp)
         dkv = not_tail * 2 * c.dkv_bytes_per_element * m.kv_dim * Ls * t
         ckpt = ckpt_layers * c.bytes_per_element * (m.d_model + not_tail * 2 * m.kv_dim) * t
         head = c.m_head_token * t if self._is_last(stage) else 0.0
         return act + dkv + ckpt + head
+
+    def working_memory(self, chunk: ChunkShape, ckpt_layers: int = 0) -> float:
+        """Transient bytes of the backward of ``chunk`` while it runs (cotangents and temporaries of
+        one layer; with ``ckpt_layers > 0`` also the residuals of the layer being recomputed):
+        ``m_work_token · T/sp`` (or ``m_work_remat_token · T/sp``) ``+ m_work_context_token · C/sp``.
+        Only one chunk's backward runs at a time on a stage, so this is added once, not per chunk
+        in flight."""
+        c = self.coeffs
+        per_token = c.m_work_remat_token if ckpt_layers > 0 else c.m_work_token
+        return (per_token * chunk.tokens + c.m_work_context_token * chunk.context) / self.layout.sp
+
+    def peak_memory(self, chunk: ChunkShape, ckpt_layers: int = 0, stage: Optional[int] = None) -> float:
+        """Peak activation bytes of one device while ``chunk``'s backward runs with no other chunk in
+        flight: Eq. 10 (:meth:`activation_memory`) plus :meth:`working_memory`. This is what XLA's
+        ``memory_analysis().temp_size_in_bytes`` of a forward+backward program measures
+        (``scripts/validate_cost_model.py --memory``)."""
+        return self.activation_memory(chunk, ckpt_layers, stage) + self.working_memory(chunk, ckpt_layers)
 
     def model_state_memory(self, stage: int) -> float:
         """Model states on one device of ``stage`` (Hydraulis B.1 (b)): fp32 master params and

@@ -123,13 +123,24 @@ class ChunkHarness:
         optimizer: Optional[OptimizerConfig] = None,
         token_buckets: Sequence[int] = TOKEN_BUCKETS,
         context_buckets: Sequence[int] = CONTEXT_BUCKETS,
+        sp: int = 1,
     ):
         self.cfg = cfg
+        self.sp = sp
+        self.mesh = None
+        if sp > 1:  # Ulysses over the first sp devices; tokens split over sp, parameters replicated
+            from jvarlen.parallel.layouts import layout_mesh
+
+            if len(jax.devices()) < sp:
+                raise ValueError(f"sp={sp} needs {sp} devices, have {len(jax.devices())} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
+            self.mesh = layout_mesh(Layout(1, 1, sp), jax.devices()[:sp])
         self.token_buckets = tuple(token_buckets)
         self.context_buckets = tuple(context_buckets)
         self.shape = ModelShape.from_config(cfg)
         self.model = build_model(cfg, seed=seed)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)
+        if self.mesh is not None:
+            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self.dtype = jnp.dtype(self.model.compute_dtype)
         self.attention_impl = cfg.attention
         self._cache: dict = {}
@@ -151,7 +162,17 @@ class ChunkHarness:
         out["x"] = jnp.asarray(x, self.dtype)
         out["ctx_k"] = jnp.asarray(ctx[0], self.dtype)
         out["ctx_v"] = jnp.asarray(ctx[1], self.dtype)
-        return out
+        return self._shard(out)
+
+    def _shard(self, batch: dict) -> dict:
+        """With sp > 1 every per-token array is split over ``sp`` along its token axis (1)."""
+        if self.mesh is None:
+            return batch
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jvarlen.parallel.layouts import SP
+
+        return {k: jax.device_put(v, NamedSharding(self.mesh, P(None, SP))) for k, v in batch.items()}
 
     def chunk_inputs(self, chunk: ChunkShape, seed: int = 0) -> dict:
         out = self.layer_inputs(chunk, seed)
@@ -162,10 +183,15 @@ class ChunkHarness:
         out["targets"] = jnp.asarray(tokens[:, 1:])
         out["loss_mask"] = (out["seg"] > 0).astype(jnp.float32)
         del out["x"]
-        return out
+        return self._shard(out)
 
     def _attention_fn(self, ctx_k, ctx_v):
-        base = make_attention_fn(self.attention_impl)
+        if self.mesh is None:
+            base = make_attention_fn(self.attention_impl)
+        else:
+            from jvarlen.parallel.ulysses import ulysses_attention_fn
+
+            base = ulysses_attention_fn(self.mesh, self.attention_impl)
         if ctx_k.shape[1] == 0:
             return base
 
@@ -190,15 +216,19 @@ class ChunkHarness:
         return x
 
     # ---- layer-slice programs (profiling)
-    def layers_program(self, n_layers: int, mode: str, remat: bool) -> Callable:
+    def layers_program(self, n_layers: int, mode: str, remat: bool | int) -> Callable:
         """jit of ``n_layers`` layers: ``mode="fwd"`` forward only, ``"fwdbwd"`` forward + VJP w.r.t.
-        parameters, input and context K/V (all layers recomputed when ``remat``)."""
-        key = ("layers", n_layers, mode, remat)
+        parameters, input and context K/V. ``remat``: True recomputes all layers, an int that many
+        (the first ones), False none."""
+        n_remat = n_layers if remat is True else int(remat)
+        if not 0 <= n_remat <= n_layers <= self.cfg.num_layers:
+            raise ValueError(f"need 0 <= remat ({n_remat}) <= n_layers ({n_layers}) <= num_layers ({self.cfg.num_layers})")
+        key = ("layers", n_layers, mode, n_remat)
         if key in self._cache:
             return self._cache[key]
 
         def fwd(params, batch):
-            return self._run_layers(params, batch["x"], batch, n_layers, n_layers if remat else 0)
+            return self._run_layers(params, batch["x"], batch, n_layers, n_remat)
 
         if mode == "fwd":
             fn = jax.jit(fwd)
@@ -275,7 +305,7 @@ class ChunkHarness:
         return self._cache["opt"]
 
     def zeros_like_params(self):
-        return jax.tree.map(jnp.zeros_like, self.params)
+        return jax.tree.map(lambda a: jnp.zeros_like(a, device=a.sharding), self.params)
 
 
 def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> dict:
@@ -384,26 +414,95 @@ def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[
     return ProfileSamples(chunks, np.array(fwd), np.array(bwd), np.array(rec), raw)
 
 
-def profile_memory(harness: ChunkHarness, tokens: Sequence[int]) -> Optional[float]:
-    """Activation bytes per token per layer (``m_token``) from XLA's temp buffer size of the
-    dual-layer forward+backward programs; None when the backend reports nothing."""
-    lo, hi = dual_layers(harness.cfg.num_layers)
-    per = []
+def program_memory(fn: Callable, *args) -> Optional[dict]:
+    """XLA's buffer sizes (bytes) of ``fn`` compiled for ``args`` (not run): ``temp`` (peak of the
+    program's own buffers), ``argument``, ``output``, ``alias``; None where the backend reports
+    nothing."""
+    try:
+        stats = fn.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - backends without memory analysis
+        return None
+    if stats is None:
+        return None
+    return {
+        "temp": int(stats.temp_size_in_bytes),
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "alias": int(stats.alias_size_in_bytes),
+    }
+
+
+def memory_layer_counts(num_layers: int) -> tuple[int, ...]:
+    """Layer counts of the memory slices: 2..4 (capped at the model depth). A least-squares slope
+    over equally spaced counts 2, 3, 4 is ``(m(4) − m(2)) / 2``: XLA's buffer assignment of the
+    3-layer program is not halfway between (+3 KB/token at T = 512 on CPU), so two differences
+    are averaged rather than trusting one."""
+    return tuple(n for n in (2, 3, 4) if n <= num_layers) if num_layers >= 2 else (1,)
+
+
+def measure_memory(harness: ChunkHarness, tokens: Sequence[int], progress: Optional[Callable] = None) -> list[dict]:
+    """``memory_analysis()`` of the forward+backward layer programs (compiled, not run) over
+    (tokens ∈ ``tokens``, context 0, layer counts :func:`memory_layer_counts`, recomputation of
+    none or all layers). Rows: ``{tokens, context, layers, remat, temp, argument, output, alias}``;
+    empty when the backend reports nothing."""
+    rows = []
     for t in tokens:
-        batch = harness.layer_inputs(ChunkShape(0, (t,)))
-        temps = []
-        for nl in (lo, hi):
-            try:
-                compiled = harness.layers_program(nl, "fwdbwd", False).lower(harness.params, batch).compile()
-                stats = compiled.memory_analysis()
-            except Exception:  # noqa: BLE001 - backends without memory analysis
-                return None
-            if stats is None:
-                return None
-            temps.append(stats.temp_size_in_bytes)
-        per.append(temps[1] - temps[0])
-    slope, _ = fit_linear(tokens, per)
-    return slope if slope > 0 else None
+        chunk = ChunkShape(0, (t,))
+        batch = harness.layer_inputs(chunk)
+        for n in memory_layer_counts(harness.cfg.num_layers):
+            for remat in (0, n):
+                stats = program_memory(harness.layers_program(n, "fwdbwd", remat), harness.params, batch)
+                if stats is None:
+                    return []
+                rows.append(dict(tokens=t, context=0, layers=n, remat=remat, **stats))
+        if progress:
+            progress(t)
+    return rows
+
+
+def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
+    """Per-token memory coefficients from :func:`measure_memory` rows (least squares).
+
+    Without recomputation ``temp = n·m_token·T + m_work_token·T + c``; with all ``n`` layers
+    recomputed ``temp = n·m_ckpt_token·T + m_work_remat_token·T + c'``. ``m_token`` is Eq. 5's
+    stored activations per layer and token; ``m_ckpt_token`` is Eq. 9's checkpoint (the layer
+    input, ``e·D`` for a tail chunk; returned for checking, the model uses ``e·D``); the
+    ``m_work*`` slopes are the working memory of the backward in flight.
+    """
+    out = {}
+    for remat, (slope, work) in ((False, ("m_token", "m_work_token")), (True, ("m_ckpt_token", "m_work_remat_token"))):
+        sel = [r for r in rows if r["context"] == 0 and (r["remat"] > 0) == remat]
+        if not sel:
+            continue
+        x = np.array([[r["layers"] * r["tokens"], r["tokens"], 1.0] for r in sel], float)
+        y = np.array([r["temp"] for r in sel], float)
+        theta, *_ = np.linalg.lstsq(x, y, rcond=None)
+        out[slope], out[work] = float(theta[0]), float(theta[1])
+    return out
+
+
+def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim: int, dtype, repeats: int = 5) -> list[list[float]]:
+    """Times the Ulysses all-to-all ``[1, T/sp, H, hd] -> [1, T, H/sp, hd]`` (``seq_to_heads``) on
+    ``sp`` devices alone. Rows ``[bytes each device sends, seconds per device]``; a device sends
+    ``(sp−1)/sp`` of its ``e·T/sp·H·hd`` bytes. Seconds per device = clock time / ``sp`` on the CPU
+    backend, whose fake devices are threads of one process timed by process CPU time
+    (:func:`default_clock`); elsewhere the clock is wall time and is not divided."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jvarlen.parallel.layouts import SP, layout_mesh
+    from jvarlen.parallel.ulysses import seq_to_heads
+
+    mesh = layout_mesh(Layout(1, 1, sp), jax.devices()[:sp])
+    spec = P(None, SP, None, None)
+    fn = jax.jit(jax.shard_map(seq_to_heads, mesh=mesh, in_specs=spec, out_specs=P(None, None, SP, None)))
+    per_device = sp if jax.default_backend() == "cpu" else 1
+    e = jnp.dtype(dtype).itemsize
+    rows = []
+    for t in token_counts:
+        x = jax.device_put(jnp.ones((1, t, heads, head_dim), dtype), NamedSharding(mesh, spec))
+        sec = time_call(fn, x, repeats=repeats) / per_device
+        rows.append([e * t / sp * heads * head_dim * (sp - 1) / sp, sec])
+    return rows
 
 
 def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]]) -> tuple[LayerTime, tuple[float, float]]:
@@ -441,7 +540,7 @@ def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), pr
         f = time_call(harness.head_program("fwd"), harness.params, x, batch, repeats=grid.repeats)
         fb = time_call(harness.head_program("fwdbwd"), harness.params, x, batch, repeats=grid.repeats)
         head.append([t, f, fb])
-    m_token = profile_memory(harness, grid.token_buckets)
+    memory = measure_memory(harness, grid.token_buckets)
 
     init, update = harness.optimizer_program()
     params = jax.tree.map(jnp.copy, harness.params)
@@ -470,7 +569,8 @@ def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), pr
         "raw": samples.raw,
         "dual_layers": list(dual_layers(harness.cfg.num_layers)),
         "head": head,
-        "m_token": m_token,
+        "memory": memory,
+        "m_token": fit_memory(memory).get("m_token") if memory else None,
         "optimizer_s": optimizer_s,
         "calibration": calibration,
         "repeats": grid.repeats,
@@ -507,13 +607,18 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     zero = np.zeros(len(tokens))
     head_fwd = fit_layer_time(zero, tokens, [h[1] for h in report["head"]])
     head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) for h in report["head"]])
+    mem = fit_memory(report["memory"]) if report.get("memory") else {}
+    if mem:
+        report["memory_fit"] = mem
     coeffs = c0.replace(
         fwd=fwd,
         bwd=bwd,
         recompute=recompute,
         head_fwd=head_fwd,
         head_bwd=head_bwd,
-        m_token=report["m_token"] if report.get("m_token") else c0.m_token,
+        m_token=mem.get("m_token") or report.get("m_token") or c0.m_token,
+        m_work_token=mem.get("m_work_token", c0.m_work_token),
+        m_work_remat_token=mem.get("m_work_remat_token", c0.m_work_remat_token),
         step_overhead=report["optimizer_s"],
         per_sp={},
     )
@@ -588,7 +693,12 @@ def _default_base(harness: ChunkHarness) -> CostCoefficients:
     return CostCoefficients(
         fwd=LayerTime(),
         m_token=activation_bytes_per_token(harness.shape, e),
-        m_head_token=6.0 * harness.shape.vocab_size,
+        m_head_token=(e + 4.0) * harness.shape.vocab_size,  # logits (compute dtype) + fp32 log-softmax
+        # The layer concatenates cached and own K/V before attention and autodiff keeps the
+        # concatenation: 2 · e · kv_dim bytes per context token per stored layer; while a layer's
+        # backward runs, the concatenation's cotangent and the context gradient cut from it.
+        m_context_token=2.0 * e * harness.shape.kv_dim,
+        m_work_context_token=2.0 * 2.0 * e * harness.shape.kv_dim,
         bytes_per_element=e,
         master_bytes_per_param=12.0,
         stage_bytes_per_param=6.0,
