@@ -136,8 +136,7 @@ class PipelineStepCache:
         with self._lock:
             compiled, fut = self._compiled.get(sig), self._futures.pop(sig, None)
         if compiled is not None:
-            self.hits += 1
-            self.say(f"[pipeline] step cache hit ({len(self)} compiled)")
+            self.hits += 1  # counted, not printed: a hit is the normal case of every step
             return compiled
         self.misses += 1
         if fut is not None:
