@@ -219,9 +219,15 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             c["res_slot"] = b["res_slot"][k, stage]
             seg, pos = c["segment_ids"], c["positions"]
             if Sc:
+                # The context buffers hold a document's keys 0..C-1 at [0, C). The stage sees
+                # them rolled right by Sc - C, i.e. at [Sc - C, Sc), right before the chunk's own
+                # keys: the visible keys of a query are then one contiguous run and the
+                # attention's tile lists skip the unused [C, Sc) part of the bucket.
+                c["shift"] = Sc - c["C"]
                 ar = jnp.arange(Sc, dtype=jnp.int32)
-                kv_seg = jnp.concatenate([jnp.where(ar < c["C"], seg[0], 0), seg])
-                kv_pos = jnp.concatenate([ar, pos])
+                in_ctx = ar >= c["shift"]
+                kv_seg = jnp.concatenate([jnp.where(in_ctx, seg[0], 0), seg])
+                kv_pos = jnp.concatenate([jnp.where(in_ctx, ar - c["shift"], 0), pos])
                 c["inputs"] = AttentionInputs(seg[None], pos[None], kv_seg[None], kv_pos[None])
             else:
                 c["inputs"] = AttentionInputs(seg[None], pos[None])
@@ -229,6 +235,13 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             for key in ("tokens", "targets", "loss_mask", "positions"):  # this device's tokens
                 c["local_" + key] = jax.lax.dynamic_slice_in_dim(c[key], mine, Tl)
             return c
+
+        def roll_ctx(a, c, back=False):
+            """Context K/V (or their gradients) [Ls, Sc, K, D] between the buffers' layout and the
+            stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
+            if not Sc:
+                return a
+            return jnp.roll(a, -c["shift"] if back else c["shift"], axis=1)
 
         def put(buf, i, value):
             return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
@@ -302,7 +315,7 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             s = c["slots"]
             reads = dict(
                 x=get(carry["stash"], s["stash"]), dy=get(carry["grad_in"], s["grad"]),
-                ck=get(carry["ck"], s["ctx"]), cv=get(carry["cv"], s["ctx"]),
+                ck=roll_ctx(get(carry["ck"], s["ctx"]), c), cv=roll_ctx(get(carry["cv"], s["ctx"]), c),
                 dck=get(carry["dck"], s["ctx"]), dcv=get(carry["dcv"], s["ctx"]),
                 res=[] if not stores else jax.lax.cond(
                     is_b,
@@ -330,8 +343,8 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
                 start = is_f & (b["has_next"][k] > 0) & (c["C"] == 0)
                 ctx_b = jnp.where(takes_dctx | start, s["ctx"], dummy["ctx"])
                 keep = takes_dctx.astype(cdt)
-                carry["dck"] = put(carry["dck"], ctx_b, keep * reads["dck"] + o["dck"])
-                carry["dcv"] = put(carry["dcv"], ctx_b, keep * reads["dcv"] + o["dcv"])
+                carry["dck"] = put(carry["dck"], ctx_b, keep * reads["dck"] + roll_ctx(o["dck"], c, back=True))
+                carry["dcv"] = put(carry["dcv"], ctx_b, keep * reads["dcv"] + roll_ctx(o["dcv"], c, back=True))
             carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
             carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
             carry["loss"] = carry["loss"] + o["loss"]
