@@ -99,8 +99,7 @@ class PipelineRunner:
     """Runs plans through the executor with one optimizer update per iteration.
 
     ``state`` (a TrainState; its shardings are kept) is only used as the example for
-    compilation. ``bucket`` fixes the chunk token bucket (default: the smallest power of
-    two ≥ the largest chunk, at least 16).
+    compilation. ``bucket`` fixes the chunk token bucket (default: see :meth:`_buckets`).
     """
 
     def __init__(self, graphdef, cfg: ModelConfig, optimizer, state, *, bucket: Optional[int] = None,
@@ -110,27 +109,43 @@ class PipelineRunner:
         self.cache = PipelineStepCache(graphdef, cfg, state, optimizer=optimizer, attention_fn=attention_fn,
                                        compiler_options=compiler_options, residual_policy=residual_policy, say=say)
 
-    def _bucket(self, plans: Sequence[Plan], sp: int) -> int:
+    def _buckets(self, plans: Sequence[Plan], sp: int) -> list[int]:
+        """Token buckets that hold the largest chunk, smallest first: multiples of a quarter
+        of the next power of two p (at least 16 tokens, divisible by sp) up to p itself, so
+        padding stays under a quarter of p instead of up to half of it."""
         if self.bucket is not None:
-            return self.bucket
+            return [self.bucket]
         longest = max(sum(p[2] for p in c) for plan in plans for c in plan.chunks)
-        return max(16, sp, 1 << int(np.ceil(np.log2(longest))))
+        top = max(16, sp, 1 << int(np.ceil(np.log2(max(longest, 1)))))
+        step = max(16, top // 4)
+        if step % sp:
+            return [top]
+        return list(range(_round_up(max(longest, 1), step), top + 1, step))
 
     def prepare(self, plans: Sequence[Plan], documents: Sequence[Sequence[np.ndarray]]):
-        """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``)."""
+        """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``).
+
+        Reuses a compiled signature that covers the plans in any of the candidate buckets
+        (the smallest such); otherwise the smallest bucket's rounded signature (compiled
+        on first use)."""
         layout: Layout = plans[0].layout
         if any(p.layout != layout for p in plans):
             raise ValueError("all pipelines of one iteration need the same layout")
         ls = self.cfg.num_layers // layout.pp
         n = _round_up(max(p.n_chunks for p in plans), self.chunk_multiple)
-        bucket = self._bucket(plans, layout.sp)
         padded = [pad_plan(p, n, ls) for p in plans]
-        packs = [pack_chunks(chunks, docs, bucket) for (chunks, _, _), docs in zip(padded, documents)]
-        args = (packs, [s for _, s, _ in padded], [c for _, _, c in padded], layout, self.cfg.num_layers)
-        need, _ = prepare_batch(*args)
-        known = [s for s in self.cache.signatures() if covers(s, need)]
-        sig = min(known, key=lambda s: sum(getattr(s, f) for f in _GROW)) if known else round_signature(need)
-        return prepare_batch(*args, signature=sig)
+        known_sigs = self.cache.signatures()
+        first = None
+        for bucket in self._buckets(plans, layout.sp):
+            packs = [pack_chunks(chunks, docs, bucket) for (chunks, _, _), docs in zip(padded, documents)]
+            args = (packs, [s for _, s, _ in padded], [c for _, _, c in padded], layout, self.cfg.num_layers)
+            need, _ = prepare_batch(*args)
+            first = first or (args, need)
+            known = [s for s in known_sigs if covers(s, need)]
+            if known:
+                return prepare_batch(*args, signature=min(known, key=lambda s: sum(getattr(s, f) for f in _GROW)))
+        args, need = first
+        return prepare_batch(*args, signature=round_signature(need))
 
     def precompile(self, plans: Sequence[Plan], documents):
         """Compiles the signature of predicted plans in the background (returns a Future)."""

@@ -88,7 +88,7 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
     runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state,
                             chunk_multiple=4, say=note)
     say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
-        "chunks padded to the smallest power-of-two bucket")
+        "chunks padded to buckets in quarter steps of a power of two")
     feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
                     ahead=config.parallel.plan_ahead, wait=config.parallel.plan_wait, say=note)
     losses: list[float] = []
