@@ -1,6 +1,8 @@
 """``python -m jvarlen.profile``: fit the cost model on this backend and save the profile JSON.
 
-Example: ``python -m jvarlen.profile --config configs/default.yaml --out_dir runs/profiles``.
+Example: ``python -m jvarlen.profile --config configs/default.yaml --out_dir runs/profiles``;
+add Ulysses sp = 2 coefficients to a saved profile with ``--sp '[1,2]' --extend_report
+PATH.report.json``.
 The file name is keyed by model shape, backend and device kind
 (:func:`jvarlen.plan.cost.profile_filename`); an existing file is reused unless ``--force``.
 """
@@ -25,15 +27,27 @@ class ProfileConfig:
     compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
     refit_from: Optional[str] = None  # a saved *.report.json: fit again without measuring
     cpu_single_thread: bool = True  # XLA CPU on one thread, timed by process CPU time (see profiler)
+    # Ulysses degrees to profile; degrees > 1 use the reduced grid profiler.SP_GRID and need that
+    # many devices (on CPU, fake devices are added before JAX starts).
+    sp: list[int] = dataclasses.field(default_factory=lambda: [1])
+    extend_report: Optional[str] = None  # a saved *.report.json: measure only the degrees of `sp` it lacks, refit
 
     def __post_init__(self):
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if any(d < 1 for d in self.sp):
+            raise ValueError(f"sp degrees must be >= 1, got {self.sp}")
+        if 1 not in self.sp and not self.extend_report:
+            raise ValueError("sp must include 1 (the base profile) unless extend_report names a saved sp = 1 report")
 
 
 def main(args: Optional[list[str]] = None) -> str:
     cfg = draccus.parse(ProfileConfig, args=args)
-    if cfg.cpu_single_thread:  # must happen before JAX initialises its CPU client
+    # must happen before JAX initialises its CPU client; the device count goes before
+    # SINGLE_THREAD_XLA_FLAGS, whose last token is not a --flag
+    if max(cfg.sp) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={max(cfg.sp)} " + os.environ.get("XLA_FLAGS", "")).strip()
+    if cfg.cpu_single_thread:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
     from jvarlen.runtime.profiler import run_profiler
 

@@ -9,6 +9,10 @@ profiler's harness as a smoke test of the Ulysses path. CPU: fake devices are th
 process on this 2-core machine; per-device seconds = process CPU time / sp (a memcpy between
 threads, not an interconnect).
 
+A profile with measured per-sp layer coefficients (``python -m jvarlen.profile --sp '[1,2]'``)
+already includes the all-to-all in them; links are not stored for those degrees (Eq. 3 would
+count the all-to-all twice).
+
 Usage: ``python scripts/validate_alltoall.py [--profile PATH]`` (~1 min here).
 """
 
@@ -52,9 +56,12 @@ def main(argv=None):
     print(f"sp=2 harness: 2-layer fwd+bwd of a 512-token chunk ran, {sec * 1e3:.1f} ms process CPU (both devices)")
     if args.profile:
         c = CostCoefficients.load(args.profile)
+        skipped = sorted(sp for sp in links if sp in c.per_sp)
+        links = {sp: v for sp, v in links.items() if sp not in c.per_sp}
         c = c.replace(alltoall_intra={**c.alltoall_intra, **links}, alltoall_inter={**c.alltoall_inter, **links})
         c.save(args.profile)
-        print(f"links stored in {args.profile}")
+        print(f"links for sp {sorted(links)} stored in {args.profile}"
+              + (f"; not for sp {skipped}: measured per_sp coefficients include the all-to-all" if skipped else ""))
     return links
 
 

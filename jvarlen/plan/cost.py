@@ -186,8 +186,13 @@ class CostCoefficients:
     * ``fwd`` / ``bwd``: per-layer forward / backward compute (Eq. 1). ``bwd=None`` means
       ``bwd_factor * fwd``. ``per_sp`` optionally overrides both per Ulysses degree (measured).
       ``recompute``: measured per-layer recomputation cost (Eq. 11); None means the forward.
+      ``recompute_per_sp`` overrides it per Ulysses degree; a degree in ``per_sp`` but not in
+      ``recompute_per_sp`` recomputes at that degree's forward cost.
     * ``head_fwd`` / ``head_bwd``: embedding + final norm + LM head + loss, charged to the last
-      stage (the embedding lookup is negligible).
+      stage (the embedding lookup is negligible). ``head_per_sp`` overrides both per degree.
+    * Measured per-sp layer coefficients from the profiler include the Ulysses all-to-all of the
+      layer (it runs inside the profiled program); such a profile leaves ``alltoall_*`` empty
+      for that degree, so Eq. 3 adds nothing on top (``ProfileMeta.source`` says so).
     * ``m_token``: activation bytes stored per token per layer on one device without
       checkpointing (Eq. 5 ``M_token / L``); divided by ``sp``. ``m_head_token``: bytes per token
       the last stage keeps for the head (logits) until its backward.
@@ -208,7 +213,7 @@ class CostCoefficients:
     * ``alltoall_intra`` / ``alltoall_inter``: Eq. 3 bandwidth/latency keyed by sp degree
       (``alltoall_default`` when the degree is missing); ``p2p_intra`` / ``p2p_inter`` for Eq. 2.
     * ``step_overhead``: seconds per iteration outside the pipeline (optimizer update, measured
-      sync); plus ``sync_bytes_per_param`` x the largest stage's parameters over ``sync_link``
+      sync; ``step_overhead_per_sp`` overrides it per Ulysses degree); plus ``sync_bytes_per_param`` x the largest stage's parameters over ``sync_link``
       (gradient push to / parameter pull from the canonical sharded state, per layout).
     * ``token_buckets``: when the executor pads a chunk to the smallest bucket >= its tokens, the
       linear (matmul) term is charged on the padded count (empty: no padding).
@@ -221,8 +226,10 @@ class CostCoefficients:
     bwd_factor: float = 2.0
     per_sp: Mapping[int, tuple[LayerTime, LayerTime]] = dataclasses.field(default_factory=dict)
     recompute: Optional[LayerTime] = None
+    recompute_per_sp: Mapping[int, LayerTime] = dataclasses.field(default_factory=dict)
     head_fwd: LayerTime = LayerTime()
     head_bwd: Optional[LayerTime] = None
+    head_per_sp: Mapping[int, tuple[LayerTime, LayerTime]] = dataclasses.field(default_factory=dict)
     m_token: float = 0.0
     m_head_token: float = 0.0
     m_context_token: float = 0.0
@@ -242,6 +249,7 @@ class CostCoefficients:
     p2p_intra: Link = Link(float("inf"), 0.0)
     p2p_inter: Link = Link(float("inf"), 0.0)
     step_overhead: float = 0.0
+    step_overhead_per_sp: Mapping[int, float] = dataclasses.field(default_factory=dict)
     sync_bytes_per_param: float = 0.0
     sync_link: Link = Link(float("inf"), 0.0)
     token_buckets: tuple[int, ...] = ()
@@ -255,9 +263,24 @@ class CostCoefficients:
         bwd = self.bwd if self.bwd is not None else self.fwd.scaled(self.bwd_factor)
         return self.fwd, bwd
 
-    def head_times(self) -> tuple[LayerTime, LayerTime]:
+    def head_times(self, sp: int = 1) -> tuple[LayerTime, LayerTime]:
+        """(forward, backward) coefficients of the head for Ulysses degree ``sp``."""
+        if sp in self.head_per_sp:
+            return self.head_per_sp[sp]
         bwd = self.head_bwd if self.head_bwd is not None else self.head_fwd.scaled(self.bwd_factor)
         return self.head_fwd, bwd
+
+    def recompute_times(self, sp: int = 1) -> LayerTime:
+        """Per-layer recomputation coefficients (Eq. 11) for Ulysses degree ``sp``."""
+        if sp in self.recompute_per_sp:
+            return self.recompute_per_sp[sp]
+        if self.recompute is None or sp in self.per_sp:
+            return self.layer_times(sp)[0]
+        return self.recompute
+
+    def step_overhead_for(self, sp: int = 1) -> float:
+        """``step_overhead`` for Ulysses degree ``sp`` (measured per degree when profiled)."""
+        return self.step_overhead_per_sp.get(sp, self.step_overhead)
 
     def alltoall_link(self, sp: int) -> Link:
         table = self.alltoall_intra if sp <= self.gpus_per_node else self.alltoall_inter
@@ -277,6 +300,9 @@ class CostCoefficients:
             "bwd_factor": self.bwd_factor,
             "per_sp": {str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.per_sp.items()},
             "recompute": None if self.recompute is None else dataclasses.asdict(self.recompute),
+            "recompute_per_sp": {str(k): dataclasses.asdict(v) for k, v in self.recompute_per_sp.items()},
+            "head_per_sp": {str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.head_per_sp.items()},
+            "step_overhead_per_sp": {str(k): v for k, v in self.step_overhead_per_sp.items()},
             "head_fwd": dataclasses.asdict(self.head_fwd),
             "head_bwd": None if self.head_bwd is None else dataclasses.asdict(self.head_bwd),
             "alltoall_intra": {str(k): link(v) for k, v in self.alltoall_intra.items()},
@@ -312,6 +338,10 @@ class CostCoefficients:
         kwargs["head_fwd"] = lt(data.get("head_fwd")) or LayerTime()
         kwargs["head_bwd"] = lt(data.get("head_bwd"))
         kwargs["per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("per_sp", {}).items()}
+        # fields added after the first profiles were saved: absent means "no per-sp override"
+        kwargs["recompute_per_sp"] = {int(k): LayerTime(**v) for k, v in data.get("recompute_per_sp", {}).items()}
+        kwargs["head_per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("head_per_sp", {}).items()}
+        kwargs["step_overhead_per_sp"] = {int(k): float(v) for k, v in data.get("step_overhead_per_sp", {}).items()}
         kwargs["alltoall_intra"] = {int(k): link(v) for k, v in data.get("alltoall_intra", {}).items()}
         kwargs["alltoall_inter"] = {int(k): link(v) for k, v in data.get("alltoall_inter", {}).items()}
         for name in ("alltoall_default", "p2p_intra", "p2p_inter", "sync_link"):
@@ -395,8 +425,8 @@ class CostModel:
         self.coeffs = coeffs
         self.layers_per_stage = model.num_layers // layout.pp
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
-        self._head_fwd, self._head_bwd = coeffs.head_times()
-        self._recompute = self._fwd if coeffs.recompute is None or layout.sp in coeffs.per_sp else coeffs.recompute
+        self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
+        self._recompute = coeffs.recompute_times(layout.sp)
 
     def with_layout(self, layout: Layout) -> "CostModel":
         return CostModel(self.model, layout, self.coeffs)
@@ -494,10 +524,11 @@ class CostModel:
         """Seconds per iteration outside the pipeline: ``step_overhead`` + gradient/parameter sync of
         the largest stage (``sync_bytes_per_param`` over ``sync_link``)."""
         c = self.coeffs
+        base = c.step_overhead_for(self.layout.sp)
         if c.sync_bytes_per_param <= 0:
-            return c.step_overhead
+            return base
         params = max(self.model.stage_params(p, self.layout.pp) for p in range(self.layout.pp))
-        return c.step_overhead + c.sync_link.time(c.sync_bytes_per_param * params)
+        return base + c.sync_link.time(c.sync_bytes_per_param * params)
 
     # ---- memory (bytes per device)
     def activation_memory(self, chunk: ChunkShape, ckpt_layers: int = 0, stage: Optional[int] = None) -> float:

@@ -94,8 +94,10 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
         bwd=lt(c.bwd),
         recompute=lt(c.recompute),
         per_sp={d: (lt(f), lt(b)) for d, (f, b) in c.per_sp.items()},
+        recompute_per_sp={d: lt(r) for d, r in c.recompute_per_sp.items()},
         head_fwd=hd(c.head_fwd),
         head_bwd=hd(c.head_bwd),
+        head_per_sp={d: (hd(f), hd(b)) for d, (f, b) in c.head_per_sp.items()},
         alltoall_intra={d: ln(v) for d, v in c.alltoall_intra.items()},
         alltoall_inter={d: ln(v) for d, v in c.alltoall_inter.items()},
         alltoall_default=ln(c.alltoall_default),
@@ -103,6 +105,7 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
         p2p_inter=ln(c.p2p_inter),
         sync_link=ln(c.sync_link),
         step_overhead=c.step_overhead * s.get("overhead", 1.0),
+        step_overhead_per_sp={d: v * s.get("overhead", 1.0) for d, v in c.step_overhead_per_sp.items()},
     )
 
 

@@ -20,9 +20,13 @@ On the CPU backend times are process CPU times of a single-threaded XLA
 (:data:`SINGLE_THREAD_XLA_FLAGS`, set by the entry points before JAX starts): on a machine
 shared with other jobs wall time varies several-fold, CPU time of one thread does not.
 
-Ulysses sp > 1 is not profiled here yet: the layers of this repository have no sequence-
-parallel path (the per-sp entries of a profile are left empty, so the ideal ``1/sp``
-scaling of the sp = 1 fit is used).
+Ulysses sp > 1 (``ChunkHarness(sp=…)``, ``ProfileConfig.sp``): the same programs run with the
+tokens split over ``sp`` devices and attention through the Ulysses all-to-alls, on the reduced
+grid :data:`SP_GRID`. The fit gives per-degree coefficients (``per_sp``, ``recompute_per_sp``,
+``head_per_sp``, ``step_overhead_per_sp``) in which the all-to-all is included. On CPU the fake
+devices are threads of one process; process CPU time counts all of them, so the per-device
+time is process CPU time / sp (:func:`per_device_divisor`): the step time each device would
+take with a core of its own and nothing to wait for.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ def default_clock() -> Callable[[], float]:
     """Process CPU time on the CPU backend (robust when other processes share the cores; run XLA
     single-threaded so that it equals the step's compute time), wall time elsewhere."""
     return time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+
+
+def per_device_divisor(sp: int) -> int:
+    """What a clock reading of an ``sp``-device program is divided by to give per-device seconds:
+    ``sp`` on the CPU backend (fake devices are threads of one process, process CPU time sums
+    them), 1 elsewhere (wall time of devices running side by side)."""
+    return sp if jax.default_backend() == "cpu" else 1
 
 
 def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1, clock: Optional[Callable] = None) -> float:
@@ -372,6 +383,11 @@ class ProfileGrid:
         return out
 
 
+# Reduced grid for Ulysses degrees > 1 (CPU budget): the sp = 1 token buckets and chunk families,
+# contexts up to 2048 only (no 6144 bucket).
+SP_GRID = ProfileGrid(context_buckets=(0, 2048))
+
+
 @dataclasses.dataclass
 class ProfileSamples:
     chunks: list[ChunkShape]
@@ -495,7 +511,7 @@ def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim:
     mesh = layout_mesh(Layout(1, 1, sp), jax.devices()[:sp])
     spec = P(None, SP, None, None)
     fn = jax.jit(jax.shard_map(seq_to_heads, mesh=mesh, in_specs=spec, out_specs=P(None, None, SP, None)))
-    per_device = sp if jax.default_backend() == "cpu" else 1
+    per_device = per_device_divisor(sp)
     e = jnp.dtype(dtype).itemsize
     rows = []
     for t in token_counts:
@@ -505,17 +521,19 @@ def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim:
     return rows
 
 
-def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]]) -> tuple[LayerTime, tuple[float, float]]:
-    """Joint NNLS fit of whole layer-program times ``t = n·(α1·P + α2·T + β1) + c1·T + c0``.
+def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]], sp: int = 1) -> tuple[LayerTime, tuple[float, float]]:
+    """Joint NNLS fit of whole layer-program times ``t = n·(α1·P/sp + α2·T/sp + β1) + c1·T + c0``
+    (InfiniPipe Eq. 1 per layer, with the ``1/N`` of Eq. 1 being the Ulysses degree ``sp``).
 
-    ``rows``: ``(n_layers, pairs, tokens, seconds)``. Fitting the raw times of both layer counts
-    at once (relative error weights) instead of fitting their per-chunk differences averages
-    the timing noise over all samples rather than amplifying it. Returns the per-layer
+    ``rows``: ``(n_layers, pairs, tokens, seconds per device)``. Fitting the raw times of both
+    layer counts at once (relative error weights) instead of fitting their per-chunk differences
+    averages the timing noise over all samples rather than amplifying it. Returns the per-layer
     :class:`LayerTime` and the per-call ``(c1, c0)``.
     """
     from scipy.optimize import nnls
 
     n, p, t, y = (np.asarray(c, float) for c in zip(*rows))
+    p, t = p / sp, t / sp
     x = np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1)
     w = 1.0 / y
     scale = np.abs(x * w[:, None]).max(axis=0)
@@ -531,16 +549,19 @@ def _difference(a: LayerTime, b: LayerTime) -> LayerTime:
 
 
 def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None) -> dict:
-    """All measurements of a profile as a JSON-able report (no fitting)."""
+    """All measurements of a profile as a JSON-able report (no fitting). Raw clock readings; with
+    ``harness.sp > 1`` the report's ``clock_divisor`` turns them into per-device seconds, and memory
+    is not measured (the memory coefficients come from the sp = 1 programs)."""
     samples = profile_layers(harness, grid, progress)
     head = []
     for t in grid.token_buckets:
         batch = harness.chunk_inputs(ChunkShape(0, (t,)))
         x = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, harness.shape.d_model)), harness.dtype)
+        x = harness._shard({"x": x})["x"]
         f = time_call(harness.head_program("fwd"), harness.params, x, batch, repeats=grid.repeats)
         fb = time_call(harness.head_program("fwdbwd"), harness.params, x, batch, repeats=grid.repeats)
         head.append([t, f, fb])
-    memory = measure_memory(harness, grid.token_buckets)
+    memory = measure_memory(harness, grid.token_buckets) if harness.sp == 1 else []
 
     init, update = harness.optimizer_program()
     params = jax.tree.map(jnp.copy, harness.params)
@@ -576,7 +597,51 @@ def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), pr
         "repeats": grid.repeats,
         "token_buckets": list(harness.token_buckets),
         "context_buckets": list(harness.context_buckets),
+        "sp": harness.sp,
+        "clock_divisor": per_device_divisor(harness.sp),
     }
+
+
+def _fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: int) -> dict:
+    """Time coefficients of one Ulysses degree from its report (per-device seconds = raw clock
+    readings / ``report["clock_divisor"]``): per-layer fwd, bwd, recompute (Eq. 1 and 11), head
+    fwd/bwd with the per-chunk calibration residual added to the head's backward constant, and the
+    optimizer update. The layer and head terms are InfiniPipe Eq. 1 with ``N = sp``."""
+    div = float(report.get("clock_divisor", 1))
+    shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
+    rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
+    for key, times in report["raw"].items():
+        chunk = _parse_chunk(key)
+        p, t = shape_cost.pairs(chunk), shape_cost.linear_tokens(chunk)
+        for name, sec in times.items():
+            rows[name[:-1]].append((int(name[-1]), p, t, sec / div))
+    fwd, _ = fit_layer_programs(rows["fwd"], sp)
+    fb, _ = fit_layer_programs(rows["fb"], sp)
+    bwd = _difference(fb, fwd)
+    recompute = None
+    if rows["fbr"]:
+        fbr, _ = fit_layer_programs(rows["fbr"], sp)
+        recompute = _difference(fbr, fb)
+    tokens = [h[0] for h in report["head"]]
+    zero = np.zeros(len(tokens))
+    head_fwd = fit_layer_time(zero, tokens, [h[1] / div for h in report["head"]], sp)
+    head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) / div for h in report["head"]], sp)
+    terms = dict(fwd=fwd, bwd=bwd, recompute=recompute, head_fwd=head_fwd, head_bwd=head_bwd, step_overhead=report["optimizer_s"] / div)
+    if sp == 1:
+        trial = c0.replace(**terms)
+    else:
+        trial = c0.replace(
+            per_sp={sp: (fwd, bwd)}, recompute_per_sp={sp: recompute} if recompute else {}, head_per_sp={sp: (head_fwd, head_bwd)}
+        )
+    cost = CostModel(shape, Layout(1, 1, sp), trial)  # pp = 1: the stage has the head
+    resid = []
+    for (ctx, slices, tail), measured in report["calibration"]:
+        chunk = ChunkShape(ctx, tuple(slices), tail)
+        resid.append(measured / div - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
+    overhead = float(np.median(resid))
+    report["chunk_overhead_s"] = overhead
+    terms["head_bwd"] = dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead))
+    return terms
 
 
 def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> CostCoefficients:
@@ -585,51 +650,36 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     Forward, forward+backward and forward+backward-with-remat layer programs are fitted with
     :func:`fit_layer_programs`; backward = (fwd+bwd) − fwd, recompute = (remat) − (fwd+bwd), term
     by term. The head is fitted on its own; the median residual of whole-model chunk steps on the
-    calibration chunks becomes a per-chunk constant (embedding, accumulation, dispatch), charged
-    to the head's backward; the optimizer update is ``step_overhead``.
+    calibration chunks becomes a per-chunk constant (embedding, accumulation, dispatch; with
+    sp > 1 also the gradient all-reduce over the sp group), charged to the head's backward; the
+    optimizer update is ``step_overhead``. ``report["sp_reports"]`` (``{"2": report, ...}``, from
+    ``ChunkHarness(sp=2)``) gives the per-degree coefficients the same way; the sp = 1 fit does not
+    depend on them. Memory coefficients come from the sp = 1 report only.
     """
     c0 = base.replace(token_buckets=tuple(report["token_buckets"]), attention_block=_attention_block())
-    shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
-    rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
-    for key, times in report["raw"].items():
-        chunk = _parse_chunk(key)
-        p, t = shape_cost.pairs(chunk), shape_cost.linear_tokens(chunk)
-        for name, sec in times.items():
-            rows[name[:-1]].append((int(name[-1]), p, t, sec))
-    fwd, _ = fit_layer_programs(rows["fwd"])
-    fb, _ = fit_layer_programs(rows["fb"])
-    bwd = _difference(fb, fwd)
-    recompute = None
-    if rows["fbr"]:
-        fbr, _ = fit_layer_programs(rows["fbr"])
-        recompute = _difference(fbr, fb)
-    tokens = [h[0] for h in report["head"]]
-    zero = np.zeros(len(tokens))
-    head_fwd = fit_layer_time(zero, tokens, [h[1] for h in report["head"]])
-    head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) for h in report["head"]])
+    terms = _fit_time_terms(report, shape, c0, 1)
     mem = fit_memory(report["memory"]) if report.get("memory") else {}
     if mem:
         report["memory_fit"] = mem
-    coeffs = c0.replace(
-        fwd=fwd,
-        bwd=bwd,
-        recompute=recompute,
-        head_fwd=head_fwd,
-        head_bwd=head_bwd,
+    per_sp, rec_sp, head_sp, over_sp = {}, {}, {}, {}
+    for key, sub in sorted(report.get("sp_reports", {}).items()):
+        sp = int(key)
+        t = _fit_time_terms(sub, shape, c0, sp)
+        per_sp[sp] = (t["fwd"], t["bwd"])
+        if t["recompute"] is not None:
+            rec_sp[sp] = t["recompute"]
+        head_sp[sp] = (t["head_fwd"], t["head_bwd"])
+        over_sp[sp] = t["step_overhead"]
+    return c0.replace(
+        **terms,
         m_token=mem.get("m_token") or report.get("m_token") or c0.m_token,
         m_work_token=mem.get("m_work_token", c0.m_work_token),
         m_work_remat_token=mem.get("m_work_remat_token", c0.m_work_remat_token),
-        step_overhead=report["optimizer_s"],
-        per_sp={},
+        per_sp=per_sp,
+        recompute_per_sp=rec_sp,
+        head_per_sp=head_sp,
+        step_overhead_per_sp=over_sp,
     )
-    cost = CostModel(shape, Layout(1, 1, 1), coeffs)  # pp = 1: the stage has the head
-    resid = []
-    for (ctx, slices, tail), measured in report["calibration"]:
-        chunk = ChunkShape(ctx, tuple(slices), tail)
-        resid.append(measured - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
-    overhead = float(np.median(resid))
-    report["chunk_overhead_s"] = overhead
-    return coeffs.replace(head_bwd=dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead)))
 
 
 def _parse_chunk(key: str) -> ChunkShape:
@@ -652,7 +702,11 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
         analytic=False,
         source=f"jvarlen.profile dual-layer {report['dual_layers']} grid: {len(report['raw'])} chunks, "
         f"min of {report['repeats']}, joint NNLS; chunk overhead {report.get('chunk_overhead_s', 0):.3e} s; "
-        f"jax {jax.__version__}",
+        + "".join(
+            f"sp={k}: {len(r['raw'])} chunks, Ulysses all-to-all inside per_sp, clock / {r.get('clock_divisor', 1)}; "
+            for k, r in sorted(report.get("sp_reports", {}).items())
+        )
+        + f"jax {jax.__version__}",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -732,18 +786,31 @@ def run_profiler(cfg) -> str:
     if cfg.refit_from:
         refit_profile(cfg.refit_from, model_cfg, path)
         return path
-    if os.path.exists(path) and not cfg.force:
+    if os.path.exists(path) and not cfg.force and not cfg.extend_report:
         return path
-    grid = ProfileGrid(repeats=cfg.repeats)
-    harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
-    n_pairs = len(grid.token_buckets) * len(grid.context_buckets)
-    with tqdm(total=n_pairs, desc="profiling (token, context) buckets", unit="bucket") as bar:
 
-        def progress(done, total, key):
-            bar.set_postfix_str(f"T={key[0]} C={key[1]}")
-            bar.update(1)
+    def measure(sp: int, grid: ProfileGrid) -> dict:
+        harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=sp)
+        n_pairs = len(grid.token_buckets) * len(grid.context_buckets)
+        with tqdm(total=n_pairs, desc=f"profiling sp={sp} (token, context) buckets", unit="bucket") as bar:
 
-        coeffs, report = build_profile(harness, grid, progress=progress)
+            def progress(done, total, key):
+                bar.set_postfix_str(f"T={key[0]} C={key[1]}")
+                bar.update(1)
+
+            return measure_profile(harness, grid, progress=progress)
+
+    if cfg.extend_report:
+        with open(cfg.extend_report) as f:
+            report = json.load(f)
+    else:
+        report = measure(1, ProfileGrid(repeats=cfg.repeats))
+    for sp in sorted(set(cfg.sp) - {1}):
+        if str(sp) not in report.get("sp_reports", {}):
+            report.setdefault("sp_reports", {})[str(sp)] = measure(sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats))
+    base = _default_base(ChunkHarness(model_cfg, token_buckets=report["token_buckets"], context_buckets=report["context_buckets"]))
+    coeffs = fit_profile(report, shape, base)
+    coeffs = coeffs.replace(meta=profile_meta(shape, report))
     coeffs.save(path)
     with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
