@@ -171,6 +171,7 @@ def main(argv=None):
     ap.add_argument("--multi_thread", action="store_true", help="do not force single-threaded XLA CPU")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree of the measured plans (fake CPU devices)")
     ap.add_argument("--also_measurements", nargs="*", default=[], help="measured-plan JSONs of earlier runs to include")
+    ap.add_argument("--no_per_sp", action="store_true", help="baseline: drop the per-sp coefficients (ideal 1/sp scaling of sp = 1)")
     args = ap.parse_args(argv)
     if args.sp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # before JAX starts, and before SINGLE_THREAD_XLA_FLAGS, whose last token is not a --flag
@@ -214,6 +215,8 @@ def main(argv=None):
     coeffs = CostCoefficients.load(args.profile)
     if coeffs.meta.model_key != shape.key():
         raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
+    if args.no_per_sp:
+        coeffs = coeffs.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={})
     cpu = jax.default_backend() == "cpu"
     profiled = profiled_shapes(args.profile)
     for r in rows:

@@ -120,9 +120,12 @@ def test_cost_model_uses_per_sp_head_recompute_and_overhead(tmp_path):
     assert one.recompute_time(chunk, 1) == pytest.approx(5e-4 * 100 + 0.05)
     assert (one.step_overhead(), four.step_overhead()) == (0.5, 0.5)
     assert four.recompute_time(chunk, 1) == pytest.approx(5e-4 * 100 / 4 + 0.05)
-    # JSON keeps the new fields; an online rescale scales them with their groups
+    # JSON keeps the new fields; profiles saved before them still load (no per-sp overrides);
+    # an online rescale scales them with their groups
     c.save(tmp_path / "p.json")
     assert CostCoefficients.load(tmp_path / "p.json") == c
+    old = {k: v for k, v in c.to_json().items() if k not in ("recompute_per_sp", "head_per_sp", "step_overhead_per_sp")}
+    assert CostCoefficients.from_json(old) == c.replace(recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={})
     s = scale_coefficients(c, {"head": 2.0, "overhead": 3.0, "alpha2": 0.5})
     assert s.head_per_sp[2][1].alpha2 == pytest.approx(2 * 9e-3)
     assert s.step_overhead_per_sp[2] == pytest.approx(2.1)

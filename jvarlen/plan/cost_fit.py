@@ -6,6 +6,9 @@
 * :func:`fit_linear`: slope and intercept (memory per token, constant memory).
 * :class:`OnlineRefit`: logs predicted vs measured step time and refits per-term scale factors
   of the coefficients from measured steps (Gauss-Newton on the simulator's makespan).
+* Profiler reports (``jvarlen.runtime.profiler``): :func:`fit_layer_programs` (dual-layer
+  program times), :func:`fit_time_terms` (all time coefficients of one Ulysses degree),
+  :func:`fit_memory` (XLA temp sizes).
 
 Pure numpy/scipy.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Optional, Sequence
 
 import numpy as np
@@ -230,3 +234,106 @@ class OnlineRefit:
         self.refits += 1
         self.last_scales = s
         return self.coeffs
+
+
+# --------------------------------------------------------------------------- profiler reports
+
+
+def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
+    """Per-token memory coefficients from :func:`measure_memory` rows (least squares).
+
+    Without recomputation ``temp = n·m_token·T + m_work_token·T + c``; with all ``n`` layers
+    recomputed ``temp = n·m_ckpt_token·T + m_work_remat_token·T + c'``. ``m_token`` is Eq. 5's
+    stored activations per layer and token; ``m_ckpt_token`` is Eq. 9's checkpoint (the layer
+    input, ``e·D`` for a tail chunk; returned for checking, the model uses ``e·D``); the
+    ``m_work*`` slopes are the working memory of the backward in flight.
+    """
+    out = {}
+    for remat, (slope, work) in ((False, ("m_token", "m_work_token")), (True, ("m_ckpt_token", "m_work_remat_token"))):
+        sel = [r for r in rows if r["context"] == 0 and (r["remat"] > 0) == remat]
+        if not sel:
+            continue
+        x = np.array([[r["layers"] * r["tokens"], r["tokens"], 1.0] for r in sel], float)
+        y = np.array([r["temp"] for r in sel], float)
+        theta, *_ = np.linalg.lstsq(x, y, rcond=None)
+        out[slope], out[work] = float(theta[0]), float(theta[1])
+    return out
+
+
+def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]], sp: int = 1) -> tuple[LayerTime, tuple[float, float]]:
+    """Joint NNLS fit of whole layer-program times ``t = n·(α1·P/sp + α2·T/sp + β1) + c1·T + c0``
+    (InfiniPipe Eq. 1 per layer, with the ``1/N`` of Eq. 1 being the Ulysses degree ``sp``).
+
+    ``rows``: ``(n_layers, pairs, tokens, seconds per device)``. Fitting the raw times of both
+    layer counts at once (relative error weights) instead of fitting their per-chunk differences
+    averages the timing noise over all samples rather than amplifying it. Returns the per-layer
+    :class:`LayerTime` and the per-call ``(c1, c0)``.
+    """
+    from scipy.optimize import nnls
+
+    n, p, t, y = (np.asarray(c, float) for c in zip(*rows))
+    p, t = p / sp, t / sp
+    x = np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1)
+    w = 1.0 / y
+    scale = np.abs(x * w[:, None]).max(axis=0)
+    scale[scale == 0] = 1.0
+    theta, _ = nnls(x * w[:, None] / scale, np.ones_like(y))
+    theta = theta / scale
+    return LayerTime(float(theta[0]), float(theta[1]), float(theta[2])), (float(theta[3]), float(theta[4]))
+
+
+def _difference(a: LayerTime, b: LayerTime) -> LayerTime:
+    """``a − b`` term by term, clipped at 0."""
+    return LayerTime(max(0.0, a.alpha1 - b.alpha1), max(0.0, a.alpha2 - b.alpha2), max(0.0, a.beta1 - b.beta1))
+
+
+def fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: int) -> dict:
+    """Time coefficients of one Ulysses degree from its report (per-device seconds = raw clock
+    readings / ``report["clock_divisor"]``): per-layer fwd, bwd, recompute (Eq. 1 and 11), head
+    fwd/bwd with the per-chunk calibration residual added to the head's backward constant, and the
+    optimizer update. The layer and head terms are InfiniPipe Eq. 1 with ``N = sp``."""
+    div = float(report.get("clock_divisor", 1))
+    shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
+    rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
+    for key, times in report["raw"].items():
+        chunk = parse_chunk(key)
+        p, t = shape_cost.pairs(chunk), shape_cost.linear_tokens(chunk)
+        for name, sec in times.items():
+            rows[name[:-1]].append((int(name[-1]), p, t, sec / div))
+    fwd, _ = fit_layer_programs(rows["fwd"], sp)
+    fb, _ = fit_layer_programs(rows["fb"], sp)
+    bwd = _difference(fb, fwd)
+    recompute = None
+    if rows["fbr"]:
+        fbr, _ = fit_layer_programs(rows["fbr"], sp)
+        recompute = _difference(fbr, fb)
+    tokens = [h[0] for h in report["head"]]
+    zero = np.zeros(len(tokens))
+    head_fwd = fit_layer_time(zero, tokens, [h[1] / div for h in report["head"]], sp)
+    head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) / div for h in report["head"]], sp)
+    terms = dict(fwd=fwd, bwd=bwd, recompute=recompute, head_fwd=head_fwd, head_bwd=head_bwd, step_overhead=report["optimizer_s"] / div)
+    if sp == 1:
+        trial = c0.replace(**terms)
+    else:
+        trial = c0.replace(
+            per_sp={sp: (fwd, bwd)}, recompute_per_sp={sp: recompute} if recompute else {}, head_per_sp={sp: (head_fwd, head_bwd)}
+        )
+    cost = CostModel(shape, Layout(1, 1, sp), trial)  # pp = 1: the stage has the head
+    resid = []
+    for (ctx, slices, tail), measured in report["calibration"]:
+        chunk = ChunkShape(ctx, tuple(slices), tail)
+        resid.append(measured / div - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
+    overhead = float(np.median(resid))
+    report["chunk_overhead_s"] = overhead
+    terms["head_bwd"] = dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead))
+    return terms
+
+
+def parse_chunk(key: str) -> ChunkShape:
+    """Inverse of ``str(ChunkShape)`` as stored in reports."""
+
+    m = re.fullmatch(r"ChunkShape\(context=(\d+), slices=\(([\d, ]*)\), tail=(True|False)\)", key)
+    if m is None:
+        raise ValueError(f"not a ChunkShape: {key!r}")
+    slices = tuple(int(x) for x in m.group(2).replace(" ", "").split(",") if x)
+    return ChunkShape(int(m.group(1)), slices, m.group(3) == "True")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +46,10 @@ from jvarlen.model import AttentionInputs, build_model, cross_entropy_sums, make
 from jvarlen.model.transformer import apply_stacked_layers
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape, ProfileMeta
-from jvarlen.plan.cost_fit import fit_layer_time, fit_linear
+from jvarlen.plan.cost import CostCoefficients, LayerTime, ModelShape, ProfileMeta
+# the fits live in cost_fit (pure numpy); re-exported here for the profiler's callers
+from jvarlen.plan.cost_fit import fit_layer_programs, fit_memory, fit_time_terms  # noqa: F401
+from jvarlen.plan.cost_fit import parse_chunk as _parse_chunk  # noqa: F401
 
 
 def default_clock() -> Callable[[], float]:
@@ -120,7 +122,8 @@ def chunk_metadata(chunk: ChunkShape, t_bucket: int, c_bucket: int) -> dict[str,
 
 
 class ChunkHarness:
-    """The real decoder of ``cfg`` run on single chunks (one device, sp = 1).
+    """The real decoder of ``cfg`` run on single chunks: one device, or with ``sp > 1`` the first
+    ``sp`` devices as one Ulysses group (tokens split over them, parameters replicated).
 
     A chunk is padded to the smallest token bucket and context bucket that hold it, so one
     compiled program serves every chunk of that bucket pair (segment layout, context length
@@ -322,7 +325,9 @@ class ChunkHarness:
 def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> dict:
     """Time of one pp = 1 plan: every chunk forward + backward with its recomputed layers,
     gradients accumulated, then the optimizer update. Programs are compiled (and run once)
-    before timing. Returns ``{"cpu": s, "wall": s}``, each the minimum over ``repeats``."""
+    before timing. Returns ``{"cpu": s, "wall": s}``, each the minimum over ``repeats``; raw
+    clock readings (divide ``cpu`` by :func:`per_device_divisor` for per-device seconds when
+    ``harness.sp > 1``)."""
     init, update = harness.optimizer_program()
     batches = [harness.chunk_inputs(c, seed=i) for i, c in enumerate(chunks)]
     programs = [harness.chunk_step_program(int(k)) for k in ckpt]
@@ -476,27 +481,6 @@ def measure_memory(harness: ChunkHarness, tokens: Sequence[int], progress: Optio
     return rows
 
 
-def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
-    """Per-token memory coefficients from :func:`measure_memory` rows (least squares).
-
-    Without recomputation ``temp = n·m_token·T + m_work_token·T + c``; with all ``n`` layers
-    recomputed ``temp = n·m_ckpt_token·T + m_work_remat_token·T + c'``. ``m_token`` is Eq. 5's
-    stored activations per layer and token; ``m_ckpt_token`` is Eq. 9's checkpoint (the layer
-    input, ``e·D`` for a tail chunk; returned for checking, the model uses ``e·D``); the
-    ``m_work*`` slopes are the working memory of the backward in flight.
-    """
-    out = {}
-    for remat, (slope, work) in ((False, ("m_token", "m_work_token")), (True, ("m_ckpt_token", "m_work_remat_token"))):
-        sel = [r for r in rows if r["context"] == 0 and (r["remat"] > 0) == remat]
-        if not sel:
-            continue
-        x = np.array([[r["layers"] * r["tokens"], r["tokens"], 1.0] for r in sel], float)
-        y = np.array([r["temp"] for r in sel], float)
-        theta, *_ = np.linalg.lstsq(x, y, rcond=None)
-        out[slope], out[work] = float(theta[0]), float(theta[1])
-    return out
-
-
 def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim: int, dtype, repeats: int = 5) -> list[list[float]]:
     """Times the Ulysses all-to-all ``[1, T/sp, H, hd] -> [1, T, H/sp, hd]`` (``seq_to_heads``) on
     ``sp`` devices alone. Rows ``[bytes each device sends, seconds per device]``; a device sends
@@ -519,33 +503,6 @@ def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim:
         sec = time_call(fn, x, repeats=repeats) / per_device
         rows.append([e * t / sp * heads * head_dim * (sp - 1) / sp, sec])
     return rows
-
-
-def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]], sp: int = 1) -> tuple[LayerTime, tuple[float, float]]:
-    """Joint NNLS fit of whole layer-program times ``t = n·(α1·P/sp + α2·T/sp + β1) + c1·T + c0``
-    (InfiniPipe Eq. 1 per layer, with the ``1/N`` of Eq. 1 being the Ulysses degree ``sp``).
-
-    ``rows``: ``(n_layers, pairs, tokens, seconds per device)``. Fitting the raw times of both
-    layer counts at once (relative error weights) instead of fitting their per-chunk differences
-    averages the timing noise over all samples rather than amplifying it. Returns the per-layer
-    :class:`LayerTime` and the per-call ``(c1, c0)``.
-    """
-    from scipy.optimize import nnls
-
-    n, p, t, y = (np.asarray(c, float) for c in zip(*rows))
-    p, t = p / sp, t / sp
-    x = np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1)
-    w = 1.0 / y
-    scale = np.abs(x * w[:, None]).max(axis=0)
-    scale[scale == 0] = 1.0
-    theta, _ = nnls(x * w[:, None] / scale, np.ones_like(y))
-    theta = theta / scale
-    return LayerTime(float(theta[0]), float(theta[1]), float(theta[2])), (float(theta[3]), float(theta[4]))
-
-
-def _difference(a: LayerTime, b: LayerTime) -> LayerTime:
-    """``a − b`` term by term, clipped at 0."""
-    return LayerTime(max(0.0, a.alpha1 - b.alpha1), max(0.0, a.alpha2 - b.alpha2), max(0.0, a.beta1 - b.beta1))
 
 
 def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None) -> dict:
@@ -602,48 +559,6 @@ def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), pr
     }
 
 
-def _fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: int) -> dict:
-    """Time coefficients of one Ulysses degree from its report (per-device seconds = raw clock
-    readings / ``report["clock_divisor"]``): per-layer fwd, bwd, recompute (Eq. 1 and 11), head
-    fwd/bwd with the per-chunk calibration residual added to the head's backward constant, and the
-    optimizer update. The layer and head terms are InfiniPipe Eq. 1 with ``N = sp``."""
-    div = float(report.get("clock_divisor", 1))
-    shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
-    rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
-    for key, times in report["raw"].items():
-        chunk = _parse_chunk(key)
-        p, t = shape_cost.pairs(chunk), shape_cost.linear_tokens(chunk)
-        for name, sec in times.items():
-            rows[name[:-1]].append((int(name[-1]), p, t, sec / div))
-    fwd, _ = fit_layer_programs(rows["fwd"], sp)
-    fb, _ = fit_layer_programs(rows["fb"], sp)
-    bwd = _difference(fb, fwd)
-    recompute = None
-    if rows["fbr"]:
-        fbr, _ = fit_layer_programs(rows["fbr"], sp)
-        recompute = _difference(fbr, fb)
-    tokens = [h[0] for h in report["head"]]
-    zero = np.zeros(len(tokens))
-    head_fwd = fit_layer_time(zero, tokens, [h[1] / div for h in report["head"]], sp)
-    head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) / div for h in report["head"]], sp)
-    terms = dict(fwd=fwd, bwd=bwd, recompute=recompute, head_fwd=head_fwd, head_bwd=head_bwd, step_overhead=report["optimizer_s"] / div)
-    if sp == 1:
-        trial = c0.replace(**terms)
-    else:
-        trial = c0.replace(
-            per_sp={sp: (fwd, bwd)}, recompute_per_sp={sp: recompute} if recompute else {}, head_per_sp={sp: (head_fwd, head_bwd)}
-        )
-    cost = CostModel(shape, Layout(1, 1, sp), trial)  # pp = 1: the stage has the head
-    resid = []
-    for (ctx, slices, tail), measured in report["calibration"]:
-        chunk = ChunkShape(ctx, tuple(slices), tail)
-        resid.append(measured / div - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
-    overhead = float(np.median(resid))
-    report["chunk_overhead_s"] = overhead
-    terms["head_bwd"] = dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead))
-    return terms
-
-
 def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> CostCoefficients:
     """Coefficients from a :func:`measure_profile` report (pure numpy; re-runnable on saved reports).
 
@@ -657,14 +572,14 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     depend on them. Memory coefficients come from the sp = 1 report only.
     """
     c0 = base.replace(token_buckets=tuple(report["token_buckets"]), attention_block=_attention_block())
-    terms = _fit_time_terms(report, shape, c0, 1)
+    terms = fit_time_terms(report, shape, c0, 1)
     mem = fit_memory(report["memory"]) if report.get("memory") else {}
     if mem:
         report["memory_fit"] = mem
     per_sp, rec_sp, head_sp, over_sp = {}, {}, {}, {}
     for key, sub in sorted(report.get("sp_reports", {}).items()):
         sp = int(key)
-        t = _fit_time_terms(sub, shape, c0, sp)
+        t = fit_time_terms(sub, shape, c0, sp)
         per_sp[sp] = (t["fwd"], t["bwd"])
         if t["recompute"] is not None:
             rec_sp[sp] = t["recompute"]
@@ -680,17 +595,6 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
         head_per_sp=head_sp,
         step_overhead_per_sp=over_sp,
     )
-
-
-def _parse_chunk(key: str) -> ChunkShape:
-    """Inverse of ``str(ChunkShape)`` as stored in reports."""
-    import re
-
-    m = re.fullmatch(r"ChunkShape\(context=(\d+), slices=\(([\d, ]*)\), tail=(True|False)\)", key)
-    if m is None:
-        raise ValueError(f"not a ChunkShape: {key!r}")
-    slices = tuple(int(x) for x in m.group(2).replace(" ", "").split(",") if x)
-    return ChunkShape(int(m.group(1)), slices, m.group(3) == "True")
 
 
 def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
