@@ -171,6 +171,10 @@ class ParallelConfig:
     # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
     plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
     plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
+    # What a pipeline stage keeps of a layer whose recomputation the plan does not ask for:
+    # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
+    # the backward), "all" (every residual), or a jax.checkpoint_policies name.
+    residual_policy: str = "dots_and_attention"
     # Iterations sampled and solved ahead in a background planning process (0: plan inline).
     plan_ahead: int = 2
     # Wait for the solver instead of taking a fast fallback plan when it is late: plans

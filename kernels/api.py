@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jvarlen.kernels import xla_blockwise
 from jvarlen.kernels.block_ranges import BlockInfo, compute_block_info
@@ -14,6 +15,7 @@ from jvarlen.kernels.common import BlockSizes, fit_block_sizes, pad_axis, round_
 from jvarlen.kernels.reference import reference_attention
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
+ATTENTION_RESIDUALS = ("attention_out", "attention_lse")  # checkpoint names of the saved forward
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -43,6 +45,9 @@ def _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_s
   fwd, _ = _backend(backend)
   o, lse = fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info,
                **_kw(backend, causal, sm_scale, interpret))
+  # named so that a jax.checkpoint policy can keep them (ATTENTION_RESIDUALS) and a
+  # rematerialised backward does not rerun the attention forward
+  o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
   return (o, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse)
 
 

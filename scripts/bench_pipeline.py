@@ -65,7 +65,8 @@ def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
     return [d.astype(np.int32) for d in docs], chunks
 
 
-POLICIES = (None, "dots_with_no_batch_dims_saveable")  # what a stored layer keeps: everything / matmul outputs
+# what a stored layer keeps: everything / matmul outputs / matmul and attention outputs
+POLICIES = (None, "dots_with_no_batch_dims_saveable", "dots_and_attention")
 
 
 def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None, fuse=True):

@@ -93,6 +93,9 @@ def test_pipeline_layout_is_checked_with_clear_messages():
         pipeline_layout(cfg, 6)
     with pytest.raises(ConfigError, match="rows must be divisible by dp = 2"):
         pipeline_layout(load_config(CONFIG, **{"data.tokens_per_batch": "3072"}), 8)
+    require_devices(8)
+    with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
+        train(load_config(CONFIG, **{"parallel.residual_policy": "bogus"}), quiet=True)
     with pytest.raises(ConfigError, match="num_layers \\(4\\) must be divisible by parallel.pp \\(3\\)"):
         pipeline_layout(load_config(CONFIG, **{"parallel.pp": "3", "parallel.dp": "1", "parallel.sp": "1"}), 3)
     with pytest.raises(ConfigError, match="fixed \\(dp, pp, sp\\)"):

@@ -5,13 +5,18 @@ signature with fewer residual slots (more recomputation) compiles to less."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import require_devices
 from jvarlen.layout import Layout
+from jvarlen.model import AttentionInputs, make_attention_fn
+from jvarlen.model.transformer import abstract_model
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.parallel.pipeline_stage import StageFns, residual_policy, residual_shapes
 from jvarlen.plan import schedule as sch
 from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference, tiny_config, tiny_params
 
@@ -89,3 +94,32 @@ def test_selective_residual_policy_is_exact_and_stores_less(model):
     np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
     assert_tree_close(grads, ref_grads)
     np.testing.assert_array_equal(np.asarray(forwards), [[8, 8]])  # no whole layer recomputed
+
+
+def test_dots_and_attention_policy_keeps_the_attention_output_and_is_exact():
+    """With the blockwise attention (custom_vjp, named residuals) ``dots_and_attention`` keeps the
+    attention output [T, H, D] and logsumexp [H, T] on top of the matmul outputs, so the backward
+    does not rerun the attention forward; less than every residual, same gradients."""
+    require_devices(LAYOUT.num_devices)
+    cfg = tiny_config(num_layers=2, attention="xla")
+    xla_model = (cfg,) + tiny_params(cfg)
+    graphdef, params = xla_model[1:]
+    layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    layer0 = jax.tree.map(lambda a: a[0], params["layers"])
+    x, no_ctx = jnp.zeros((BUCKET, cfg.d_model)), jnp.zeros((0, cfg.num_kv_heads, cfg.head_dim))
+    pos = jnp.arange(BUCKET, dtype=jnp.int32)[None]
+    inputs = AttentionInputs(jnp.ones_like(pos), pos)
+
+    def kept_bytes(policy):
+        fns = StageFns(layer_graphdef, make_attention_fn("xla"), jnp.float32, with_context=False, residual_policy=policy)
+        return sum(s.size * s.dtype.itemsize for s in residual_shapes(fns, layer0, x, no_ctx, no_ctx, inputs, pos[0]))
+
+    full, dots, both = (kept_bytes(p) for p in (None, "dots_with_no_batch_dims_saveable", "dots_and_attention"))
+    assert both - dots == 4 * (BUCKET * cfg.num_heads * cfg.head_dim + cfg.num_heads * BUCKET)
+    assert both < full
+    _, _, (sums, grads, _), docs = _compile(xla_model, 4, "gpipe", 0, "dots_and_attention", run=True)
+    ref_sums, ref_grads = reference(graphdef, params, docs)
+    np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
+    assert_tree_close(grads, ref_grads)
+    with pytest.raises(ValueError, match="unknown residual policy"):
+        residual_policy("keep_what_i_like")

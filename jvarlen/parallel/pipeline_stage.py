@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jvarlen.kernels.api import ATTENTION_RESIDUALS
 from jvarlen.model import AttentionInputs
 from jvarlen.model.layers import layer_with_context
 from jvarlen.parallel import ulysses
@@ -88,7 +89,7 @@ class StageFns:
             return y[0], k[0], v[0]
 
         if self.residual_policy:
-            return jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, self.residual_policy))
+            return jax.checkpoint(f, policy=residual_policy(self.residual_policy))
         return f
 
     def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions, recompute):
@@ -168,6 +169,26 @@ class StageFns:
             back, dy, (layers, ctx_k, ctx_v, residuals, dk_own, dv_own), reverse=True
         )
         return dx, dlayers, dck, dcv, jnp.sum(ran)
+
+
+# What a stored layer keeps besides the policies of jax.checkpoint_policies: matmul outputs
+# and the attention's output and logsumexp (so the backward recomputes only elementwise ops).
+DOTS_AND_ATTENTION = "dots_and_attention"
+
+
+def residual_policy(name: str):
+    """A ``jax.checkpoint`` policy by name: ``"all"``, :data:`DOTS_AND_ATTENTION` or any policy
+    of ``jax.checkpoint_policies``."""
+    cp = jax.checkpoint_policies
+    if name == "all":
+        return cp.everything_saveable
+    if name == DOTS_AND_ATTENTION:
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                          cp.save_only_these_names(*ATTENTION_RESIDUALS))
+    if not hasattr(cp, name):
+        raise ValueError(f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a "
+                         "jax.checkpoint_policies name")
+    return getattr(cp, name)
 
 
 def _shared(lp, ck, cv) -> list:

@@ -24,6 +24,7 @@ import numpy as np
 from jvarlen.config import Config, ConfigError, resolve_pipeline_stages
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline_run import PipelineRunner
+from jvarlen.parallel.pipeline_stage import residual_policy
 from jvarlen.plan.api import PlannerOptions, make_cost
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
@@ -79,14 +80,19 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
 def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[int] = None) -> TrainResult:
     """Trains with EPP plans; same outputs (metrics.jsonl, checkpoints, resume) as the DP loop."""
     layout = pipeline_layout(config, len(jax.devices()))
+    kept = config.parallel.residual_policy
+    try:
+        residual_policy(kept)
+    except ValueError as error:
+        raise ConfigError(f"parallel.residual_policy: {error}") from None
     run = open_run(config, quiet, stop_after)
     say, note, pipeline, checkpointer = run.say, run.note, run.pipeline, run.checkpointer
     state = run.state
     run.state = None
     cost = cost_model(config, layout, say)
     options = PlannerOptions(min_slice_tokens=config.parallel.plan_min_slice_tokens, solver=SOLVER)
-    runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state,
-                            chunk_multiple=4, say=note)
+    runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state, chunk_multiple=4, say=note,
+                            residual_policy=None if kept == "all" else kept)
     say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
         "chunks padded to buckets in quarter steps of a power of two")
     feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
