@@ -178,7 +178,8 @@ class ParallelConfig:
     # Iterations sampled and solved ahead in a background planning process (0: plan inline).
     plan_ahead: int = 2
     # Wait for the solver instead of taking a fast fallback plan when it is late: plans
-    # (and so a resumed run) are then reproducible whatever the machine load.
+    # (and so a resumed run) are then reproducible whatever the machine load. Always on
+    # with several processes, which must all run the same plans.
     plan_wait: bool = False
 
     def __post_init__(self):

@@ -95,8 +95,11 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                             residual_policy=None if kept == "all" else kept)
     say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
         "chunks padded to buckets in quarter steps of a power of two")
+    # Every process plans its own copy of the iteration; only solved plans (no timing-dependent
+    # fallbacks) are guaranteed to be the same on all of them, so multi-process runs wait.
+    wait = config.parallel.plan_wait or jax.process_count() > 1
     feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
-                    ahead=config.parallel.plan_ahead, wait=config.parallel.plan_wait, say=note)
+                    ahead=config.parallel.plan_ahead, wait=wait, say=note)
     losses: list[float] = []
     tokens_seen, t_start = 0.0, time.perf_counter()
     try:
