@@ -167,6 +167,7 @@ def train(
     still follows ``train.steps`` and the last step reached is checkpointed.
     ``layout_for_step(step, rows, seq_len)`` overrides the config's layout policy.
     """
+    distributed.initialize(config.parallel)  # before jax.devices() starts the backend
     config = resolve_pipeline_stages(config, len(jax.devices()))
     if config.parallel.pp > 1:
         from jvarlen.runtime.pipeline_loop import train_pipeline
