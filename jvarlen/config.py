@@ -182,6 +182,11 @@ class ParallelConfig:
     # with several processes, which must all run the same plans.
     plan_wait: bool = False
 
+    @property
+    def chooses_dp_layouts(self) -> bool:
+        """A data-parallel layout policy (tokens_per_device or sp_cycle) is set."""
+        return self.tokens_per_device is not None or self.sp_cycle is not None
+
     def __post_init__(self):
         _positive("parallel", sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
         if self.pp is not None:
@@ -216,7 +221,7 @@ def resolve_pipeline_stages(config: "Config", num_devices: int) -> "Config":
         return config
     per_stage = par.sp * (par.dp or 1)
     two = (
-        par.tokens_per_device is None and par.sp_cycle is None and config.model.num_layers % 2 == 0
+        not par.chooses_dp_layouts and config.model.num_layers % 2 == 0
         and num_devices % (2 * per_stage) == 0 and (par.dp is None or num_devices == 2 * per_stage)
     )
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pp=2 if two else 1))

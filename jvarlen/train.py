@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
     par = config.parallel
-    pipeline = par.pp > 1 if par.pp is not None else par.tokens_per_device is None and par.sp_cycle is None
+    pipeline = par.pp > 1 if par.pp is not None else not par.chooses_dp_layouts
     if pipeline and "jax" not in sys.modules:
         # the pipeline path on a CPU-only host: give the host platform the devices the layout
         # needs (no effect on GPU/TPU devices; auto pp counts as 2 stages)

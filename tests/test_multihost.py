@@ -124,21 +124,12 @@ def test_distributed_config_is_all_or_nothing():
         parse_config(["--parallel.num_processes=2", "--parallel.process_id=2"])
 
 
-@pytest.mark.slow  # two fresh JAX processes compile the step: ~50-90 s on 2 shared cores
-def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
-    import jax
-
-    if jax.device_count() < 8:
-        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
-    out = str(tmp_path / "multihost.npz")
-    port = _free_port()
+def _run_two_processes(command) -> None:
+    """Runs ``command(pid)`` for pids 0 and 1 (4 host CPU devices each) to completion; fails
+    with the log of a process that did not exit cleanly."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(pid), str(port), out], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in (0, 1)
-    ]
+    procs = [subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
     try:
         logs = [p.communicate(timeout=400)[0] for p in procs]
     finally:
@@ -147,6 +138,18 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
                 p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
+
+
+@pytest.mark.slow  # two fresh JAX processes compile the step: ~50-90 s on 2 shared cores
+def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    out = str(tmp_path / "multihost.npz")
+    port = _free_port()
+    t0 = time.perf_counter()
+    _run_two_processes(lambda pid: [sys.executable, __file__, str(pid), str(port), out])
     elapsed = time.perf_counter() - t0
 
     # the same mesh positions on one process: device k of "process" p is local device 4p + k
@@ -187,24 +190,11 @@ def test_training_cli_on_two_processes_matches_one_process(tmp_path):
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jvarlen.train", *CLI_ARGS, f"--logging.run_dir={tmp_path / 'two'}",
-             f"--data.cache_dir={tmp_path / f'cache{pid}'}", "--parallel.distributed=true",
-             f"--parallel.coordinator_address=127.0.0.1:{port}", "--parallel.num_processes=2",
-             f"--parallel.process_id={pid}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in (0, 1)
-    ]
-    try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    _run_two_processes(lambda pid: [
+        sys.executable, "-m", "jvarlen.train", *CLI_ARGS, f"--logging.run_dir={tmp_path / 'two'}",
+        f"--data.cache_dir={tmp_path / f'cache{pid}'}", "--parallel.distributed=true",
+        f"--parallel.coordinator_address=127.0.0.1:{port}", "--parallel.num_processes=2",
+        f"--parallel.process_id={pid}"])
     records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["dp"], r["sp"]) for r in records] == [(1, 2, 4), (2, 4, 2)]  # only process 0 logs
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2"]

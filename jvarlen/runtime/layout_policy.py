@@ -44,7 +44,7 @@ class LayoutPolicy:
         if par.pp != 1:
             raise ConfigError(f"parallel.pp={par.pp}: pipeline parallelism needs the pipeline executor; use pp=1")
         fixed = None
-        if par.tokens_per_device is None and par.sp_cycle is None:
+        if not par.chooses_dp_layouts:
             if num_devices % (par.pp * par.sp):
                 raise ConfigError(
                     f"parallel.pp*sp = {par.pp * par.sp} must divide the {num_devices} devices; change parallel.sp"

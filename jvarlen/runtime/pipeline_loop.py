@@ -39,7 +39,7 @@ SOLVER = SolverOptions(time_limit_s=30.0, deterministic_time=0.5, workers=1, see
 def pipeline_layout(config: Config, num_devices: int) -> Layout:
     """(dp, pp, sp) over all devices; dp defaults to the devices left by pp and sp."""
     par = resolve_pipeline_stages(config, num_devices).parallel
-    if par.tokens_per_device is not None or par.sp_cycle is not None:
+    if par.chooses_dp_layouts:
         raise ConfigError("parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; "
                           "the pipeline path (parallel.pp > 1) uses the fixed (dp, pp, sp)")
     if num_devices % (par.pp * par.sp):
