@@ -2,7 +2,8 @@
 
 Example: ``python -m jvarlen.profile --config configs/default.yaml --out_dir runs/profiles``;
 add Ulysses sp = 2 coefficients to a saved profile with ``--sp '[1,2]' --extend_report
-PATH.report.json``.
+PATH.report.json``; re-measure only its whole-model calibration chunks with ``--extend_report
+PATH.report.json --recalibrate true``.
 The file name is keyed by model shape, backend and device kind
 (:func:`jvarlen.plan.cost.profile_filename`); an existing file is reused unless ``--force``.
 """
@@ -31,6 +32,9 @@ class ProfileConfig:
     # many devices (on CPU, fake devices are added before JAX starts).
     sp: list[int] = dataclasses.field(default_factory=lambda: [1])
     extend_report: Optional[str] = None  # a saved *.report.json: measure only the degrees of `sp` it lacks, refit
+    # with extend_report: measure the whole-model calibration chunks again (every degree of the
+    # report, the current ProfileGrid.calibration) and refit; the layer grid is kept
+    recalibrate: bool = False
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -39,6 +43,8 @@ class ProfileConfig:
             raise ValueError(f"sp degrees must be >= 1, got {self.sp}")
         if 1 not in self.sp and not self.extend_report:
             raise ValueError("sp must include 1 (the base profile) unless extend_report names a saved sp = 1 report")
+        if self.recalibrate and not self.extend_report:
+            raise ValueError("recalibrate needs extend_report (the saved *.report.json to recalibrate)")
 
 
 def main(args: Optional[list[str]] = None) -> str:

@@ -17,9 +17,31 @@ SHAPE = ModelShape.from_config(ModelConfig())
 BASE = CostCoefficients(fwd=LayerTime(), bytes_per_element=4, gpus_per_node=8)
 
 
-def synthetic_report(sp, div, grid, fwd, bwd, rec, head, opt_s, chunk_s, rng, noise=0.01):
+def whole_model_step(cost, chunk, pairs_scale=1.0, token_scale=1.0):
+    """Forward + backward of a pp = 1 stage with its attention (α1) part scaled by ``pairs_scale`` and
+    its token (α2) part by ``token_scale``: how the whole model runs relative to isolated layers."""
+    c = cost.coeffs
+    parts = []
+    for keep in ("alpha1", "alpha2"):
+        def only(x, keep=keep):
+            return LayerTime(**{n: (getattr(x, n) if n == keep else 0.0) for n in ("alpha1", "alpha2", "beta1")})
+        part = c.replace(
+            per_sp={d: (only(f), only(b)) for d, (f, b) in c.per_sp.items()},
+            head_per_sp={d: (only(f), only(b)) for d, (f, b) in c.head_per_sp.items()},
+            fwd=only(c.fwd), bwd=only(c.bwd if c.bwd is not None else c.fwd.scaled(c.bwd_factor)),
+            head_fwd=only(c.head_fwd), head_bwd=only(c.head_bwd if c.head_bwd is not None else c.head_fwd.scaled(c.bwd_factor)),
+        )
+        m = CostModel(cost.model, cost.layout, part)
+        parts.append(m.fwd_time(chunk, 0) + m.bwd_time(chunk, 0))
+    total = cost.fwd_time(chunk, 0) + cost.bwd_time(chunk, 0)
+    return total + (pairs_scale - 1.0) * parts[0] + (token_scale - 1.0) * parts[1]
+
+
+def synthetic_report(sp, div, grid, fwd, bwd, rec, head, opt_s, chunk_s, rng, noise=0.01, in_situ=(1.0, {})):
     """A :func:`measure_profile`-shaped report whose raw clock readings are ``div`` x the per-device
-    times of known per-layer coefficients, a per-call cost ``c1·T + c0`` and relative noise."""
+    times of known per-layer coefficients, a per-call cost ``c1·T + c0`` and relative noise. Whole-model
+    calibration steps run ``in_situ = (pairs factor, {bucket: token factor})`` slower than the layers
+    alone, plus ``chunk_s`` per chunk."""
     c0 = BASE.replace(token_buckets=grid.token_buckets, attention_block=_attention_block())
     cm = CostModel(SHAPE, Layout(1, 1, 1), c0)
     jitter = lambda: 1.0 + noise * rng.standard_normal()  # noqa: E731
@@ -37,8 +59,10 @@ def synthetic_report(sp, div, grid, fwd, bwd, rec, head, opt_s, chunk_s, rng, no
     head_rows = [[t, div * hf(0, t, sp) * jitter(), div * (hf(0, t, sp) + hb(0, t, sp)) * jitter()] for t in grid.token_buckets]
     truth = c0.replace(per_sp={sp: (fwd, bwd)}, head_per_sp={sp: head}) if sp > 1 else c0.replace(fwd=fwd, bwd=bwd, head_fwd=hf, head_bwd=hb)
     cost = CostModel(SHAPE, Layout(1, 1, sp), truth)
+    pairs_scale, token_scale = in_situ
     calibration = [
-        [[c.context, list(c.slices), c.tail], div * (cost.fwd_time(c, 0) + cost.bwd_time(c, 0) + chunk_s)] for c in grid.calibration
+        [[c.context, list(c.slices), c.tail], div * (whole_model_step(cost, c, pairs_scale, token_scale.get(cm.linear_tokens(c), 1.0)) + chunk_s)]
+        for c in grid.calibration
     ]
     return {
         "raw": raw, "dual_layers": [2, 3], "head": head_rows, "memory": [], "optimizer_s": div * opt_s,
@@ -56,15 +80,40 @@ F2, B2, R2 = LayerTime(9e-9, 4e-6, 2e-4), LayerTime(2e-8, 3e-5, 3e-4), LayerTime
 H2 = (LayerTime(0, 6e-7, 5e-4), LayerTime(0, 5e-6, 4e-4))
 
 
+IN_SITU = (1.2, {512: 0.9, 1024: 1.1, 2048: 1.3})
+
+
 def test_fit_profile_recovers_exact_per_sp_coefficients_without_noise():
-    sub = synthetic_report(2, 2, SP_GRID, F2, B2, R2, H2, 1.5e-3, 3e-3, np.random.default_rng(0), noise=0.0)
+    sub = synthetic_report(2, 2, SP_GRID, F2, B2, R2, H2, 1.5e-3, 3e-3, np.random.default_rng(0), noise=0.0, in_situ=IN_SITU)
     base = synthetic_report(1, 1, ProfileGrid(), F2, B2, R2, H2, 1e-3, 0.0, np.random.default_rng(0), noise=0.0)
     got = fit_profile(dict(base, sp_reports={"2": sub}), SHAPE, BASE)
-    close(got.per_sp[2][0], F2, 1e-3)
-    close(got.per_sp[2][1], B2, 1e-3)
-    close(got.recompute_per_sp[2], R2, 1e-3)
+    # isolated-layer coefficients, attention terms corrected by the in-situ pairs factor
+    close(got.per_sp[2][0], dataclasses.replace(F2, alpha1=F2.alpha1 * 1.2), 1e-3)
+    close(got.per_sp[2][1], dataclasses.replace(B2, alpha1=B2.alpha1 * 1.2), 1e-3)
+    close(got.recompute_per_sp[2], dataclasses.replace(R2, alpha1=R2.alpha1 * 1.2), 1e-3)
     close(got.head_per_sp[2][0], H2[0], 1e-3)
-    close(got.head_per_sp[2][1], dataclasses.replace(H2[1], beta1=H2[1].beta1 + 3e-3), 1e-3)
+    close(got.head_per_sp[2][1], H2[1], 1e-3)
+    # sp = 1 steps run as the layers alone: factors 1, no per-chunk constant
+    assert got.bucket_token_scale[1] == pytest.approx({512: 1.0, 1024: 1.0, 2048: 1.0}, rel=1e-4)
+    close(got.head_bwd, H2[1], 1e-3)
+    # the whole-model step of chunks that were not calibrated is predicted exactly: a per-chunk
+    # constant is one more token factor per bucket (every chunk of a bucket has the same token part)
+    truth = CostModel(SHAPE, Layout(1, 1, 2), got.replace(per_sp={2: (F2, B2)}, head_per_sp={2: H2}, bucket_token_scale={}))
+    fitted = CostModel(SHAPE, Layout(1, 1, 2), got)
+    for chunk in (ChunkShape(0, (300, 100)), ChunkShape(700, (600,), tail=False), ChunkShape(1900, (1000, 500)), ChunkShape(0, (2000,))):
+        want = whole_model_step(truth, chunk, IN_SITU[0], IN_SITU[1][truth.linear_tokens(chunk)]) + 3e-3
+        assert fitted.fwd_time(chunk, 0) + fitted.bwd_time(chunk, 0) == pytest.approx(want, rel=1e-4), chunk
+
+
+def test_bucket_token_scale_lookup_and_json(tmp_path):
+    c = BASE.replace(fwd=LayerTime(0, 1e-3, 0), bwd=LayerTime(), token_buckets=(512, 1024, 2048), bucket_token_scale={1: {1024: 2.0, 2048: 3.0}})
+    cm = CostModel(SHAPE, Layout(1, 1, 1), c)
+    # smallest calibrated bucket >= the padded tokens; the largest factor beyond the buckets
+    assert [cm.time_tokens(ChunkShape(0, (t,))) for t in (100, 600, 1500, 3000)] == [1024.0, 2048.0, 6144.0, 9000.0]
+    assert cm.fwd_time(ChunkShape(0, (600,))) == pytest.approx(4 * 1e-3 * 2048)
+    assert CostModel(SHAPE, Layout(1, 1, 2), c).time_tokens(ChunkShape(0, (600,))) == 1024  # no factors at sp = 2
+    c.save(tmp_path / "p.json")
+    assert CostCoefficients.load(tmp_path / "p.json") == c
 
 
 def test_fit_profile_recovers_per_sp_coefficients_and_leaves_sp1_alone():
@@ -81,7 +130,8 @@ def test_fit_profile_recovers_per_sp_coefficients_and_leaves_sp1_alone():
     alone = fit_profile(dict(report), SHAPE, BASE)
     both = fit_profile(dict(report, sp_reports={"2": sub}), SHAPE, BASE)
 
-    assert both.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={}) == alone
+    sp1_scales = {1: both.bucket_token_scale[1]}
+    assert both.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={}, bucket_token_scale=sp1_scales) == alone
     fwd, bwd = both.per_sp[2]
     for got, want in ((fwd, f2), (bwd, b2)):
         assert got.alpha1 == pytest.approx(want.alpha1, rel=0.1)

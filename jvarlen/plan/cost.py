@@ -217,6 +217,11 @@ class CostCoefficients:
       (gradient push to / parameter pull from the canonical sharded state, per layout).
     * ``token_buckets``: when the executor pads a chunk to the smallest bucket >= its tokens, the
       linear (matmul) term is charged on the padded count (empty: no padding).
+    * ``bucket_token_scale``: ``{sp: {bucket: factor}}``, measured per-token cost of each token bucket
+      relative to the fitted ``alpha2`` (whole-model calibration steps, see
+      :func:`jvarlen.plan.cost_fit.fit_in_situ_scales`): small and large matmuls do not run at one
+      speed per token. A chunk uses the factor of the smallest calibrated bucket ≥ its linear
+      tokens (the largest beyond them); a degree without an entry uses 1.
     * ``attention_block``: when > 0, the quadratic term counts visited ``block x block`` tiles of a
       block-skipping kernel (see :func:`tile_pairs`) instead of exact query-key pairs.
     """
@@ -253,6 +258,7 @@ class CostCoefficients:
     sync_bytes_per_param: float = 0.0
     sync_link: Link = Link(float("inf"), 0.0)
     token_buckets: tuple[int, ...] = ()
+    bucket_token_scale: Mapping[int, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     attention_block: int = 0
     meta: ProfileMeta = ProfileMeta()
 
@@ -312,6 +318,7 @@ class CostCoefficients:
             "p2p_inter": link(self.p2p_inter),
             "sync_link": link(self.sync_link),
             "token_buckets": list(self.token_buckets),
+            "bucket_token_scale": {str(k): {str(b): f for b, f in v.items()} for k, v in self.bucket_token_scale.items()},
             "meta": dataclasses.asdict(self.meta),
         }
         for name in (
@@ -348,6 +355,9 @@ class CostCoefficients:
             if name in data:
                 kwargs[name] = link(data[name])
         kwargs["token_buckets"] = tuple(int(b) for b in data.get("token_buckets", ()))
+        kwargs["bucket_token_scale"] = {
+            int(k): {int(b): float(f) for b, f in v.items()} for k, v in data.get("bucket_token_scale", {}).items()
+        }
         kwargs["meta"] = ProfileMeta(**data.get("meta", {}))
         return cls(**kwargs)
 
@@ -427,6 +437,7 @@ class CostModel:
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
         self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
         self._recompute = coeffs.recompute_times(layout.sp)
+        self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
 
     def with_layout(self, layout: Layout) -> "CostModel":
         return CostModel(self.model, layout, self.coeffs)
@@ -448,12 +459,21 @@ class CostModel:
                 return b
         return t
 
+    def time_tokens(self, chunk: ChunkShape) -> float:
+        """The token count the linear term of Eq. 1 is charged on: :meth:`linear_tokens` times the
+        measured per-token factor of its bucket (``bucket_token_scale``)."""
+        t = self.linear_tokens(chunk)
+        if not self._bucket_scale:
+            return float(t)
+        factor = next((f for b, f in self._bucket_scale if b >= t), self._bucket_scale[-1][1])
+        return t * factor
+
     def layer_fwd_compute(self, chunk: ChunkShape) -> float:
         """Eq. 1 for one layer on the stage's sp group (no all-to-all)."""
-        return self._fwd(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
+        return self._fwd(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
 
     def layer_bwd_compute(self, chunk: ChunkShape) -> float:
-        return self._bwd(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
+        return self._bwd(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
 
     def layer_alltoall_time(self, chunk: ChunkShape) -> float:
         """Eq. 3 for one layer and one direction: four all-to-alls (q, k, v in; output back).
@@ -478,13 +498,13 @@ class CostModel:
     def fwd_compute_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         t = self.layers_per_stage * self.layer_fwd_compute(chunk)
         if self._is_last(stage):
-            t += self._head_fwd(0, self.linear_tokens(chunk), self.layout.sp)
+            t += self._head_fwd(0, self.time_tokens(chunk), self.layout.sp)
         return t
 
     def bwd_compute_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         t = self.layers_per_stage * self.layer_bwd_compute(chunk)
         if self._is_last(stage):
-            t += self._head_bwd(0, self.linear_tokens(chunk), self.layout.sp)
+            t += self._head_bwd(0, self.time_tokens(chunk), self.layout.sp)
         return t
 
     def fwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
@@ -502,7 +522,7 @@ class CostModel:
             raise ValueError(f"recompute layers must be in [0, {self.layers_per_stage}], got {layers}")
         if layers == 0:
             return 0.0
-        compute = self._recompute(self.pairs(chunk), self.linear_tokens(chunk), self.layout.sp)
+        compute = self._recompute(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
         return layers * (compute + self.layer_alltoall_time(chunk))
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:

@@ -290,8 +290,9 @@ def _difference(a: LayerTime, b: LayerTime) -> LayerTime:
 def fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: int) -> dict:
     """Time coefficients of one Ulysses degree from its report (per-device seconds = raw clock
     readings / ``report["clock_divisor"]``): per-layer fwd, bwd, recompute (Eq. 1 and 11), head
-    fwd/bwd with the per-chunk calibration residual added to the head's backward constant, and the
-    optimizer update. The layer and head terms are InfiniPipe Eq. 1 with ``N = sp``."""
+    fwd/bwd, then corrected in situ on the whole-model calibration steps
+    (:func:`fit_in_situ_scales`), and the optimizer update. The layer and head terms are InfiniPipe
+    Eq. 1 with ``N = sp``."""
     div = float(report.get("clock_divisor", 1))
     shape_cost = CostModel(shape, Layout(1, 1, 1), c0)
     rows: dict[str, list] = {"fwd": [], "fb": [], "fbr": []}
@@ -312,21 +313,72 @@ def fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: in
     head_fwd = fit_layer_time(zero, tokens, [h[1] / div for h in report["head"]], sp)
     head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) / div for h in report["head"]], sp)
     terms = dict(fwd=fwd, bwd=bwd, recompute=recompute, head_fwd=head_fwd, head_bwd=head_bwd, step_overhead=report["optimizer_s"] / div)
+    chunks = [ChunkShape(ctx, tuple(slices), tail) for (ctx, slices, tail), _ in report["calibration"]]
+    measured = [sec / div for _, sec in report["calibration"]]
+    s_pairs, bucket_scale, constant = fit_in_situ_scales(shape, c0, sp, terms, chunks, measured)
+    report["in_situ"] = {"pairs_scale": s_pairs, "bucket_token_scale": {str(k): v for k, v in bucket_scale.items()}, "chunk_constant_s": constant}
+    for name in ("fwd", "bwd", "recompute"):
+        if terms[name] is not None:
+            terms[name] = dataclasses.replace(terms[name], alpha1=terms[name].alpha1 * s_pairs)
+    terms["head_bwd"] = dataclasses.replace(terms["head_bwd"], beta1=terms["head_bwd"].beta1 + constant)
+    terms["bucket_token_scale"] = bucket_scale
+    return terms
+
+
+def _stage_cost(shape: ModelShape, c0: CostCoefficients, sp: int, terms: dict) -> CostModel:
+    """pp = 1 cost model of one Ulysses degree with the given time terms (the stage has the head)."""
     if sp == 1:
         trial = c0.replace(**terms)
     else:
-        trial = c0.replace(
-            per_sp={sp: (fwd, bwd)}, recompute_per_sp={sp: recompute} if recompute else {}, head_per_sp={sp: (head_fwd, head_bwd)}
-        )
-    cost = CostModel(shape, Layout(1, 1, sp), trial)  # pp = 1: the stage has the head
-    resid = []
-    for (ctx, slices, tail), measured in report["calibration"]:
-        chunk = ChunkShape(ctx, tuple(slices), tail)
-        resid.append(measured / div - cost.fwd_time(chunk, 0) - cost.bwd_time(chunk, 0))
-    overhead = float(np.median(resid))
-    report["chunk_overhead_s"] = overhead
-    terms["head_bwd"] = dataclasses.replace(head_bwd, beta1=max(0.0, head_bwd.beta1 + overhead))
-    return terms
+        trial = c0.replace(per_sp={sp: (terms["fwd"], terms["bwd"])}, head_per_sp={sp: (terms["head_fwd"], terms["head_bwd"])})
+    return CostModel(shape, Layout(1, 1, sp), trial.replace(bucket_token_scale={}))
+
+
+def fit_in_situ_scales(
+    shape: ModelShape, c0: CostCoefficients, sp: int, terms: dict, chunks: Sequence[ChunkShape], measured: Sequence[float]
+) -> tuple[float, dict[int, float], float]:
+    """Corrects isolated-program coefficients with whole-model chunk steps ``(chunks, measured)``.
+
+    Layers timed alone in 2- and 3-layer programs do not run at the speed they run inside the
+    whole model (embedding, head, loss and gradient accumulation around them; at sp > 1 the
+    gradient all-reduce over the group), and the difference depends on the matmul size: on CPU
+    at sp = 2 whole-model steps of packed 1024- and 2048-token chunks take 11-21 % longer than the
+    layer and head fit says, 512-token ones 4 % less, while long-context split chunks match. A
+    chunk's predicted step splits into an attention part (α1 · pairs), a token part (α2 · tokens of
+    the layers and the head) and a constant part; ``measured ≈ s_pairs · attention + s_b · tokens +
+    constant`` with one token factor ``s_b`` per token bucket ``b`` (the chunk's
+    :meth:`CostModel.linear_tokens`) is fitted with relative residuals and a soft-L1 loss (one
+    disturbed timing must not move the fit). All chunks of a bucket have the same token part, so
+    ``s_b`` also absorbs any per-chunk constant of that bucket (a separate constant is not
+    identifiable). Returns ``(s_pairs, {b: s_b}, c)`` with factors ≥ 0 and ``c = 0``. With fewer
+    than 2 calibration chunks per bucket only a per-chunk constant ``c`` is fitted (the median
+    residual) and the factors are 1.
+    """
+    from scipy.optimize import least_squares
+
+    cost = _stage_cost(shape, c0, sp, terms)
+    zero_pairs = {k: (dataclasses.replace(v, alpha1=0.0) if isinstance(v, LayerTime) else v) for k, v in terms.items()}
+    zero_tokens = {k: (dataclasses.replace(v, alpha2=0.0) if isinstance(v, LayerTime) else v) for k, v in terms.items()}
+    no_pairs, no_tokens = _stage_cost(shape, c0, sp, zero_pairs), _stage_cost(shape, c0, sp, zero_tokens)
+
+    def step(m: CostModel, chunk: ChunkShape) -> float:
+        return m.fwd_time(chunk, 0) + m.bwd_time(chunk, 0)
+
+    total = np.array([step(cost, c) for c in chunks])
+    attention = total - np.array([step(no_pairs, c) for c in chunks])
+    token = total - np.array([step(no_tokens, c) for c in chunks])
+    rest = total - attention - token
+    y = np.asarray(measured, float)
+    buckets = sorted({cost.linear_tokens(c) for c in chunks})
+    which = np.array([buckets.index(cost.linear_tokens(c)) for c in chunks], int)
+    if min(np.bincount(which, minlength=len(buckets)), default=0) < 2 or len(chunks) < len(buckets) + 2:
+        return 1.0, {}, float(np.median(y - total)) if len(chunks) else 0.0
+
+    def residual(theta):
+        return (theta[0] * attention + theta[1:][which] * token + rest - y) / y
+
+    fit = least_squares(residual, x0=np.ones(1 + len(buckets)), bounds=(0.0, np.inf), loss="soft_l1", f_scale=0.05)
+    return float(fit.x[0]), {b: float(v) for b, v in zip(buckets, fit.x[1:])}, 0.0
 
 
 def parse_chunk(key: str) -> ChunkShape:

@@ -363,10 +363,21 @@ class ProfileGrid:
     context_buckets: tuple[int, ...] = (0, 2048, 6144)
     remat_pairs: tuple[tuple[int, int], ...] = ((512, 0), (1024, 0), (2048, 0), (1024, 2048))
     repeats: int = 5
+    # Whole-model chunk steps whose residual against the layer and head fit becomes the per-chunk
+    # correction (:func:`jvarlen.plan.cost_fit.fit_time_terms`): every token bucket, packed, split
+    # and hybrid chunks, contexts up to 2048 (the largest context of the sp > 1 grid).
     calibration: tuple[ChunkShape, ...] = (
+        ChunkShape(0, (200, 150, 90)),
+        ChunkShape(1000, (470,), tail=False),
         ChunkShape(0, (512,)),
+        ChunkShape(0, (650,)),
+        ChunkShape(600, (350, 250)),
         ChunkShape(0, (700, 300)),
         ChunkShape(1500, (900,), tail=False),
+        ChunkShape(0, (1300,)),
+        ChunkShape(0, (600, 500, 400, 300)),
+        ChunkShape(2000, (1200, 400)),
+        ChunkShape(1800, (1700,), tail=False),
         ChunkShape(0, (2048,)),
     )
 
@@ -505,6 +516,35 @@ def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim:
     return rows
 
 
+def measure_calibration(harness: ChunkHarness, chunks: Sequence[ChunkShape], repeats: int = 5, progress: Optional[Callable] = None) -> list:
+    """Raw clock readings of whole-model chunk steps (embedding, layers, head, loss, backward,
+    gradient accumulation; no recomputation): rows ``[[context, slices, tail], seconds]``, the
+    minimum over ``repeats`` rounds. Each round times every chunk once, so the repeats of one chunk
+    are spread over the whole measurement and a slow spell of the machine cannot spoil all of
+    them."""
+    prog = harness.chunk_step_program(0)
+    acc = harness.zeros_like_params()
+    batches = [harness.chunk_inputs(c) for c in chunks]
+    clock = default_clock()
+
+    def once(batch) -> float:
+        nonlocal acc
+        t0 = clock()
+        acc, v = prog(harness.params, acc, batch)
+        jax.block_until_ready(v)
+        return clock() - t0
+
+    for batch in batches:  # warm-up: compile every bucket pair
+        once(batch)
+    best = [float("inf")] * len(chunks)
+    for r in range(repeats):
+        for i, batch in enumerate(batches):
+            best[i] = min(best[i], once(batch))
+        if progress:
+            progress(r + 1, repeats)
+    return [[[c.context, list(c.slices), c.tail], t] for c, t in zip(chunks, best)]
+
+
 def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None) -> dict:
     """All measurements of a profile as a JSON-able report (no fitting). Raw clock readings; with
     ``harness.sp > 1`` the report's ``clock_divisor`` turns them into per-device seconds, and memory
@@ -531,18 +571,7 @@ def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), pr
         return params
 
     optimizer_s = time_call(opt_once, repeats=grid.repeats)
-    calibration = []
-    for chunk in grid.calibration:
-        batch = harness.chunk_inputs(chunk)
-        prog = harness.chunk_step_program(0)
-        acc = harness.zeros_like_params()
-
-        def once():
-            nonlocal acc
-            acc, v = prog(harness.params, acc, batch)
-            return v
-
-        calibration.append([[chunk.context, list(chunk.slices), chunk.tail], time_call(once, repeats=grid.repeats)])
+    calibration = measure_calibration(harness, grid.calibration, grid.repeats)
     return {
         "raw": samples.raw,
         "dual_layers": list(dual_layers(harness.cfg.num_layers)),
@@ -564,15 +593,17 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
 
     Forward, forward+backward and forward+backward-with-remat layer programs are fitted with
     :func:`fit_layer_programs`; backward = (fwd+bwd) − fwd, recompute = (remat) − (fwd+bwd), term
-    by term. The head is fitted on its own; the median residual of whole-model chunk steps on the
-    calibration chunks becomes a per-chunk constant (embedding, accumulation, dispatch; with
-    sp > 1 also the gradient all-reduce over the sp group), charged to the head's backward; the
-    optimizer update is ``step_overhead``. ``report["sp_reports"]`` (``{"2": report, ...}``, from
+    by term. The head is fitted on its own; whole-model chunk steps on the calibration chunks then
+    rescale the attention and token terms and add a per-chunk constant (embedding, accumulation,
+    dispatch; with sp > 1 also the gradient all-reduce over the sp group), charged to the head's
+    backward (:func:`jvarlen.plan.cost_fit.fit_in_situ_scales`); the optimizer update is
+    ``step_overhead``. ``report["sp_reports"]`` (``{"2": report, ...}``, from
     ``ChunkHarness(sp=2)``) gives the per-degree coefficients the same way; the sp = 1 fit does not
     depend on them. Memory coefficients come from the sp = 1 report only.
     """
     c0 = base.replace(token_buckets=tuple(report["token_buckets"]), attention_block=_attention_block())
     terms = fit_time_terms(report, shape, c0, 1)
+    bucket_scale = {1: terms.pop("bucket_token_scale")}
     mem = fit_memory(report["memory"]) if report.get("memory") else {}
     if mem:
         report["memory_fit"] = mem
@@ -580,6 +611,7 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     for key, sub in sorted(report.get("sp_reports", {}).items()):
         sp = int(key)
         t = fit_time_terms(sub, shape, c0, sp)
+        bucket_scale[sp] = t.pop("bucket_token_scale")
         per_sp[sp] = (t["fwd"], t["bwd"])
         if t["recompute"] is not None:
             rec_sp[sp] = t["recompute"]
@@ -594,7 +626,14 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
         recompute_per_sp=rec_sp,
         head_per_sp=head_sp,
         step_overhead_per_sp=over_sp,
+        bucket_token_scale={k: v for k, v in bucket_scale.items() if v},
     )
+
+
+def _in_situ_text(report: dict) -> str:
+    f = report.get("in_situ", {})
+    tokens = " ".join(f"{b}:x{v:.3f}" for b, v in f.get("bucket_token_scale", {}).items())
+    return f"pairs x{f.get('pairs_scale', 1):.3f} tokens {tokens or 'x1'} chunk {f.get('chunk_constant_s', 0):+.2e} s"
 
 
 def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
@@ -605,9 +644,9 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
         device_kind=dev.device_kind,
         analytic=False,
         source=f"jvarlen.profile dual-layer {report['dual_layers']} grid: {len(report['raw'])} chunks, "
-        f"min of {report['repeats']}, joint NNLS; chunk overhead {report.get('chunk_overhead_s', 0):.3e} s; "
+        f"min of {report['repeats']}, joint NNLS; in situ {_in_situ_text(report)}; "
         + "".join(
-            f"sp={k}: {len(r['raw'])} chunks, Ulysses all-to-all inside per_sp, clock / {r.get('clock_divisor', 1)}; "
+            f"sp={k}: {len(r['raw'])} chunks, Ulysses all-to-all inside per_sp, clock / {r.get('clock_divisor', 1)}, in situ {_in_situ_text(r)}; "
             for k, r in sorted(report.get("sp_reports", {}).items())
         )
         + f"jax {jax.__version__}",
@@ -707,6 +746,13 @@ def run_profiler(cfg) -> str:
     if cfg.extend_report:
         with open(cfg.extend_report) as f:
             report = json.load(f)
+        if cfg.recalibrate:
+            for sp, sub in [(1, report)] + [(int(k), v) for k, v in sorted(report.get("sp_reports", {}).items())]:
+                harness = ChunkHarness(model_cfg, token_buckets=sub["token_buckets"], context_buckets=sub["context_buckets"], sp=sp)
+                with tqdm(total=cfg.repeats, desc=f"calibrating sp={sp}", unit="round") as bar:
+                    sub["calibration"] = measure_calibration(
+                        harness, ProfileGrid().calibration, cfg.repeats, progress=lambda done, total: bar.update(1)
+                    )
     else:
         report = measure(1, ProfileGrid(repeats=cfg.repeats))
     for sp in sorted(set(cfg.sp) - {1}):
