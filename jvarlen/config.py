@@ -294,13 +294,13 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
         raise ConfigError(f"config file {config_path!r} does not exist")
     try:
         return draccus.parse(Config, config_path=config_path, args=args, exit_on_error=False)
-    except draccus.utils.ParsingError as error:
+    except draccus.utils.DraccusException as error:  # parsing errors, unknown arguments
         cause = error.__cause__
         while cause is not None and not isinstance(cause, ConfigError):
             cause = cause.__cause__
         if cause is not None:
             raise cause from None
-        raise
+        raise ConfigError(str(error)) from error
 
 
 def load_config(path: str | os.PathLike, **overrides: str) -> Config:

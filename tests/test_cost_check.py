@@ -7,7 +7,7 @@ import numpy as np
 from jvarlen.config import Config
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.cost import CostCoefficients, ModelShape
+from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.cost_fit import OnlineRefit
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES, StepTimeCheck, replica_chunks
 
@@ -38,3 +38,28 @@ def test_refit_turns_a_mis_scaled_profile_into_accurate_predictions():
     assert min(errors[:8]) > 0.5  # before any refit the profile is 2.5x off
     assert max(errors[8:]) < 0.02  # after the first refit it is not
     assert check.refit.refits == 3
+
+
+def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
+    """The EPP path: the slowest replica's plan through the lock-step simulator is the prediction;
+    a machine 1.8x slower than the profile is learnt at the first refit."""
+    from jvarlen.plan.api import plan_iteration
+    from jvarlen.plan.simulator import simulate
+
+    config = Config()
+    shape = ModelShape.from_config(config.model)
+    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    check = StepTimeCheck(OnlineRefit(shape, coeffs, every=4), "test", say=lambda _: None)
+    cost = CostModel(shape, Layout(dp=2, pp=2, sp=1), coeffs)
+    rng = np.random.default_rng(1)
+    errors = []
+    for _ in range(10):
+        plans = [plan_iteration(list(rng.integers(100, 3000, size=4)), cost=cost, policy="epp-fast") for _ in range(2)]
+        ticks = [simulate(p.schedule, p.chunk_shapes(), np.asarray(p.ckpt_layers), cost, "ticks").iteration_time for p in plans]
+        record = check.observe_plans(plans, 1.8 * max(ticks))
+        if not errors:  # before any refit: exactly the slowest plan's lock-step time
+            assert record["predicted_step_s"] == max(ticks)
+        errors.append(record["cost_error"])
+    assert min(errors[:4]) > 0.4
+    assert max(errors[4:]) < 0.02
+    assert check.refit.refits == 2

@@ -58,6 +58,13 @@ def test_cli_reports_config_errors(tmp_path):
     assert "num_kv_heads" in proc.stderr
 
 
+def test_cli_reports_unknown_arguments_without_traceback(capsys):
+    from jvarlen.train import main
+
+    assert main(["--train.no_such_field=1"]) == 2  # parsed before any JAX work
+    assert "unrecognized arguments: --train.no_such_field=1" in capsys.readouterr().err
+
+
 def test_cli_reports_data_errors_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jvarlen.train", "--data.source=jsonl", f"--data.path={tmp_path}/missing.jsonl",

@@ -7,6 +7,12 @@ measurement is used (so the logged error is held out). Every ``every`` observed 
 :class:`jvarlen.plan.cost_fit.OnlineRefit` rescales the coefficients to the measured steps.
 Steps that compiled are not observed: compile time is not step time.
 
+The elastic pipeline path (:meth:`StepTimeCheck.observe_plans`) predicts each step from its plans
+instead: every replica's chunks, 1F1B schedule and recomputation table through the lock-step
+("ticks") simulator, the executor's execution model; the slowest replica is the step. The refitted
+coefficients serve these predictions only; the planner keeps the coefficients it started with,
+so plans stay a function of the data (resume and multi-process runs need the same plans).
+
 The memory side (:func:`memory_check`): the activation memory the cost model predicts for a
 chunk (Eq. 5/9/10 plus the working memory of the backward in flight) against XLA's
 ``compile().memory_analysis()`` of the real decoder's forward+backward programs.
@@ -85,8 +91,20 @@ class StepTimeCheck:
         pp1 = Layout(dp=layout.dp, pp=1, sp=layout.sp)
         chunks = replica_chunks(segment_ids, layout.dp)
         slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1))
-        predicted = self.refit.observe([slowest], pp1, measured_s)
-        record = {"predicted_step_s": predicted, "cost_error": abs(predicted - measured_s) / measured_s}
+        return self._record(self.refit.observe([slowest], pp1, measured_s), measured_s)
+
+
+    def observe_plans(self, plans: Sequence, measured_s: float) -> dict:
+        """Elastic pipeline step: predicts the slowest of the replicas' :class:`jvarlen.plan.Plan`
+        (lock-step ticks, current coefficients), records it against ``measured_s``, refits when due."""
+        predicted = [self.refit.predict(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
+        slowest = plans[int(np.argmax(predicted))]
+        shapes, ckpt = slowest.chunk_shapes(), np.asarray(slowest.ckpt_layers)
+        predicted_s = self.refit.observe(shapes, slowest.layout, measured_s, schedule=slowest.schedule, ckpt_layers=ckpt)
+        return self._record(predicted_s, measured_s)
+
+    def _record(self, predicted_s: float, measured_s: float) -> dict:
+        record = {"predicted_step_s": predicted_s, "cost_error": abs(predicted_s - measured_s) / measured_s}
         if self.refit.due():
             errors = self.refit.relative_errors()
             self.refit.refit()

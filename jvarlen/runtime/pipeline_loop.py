@@ -28,7 +28,7 @@ from jvarlen.parallel.pipeline_stage import residual_policy
 from jvarlen.plan.api import PlannerOptions, make_cost
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES, StepTimeCheck, find_profile
 from jvarlen.runtime.loop import TrainResult, close_run, open_run, step_record
 from jvarlen.runtime.plan_feed import PlanFeed
 
@@ -100,6 +100,7 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
     wait = config.parallel.plan_wait or jax.process_count() > 1
     feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
                     ahead=config.parallel.plan_ahead, wait=wait, say=note)
+    step_time_check = StepTimeCheck.from_config(config, note)
     losses: list[float] = []
     tokens_seen, t_start = 0.0, time.perf_counter()
     try:
@@ -110,8 +111,10 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
             if ahead is not None:
                 runner.precompile(*ahead)
             misses = runner.cache.misses
+            t_run = time.perf_counter()
             state, metrics, info = runner.step(state, it.plans, it.groups)
             metrics = jax.device_get(metrics)
+            run_s = time.perf_counter() - t_run  # the pipeline itself: no plan wait, no precompile dispatch
             dt = time.perf_counter() - t0
             record = step_record(metrics, dt, float(run.lr_at(step)))
             losses.append(record["loss"])
@@ -129,6 +132,9 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
                 "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
                 **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
             })
+            if step_time_check is not None and not record["compiled"]:
+                record["pipeline_s"] = run_s
+                record.update(step_time_check.observe_plans(it.plans, run_s))
             run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
                                                "split": info.split_documents}, data_state=it.data_state)
         checkpointer.wait()
