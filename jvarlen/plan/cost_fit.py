@@ -320,7 +320,7 @@ def fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: in
     for name in ("fwd", "bwd", "recompute"):
         if terms[name] is not None:
             terms[name] = dataclasses.replace(terms[name], alpha1=terms[name].alpha1 * s_pairs)
-    terms["head_bwd"] = dataclasses.replace(terms["head_bwd"], beta1=terms["head_bwd"].beta1 + constant)
+    terms["head_bwd"] = dataclasses.replace(terms["head_bwd"], beta1=max(0.0, terms["head_bwd"].beta1 + constant))
     terms["bucket_token_scale"] = bucket_scale
     return terms
 
