@@ -276,8 +276,8 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 def parse_config(args: Optional[list[str]] = None) -> Config:
     """Parses ``--config PATH`` (YAML) plus dotted overrides into a validated :class:`Config`.
 
-    Raises ConfigError (for bad values) or draccus errors (unknown keys, wrong types),
-    each naming the offending field.
+    Raises ConfigError for bad values, unknown keys and wrong types, each naming the offending
+    field.
     """
     args = list(args or [])
     config_path = None

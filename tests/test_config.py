@@ -1,6 +1,5 @@
 """Configuration: YAML + dotted overrides, and errors that name the field."""
 
-import draccus
 import pytest
 
 from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config, resolve_pipeline_stages
@@ -17,7 +16,7 @@ def test_dotted_override_on_top_of_yaml():
 
 
 def test_unknown_key_is_rejected():
-    with pytest.raises(draccus.utils.DraccusException, match="model.bogus"):
+    with pytest.raises(ConfigError, match="model.bogus"):
         parse_config(["--model.bogus=3"])
 
 
