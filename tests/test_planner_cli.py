@@ -52,3 +52,24 @@ def test_planner_never_imports_jax():
 
     code = "import sys, jvarlen.plan, jvarlen.plan.service; assert 'jax' not in sys.modules, 'planner imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_plans_an_auto_pp_config_for_the_executor(tmp_path, capsys):
+    """configs/default.yaml leaves parallel.pp to the run (auto): the CLI plans the 2 stages a
+    training run of it gets; --simulation ticks reports the lock-step executor's time, which no
+    schedule beats in the async model."""
+    from jvarlen.config import CONFIG_DIR
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("3000\n500\n700\n9000\n200\n")
+    times = {}
+    for mode in ("async", "ticks"):
+        out, plan_path = tmp_path / f"{mode}.json", tmp_path / f"{mode}.plan.json"
+        rc = main(["--lengths", str(lengths), "--config", str(CONFIG_DIR / "default.yaml"), "--n_slices", "3",
+                   "--simulation", mode, "--json", str(out), "--plan", str(plan_path)])
+        assert rc == 0
+        plan = Plan.load(plan_path)
+        assert plan.layout.pp == 2 and plan.stats["simulation"] == mode
+        times[mode] = json.loads(out.read_text())["iteration_time_s"]
+    assert times["ticks"] >= times["async"] > 0
+    capsys.readouterr()

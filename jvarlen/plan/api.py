@@ -53,6 +53,10 @@ class PlannerOptions:
     ``seq1f1b_chunk_tokens`` / ``seq1f1b_reference_context``: the paper-protocol
     Seq1F1B baseline's fixed chunk size and the context its uniform recomputation is
     sized for (InfiniPipe §5.1: "checkpointing configurations optimized for 96K").
+    ``simulation``: the execution model candidates are simulated in and the plan's
+    ``iteration_time_s`` is reported for: ``"async"`` (InfiniPipe's simulator: a stage starts an
+    op as soon as its inputs are ready) or ``"ticks"`` (jvarlen's pipeline executor: every stage
+    runs one op per tick in lock-step, a tick lasts as long as its slowest op).
     """
 
     n_slices: Optional[int] = None
@@ -63,6 +67,11 @@ class PlannerOptions:
     chunk_tokens: tuple[int, ...] = (4096, 8192, 16384, 32768)
     seq1f1b_chunk_tokens: int = 8192
     seq1f1b_reference_context: int = 96 * 1024
+    simulation: str = "async"
+
+    def __post_init__(self):
+        if self.simulation not in ("async", "ticks"):
+            raise ValueError(f"simulation must be 'async' or 'ticks', got {self.simulation!r}")
 
 
 def make_cost(model, cluster="a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
@@ -126,7 +135,7 @@ def plan_iteration(
     elif policy == "seq1f1b":
         plan = _plan_seq1f1b(lengths, cost, options)
     else:
-        plan = _plan_dapple(lengths, cost)
+        plan = _plan_dapple(lengths, cost, options)
     plan.stats["solve_seconds"] = time.perf_counter() - t0 - plan.stats.get("simulate_seconds", 0.0)
     plan.stats["policy"] = policy
     return plan
@@ -211,7 +220,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
 
     def evaluate(n: int):
         res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
-        plan = assemble(policy, lengths, chunks, grouping.units, cost)
+        plan = assemble(policy, lengths, chunks, grouping.units, cost, simulation=options.simulation)
         tried[n] = plan.stats["iteration_time_s"]
         return (n, res, chunks, grouping, tried[n], plan)
 
@@ -259,7 +268,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         perturbations=res.perturbations,
         ckpt_solves=grouping.solves,
     )
-    return assemble(policy, lengths, chunks, units, cost, stats, events)
+    return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=options.simulation)
 
 
 # --------------------------------------------------------------------------- fixed-size chunking
@@ -285,7 +294,7 @@ def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool)
         if not fits:
             events.append(f"chunk_tokens={size}: does not fit memory")
             continue
-        plan = assemble(policy, lengths, chunks, units, cost)
+        plan = assemble(policy, lengths, chunks, units, cost, simulation=options.simulation)
         tried[size] = plan.stats["iteration_time_s"]
         if best is None or tried[size] < best[0]:
             best = (tried[size], size, chunks, units)
@@ -295,7 +304,7 @@ def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool)
     if policy == "wo-wbc":
         units = list(_group(chunks, lengths, cost, options, "milp").units)
     stats = dict(chunk_tokens=size, tuned_iteration_times={str(k): v for k, v in tried.items()})
-    return assemble(policy, lengths, chunks, units, cost, stats, events)
+    return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=options.simulation)
 
 
 def reference_uniform_layers(cost, chunk_tokens: int, context: int) -> int:
@@ -322,18 +331,19 @@ def _plan_seq1f1b(lengths, cost, options: PlannerOptions) -> Plan:
     unit, fits = uniform_unit(fams, shapes, cost, layers)
     events = [] if fits else [f"seq1f1b: out of memory with {layers} recomputed layers per stage"]
     stats = {"chunk_tokens": size, "uniform_ckpt_layers": layers, "reference_ckpt_layers": ref}
-    plan = assemble("seq1f1b", lengths, chunks, [unit], cost, stats, events)
+    plan = assemble("seq1f1b", lengths, chunks, [unit], cost, stats, events, simulation=options.simulation)
     plan.stats["oom"] = not fits
     return plan
 
 
-def _plan_dapple(lengths, cost) -> Plan:
+def _plan_dapple(lengths, cost, options: PlannerOptions) -> Plan:
     chunks = dapple_chunks(lengths, max(lengths))
     shapes = [c.shape(lengths) for c in chunks]
     fams = order_families(families_of(chunks, lengths), shapes, cost)
     unit, fits = uniform_unit(fams, shapes, cost)
     events = [] if fits else ["dapple: out of memory even with full recomputation"]
-    plan = assemble("dapple", lengths, chunks, [unit], cost, {"micro_batch_tokens": max(lengths)}, events)
+    plan = assemble("dapple", lengths, chunks, [unit], cost, {"micro_batch_tokens": max(lengths)}, events,
+                    simulation=options.simulation)
     plan.stats["oom"] = not fits
     return plan
 

@@ -30,12 +30,13 @@ class _LinkedSchedule(Schedule):
         return Schedule.chunk_next.fget(self)
 
 
-def simulate(plan: Plan, cost) -> SimResult:
-    """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost`` (async simulator)."""
+def simulate(plan: Plan, cost, mode: str = "async") -> SimResult:
+    """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost``; ``mode``:
+    the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: jvarlen's lock-step executor)."""
     sched = plan.schedule
     if not isinstance(sched, _LinkedSchedule):
         sched = _LinkedSchedule(sched.stages, sched.chunk_prev, sched.chunk_docs)
-    return simulate_schedule(sched, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost)
+    return simulate_schedule(sched, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
 
 
 def assemble(
@@ -47,10 +48,12 @@ def assemble(
     stats: dict | None = None,
     events: list | None = None,
     run_simulation: bool = True,
+    simulation: str = "async",
 ) -> Plan:
     """Orders chunks unit by unit (forward order), concatenates the unit schedules
     (:func:`jvarlen.plan.schedule.sequential`) and checkpointing tables, and fills
-    ``stats`` with the simulated iteration time, bubble ratio and peak memory."""
+    ``stats`` with the iteration time, bubble ratio and peak memory simulated in ``simulation``
+    mode (see :func:`simulate`)."""
     order = [k for u in units for k in u.chunk_ids]
     if sorted(order) != list(range(len(chunks))):
         raise ValueError("units must cover every chunk exactly once")
@@ -75,7 +78,7 @@ def assemble(
         if u.ckpt.source == "greedy":
             plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
     if run_simulation:
-        record_simulation(plan, cost)
+        record_simulation(plan, cost, simulation)
     return plan
 
 
@@ -97,10 +100,11 @@ def concatenate(schedules: Sequence[Schedule]) -> Schedule:
     return Schedule(tuple(map(tuple, stages)), tuple(prev))
 
 
-def record_simulation(plan: Plan, cost) -> SimResult:
+def record_simulation(plan: Plan, cost, mode: str = "async") -> SimResult:
     t0 = time.perf_counter()
-    sim = simulate(plan, cost)
+    sim = simulate(plan, cost, mode)
     plan.stats.update(
+        simulation=mode,
         iteration_time_s=float(sim.iteration_time),
         makespan_s=float(sim.makespan),
         bubble_ratio=float(sim.bubble_ratio),

@@ -37,12 +37,15 @@ class PlanCli:
     zero3_sp: bool = True  # shard stage parameters/gradients over the SP group (InfiniPipe's ZeRO-3)
     time_limit: float = 0.05  # seconds per checkpointing MILP
     n_slices: int = 0  # fix Alg. 1's N (0: tune)
+    simulation: str = "async"  # execution model: "async" (InfiniPipe's simulator) or "ticks" (jvarlen's executor)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.iterations < 1:
             raise ValueError(f"--iterations must be >= 1, got {self.iterations}")
+        if self.simulation not in ("async", "ticks"):
+            raise ValueError(f"--simulation must be 'async' or 'ticks', got {self.simulation!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
 
@@ -74,9 +77,11 @@ def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed
 
 
 def cost_from_config(path: str, cluster: str, zero3_sp: bool):
-    from jvarlen.config import load_config
+    from jvarlen.config import load_config, resolve_pipeline_stages
 
     cfg = load_config(path)
+    if cfg.parallel.pp is None:  # auto: the stages a training run of this config gets (2 when the layers split)
+        cfg = resolve_pipeline_stages(cfg, (cfg.parallel.dp or 1) * 2 * cfg.parallel.sp)
     pp, sp = cfg.parallel.pp, cfg.parallel.sp
     layout = Layout(cfg.parallel.dp or 1, pp, sp)
     return make_cost(cfg.model, cluster, layout, zero3_sp=zero3_sp)
@@ -85,7 +90,7 @@ def cost_from_config(path: str, cluster: str, zero3_sp: bool):
 def run(cli: PlanCli) -> int:
     cost = cost_from_config(cli.config, cli.cluster, cli.zero3_sp)
     options = PlannerOptions(
-        n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit)
+        n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit), simulation=cli.simulation
     )
     records, last = [], None
     for i, batch in enumerate(batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)):
