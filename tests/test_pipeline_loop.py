@@ -100,3 +100,23 @@ def test_pipeline_layout_is_checked_with_clear_messages():
         pipeline_layout(load_config(CONFIG, **{"parallel.pp": "3", "parallel.dp": "1", "parallel.sp": "1"}), 3)
     with pytest.raises(ConfigError, match="fixed \\(dp, pp, sp\\)"):
         pipeline_layout(load_config(CONFIG, **{"parallel.sp_cycle": "[1,2]"}), 8)
+
+
+def test_steps_log_predicted_vs_measured_time(tmp_path):
+    """The online cost check of the pipeline path: every step that did not compile logs the slowest
+    plan's lock-step prediction next to the measured pipeline time (refitting after every step
+    must not break the loop; the refit itself is tested in test_cost_check)."""
+    require_devices(8)
+    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
+
+    profile = sorted(p for p in os.listdir(PACKAGE_PROFILES) if p.endswith("__cpu__cpu.json"))[0]
+    config = _config(tmp_path / "run", tmp_path / "xla-cache", ("train.cost_profile", os.path.join(PACKAGE_PROFILES, profile)),
+                     ("train.cost_refit_every", "1"))
+    train(config, quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    observed = [r for r in records if not r["compiled"]]
+    assert observed, [r["compiled"] for r in records]
+    assert all("predicted_step_s" not in r for r in records if r["compiled"])
+    for r in observed:
+        assert r["predicted_step_s"] > 0 and r["pipeline_s"] > 0
+        assert r["cost_error"] == pytest.approx(abs(r["predicted_step_s"] - r["pipeline_s"]) / r["pipeline_s"])
