@@ -171,6 +171,9 @@ class ParallelConfig:
     # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
     plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
     plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
+    # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
+    # simulator says it is faster and it fits memory (more chunks in flight).
+    plan_gpipe_units: bool = True
     # What a pipeline stage keeps of a layer whose recomputation the plan does not ask for:
     # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
     # the backward), "all" (every residual), or a jax.checkpoint_policies name.

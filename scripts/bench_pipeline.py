@@ -3,8 +3,9 @@
 1. Overhead of the executor (pp = 1, one chunk) over the plain jitted loss+grad step.
 2. Per-tick time and compile time versus the number of chunks (pp = 2, 1F1B).
 3. Step time versus the number of recomputed layers per stage (table as data, one compile).
+4. 1F1B versus GPipe op order in the lock-step executor (pp = 2, same chunks, interleaved).
 
-    python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10]
+    python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -139,6 +140,26 @@ def recompute(graphdef, cfg, params, tokens, repeats, n=4):
             print(f"| {policy or 'all'} | {r} | {forwards} | {best[r] * 1e3:.1f} |")
 
 
+def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8)):
+    """The executor runs ticks in lock-step: 1F1B pairs a forward with a backward in most ticks
+    (each such tick at backward speed), GPipe order pairs like with like but keeps every chunk
+    in flight."""
+    layout = Layout(1, 2, 1)
+    print(f"\n| chunks (pp=2, {tokens} tokens each) | 1F1B ticks | 1F1B ms | GPipe ticks | GPipe ms | GPipe / 1F1B |")
+    print("|---|---|---|---|---|---|")
+    for n in counts:
+        docs, chunks = documents(n, tokens, cfg.vocab_size, seed=7 + n)
+        pack = pack_chunks(chunks, docs, tokens)
+        runs, ticks = {}, {}
+        for name, sched in (("1f1b", sch.one_f_one_b(n, 2)), ("gpipe", sch.gpipe(n, 2))):
+            sig, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)],
+                                               "dots_and_attention")
+            runs[name], ticks[name] = (step, batch), sig.n_ticks
+        best = interleaved(runs, params, repeats)
+        print(f"| {n} | {ticks['1f1b']} | {best['1f1b'] * 1e3:.1f} | {ticks['gpipe']} | {best['gpipe'] * 1e3:.1f} "
+              f"| {best['gpipe'] / best['1f1b']:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -146,7 +167,7 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--attention", default="xla")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--parts", default="overhead,ticks,recompute")
+    parser.add_argument("--parts", default="overhead,ticks,recompute,order")
     args = parser.parse_args()
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=4, num_kv_heads=2,
                       mlp_dim=3 * args.d_model, compute_dtype="float32", attention=args.attention)
@@ -160,6 +181,8 @@ def main():
         per_tick(graphdef, cfg, params, args.tokens, args.repeats)
     if "recompute" in parts:
         recompute(graphdef, cfg, params, args.tokens, args.repeats)
+    if "order" in parts:
+        order(graphdef, cfg, params, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":

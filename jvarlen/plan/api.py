@@ -31,7 +31,7 @@ from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostModel, ModelShape
-from jvarlen.plan.grouping import group, order_families, resolve_unit
+from jvarlen.plan.grouping import forwards_first, group, lockstep_order, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
@@ -57,6 +57,9 @@ class PlannerOptions:
     ``iteration_time_s`` is reported for: ``"async"`` (InfiniPipe's simulator: a stage starts an
     op as soon as its inputs are ready) or ``"ticks"`` (jvarlen's pipeline executor: every stage
     runs one op per tick in lock-step, a tick lasts as long as its slowest op).
+    ``gpipe_units`` (with ``simulation="ticks"`` only): a unit runs in GPipe order where the
+    lock-step simulation says that is faster and it fits memory
+    (:func:`jvarlen.plan.grouping.lockstep_order`).
     """
 
     n_slices: Optional[int] = None
@@ -68,6 +71,7 @@ class PlannerOptions:
     seq1f1b_chunk_tokens: int = 8192
     seq1f1b_reference_context: int = 96 * 1024
     simulation: str = "async"
+    gpipe_units: bool = True
 
     def __post_init__(self):
         if self.simulation not in ("async", "ticks"):
@@ -220,7 +224,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
 
     def evaluate(n: int):
         res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
-        plan = assemble(policy, lengths, chunks, grouping.units, cost, simulation=options.simulation)
+        plan = assemble(policy, lengths, chunks, _ordered(grouping.units, chunks, lengths, cost, options), cost,
+                        simulation=options.simulation)
         tried[n] = plan.stats["iteration_time_s"]
         return (n, res, chunks, grouping, tried[n], plan)
 
@@ -259,6 +264,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     if mode == "milp":
         shapes = [c.shape(lengths) for c in chunks]
         units = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in units]
+    units = _ordered(units, chunks, lengths, cost, options)
     stats = dict(
         n_slices=n,
         tuned_iteration_times={str(k): v for k, v in tried.items()},
@@ -267,8 +273,19 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         mesh=list(res.mesh.slices),
         perturbations=res.perturbations,
         ckpt_solves=grouping.solves,
+        gpipe_units=sum(forwards_first(u.schedule) for u in units),
     )
     return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=options.simulation)
+
+
+def _ordered(units, chunks, lengths, cost, options: PlannerOptions) -> list:
+    """Units as the executor will run them: planned for the lock-step executor
+    (``simulation="ticks"``), a unit runs in GPipe order where that is faster and fits
+    (:func:`jvarlen.plan.grouping.lockstep_order`); InfiniPipe's async model keeps 1F1B."""
+    if options.simulation != "ticks" or not options.gpipe_units or cost.layout.pp == 1:
+        return list(units)
+    shapes = [c.shape(lengths) for c in chunks]
+    return [lockstep_order(u, shapes, cost) for u in units]
 
 
 # --------------------------------------------------------------------------- fixed-size chunking

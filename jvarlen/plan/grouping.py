@@ -179,3 +179,31 @@ def group(
         i = k
     units = [u for part in reversed(chosen) for u in part]
     return Grouping(tuple(units), dp[levels], solves, tuple(u.ckpt.source for u in units))
+
+
+def forwards_first(sched: Schedule) -> bool:
+    """Every stage runs all its forwards before its first backward (GPipe order)."""
+    return all(all(op.kind == "F" for op in prog[: sched.n_chunks]) for prog in sched.stages)
+
+
+def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
+    """The unit in GPipe order (every stage runs all its forwards, then all its backwards, later
+    slices first) when that runs faster in the lock-step executor and still fits memory with the
+    unit's checkpointing; else the unit unchanged.
+
+    In lock-step every tick lasts as long as its slowest op, so 1F1B's steady state, where one
+    stage's forward shares a tick with its neighbour's backward, runs every tick at backward
+    speed; GPipe order pairs forwards with forwards and backwards with backwards. It keeps every
+    chunk of the unit in flight, which only fits when memory is not binding (Eq. 10 per chunk,
+    replayed in schedule order by the simulator)."""
+    from jvarlen.plan.schedule import gpipe
+    from jvarlen.plan.simulator import simulate
+
+    local = [shapes[k] for k in unit.chunk_ids]
+    sched = unit.schedule
+    alt = gpipe(sched.n_chunks, sched.pp, sched.chunk_prev, sched.chunk_docs)
+    now = simulate(sched, local, unit.ckpt.table, cost, "ticks", validate=False)
+    new = simulate(alt, local, unit.ckpt.table, cost, "ticks", validate=False)
+    if new.fits and new.iteration_time < now.iteration_time:
+        return dataclasses.replace(unit, schedule=alt)
+    return unit

@@ -91,7 +91,8 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
     run.state = None
     cost = cost_model(config, layout, say)
     # candidates are simulated in the executor's own lock-step execution model
-    options = PlannerOptions(min_slice_tokens=config.parallel.plan_min_slice_tokens, solver=SOLVER, simulation="ticks")
+    options = PlannerOptions(min_slice_tokens=config.parallel.plan_min_slice_tokens, solver=SOLVER, simulation="ticks",
+                             gpipe_units=config.parallel.plan_gpipe_units)
     runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state, chunk_multiple=4, say=note,
                             residual_policy=None if kept == "all" else kept)
     say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
