@@ -56,6 +56,39 @@ def test_planner_never_imports_jax():
 
 def test_cli_plans_an_auto_pp_config_for_the_executor(tmp_path, capsys):
     """configs/default.yaml leaves parallel.pp to the run (auto): the CLI plans the 2 stages a
+    training run of it gets; --simulation ticks reports the lock-step executor's time, which is
+    never shorter than the async time of the same plan."""
+    from jvarlen.config import CONFIG_DIR
+    from jvarlen.plan.assemble import simulate
+    from jvarlen.plan.cli import cost_from_config
+
+    config = str(CONFIG_DIR / "default.yaml")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("3000\n500\n700\n9000\n200\n")
+    cost = cost_from_config(config, "a800", True)
+    for mode in ("async", "ticks"):
+        out, plan_path = tmp_path / f"{mode}.json", tmp_path / f"{mode}.plan.json"
+        rc = main(["--lengths", str(lengths), "--config", config, "--n_slices", "3",
+                   "--simulation", mode, "--json", str(out), "--plan", str(plan_path)])
+        assert rc == 0
+        plan = Plan.load(plan_path)
+        assert plan.layout.pp == 2 and plan.stats["simulation"] == mode
+        reported = json.loads(out.read_text())["iteration_time_s"]
+        assert reported == pytest.approx(simulate(plan, cost, mode).iteration_time)
+        assert simulate(plan, cost, "ticks").iteration_time >= simulate(plan, cost, "async").iteration_time > 0
+    capsys.readouterr()
+
+
+def test_planner_never_imports_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, jvarlen.plan, jvarlen.plan.service; assert 'jax' not in sys.modules, 'planner imported jax'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_plans_an_auto_pp_config_for_the_executor(tmp_path, capsys):
+    """configs/default.yaml leaves parallel.pp to the run (auto): the CLI plans the 2 stages a
     training run of it gets; --simulation ticks reports the lock-step executor's time, which no
     schedule beats in the async model."""
     from jvarlen.config import CONFIG_DIR
