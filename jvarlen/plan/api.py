@@ -31,7 +31,7 @@ from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostModel, ModelShape
-from jvarlen.plan.grouping import forwards_first, group, lockstep_order, order_families, resolve_unit
+from jvarlen.plan.grouping import group, lockstep_order, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
@@ -57,9 +57,9 @@ class PlannerOptions:
     ``iteration_time_s`` is reported for: ``"async"`` (InfiniPipe's simulator: a stage starts an
     op as soon as its inputs are ready) or ``"ticks"`` (jvarlen's pipeline executor: every stage
     runs one op per tick in lock-step, a tick lasts as long as its slowest op).
-    ``gpipe_units`` (with ``simulation="ticks"`` only): a unit runs in GPipe order where the
-    lock-step simulation says that is faster and it fits memory
-    (:func:`jvarlen.plan.grouping.lockstep_order`).
+    ``gpipe_units`` (EPP policies, with ``simulation="ticks"`` only): a unit runs in GPipe order
+    where the lock-step simulation says that is faster and it fits memory
+    (:func:`jvarlen.plan.grouping.lockstep_order`); the baselines keep their schedules.
     """
 
     n_slices: Optional[int] = None
@@ -264,7 +264,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     if mode == "milp":
         shapes = [c.shape(lengths) for c in chunks]
         units = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in units]
-    units = _ordered(units, chunks, lengths, cost, options)
+    planned, units = units, _ordered(units, chunks, lengths, cost, options)
     stats = dict(
         n_slices=n,
         tuned_iteration_times={str(k): v for k, v in tried.items()},
@@ -273,7 +273,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         mesh=list(res.mesh.slices),
         perturbations=res.perturbations,
         ckpt_solves=grouping.solves,
-        gpipe_units=sum(forwards_first(u.schedule) for u in units),
+        gpipe_units=sum(a is not b for a, b in zip(planned, units)),  # units reordered for the lock-step executor
     )
     return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=options.simulation)
 

@@ -27,8 +27,9 @@ UnitSolver = Callable[[Sequence[Sequence[int]]], tuple[float, object]]
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One 1F1B pipeline: ``families`` in forward order, ``chunk_ids`` (global ids in forward
-    order), its schedule over local ids and its checkpointing (``ckpt.table [n, pp]``)."""
+    """One pipeline (1F1B; GPipe order after :func:`lockstep_order`): ``families`` in forward
+    order, ``chunk_ids`` (global ids in forward order), its schedule over local ids and its
+    checkpointing (``ckpt.table [n, pp]``)."""
 
     families: tuple[tuple[int, ...], ...]
     chunk_ids: tuple[int, ...]
