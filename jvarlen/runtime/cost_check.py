@@ -8,7 +8,7 @@ measurement is used (so the logged error is held out). Every ``every`` observed 
 Steps that compiled are not observed: compile time is not step time.
 
 The elastic pipeline path (:meth:`StepTimeCheck.observe_plans`) predicts each step from its plans
-instead: every replica's chunks, 1F1B schedule and recomputation table through the lock-step
+instead: every replica's chunks, schedule and recomputation table through the lock-step
 ("ticks") simulator, the executor's execution model; the slowest replica is the step. The refitted
 coefficients serve these predictions only; the planner keeps the coefficients it started with,
 so plans stay a function of the data (resume and multi-process runs need the same plans).
@@ -92,7 +92,6 @@ class StepTimeCheck:
         chunks = replica_chunks(segment_ids, layout.dp)
         slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1))
         return self._record(self.refit.observe([slowest], pp1, measured_s), measured_s)
-
 
     def observe_plans(self, plans: Sequence, measured_s: float) -> dict:
         """Elastic pipeline step: predicts the slowest of the replicas' :class:`jvarlen.plan.Plan`

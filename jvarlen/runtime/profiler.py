@@ -363,9 +363,9 @@ class ProfileGrid:
     context_buckets: tuple[int, ...] = (0, 2048, 6144)
     remat_pairs: tuple[tuple[int, int], ...] = ((512, 0), (1024, 0), (2048, 0), (1024, 2048))
     repeats: int = 5
-    # Whole-model chunk steps whose residual against the layer and head fit becomes the per-chunk
-    # correction (:func:`jvarlen.plan.cost_fit.fit_time_terms`): every token bucket, packed, split
-    # and hybrid chunks, contexts up to 2048 (the largest context of the sp > 1 grid).
+    # Whole-model chunk steps that correct the layer and head fit in situ (an attention factor and
+    # one token factor per bucket, :func:`jvarlen.plan.cost_fit.fit_in_situ_scales`): every token
+    # bucket, packed, split and hybrid chunks, contexts up to 2048 (the sp > 1 grid's largest).
     calibration: tuple[ChunkShape, ...] = (
         ChunkShape(0, (200, 150, 90)),
         ChunkShape(1000, (470,), tail=False),
@@ -594,10 +594,10 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     Forward, forward+backward and forward+backward-with-remat layer programs are fitted with
     :func:`fit_layer_programs`; backward = (fwd+bwd) − fwd, recompute = (remat) − (fwd+bwd), term
     by term. The head is fitted on its own; whole-model chunk steps on the calibration chunks then
-    rescale the attention and token terms and add a per-chunk constant (embedding, accumulation,
-    dispatch; with sp > 1 also the gradient all-reduce over the sp group), charged to the head's
-    backward (:func:`jvarlen.plan.cost_fit.fit_in_situ_scales`); the optimizer update is
-    ``step_overhead``. ``report["sp_reports"]`` (``{"2": report, ...}``, from
+    rescale the attention terms and, per token bucket, the token terms (which also absorb the
+    per-chunk constant: embedding, accumulation, dispatch; with sp > 1 the gradient all-reduce over
+    the sp group) into ``bucket_token_scale`` (:func:`jvarlen.plan.cost_fit.fit_in_situ_scales`);
+    the optimizer update is ``step_overhead``. ``report["sp_reports"]`` (``{"2": report, ...}``, from
     ``ChunkHarness(sp=2)``) gives the per-degree coefficients the same way; the sp = 1 fit does not
     depend on them. Memory coefficients come from the sp = 1 report only.
     """
