@@ -12,7 +12,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions
 from jvarlen.plan.service import PlanningService, deterministic_options
 from jvarlen.runtime.plan_feed import PlanFeed
-from planner_helpers import small_cost
+from conftest import small_cost
 
 OPTS = deterministic_options(PlannerOptions(n_candidates=2))
 LAYOUT = Layout(dp=2, pp=2, sp=1)

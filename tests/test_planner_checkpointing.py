@@ -8,7 +8,7 @@ import pytest
 from jvarlen.plan.checkpointing import CkptProblem, SolverOptions, build_problem, greedy, solve
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.units import live_windows, unit_schedule
-from planner_helpers import small_cost, tight_budget
+from conftest import small_cost, tight_budget
 
 
 def brute_force(problem: CkptProblem):

@@ -9,7 +9,7 @@ from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.grouping import group, solve_range, warmup_cost
 from jvarlen.plan.sequence_processor import chunk_batch
 from jvarlen.plan.units import families_of
-from planner_helpers import small_cost, tight_budget
+from conftest import small_cost, tight_budget
 
 OPTS = SolverOptions(time_limit_s=5.0, deterministic_time=10.0)
 

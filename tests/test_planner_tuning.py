@@ -12,7 +12,7 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.hardware import A800, analytic_coefficients
 from jvarlen.plan.workloads import sample_batch
-from planner_helpers import SMALL, small_cost
+from conftest import SMALL, small_cost
 
 K = 1024
 
