@@ -230,6 +230,14 @@ def resolve_pipeline_stages(config: "Config", num_devices: int) -> "Config":
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pp=2 if two else 1))
 
 
+def requested_pipeline_stages(config: "Config") -> "Config":
+    """``config`` with ``parallel.pp`` fixed as :func:`resolve_pipeline_stages` fixes it when the run
+    has the devices an auto config asks for, ``(dp or 1) · 2 · sp`` (a CPU host gets exactly
+    those; the planner CLI plans for them)."""
+    par = config.parallel
+    return resolve_pipeline_stages(config, (par.dp or 1) * 2 * par.sp)
+
+
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 100

@@ -16,7 +16,7 @@ from typing import Optional
 
 import draccus
 
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
 @dataclasses.dataclass
@@ -49,8 +49,7 @@ class ProfileConfig:
 
 def main(args: Optional[list[str]] = None) -> str:
     cfg = draccus.parse(ProfileConfig, args=args)
-    # must happen before JAX initialises its CPU client; the device count goes before
-    # SINGLE_THREAD_XLA_FLAGS, whose last token is not a --flag
+    # must happen before JAX initialises its CPU client
     if max(cfg.sp) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={max(cfg.sp)} " + os.environ.get("XLA_FLAGS", "")).strip()
     if cfg.cpu_single_thread:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jvarlen.config import ConfigError, parse_config
+from jvarlen.config import ConfigError, parse_config, requested_pipeline_stages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,14 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
-    par = config.parallel
-    pipeline = par.pp > 1 if par.pp is not None else not par.chooses_dp_layouts
-    if pipeline and "jax" not in sys.modules:
+    par = requested_pipeline_stages(config).parallel
+    if par.pp > 1 and "jax" not in sys.modules:
         # the pipeline path on a CPU-only host: give the host platform the devices the layout
-        # needs (no effect on GPU/TPU devices; auto pp counts as 2 stages)
+        # needs (no effect on GPU/TPU devices)
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
-            count = (par.dp or 1) * (par.pp or 2) * par.sp
+            count = (par.dp or 1) * par.pp * par.sp
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError

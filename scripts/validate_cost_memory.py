@@ -73,9 +73,10 @@ def main(argv=None):
         report["memory"] = measure_memory(grid_harness, grid.token_buckets)
         with open(report_path, "w") as f:
             json.dump(report, f, indent=1)
-        refit_profile(report_path, model_cfg, args.profile)
+        coeffs = refit_profile(report_path, model_cfg, args.profile)
         print(f"memory grid: {len(report['memory'])} programs [{time.time() - t0:.0f}s]; profile refitted", flush=True)
-    coeffs = CostCoefficients.load(args.profile)
+    else:
+        coeffs = CostCoefficients.load(args.profile)
     if coeffs.meta.model_key != shape.key():
         raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
     harness = ChunkHarness(model_cfg, token_buckets=(256, 768, 1536), context_buckets=(0, 1024, 2048))

@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--no_per_sp", action="store_true", help="baseline: drop the per-sp coefficients (ideal 1/sp scaling of sp = 1)")
     args = ap.parse_args(argv)
     if args.sp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # before JAX starts, and before SINGLE_THREAD_XLA_FLAGS, whose last token is not a --flag
+        # before JAX starts
         os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.sp} " + os.environ.get("XLA_FLAGS", "")).strip()
     if not args.multi_thread:  # same setting as the profiler, before JAX starts
         from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS

@@ -36,6 +36,7 @@ from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
 
+SIMULATIONS = ("async", "ticks")  # execution models of PlannerOptions.simulation
 POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple")
 
 
@@ -74,8 +75,8 @@ class PlannerOptions:
     gpipe_units: bool = True
 
     def __post_init__(self):
-        if self.simulation not in ("async", "ticks"):
-            raise ValueError(f"simulation must be 'async' or 'ticks', got {self.simulation!r}")
+        if self.simulation not in SIMULATIONS:
+            raise ValueError(f"simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
 
 
 def make_cost(model, cluster="a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
@@ -166,11 +167,12 @@ def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int):
     pack = cost.max_tokens(in_flight=cost.layout.pp, tail=True)  # a full window of batched chunks
     res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack)
     chunks = list(res.chunks)
-    return res, chunks, _group(chunks, lengths, cost, options, mode)
-
-
-def _group(chunks: Sequence[PlannedChunk], lengths, cost, options: PlannerOptions, mode: str):
     shapes = [c.shape(lengths) for c in chunks]
+    return res, chunks, shapes, _group(chunks, lengths, cost, options, mode, shapes)
+
+
+def _group(chunks: Sequence[PlannedChunk], lengths, cost, options: PlannerOptions, mode: str, shapes=None):
+    shapes = shapes if shapes is not None else [c.shape(lengths) for c in chunks]
     fams = families_of(chunks, lengths)
     return group(fams, shapes, cost, cost.layout.pp, cost.layers_per_stage, options.solver, mode)
 
@@ -223,11 +225,11 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
 
     def evaluate(n: int):
-        res, chunks, grouping = _epp_units(lengths, cost, options, tune_mode, n)
-        plan = assemble(policy, lengths, chunks, _ordered(grouping.units, chunks, lengths, cost, options), cost,
-                        simulation=options.simulation)
+        res, chunks, shapes, grouping = _epp_units(lengths, cost, options, tune_mode, n)
+        ordered = _ordered(grouping.units, shapes, cost, options)
+        plan = assemble(policy, lengths, chunks, list(ordered.values()), cost, simulation=options.simulation)
         tried[n] = plan.stats["iteration_time_s"]
-        return (n, res, chunks, grouping, tried[n], plan)
+        return (n, res, chunks, shapes, grouping, ordered, tried[n])
 
     while queue and len(tried) < options.n_candidates:
         n = queue.pop(0)
@@ -243,9 +245,9 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
                 candidates.append(bigger)
                 queue.insert(0, bigger)
             continue
-        if best is not None and found[4] > best[4]:
+        if best is not None and found[-1] > best[-1]:
             break  # unimodal in N: further (smaller) candidates only get worse
-        if best is None or found[4] < best[4]:
+        if best is None or found[-1] < best[-1]:
             best = found
     if best is not None and options.n_slices is None and policy != "epp-fast":
         n_hi = max(max(candidates), max(lengths) // max(1, options.min_slice_tokens))
@@ -253,18 +255,18 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         if mid is not None:
             try:
                 found = evaluate(mid)
-                if found[4] < best[4]:
+                if found[-1] < best[-1]:
                     best = found
             except (ValueError, PlanningError) as e:
                 events.append(f"N={mid}: infeasible ({e})")
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
-    n, res, chunks, grouping, _, plan = best
-    units = list(grouping.units)
+    n, res, chunks, shapes, grouping, ordered, _ = best
+    planned = list(grouping.units)
     if mode == "milp":
-        shapes = [c.shape(lengths) for c in chunks]
-        units = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in units]
-    planned, units = units, _ordered(units, chunks, lengths, cost, options)
+        planned = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in planned]
+    # a unit the MILP left as it was keeps the order chosen while tuning
+    units = [ordered[id(u)] if id(u) in ordered else _ordered([u], shapes, cost, options)[id(u)] for u in planned]
     stats = dict(
         n_slices=n,
         tuned_iteration_times={str(k): v for k, v in tried.items()},
@@ -278,14 +280,13 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
     return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=options.simulation)
 
 
-def _ordered(units, chunks, lengths, cost, options: PlannerOptions) -> list:
-    """Units as the executor will run them: planned for the lock-step executor
-    (``simulation="ticks"``), a unit runs in GPipe order where that is faster and fits
+def _ordered(units, shapes, cost, options: PlannerOptions) -> dict:
+    """``{id(unit): unit as the executor will run it}`` in unit order: planned for the lock-step
+    executor (``simulation="ticks"``), a unit runs in GPipe order where that is faster and fits
     (:func:`jvarlen.plan.grouping.lockstep_order`); InfiniPipe's async model keeps 1F1B."""
     if options.simulation != "ticks" or not options.gpipe_units or cost.layout.pp == 1:
-        return list(units)
-    shapes = [c.shape(lengths) for c in chunks]
-    return [lockstep_order(u, shapes, cost) for u in units]
+        return {id(u): u for u in units}
+    return {id(u): lockstep_order(u, shapes, cost) for u in units}
 
 
 # --------------------------------------------------------------------------- fixed-size chunking

@@ -112,6 +112,7 @@ def record_simulation(plan: Plan, cost, mode: str = "async") -> SimResult:
         memory_budget_bytes=float(sim.memory_budget),
         fits_memory=bool(sim.fits),
         recompute_s=[float(x) for x in sim.stage_recompute],
+        stage_busy_s=[float(x) for x in sim.stage_busy],
         simulate_seconds=time.perf_counter() - t0,
     )
     return sim

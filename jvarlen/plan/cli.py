@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from jvarlen.layout import Layout
-from jvarlen.plan.api import POLICIES, PlannerOptions, PlanningError, make_cost, plan_iteration
+from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 
 SUMMARY_FIELDS = (
@@ -44,8 +44,8 @@ class PlanCli:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.iterations < 1:
             raise ValueError(f"--iterations must be >= 1, got {self.iterations}")
-        if self.simulation not in ("async", "ticks"):
-            raise ValueError(f"--simulation must be 'async' or 'ticks', got {self.simulation!r}")
+        if self.simulation not in SIMULATIONS:
+            raise ValueError(f"--simulation must be one of {', '.join(SIMULATIONS)}, got {self.simulation!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
 
@@ -77,11 +77,9 @@ def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed
 
 
 def cost_from_config(path: str, cluster: str, zero3_sp: bool):
-    from jvarlen.config import load_config, resolve_pipeline_stages
+    from jvarlen.config import load_config, requested_pipeline_stages
 
-    cfg = load_config(path)
-    if cfg.parallel.pp is None:  # auto: the stages a training run of this config gets (2 when the layers split)
-        cfg = resolve_pipeline_stages(cfg, (cfg.parallel.dp or 1) * 2 * cfg.parallel.sp)
+    cfg = requested_pipeline_stages(load_config(path))  # auto pp: the stages a training run of it gets
     pp, sp = cfg.parallel.pp, cfg.parallel.sp
     layout = Layout(cfg.parallel.dp or 1, pp, sp)
     return make_cost(cfg.model, cluster, layout, zero3_sp=zero3_sp)

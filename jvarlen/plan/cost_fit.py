@@ -184,10 +184,14 @@ class OnlineRefit:
         measured_s: float,
         schedule: Optional[Schedule] = None,
         ckpt_layers: Optional[np.ndarray] = None,
+        predicted_s: Optional[float] = None,
     ) -> float:
+        """Records a measured step; returns its prediction with the current coefficients
+        (``predicted_s`` when the caller already has it, from :meth:`predict` on a valid schedule)."""
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
-        sched.validate()
-        pred = self.predict(chunk_shapes, layout, sched, ckpt_layers)
+        if predicted_s is None:
+            sched.validate()
+        pred = self.predict(chunk_shapes, layout, sched, ckpt_layers) if predicted_s is None else float(predicted_s)
         self.history.append(Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred))
         self._since_refit += 1
         return pred
@@ -269,16 +273,9 @@ def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]], sp: int 
     averages the timing noise over all samples rather than amplifying it. Returns the per-layer
     :class:`LayerTime` and the per-call ``(c1, c0)``.
     """
-    from scipy.optimize import nnls
-
     n, p, t, y = (np.asarray(c, float) for c in zip(*rows))
     p, t = p / sp, t / sp
-    x = np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1)
-    w = 1.0 / y
-    scale = np.abs(x * w[:, None]).max(axis=0)
-    scale[scale == 0] = 1.0
-    theta, _ = nnls(x * w[:, None] / scale, np.ones_like(y))
-    theta = theta / scale
+    theta = _nnls_relative(np.stack([n * p, n * t, n, t, np.ones_like(n)], axis=1), y)
     return LayerTime(float(theta[0]), float(theta[1]), float(theta[2])), (float(theta[3]), float(theta[4]))
 
 

@@ -182,11 +182,6 @@ def group(
     return Grouping(tuple(units), dp[levels], solves, tuple(u.ckpt.source for u in units))
 
 
-def forwards_first(sched: Schedule) -> bool:
-    """Every stage runs all its forwards before its first backward (GPipe order)."""
-    return all(all(op.kind == "F" for op in prog[: sched.n_chunks]) for prog in sched.stages)
-
-
 def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
     """The unit in GPipe order (every stage runs all its forwards, then all its backwards, later
     slices first) when that runs faster in the lock-step executor and still fits memory with the
@@ -203,6 +198,8 @@ def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
     local = [shapes[k] for k in unit.chunk_ids]
     sched = unit.schedule
     alt = gpipe(sched.n_chunks, sched.pp, sched.chunk_prev, sched.chunk_docs)
+    if alt.stages == sched.stages:  # e.g. the slices of one document: 1F1B's window is all of them
+        return unit
     now = simulate(sched, local, unit.ckpt.table, cost, "ticks", validate=False)
     new = simulate(alt, local, unit.ckpt.table, cost, "ticks", validate=False)
     if new.fits and new.iteration_time < now.iteration_time:

@@ -96,11 +96,12 @@ class StepTimeCheck:
     def observe_plans(self, plans: Sequence, measured_s: float) -> dict:
         """Elastic pipeline step: predicts the slowest of the replicas' :class:`jvarlen.plan.Plan`
         (lock-step ticks, current coefficients), records it against ``measured_s``, refits when due."""
-        predicted = [self.refit.predict(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
-        slowest = plans[int(np.argmax(predicted))]
-        shapes, ckpt = slowest.chunk_shapes(), np.asarray(slowest.ckpt_layers)
-        predicted_s = self.refit.observe(shapes, slowest.layout, measured_s, schedule=slowest.schedule, ckpt_layers=ckpt)
-        return self._record(predicted_s, measured_s)
+        views = [(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
+        predicted = [self.refit.predict(*view) for view in views]
+        i = int(np.argmax(predicted))
+        shapes, layout, schedule, ckpt = views[i]
+        self.refit.observe(shapes, layout, measured_s, schedule=schedule, ckpt_layers=ckpt, predicted_s=predicted[i])
+        return self._record(predicted[i], measured_s)
 
     def _record(self, predicted_s: float, measured_s: float) -> dict:
         record = {"predicted_step_s": predicted_s, "cost_error": abs(predicted_s - measured_s) / measured_s}
@@ -163,7 +164,6 @@ def layer_residual_bytes(harness, chunk: ChunkShape) -> int:
     """Bytes autodiff saves for the backward of one decoder layer on ``chunk`` (``jax.vjp``'s
     residual leaves minus the layer's parameters, by ``jax.eval_shape``: nothing is compiled).
     Independent of XLA's buffer assignment: what Eq. 5's ``M_token`` should count."""
-    import jax
     from flax import nnx
 
     from jvarlen.model import AttentionInputs

@@ -654,19 +654,6 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
     )
 
 
-def build_profile(
-    harness: ChunkHarness,
-    grid: ProfileGrid = ProfileGrid(),
-    base: Optional[CostCoefficients] = None,
-    progress: Optional[Callable] = None,
-) -> tuple[CostCoefficients, dict]:
-    """Measures (:func:`measure_profile`) and fits (:func:`fit_profile`) a complete profile. ``base``
-    supplies what is not measured here (links, memory budget, bytes per parameter)."""
-    report = measure_profile(harness, grid, progress)
-    coeffs = fit_profile(report, harness.shape, base or _default_base(harness))
-    return coeffs.replace(meta=profile_meta(harness.shape, report)), report
-
-
 def _attention_block() -> int:
     """Tile size of the block-skipping attention kernel (the kernels' default BlockSizes)."""
     from jvarlen.kernels.common import BlockSizes
@@ -674,10 +661,13 @@ def _attention_block() -> int:
     return BlockSizes().block_q
 
 
-def _default_base(harness: ChunkHarness) -> CostCoefficients:
+def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
     """Non-measured fields for a single-host CPU/GPU run: no interconnect model, budget from the
     device when it reports one."""
+    from jvarlen.model.transformer import resolve_compute_dtype
     from jvarlen.plan.hardware import activation_bytes_per_token
+
+    shape = ModelShape.from_config(model_cfg)
 
     budget = 16e9
     try:
@@ -686,16 +676,16 @@ def _default_base(harness: ChunkHarness) -> CostCoefficients:
             budget = float(stats["bytes_limit"]) * 0.9
     except Exception:  # noqa: BLE001 - CPU has no memory_stats
         pass
-    e = jnp.dtype(harness.dtype).itemsize
+    e = resolve_compute_dtype(model_cfg.compute_dtype).itemsize
     return CostCoefficients(
         fwd=LayerTime(),
-        m_token=activation_bytes_per_token(harness.shape, e),
-        m_head_token=(e + 4.0) * harness.shape.vocab_size,  # logits (compute dtype) + fp32 log-softmax
+        m_token=activation_bytes_per_token(shape, e),
+        m_head_token=(e + 4.0) * shape.vocab_size,  # logits (compute dtype) + fp32 log-softmax
         # The layer concatenates cached and own K/V before attention and autodiff keeps the
         # concatenation: 2 · e · kv_dim bytes per context token per stored layer; while a layer's
         # backward runs, the concatenation's cotangent and the context gradient cut from it.
-        m_context_token=2.0 * e * harness.shape.kv_dim,
-        m_work_context_token=2.0 * 2.0 * e * harness.shape.kv_dim,
+        m_context_token=2.0 * e * shape.kv_dim,
+        m_work_context_token=2.0 * 2.0 * e * shape.kv_dim,
         bytes_per_element=e,
         master_bytes_per_param=12.0,
         stage_bytes_per_param=6.0,
@@ -758,10 +748,7 @@ def run_profiler(cfg) -> str:
     for sp in sorted(set(cfg.sp) - {1}):
         if str(sp) not in report.get("sp_reports", {}):
             report.setdefault("sp_reports", {})[str(sp)] = measure(sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats))
-    base = _default_base(ChunkHarness(model_cfg, token_buckets=report["token_buckets"], context_buckets=report["context_buckets"]))
-    coeffs = fit_profile(report, shape, base)
-    coeffs = coeffs.replace(meta=profile_meta(shape, report))
-    coeffs.save(path)
+    _fit_and_save(report, model_cfg, path)
     with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return path
@@ -773,10 +760,13 @@ def refit_profile(report_path: str, model_cfg: ModelConfig, out_path: str, base:
 
     with open(report_path) as f:
         report = json.load(f)
+    return _fit_and_save(report, model_cfg, out_path, base)
+
+
+def _fit_and_save(report: dict, model_cfg: ModelConfig, path: str, base: Optional[CostCoefficients] = None) -> CostCoefficients:
+    """:func:`fit_profile` with :func:`profile_meta`, saved as the profile JSON ``path``."""
     shape = ModelShape.from_config(model_cfg)
-    if base is None:
-        base = _default_base(ChunkHarness(model_cfg, token_buckets=report["token_buckets"], context_buckets=report["context_buckets"]))
-    coeffs = fit_profile(report, shape, base)
+    coeffs = fit_profile(report, shape, base or _default_base(model_cfg))
     coeffs = coeffs.replace(meta=profile_meta(shape, report))
-    coeffs.save(out_path)
+    coeffs.save(path)
     return coeffs
