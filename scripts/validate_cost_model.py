@@ -216,7 +216,9 @@ def main(argv=None):
     if coeffs.meta.model_key != shape.key():
         raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
     if args.no_per_sp:
-        coeffs = coeffs.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={})
+        # the in-situ bucket factors of sp > 1 were fitted on top of the per-sp terms: drop them too
+        coeffs = coeffs.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={},
+                                bucket_token_scale={k: v for k, v in coeffs.bucket_token_scale.items() if k == 1})
     cpu = jax.default_backend() == "cpu"
     profiled = profiled_shapes(args.profile)
     for r in rows:
