@@ -169,7 +169,9 @@ class ParallelConfig:
     # iteration's documents are planned by jvarlen.plan with this policy into chunks,
     # schedule and recomputation tables, and run by the pipeline executor. There,
     # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
-    plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
+    plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = (
+        "epp"
+    )
     plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
     # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
     # simulator says it is faster and it fits memory (more chunks in flight).
@@ -200,8 +202,10 @@ class ParallelConfig:
         if self.tokens_per_device is not None:
             _positive("parallel", tokens_per_device=self.tokens_per_device)
         if self.sp_cycle is not None:
-            _require(len(self.sp_cycle) > 0 and all(isinstance(s, int) and s > 0 for s in self.sp_cycle),
-                     f"parallel.sp_cycle must be a non-empty list of positive ints, got {self.sp_cycle}")
+            _require(
+                len(self.sp_cycle) > 0 and all(isinstance(s, int) and s > 0 for s in self.sp_cycle),
+                f"parallel.sp_cycle must be a non-empty list of positive ints, got {self.sp_cycle}",
+            )
         _require(
             self.tokens_per_device is None or self.sp_cycle is None,
             "parallel.tokens_per_device and parallel.sp_cycle both choose the layout per step; set only one",
@@ -224,8 +228,10 @@ def resolve_pipeline_stages(config: "Config", num_devices: int) -> "Config":
         return config
     per_stage = par.sp * (par.dp or 1)
     two = (
-        not par.chooses_dp_layouts and config.model.num_layers % 2 == 0
-        and num_devices % (2 * per_stage) == 0 and (par.dp is None or num_devices == 2 * per_stage)
+        not par.chooses_dp_layouts
+        and config.model.num_layers % 2 == 0
+        and num_devices % (2 * per_stage) == 0
+        and (par.dp is None or num_devices == 2 * per_stage)
     )
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pp=2 if two else 1))
 

@@ -41,9 +41,7 @@ class Layout:
                 "choose degrees whose product equals the device count"
             )
         if num_heads is not None and num_heads % self.sp:
-            raise ValueError(
-                f"{self}: Ulysses needs num_heads ({num_heads}) divisible by sp ({self.sp})"
-            )
+            raise ValueError(f"{self}: Ulysses needs num_heads ({num_heads}) divisible by sp ({self.sp})")
         if num_layers is not None and num_layers % self.pp:
             raise ValueError(
                 f"{self}: num_layers ({num_layers}) must be divisible by pp ({self.pp}) "

@@ -51,7 +51,9 @@ def main(args: Optional[list[str]] = None) -> str:
     cfg = draccus.parse(ProfileConfig, args=args)
     # must happen before JAX initialises its CPU client
     if max(cfg.sp) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={max(cfg.sp)} " + os.environ.get("XLA_FLAGS", "")).strip()
+        os.environ["XLA_FLAGS"] = (
+            f"--xla_force_host_platform_device_count={max(cfg.sp)} " + os.environ.get("XLA_FLAGS", "")
+        ).strip()
     if cfg.cpu_single_thread:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
     from jvarlen.runtime.profiler import run_profiler

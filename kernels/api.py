@@ -20,160 +20,192 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def _backend(name):
-  """-> (forward, backward) of the blockwise backend ``name``."""
-  if name == "pallas":
-    from jvarlen.kernels import pallas_triton  # lazy: pulls in jax.experimental.pallas
-    return pallas_triton.forward, pallas_triton.backward
-  return xla_blockwise.forward, xla_blockwise.backward
+    """-> (forward, backward) of the blockwise backend ``name``."""
+    if name == "pallas":
+        from jvarlen.kernels import pallas_triton  # lazy: pulls in jax.experimental.pallas
+
+        return pallas_triton.forward, pallas_triton.backward
+    return xla_blockwise.forward, xla_blockwise.backward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _flash(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg, kv_pos, info):
-  """-> (out [B, T, H, D], lse [B, H, T] f32); both differentiable."""
-  return _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg,
-                    kv_pos, info)[0]
+    """-> (out [B, T, H, D], lse [B, H, T] f32); both differentiable."""
+    return _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg, kv_pos, info)[0]
 
 
 def _kw(backend, causal, sm_scale, interpret):
-  kw = dict(causal=causal, sm_scale=sm_scale)
-  if backend == "pallas":
-    kw["interpret"] = interpret
-  return kw
+    kw = dict(causal=causal, sm_scale=sm_scale)
+    if backend == "pallas":
+        kw["interpret"] = interpret
+    return kw
 
 
 def _flash_fwd(backend, causal, sm_scale, interpret, q, k, v, q_seg, q_pos, kv_seg, kv_pos, info):
-  fwd, _ = _backend(backend)
-  o, lse = fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info,
-               **_kw(backend, causal, sm_scale, interpret))
-  # named so that a jax.checkpoint policy can keep them (ATTENTION_RESIDUALS) and a
-  # rematerialised backward does not rerun the attention forward
-  o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
-  return (o, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse)
+    fwd, _ = _backend(backend)
+    o, lse = fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, **_kw(backend, causal, sm_scale, interpret))
+    # named so that a jax.checkpoint policy can keep them (ATTENTION_RESIDUALS) and a
+    # rematerialised backward does not rerun the attention forward
+    o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
+    return (o, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse)
 
 
 def _flash_bwd(backend, causal, sm_scale, interpret, res, cts):
-  q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse = res
-  do, dlse = cts
-  _, bwd = _backend(backend)
-  # d lse_i / d s_ij = p_ij, so an lse cotangent enters as delta_i -= dlse_i.
-  dq, dk, dv = bwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse, do, dlse,
-                   **_kw(backend, causal, sm_scale, interpret))
-  return dq, dk, dv, None, None, None, None, None
+    q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse = res
+    do, dlse = cts
+    _, bwd = _backend(backend)
+    # d lse_i / d s_ij = p_ij, so an lse cotangent enters as delta_i -= dlse_i.
+    dq, dk, dv = bwd(
+        q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, o, lse, do, dlse, **_kw(backend, causal, sm_scale, interpret)
+    )
+    return dq, dk, dv, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _check_int(name, x, shape):
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array (int32), got dtype {x.dtype}")
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
-                     "(one entry per token, batch axis matching q)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (one entry per token, batch axis matching q)"
+        )
 
 
 def _validate(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, implementation):
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if q.ndim not in (3, 4):
-    raise ValueError(f"q must be [T, H, D] or [B, T, H, D], got rank {q.ndim} shape {q.shape}")
-  for name, x in (("k", k), ("v", v)):
-    if x.ndim != q.ndim:
-      raise ValueError(f"{name} must have the rank of q ({q.ndim}), got shape {x.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not any(x.dtype == dt for dt in _FLOAT_DTYPES):
-      raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-  *qb, t, h, d = q.shape
-  *kb, s, hkv, dk = k.shape
-  if qb != kb:
-    raise ValueError(f"batch sizes of q {q.shape} and k {k.shape} differ")
-  if dk != d:
-    raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
-  if hkv == 0 or h % hkv:
-    raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({hkv}) (GQA/MQA)")
-  _check_int("q_segment_ids", q_segment_ids, (*qb, t))
-  _check_int("q_positions", q_positions, (*qb, t))
-  _check_int("kv_segment_ids", kv_segment_ids, (*qb, s))
-  _check_int("kv_positions", kv_positions, (*qb, s))
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must be [T, H, D] or [B, T, H, D], got rank {q.ndim} shape {q.shape}")
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != q.ndim:
+            raise ValueError(f"{name} must have the rank of q ({q.ndim}), got shape {x.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not any(x.dtype == dt for dt in _FLOAT_DTYPES):
+            raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    *qb, t, h, d = q.shape
+    *kb, s, hkv, dk = k.shape
+    if qb != kb:
+        raise ValueError(f"batch sizes of q {q.shape} and k {k.shape} differ")
+    if dk != d:
+        raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({hkv}) (GQA/MQA)")
+    _check_int("q_segment_ids", q_segment_ids, (*qb, t))
+    _check_int("q_positions", q_positions, (*qb, t))
+    _check_int("kv_segment_ids", kv_segment_ids, (*qb, s))
+    _check_int("kv_positions", kv_positions, (*qb, s))
 
 
-def varlen_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                     causal: bool = True, sm_scale: float | None = None,
-                     block_sizes: BlockSizes | None = None, implementation: str = "auto",
-                     interpret: bool | None = None, block_info: BlockInfo | None = None,
-                     return_lse: bool = False):
-  """Attention over packed variable-length documents.
+def varlen_attention(
+    q,
+    k,
+    v,
+    *,
+    q_segment_ids,
+    kv_segment_ids,
+    q_positions,
+    kv_positions,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    implementation: str = "auto",
+    interpret: bool | None = None,
+    block_info: BlockInfo | None = None,
+    return_lse: bool = False,
+):
+    """Attention over packed variable-length documents.
 
-  q [T, H, D] or [B, T, H, D]; k, v [S, Hkv, D] or [B, S, Hkv, D] with H % Hkv == 0;
-  segment ids / positions [T] / [S] (or [B, T] / [B, S]) int32. A query sees a key
-  iff both have the same non-zero segment id and (causal) kv_position <= q_position.
-  Rows seeing no key return 0. Returns the shape and dtype of q; with
-  ``return_lse`` also the softmax logsumexp [H, T] / [B, H, T] float32 (differentiable;
-  ``EMPTY_ROW_LSE`` = -1e30 for rows seeing no key).
+    q [T, H, D] or [B, T, H, D]; k, v [S, Hkv, D] or [B, S, Hkv, D] with H % Hkv == 0;
+    segment ids / positions [T] / [S] (or [B, T] / [B, S]) int32. A query sees a key
+    iff both have the same non-zero segment id and (causal) kv_position <= q_position.
+    Rows seeing no key return 0. Returns the shape and dtype of q; with
+    ``return_lse`` also the softmax logsumexp [H, T] / [B, H, T] float32 (differentiable;
+    ``EMPTY_ROW_LSE`` = -1e30 for rows seeing no key).
 
-  implementation: "auto" (Pallas on GPU, XLA blockwise elsewhere), "pallas", "xla",
-  "reference" (dense; small inputs only). ``interpret`` (Pallas only) defaults to
-  True off GPU. ``block_info``: a schedule from ``block_info_for`` /
-  ``compute_block_info`` computed once per batch and shared by all layers;
-  computed here when omitted.
-  """
-  q, k, v = (jnp.asarray(x) for x in (q, k, v))
-  ids = [jnp.asarray(x) for x in (q_segment_ids, kv_segment_ids, q_positions, kv_positions)]
-  _validate(q, k, v, *ids, implementation)
-  q_seg, kv_seg, q_pos, kv_pos = (x.astype(jnp.int32) for x in ids)
-  unbatched = q.ndim == 3
-  if unbatched:
-    q, k, v, q_seg, kv_seg, q_pos, kv_pos = (x[None] for x in (q, k, v, q_seg, kv_seg, q_pos, kv_pos))
-  t, d = q.shape[1], q.shape[3]
-  s = k.shape[1]
-  scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-  on_gpu = jax.default_backend() == "gpu"
-  if implementation == "auto":
-    implementation = "pallas" if on_gpu else "xla"
-  if interpret is None:
-    interpret = not on_gpu
+    implementation: "auto" (Pallas on GPU, XLA blockwise elsewhere), "pallas", "xla",
+    "reference" (dense; small inputs only). ``interpret`` (Pallas only) defaults to
+    True off GPU. ``block_info``: a schedule from ``block_info_for`` /
+    ``compute_block_info`` computed once per batch and shared by all layers;
+    computed here when omitted.
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    ids = [jnp.asarray(x) for x in (q_segment_ids, kv_segment_ids, q_positions, kv_positions)]
+    _validate(q, k, v, *ids, implementation)
+    q_seg, kv_seg, q_pos, kv_pos = (x.astype(jnp.int32) for x in ids)
+    unbatched = q.ndim == 3
+    if unbatched:
+        q, k, v, q_seg, kv_seg, q_pos, kv_pos = (x[None] for x in (q, k, v, q_seg, kv_seg, q_pos, kv_pos))
+    t, d = q.shape[1], q.shape[3]
+    s = k.shape[1]
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    on_gpu = jax.default_backend() == "gpu"
+    if implementation == "auto":
+        implementation = "pallas" if on_gpu else "xla"
+    if interpret is None:
+        interpret = not on_gpu
 
-  if implementation == "reference":
-    out, lse = reference_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal=causal,
-                                   sm_scale=scale, return_lse=True)
-  else:
+    if implementation == "reference":
+        out, lse = reference_attention(
+            q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal=causal, sm_scale=scale, return_lse=True
+        )
+    else:
+        bs = fit_block_sizes(block_sizes or BlockSizes(), t, s)
+        if block_info is None:
+            block_info = compute_block_info(
+                q_seg, kv_seg, q_pos, kv_pos, causal=causal, block_q=bs.block_q, block_kv=bs.block_kv
+            )
+        _check_block_info(block_info, bs, causal, q.shape[0], t, s)
+        tp, sp = round_up(t, bs.block_q), round_up(s, bs.block_kv)
+        qp, q_seg, q_pos = (pad_axis(x, 1, tp) for x in (q, q_seg, q_pos))
+        kp, vp, kv_seg, kv_pos = (pad_axis(x, 1, sp) for x in (k, v, kv_seg, kv_pos))
+        out, lse = _flash(
+            implementation, bool(causal), scale, bool(interpret), qp, kp, vp, q_seg, q_pos, kv_seg, kv_pos, block_info
+        )
+        out, lse = out[:, :t], lse[:, :, :t]
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def block_info_for(
+    q_segment_ids,
+    kv_segment_ids,
+    q_positions,
+    kv_positions,
+    *,
+    causal: bool = True,
+    block_sizes: BlockSizes | None = None,
+) -> BlockInfo:
+    """The schedule ``varlen_attention`` would compute for these ids and block sizes.
+
+    Call once per batch and pass as ``block_info=`` to every layer.
+    """
+    t, s = jnp.shape(q_segment_ids)[-1], jnp.shape(kv_segment_ids)[-1]
     bs = fit_block_sizes(block_sizes or BlockSizes(), t, s)
-    if block_info is None:
-      block_info = compute_block_info(q_seg, kv_seg, q_pos, kv_pos, causal=causal,
-                                      block_q=bs.block_q, block_kv=bs.block_kv)
-    _check_block_info(block_info, bs, causal, q.shape[0], t, s)
-    tp, sp = round_up(t, bs.block_q), round_up(s, bs.block_kv)
-    qp, q_seg, q_pos = (pad_axis(x, 1, tp) for x in (q, q_seg, q_pos))
-    kp, vp, kv_seg, kv_pos = (pad_axis(x, 1, sp) for x in (k, v, kv_seg, kv_pos))
-    out, lse = _flash(implementation, bool(causal), scale, bool(interpret), qp, kp, vp,
-                      q_seg, q_pos, kv_seg, kv_pos, block_info)
-    out, lse = out[:, :t], lse[:, :, :t]
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return (out, lse) if return_lse else out
-
-
-def block_info_for(q_segment_ids, kv_segment_ids, q_positions, kv_positions, *,
-                   causal: bool = True, block_sizes: BlockSizes | None = None) -> BlockInfo:
-  """The schedule ``varlen_attention`` would compute for these ids and block sizes.
-
-  Call once per batch and pass as ``block_info=`` to every layer.
-  """
-  t, s = jnp.shape(q_segment_ids)[-1], jnp.shape(kv_segment_ids)[-1]
-  bs = fit_block_sizes(block_sizes or BlockSizes(), t, s)
-  return compute_block_info(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                            causal=causal, block_q=bs.block_q, block_kv=bs.block_kv)
+    return compute_block_info(
+        q_segment_ids,
+        kv_segment_ids,
+        q_positions,
+        kv_positions,
+        causal=causal,
+        block_q=bs.block_q,
+        block_kv=bs.block_kv,
+    )
 
 
 def _check_block_info(info, bs, causal, b, t, s):
-  want = (bs.block_q, bs.block_kv, bool(causal), t, s)
-  got = (info.block_q, info.block_kv, info.causal, info.t, info.s)
-  if got != want:
-    raise ValueError(f"block_info was built for (block_q, block_kv, causal, T, S)={got}, "
-                     f"this call needs {want}; build it with block_info_for(...)")
-  if info.fwd_counts.shape[0] != b:
-    raise ValueError(f"block_info batch {info.fwd_counts.shape[0]} != batch {b}")
+    want = (bs.block_q, bs.block_kv, bool(causal), t, s)
+    got = (info.block_q, info.block_kv, info.causal, info.t, info.s)
+    if got != want:
+        raise ValueError(
+            f"block_info was built for (block_q, block_kv, causal, T, S)={got}, "
+            f"this call needs {want}; build it with block_info_for(...)"
+        )
+    if info.fwd_counts.shape[0] != b:
+        raise ValueError(f"block_info batch {info.fwd_counts.shape[0]} != batch {b}")

@@ -30,207 +30,298 @@ _TN = (((0,), (0,)), ((), ()))  # a [m, n] x b [m, d] -> [n, d]
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
-  return lax.dot_general(a, b, dims, preferred_element_type=_F32)
+    return lax.dot_general(a, b, dims, preferred_element_type=_F32)
 
 
 def _params(d):
-  """Triton compiler params: also selects the Triton lowering (Mosaic GPU is the default)."""
-  return pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+    """Triton compiler params: also selects the Triton lowering (Mosaic GPU is the default)."""
+    return pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, qp_ref, ks_ref, kp_ref, blk_ref, cnt_ref,
-                o_ref, lse_ref, *tiles_ref, causal, sm_scale, block_kv):
-  """One (batch, q block, head): online softmax over the listed kv tiles."""
-  q = q_ref[...]  # [bq, D]
-  qs, qp = qs_ref[...], qp_ref[...]
-  n_part, n_full = cnt_ref[0], cnt_ref[1]
-  bq, d = q.shape
+def _fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    qs_ref,
+    qp_ref,
+    ks_ref,
+    kp_ref,
+    blk_ref,
+    cnt_ref,
+    o_ref,
+    lse_ref,
+    *tiles_ref,
+    causal,
+    sm_scale,
+    block_kv,
+):
+    """One (batch, q block, head): online softmax over the listed kv tiles."""
+    q = q_ref[...]  # [bq, D]
+    qs, qp = qs_ref[...], qp_ref[...]
+    n_part, n_full = cnt_ref[0], cnt_ref[1]
+    bq, d = q.shape
 
-  def tile(masked):
-    def body(step, carry):
-      m, l, acc, n = carry
-      start = pl.multiple_of(blk_ref[step] * block_kv, block_kv)
-      k = k_ref[pl.ds(start, block_kv), :]
-      v = v_ref[pl.ds(start, block_kv), :]
-      s = _dot(q, k, _NT) * sm_scale  # [bq, bk]
-      if masked:
-        mask = visible(qs, qp, ks_ref[pl.ds(start, block_kv)], kp_ref[pl.ds(start, block_kv)], causal)
-        s = jnp.where(mask, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(-1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
-      acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-      return m_new, alpha * l + p.sum(-1), acc, n + 1
-    return body
+    def tile(masked):
+        def body(step, carry):
+            m, l, acc, n = carry
+            start = pl.multiple_of(blk_ref[step] * block_kv, block_kv)
+            k = k_ref[pl.ds(start, block_kv), :]
+            v = v_ref[pl.ds(start, block_kv), :]
+            s = _dot(q, k, _NT) * sm_scale  # [bq, bk]
+            if masked:
+                mask = visible(qs, qp, ks_ref[pl.ds(start, block_kv)], kp_ref[pl.ds(start, block_kv)], causal)
+                s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe[:, None])
+            alpha = jnp.exp(m - m_safe)
+            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            return m_new, alpha * l + p.sum(-1), acc, n + 1
 
-  carry = (jnp.full((bq,), -jnp.inf, _F32), jnp.zeros((bq,), _F32), jnp.zeros((bq, d), _F32),
-           jnp.int32(0))
-  carry = lax.fori_loop(0, n_part, tile(True), carry)
-  m, l, acc, n = lax.fori_loop(n_part, n_part + n_full, tile(False), carry)
-  safe_l = jnp.where(l > 0, l, 1.0)
-  o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), EMPTY_ROW_LSE)
-  if tiles_ref:  # debug: kv tiles this q block visited, written on every row
-    tiles_ref[0][...] = jnp.full((bq,), n, jnp.int32)
+        return body
 
-
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, ks_ref, kp_ref,
-               blk_ref, cnt_ref, dq_ref, *, causal, sm_scale, block_kv):
-  """One (batch, q block, head): dq over the listed kv tiles."""
-  q, do = q_ref[...], do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
-  qs, qp = qs_ref[...], qp_ref[...]
-  n_part, n_full = cnt_ref[0], cnt_ref[1]
-
-  def tile(masked):
-    def body(step, dq):
-      start = pl.multiple_of(blk_ref[step] * block_kv, block_kv)
-      k = k_ref[pl.ds(start, block_kv), :]
-      v = v_ref[pl.ds(start, block_kv), :]
-      p = jnp.exp(_dot(q, k, _NT) * sm_scale - lse[:, None])
-      if masked:
-        mask = visible(qs, qp, ks_ref[pl.ds(start, block_kv)], kp_ref[pl.ds(start, block_kv)], causal)
-        p = jnp.where(mask, p, 0.0)
-      ds = p * (_dot(do, v, _NT) - delta[:, None])
-      return dq + _dot(ds.astype(k.dtype), k)
-    return body
-
-  dq = jnp.zeros(q.shape, _F32)
-  dq = lax.fori_loop(0, n_part, tile(True), dq)
-  dq = lax.fori_loop(n_part, n_part + n_full, tile(False), dq)
-  dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+    carry = (jnp.full((bq,), -jnp.inf, _F32), jnp.zeros((bq,), _F32), jnp.zeros((bq, d), _F32), jnp.int32(0))
+    carry = lax.fori_loop(0, n_part, tile(True), carry)
+    m, l, acc, n = lax.fori_loop(n_part, n_part + n_full, tile(False), carry)
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), EMPTY_ROW_LSE)
+    if tiles_ref:  # debug: kv tiles this q block visited, written on every row
+        tiles_ref[0][...] = jnp.full((bq,), n, jnp.int32)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, ks_ref, kp_ref,
-                blk_ref, cnt_ref, dk_ref, dv_ref, *, causal, sm_scale, block_q, group):
-  """One (batch, kv block, kv head): dk, dv over the listed q tiles of all G q heads."""
-  k, v = k_ref[...], v_ref[...]  # [bk, D]
-  ks, kp = ks_ref[...], kp_ref[...]
-  n_part, n_full = cnt_ref[0], cnt_ref[1]
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qs_ref,
+    qp_ref,
+    ks_ref,
+    kp_ref,
+    blk_ref,
+    cnt_ref,
+    dq_ref,
+    *,
+    causal,
+    sm_scale,
+    block_kv,
+):
+    """One (batch, q block, head): dq over the listed kv tiles."""
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qs, qp = qs_ref[...], qp_ref[...]
+    n_part, n_full = cnt_ref[0], cnt_ref[1]
 
-  def tile(masked, g):
-    def body(step, carry):
-      dk, dv = carry
-      start = pl.multiple_of(blk_ref[step] * block_q, block_q)
-      q = q_ref[pl.ds(start, block_q), g, :]  # [bq, D]
-      do = do_ref[pl.ds(start, block_q), g, :]
-      lse = lse_ref[g, pl.ds(start, block_q)]
-      delta = delta_ref[g, pl.ds(start, block_q)]
-      p = jnp.exp(_dot(q, k, _NT) * sm_scale - lse[:, None])  # [bq, bk]
-      if masked:
-        mask = visible(qs_ref[pl.ds(start, block_q)], qp_ref[pl.ds(start, block_q)], ks, kp, causal)
-        p = jnp.where(mask, p, 0.0)
-      dv = dv + _dot(p.astype(do.dtype), do, _TN)
-      ds = p * (_dot(do, v, _NT) - delta[:, None])
-      return dk + _dot(ds.astype(q.dtype), q, _TN), dv
-    return body
+    def tile(masked):
+        def body(step, dq):
+            start = pl.multiple_of(blk_ref[step] * block_kv, block_kv)
+            k = k_ref[pl.ds(start, block_kv), :]
+            v = v_ref[pl.ds(start, block_kv), :]
+            p = jnp.exp(_dot(q, k, _NT) * sm_scale - lse[:, None])
+            if masked:
+                mask = visible(qs, qp, ks_ref[pl.ds(start, block_kv)], kp_ref[pl.ds(start, block_kv)], causal)
+                p = jnp.where(mask, p, 0.0)
+            ds = p * (_dot(do, v, _NT) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k)
 
-  carry = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-  for g in range(group):  # static: the G query heads sharing this kv head
-    carry = lax.fori_loop(0, n_part, tile(True, g), carry)
-    carry = lax.fori_loop(n_part, n_part + n_full, tile(False, g), carry)
-  dk, dv = carry
-  dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+        return body
 
-
-def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale,
-             interpret, debug_tiles=False):
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  g = h // hkv
-  bq, bk = info.block_q, info.block_kv
-  lk = info.fwd_blocks.shape[-1]
-  row = lambda n: pl.BlockSpec((None, n), lambda bi, i, hi: (bi, i))  # noqa: E731
-  full_row = pl.BlockSpec((None, s), lambda bi, i, hi: (bi, 0))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, i, hi: (bi, 0, hi // g, 0))
-  lse_spec = pl.BlockSpec((None, None, bq), lambda bi, i, hi: (bi, hi, i))
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), _F32)]
-  out_specs = [pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0)), lse_spec]
-  if debug_tiles:
-    out_shape.append(jax.ShapeDtypeStruct((b, h, t), jnp.int32))
-    out_specs.append(lse_spec)
-  kernel = functools.partial(_fwd_kernel, causal=causal, sm_scale=sm_scale, block_kv=bk)
-  return pl.pallas_call(
-      kernel,
-      grid=(b, t // bq, h),
-      in_specs=[
-          pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0)),
-          kv_spec, kv_spec, row(bq), row(bq), full_row, full_row,
-          pl.BlockSpec((None, None, lk), lambda bi, i, hi: (bi, i, 0)),
-          pl.BlockSpec((None, None, 2), lambda bi, i, hi: (bi, i, 0)),
-      ],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      interpret=interpret,
-      compiler_params=_params(d),
-      name="varlen_flash_fwd",
-  )(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info.fwd_blocks, info.fwd_counts)
+    dq = jnp.zeros(q.shape, _F32)
+    dq = lax.fori_loop(0, n_part, tile(True), dq)
+    dq = lax.fori_loop(n_part, n_part + n_full, tile(False), dq)
+    dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-def forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale,
-            interpret):
-  """-> out [B, T, H, D] (q.dtype), lse [B, H, T] f32."""
-  o, lse = _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal,
-                    sm_scale=sm_scale, interpret=interpret)
-  return o, lse
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qs_ref,
+    qp_ref,
+    ks_ref,
+    kp_ref,
+    blk_ref,
+    cnt_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    causal,
+    sm_scale,
+    block_q,
+    group,
+):
+    """One (batch, kv block, kv head): dk, dv over the listed q tiles of all G q heads."""
+    k, v = k_ref[...], v_ref[...]  # [bk, D]
+    ks, kp = ks_ref[...], kp_ref[...]
+    n_part, n_full = cnt_ref[0], cnt_ref[1]
+
+    def tile(masked, g):
+        def body(step, carry):
+            dk, dv = carry
+            start = pl.multiple_of(blk_ref[step] * block_q, block_q)
+            q = q_ref[pl.ds(start, block_q), g, :]  # [bq, D]
+            do = do_ref[pl.ds(start, block_q), g, :]
+            lse = lse_ref[g, pl.ds(start, block_q)]
+            delta = delta_ref[g, pl.ds(start, block_q)]
+            p = jnp.exp(_dot(q, k, _NT) * sm_scale - lse[:, None])  # [bq, bk]
+            if masked:
+                mask = visible(qs_ref[pl.ds(start, block_q)], qp_ref[pl.ds(start, block_q)], ks, kp, causal)
+                p = jnp.where(mask, p, 0.0)
+            dv = dv + _dot(p.astype(do.dtype), do, _TN)
+            ds = p * (_dot(do, v, _NT) - delta[:, None])
+            return dk + _dot(ds.astype(q.dtype), q, _TN), dv
+
+        return body
+
+    carry = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+    for g in range(group):  # static: the G query heads sharing this kv head
+        carry = lax.fori_loop(0, n_part, tile(True, g), carry)
+        carry = lax.fori_loop(n_part, n_part + n_full, tile(False, g), carry)
+    dk, dv = carry
+    dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def tiles_visited(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale,
-                  interpret=True):
-  """Debug: [B, H, nq] number of kv tiles the forward kernel loaded per q block."""
-  _, _, tiles = _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal,
-                         sm_scale=sm_scale, interpret=interpret, debug_tiles=True)
-  return tiles[:, :, ::info.block_q]
+def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale, interpret, debug_tiles=False):
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    bq, bk = info.block_q, info.block_kv
+    lk = info.fwd_blocks.shape[-1]
+    row = lambda n: pl.BlockSpec((None, n), lambda bi, i, hi: (bi, i))  # noqa: E731
+    full_row = pl.BlockSpec((None, s), lambda bi, i, hi: (bi, 0))
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, i, hi: (bi, 0, hi // g, 0))
+    lse_spec = pl.BlockSpec((None, None, bq), lambda bi, i, hi: (bi, hi, i))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), _F32)]
+    out_specs = [pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0)), lse_spec]
+    if debug_tiles:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, t), jnp.int32))
+        out_specs.append(lse_spec)
+    kernel = functools.partial(_fwd_kernel, causal=causal, sm_scale=sm_scale, block_kv=bk)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, t // bq, h),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0)),
+            kv_spec,
+            kv_spec,
+            row(bq),
+            row(bq),
+            full_row,
+            full_row,
+            pl.BlockSpec((None, None, lk), lambda bi, i, hi: (bi, i, 0)),
+            pl.BlockSpec((None, None, 2), lambda bi, i, hi: (bi, i, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=_params(d),
+        name="varlen_flash_fwd",
+    )(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info.fwd_blocks, info.fwd_counts)
 
 
-def backward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, dlse=None, *,
-             causal, sm_scale, interpret):
-  """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes. dlse [B, H, T] or None."""
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  g = h // hkv
-  bq, bk = info.block_q, info.block_kv
-  delta = jnp.einsum("bthd,bthd->bht", o.astype(_F32), do.astype(_F32))
-  if dlse is not None:  # lse cotangent: d lse_i / d s_ij = p_ij
-    delta = delta - dlse
+def forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale, interpret):
+    """-> out [B, T, H, D] (q.dtype), lse [B, H, T] f32."""
+    o, lse = _forward(
+        q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal, sm_scale=sm_scale, interpret=interpret
+    )
+    return o, lse
 
-  # dq: grid (B, nq, H), walks fwd lists.
-  q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0))
-  kv_all = pl.BlockSpec((None, s, None, d), lambda bi, i, hi: (bi, 0, hi // g, 0))
-  lse_blk = pl.BlockSpec((None, None, bq), lambda bi, i, hi: (bi, hi, i))
-  q_row = pl.BlockSpec((None, bq), lambda bi, i, hi: (bi, i))
-  kv_row = pl.BlockSpec((None, s), lambda bi, i, hi: (bi, 0))
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale, block_kv=bk),
-      grid=(b, t // bq, h),
-      in_specs=[q_blk, kv_all, kv_all, q_blk, lse_blk, lse_blk, q_row, q_row, kv_row, kv_row,
-                pl.BlockSpec((None, None, info.fwd_blocks.shape[-1]), lambda bi, i, hi: (bi, i, 0)),
-                pl.BlockSpec((None, None, 2), lambda bi, i, hi: (bi, i, 0))],
-      out_specs=q_blk,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      interpret=interpret,
-      compiler_params=_params(d),
-      name="varlen_flash_dq",
-  )(q, k, v, do, lse, delta, q_seg, q_pos, kv_seg, kv_pos, info.fwd_blocks, info.fwd_counts)
 
-  # dk/dv: grid (B, nk, Hkv), walks bwd lists; the G heads of kv head hk are q heads hk*G...
-  q_grp = pl.BlockSpec((None, t, g, d), lambda bi, j, hk: (bi, 0, hk, 0))
-  kv_blk = pl.BlockSpec((None, bk, None, d), lambda bi, j, hk: (bi, j, hk, 0))
-  lse_grp = pl.BlockSpec((None, g, t), lambda bi, j, hk: (bi, hk, 0))
-  q_all = pl.BlockSpec((None, t), lambda bi, j, hk: (bi, 0))
-  kv_r = pl.BlockSpec((None, bk), lambda bi, j, hk: (bi, j))
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale, block_q=bq, group=g),
-      grid=(b, s // bk, hkv),
-      in_specs=[q_grp, kv_blk, kv_blk, q_grp, lse_grp, lse_grp, q_all, q_all, kv_r, kv_r,
-                pl.BlockSpec((None, None, info.bwd_blocks.shape[-1]), lambda bi, j, hk: (bi, j, 0)),
-                pl.BlockSpec((None, None, 2), lambda bi, j, hk: (bi, j, 0))],
-      out_specs=[kv_blk, kv_blk],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      interpret=interpret,
-      compiler_params=_params(d),
-      name="varlen_flash_dkv",
-  )(q, k, v, do, lse, delta, q_seg, q_pos, kv_seg, kv_pos, info.bwd_blocks, info.bwd_counts)
-  return dq, dk, dv
+def tiles_visited(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, *, causal, sm_scale, interpret=True):
+    """Debug: [B, H, nq] number of kv tiles the forward kernel loaded per q block."""
+    _, _, tiles = _forward(
+        q,
+        k,
+        v,
+        q_seg,
+        q_pos,
+        kv_seg,
+        kv_pos,
+        info,
+        causal=causal,
+        sm_scale=sm_scale,
+        interpret=interpret,
+        debug_tiles=True,
+    )
+    return tiles[:, :, :: info.block_q]
+
+
+def backward(
+    q, k, v, q_seg, q_pos, kv_seg, kv_pos, info: BlockInfo, o, lse, do, dlse=None, *, causal, sm_scale, interpret
+):
+    """-> dq [B, T, H, D], dk, dv [B, S, Hkv, D] in the input dtypes. dlse [B, H, T] or None."""
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    bq, bk = info.block_q, info.block_kv
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(_F32), do.astype(_F32))
+    if dlse is not None:  # lse cotangent: d lse_i / d s_ij = p_ij
+        delta = delta - dlse
+
+    # dq: grid (B, nq, H), walks fwd lists.
+    q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, i, hi: (bi, i, hi, 0))
+    kv_all = pl.BlockSpec((None, s, None, d), lambda bi, i, hi: (bi, 0, hi // g, 0))
+    lse_blk = pl.BlockSpec((None, None, bq), lambda bi, i, hi: (bi, hi, i))
+    q_row = pl.BlockSpec((None, bq), lambda bi, i, hi: (bi, i))
+    kv_row = pl.BlockSpec((None, s), lambda bi, i, hi: (bi, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale, block_kv=bk),
+        grid=(b, t // bq, h),
+        in_specs=[
+            q_blk,
+            kv_all,
+            kv_all,
+            q_blk,
+            lse_blk,
+            lse_blk,
+            q_row,
+            q_row,
+            kv_row,
+            kv_row,
+            pl.BlockSpec((None, None, info.fwd_blocks.shape[-1]), lambda bi, i, hi: (bi, i, 0)),
+            pl.BlockSpec((None, None, 2), lambda bi, i, hi: (bi, i, 0)),
+        ],
+        out_specs=q_blk,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=_params(d),
+        name="varlen_flash_dq",
+    )(q, k, v, do, lse, delta, q_seg, q_pos, kv_seg, kv_pos, info.fwd_blocks, info.fwd_counts)
+
+    # dk/dv: grid (B, nk, Hkv), walks bwd lists; the G heads of kv head hk are q heads hk*G...
+    q_grp = pl.BlockSpec((None, t, g, d), lambda bi, j, hk: (bi, 0, hk, 0))
+    kv_blk = pl.BlockSpec((None, bk, None, d), lambda bi, j, hk: (bi, j, hk, 0))
+    lse_grp = pl.BlockSpec((None, g, t), lambda bi, j, hk: (bi, hk, 0))
+    q_all = pl.BlockSpec((None, t), lambda bi, j, hk: (bi, 0))
+    kv_r = pl.BlockSpec((None, bk), lambda bi, j, hk: (bi, j))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale, block_q=bq, group=g),
+        grid=(b, s // bk, hkv),
+        in_specs=[
+            q_grp,
+            kv_blk,
+            kv_blk,
+            q_grp,
+            lse_grp,
+            lse_grp,
+            q_all,
+            q_all,
+            kv_r,
+            kv_r,
+            pl.BlockSpec((None, None, info.bwd_blocks.shape[-1]), lambda bi, j, hk: (bi, j, 0)),
+            pl.BlockSpec((None, None, 2), lambda bi, j, hk: (bi, j, 0)),
+        ],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        interpret=interpret,
+        compiler_params=_params(d),
+        name="varlen_flash_dkv",
+    )(q, k, v, do, lse, delta, q_seg, q_pos, kv_seg, kv_pos, info.bwd_blocks, info.bwd_counts)
+    return dq, dk, dv

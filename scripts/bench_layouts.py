@@ -52,8 +52,15 @@ def main(argv=None) -> int:
     from jvarlen.runtime.state import create_train_state
 
     config = Config(
-        model=ModelConfig(vocab_size=320, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                          num_kv_heads=args.kv_heads, mlp_dim=3 * args.d_model, attention=args.attention),
+        model=ModelConfig(
+            vocab_size=320,
+            d_model=args.d_model,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            mlp_dim=3 * args.d_model,
+            attention=args.attention,
+        ),
         train=TrainConfig(steps=1000),
     )
     graphdef, optimizer, state = create_train_state(config)
@@ -73,8 +80,13 @@ def main(argv=None) -> int:
             length = min(int(rng.integers(16, t // 2)), t - 8 - i)
             seg[r, i : i + length], pos[r, i : i + length] = s, np.arange(length)
             i, s = i + length, s + 1
-    batch = dict(tokens=tokens, segment_ids=seg, positions=pos, targets=np.roll(tokens, -1, 1),
-                 loss_mask=(seg > 0).astype(np.float32))
+    batch = dict(
+        tokens=tokens,
+        segment_ids=seg,
+        positions=pos,
+        targets=np.roll(tokens, -1, 1),
+        loss_mask=(seg > 0).astype(np.float32),
+    )
 
     dtype = resolve_compute_dtype(config.model.compute_dtype)
     state = place_global(state, placement.state_sharding)
@@ -133,18 +145,26 @@ def main(argv=None) -> int:
         switch.append((a, b, *switch_cost(a, b, args.steps)))
 
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}) x {n}"
-    print(f"\nbackend {backend}; batch [{rows}, {t}] = {rows * t} tokens; model d={args.d_model} "
-          f"L={args.layers} H={args.heads} Hkv={args.kv_heads}; attention={args.attention}; jax {jax.__version__}\n")
+    print(
+        f"\nbackend {backend}; batch [{rows}, {t}] = {rows * t} tokens; model d={args.d_model} "
+        f"L={args.layers} H={args.heads} Hkv={args.kv_heads}; attention={args.attention}; jax {jax.__version__}\n"
+    )
     print("| layout | compile s | step ms (median) | tokens/s | pull ms | pull / step |")
     print("|---|---|---|---|---|---|")
     for layout, compile_s, step_s, pull_s in results:
-        print(f"| dp={layout.dp} sp={layout.sp} | {compile_s:.1f} | {step_s * 1e3:.1f} | {rows * t / step_s:.0f} | "
-              f"{pull_s * 1e3:.2f} | {pull_s / step_s:.1%} |")
-    print("\n| switch a <-> b | step ms after a switch (a / b) | after the same layout (a / b) | switch overhead (a / b) |")
+        print(
+            f"| dp={layout.dp} sp={layout.sp} | {compile_s:.1f} | {step_s * 1e3:.1f} | {rows * t / step_s:.0f} | "
+            f"{pull_s * 1e3:.2f} | {pull_s / step_s:.1%} |"
+        )
+    print(
+        "\n| switch a <-> b | step ms after a switch (a / b) | after the same layout (a / b) | switch overhead (a / b) |"
+    )
     print("|---|---|---|---|")
     for a, b, switched, same, rel in switch:
-        print(f"| (dp={a.dp},sp={a.sp}) <-> (dp={b.dp},sp={b.sp}) | {switched[0] * 1e3:.0f} / {switched[1] * 1e3:.0f} | "
-              f"{same[0] * 1e3:.0f} / {same[1] * 1e3:.0f} | {rel[0]:+.1%} / {rel[1]:+.1%} |")
+        print(
+            f"| (dp={a.dp},sp={a.sp}) <-> (dp={b.dp},sp={b.sp}) | {switched[0] * 1e3:.0f} / {switched[1] * 1e3:.0f} | "
+            f"{same[0] * 1e3:.0f} / {same[1] * 1e3:.0f} | {rel[0]:+.1%} / {rel[1]:+.1%} |"
+        )
     return 0
 
 

@@ -90,11 +90,18 @@ def overhead(graphdef, cfg, params, tokens, repeats):
     variants = [("executor, F and B fused in one tick", None, 0, True)]
     for policy in POLICIES:
         for r in (0, cfg.num_layers):
-            variants.append((f"executor, F and B in separate ticks, residuals kept: {policy or 'all'}, "
-                             f"layers recomputed: {r}", policy, r, False))
+            variants.append(
+                (
+                    f"executor, F and B in separate ticks, residuals kept: {policy or 'all'}, layers recomputed: {r}",
+                    policy,
+                    r,
+                    False,
+                )
+            )
     for name, policy, r, fuse in variants:
-        _, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)],
-                                         [np.full((1, 1), r, np.int32)], policy, fuse)
+        _, batch, step, _ = compile_step(
+            graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)], [np.full((1, 1), r, np.int32)], policy, fuse
+        )
         runs[name] = (step, batch)
     best = interleaved(runs, params, repeats)
     plain = best["plain jitted loss+grads"]
@@ -124,15 +131,20 @@ def recompute(graphdef, cfg, params, tokens, repeats, n=4):
     docs, chunks = documents(n, tokens, cfg.vocab_size, seed=99)
     pack = pack_chunks(chunks, docs, tokens)
     sched = sch.one_f_one_b(n, 2)
-    print(f"\n| residuals kept | layers recomputed per stage (of {ls}; pp=2, {n} chunks, one executable) "
-          "| layer forwards per stage | step ms |")
+    print(
+        f"\n| residuals kept | layers recomputed per stage (of {ls}; pp=2, {n} chunks, one executable) "
+        "| layer forwards per stage | step ms |"
+    )
     print("|---|---|---|---|")
     for policy in POLICIES:
-        sig, _, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], policy)
+        sig, _, step, _ = compile_step(
+            graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], policy
+        )
         runs = {}
         for r in range(ls, -1, -1):
-            _, batch = pl.prepare_batch([pack], [sched], [np.full((n, 2), r, np.int32)], layout, cfg.num_layers,
-                                        signature=sig)
+            _, batch = pl.prepare_batch(
+                [pack], [sched], [np.full((n, 2), r, np.int32)], layout, cfg.num_layers, signature=sig
+            )
             runs[r] = (step, batch)
         best = interleaved(runs, params, repeats)
         for r, (fn, batch) in runs.items():
@@ -152,12 +164,15 @@ def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8)):
         pack = pack_chunks(chunks, docs, tokens)
         runs, ticks = {}, {}
         for name, sched in (("1f1b", sch.one_f_one_b(n, 2)), ("gpipe", sch.gpipe(n, 2))):
-            sig, batch, step, _ = compile_step(graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)],
-                                               "dots_and_attention")
+            sig, batch, step, _ = compile_step(
+                graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], "dots_and_attention"
+            )
             runs[name], ticks[name] = (step, batch), sig.n_ticks
         best = interleaved(runs, params, repeats)
-        print(f"| {n} | {ticks['1f1b']} | {best['1f1b'] * 1e3:.1f} | {ticks['gpipe']} | {best['gpipe'] * 1e3:.1f} "
-              f"| {best['gpipe'] / best['1f1b']:.2f} |")
+        print(
+            f"| {n} | {ticks['1f1b']} | {best['1f1b'] * 1e3:.1f} | {ticks['gpipe']} | {best['gpipe'] * 1e3:.1f} "
+            f"| {best['gpipe'] / best['1f1b']:.2f} |"
+        )
 
 
 def main():
@@ -169,11 +184,20 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--parts", default="overhead,ticks,recompute,order")
     args = parser.parse_args()
-    cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                      mlp_dim=3 * args.d_model, compute_dtype="float32", attention=args.attention)
+    cfg = ModelConfig(
+        d_model=args.d_model,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=3 * args.d_model,
+        compute_dtype="float32",
+        attention=args.attention,
+    )
     graphdef, params = split_model(build_model(cfg))
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
-          f"attention={cfg.attention}, best of {args.repeats}")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
+        f"attention={cfg.attention}, best of {args.repeats}"
+    )
     parts = args.parts.split(",")
     if "overhead" in parts:
         overhead(graphdef, cfg, params, args.tokens, args.repeats)

@@ -40,9 +40,11 @@ CONTEXTS = (48, 96, 192)
 POLICIES = ("epp", "seq1f1b", "seq1f1b-tuned", "dapple")
 ABLATIONS = ("epp", "wo-wbc", "wo-ckpt", "full-ckpt")
 SENSITIVITY_HALF_ROWS = (128.0, 256.0, 512.0)
-WHY = ("Why the speedup bars are not met, and what would change that: `docs/design/planner.md`, "
-       "\"Results\" (in short: the bound column caps any schedule of EPP's ops below the paper's 96K figure; "
-       "under this model Seq1F1B pays bubbles only, no recomputation at 7B/13B and no small-chunk penalty).")
+WHY = (
+    "Why the speedup bars are not met, and what would change that: `docs/design/planner.md`, "
+    "\"Results\" (in short: the bound column caps any schedule of EPP's ops below the paper's 96K figure; "
+    "under this model Seq1F1B pays bubbles only, no recomputation at 7B/13B and no small-chunk penalty)."
+)
 
 
 def run_policy(lengths, cost, policy, options):
@@ -77,29 +79,52 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
-def bench(workload: str, iterations: int, models, contexts, policies, batch_size: int = 512, zero3_sp: bool = True,
-          spec=A800, quiet: bool = False):
+def bench(
+    workload: str,
+    iterations: int,
+    models,
+    contexts,
+    policies,
+    batch_size: int = 512,
+    zero3_sp: bool = True,
+    spec=A800,
+    quiet: bool = False,
+):
     rows, records = [], []
     for name in models:
         cfg = load_config(ROOT / "configs" / f"gpt-{name}.yaml")
         layout = Layout(cfg.parallel.dp or 1, cfg.parallel.pp, cfg.parallel.sp)
         cost = make_cost(cfg.model, spec, layout, zero3_sp=zero3_sp)
         # The same plans with the sync over the network (jvarlen's executor): only the constant changes.
-        net_overhead = CostModel(cost.model, layout, cost.coeffs.replace(sync_link=cost.coeffs.p2p_inter)).step_overhead()
+        net_overhead = CostModel(
+            cost.model, layout, cost.coeffs.replace(sync_link=cost.coeffs.p2p_inter)
+        ).step_overhead()
         for ctx in contexts:
             per = {p: [] for p in policies}
             for it in range(iterations):
                 lengths = sample_batch(workload, batch_size, ctx * 1024, seed=1000 * ctx + it)
                 for p in policies:
                     r = run_policy(lengths, cost, p, PlannerOptions())
-                    r.update(model=name, context=ctx, iteration=it, workload=workload, gemm_half_rows=spec.gemm_half_rows,
-                             net_overhead_s=net_overhead)
+                    r.update(
+                        model=name,
+                        context=ctx,
+                        iteration=it,
+                        workload=workload,
+                        gemm_half_rows=spec.gemm_half_rows,
+                        net_overhead_s=net_overhead,
+                    )
                     per[p].append(r)
                     records.append(r)
                 if not quiet:
-                    print(f"{name} {ctx}K it {it}: " + ", ".join(
-                        f"{p} {per[p][-1].get('iter_s', float('nan')):.1f}s" + ("" if per[p][-1].get("fits", False) else " OOM")
-                        for p in policies), flush=True)
+                    print(
+                        f"{name} {ctx}K it {it}: "
+                        + ", ".join(
+                            f"{p} {per[p][-1].get('iter_s', float('nan')):.1f}s"
+                            + ("" if per[p][-1].get("fits", False) else " OOM")
+                            for p in policies
+                        ),
+                        flush=True,
+                    )
             rows.append((name, ctx, per))
     return rows, records
 
@@ -125,7 +150,9 @@ def net_sync_speedup(per, base="seq1f1b"):
     pairs = [(e, b) for e, b in zip(per["epp"], per[base]) if _ok(e) and _ok(b)]
     if not pairs:
         return None
-    return sum(b["makespan_s"] + b["net_overhead_s"] for _, b in pairs) / sum(e["makespan_s"] + e["net_overhead_s"] for e, _ in pairs)
+    return sum(b["makespan_s"] + b["net_overhead_s"] for _, b in pairs) / sum(
+        e["makespan_s"] + e["net_overhead_s"] for e, _ in pairs
+    )
 
 
 def bound_speedup(per, base="seq1f1b"):
@@ -172,7 +199,7 @@ def bars(rows) -> str:
     """The issue's bars over all rows (every workload): solve time and bubble in every setting;
     speedup: InfiniPipe reports its maximum over models and datasets, so our maximum is compared."""
     solve, bubble, s48, s96 = [], [], [], []
-    for name, ctx, per in rows:
+    for _, ctx, per in rows:
         e = [r for r in per["epp"] if _ok(r)]
         solve.append(med([r["solve_s"] for r in e]))
         bubble.append(med([r["bubble"] for r in e]))
@@ -182,15 +209,21 @@ def bars(rows) -> str:
     ok = lambda xs, f: sum(1 for x in xs if x is not None and f(x))  # noqa: E731
     top = lambda xs: max((x for x in xs if x is not None), default=None)  # noqa: E731
     met = lambda x, t: "met" if x is not None and x >= t else "not met"  # noqa: E731
-    return "\n".join([
-        "Bars of issue 6 (all workloads above):",
-        f"- median solve time ≤ 1 s: {ok(solve, lambda x: x <= 1.0)}/{n} settings (worst median {fmt(top(solve))} s).",
-        f"- simulated bubble ≤ 10 %: {ok(bubble, lambda x: x <= 0.10)}/{n} settings (worst median {fmt(top(bubble), '.1%')}).",
-        f"- speedup over Seq1F1B at 48K, best over models and workloads (paper: max 1.27×): {fmt(top(s48), '.3f', '×')}: "
-        f"{met(top(s48), 1.27)} ({ok(s48, lambda x: x >= 1.27)}/{len(s48)} settings ≥ 1.27×).",
-        f"- speedup over Seq1F1B at 96K, best over models and workloads (paper: max 1.40×): {fmt(top(s96), '.3f', '×')}: "
-        f"{met(top(s96), 1.40)} ({ok(s96, lambda x: x >= 1.40)}/{len(s96)} settings ≥ 1.40×).",
-    ]) if s48 or s96 else ""
+    return (
+        "\n".join(
+            [
+                "Bars of issue 6 (all workloads above):",
+                f"- median solve time ≤ 1 s: {ok(solve, lambda x: x <= 1.0)}/{n} settings (worst median {fmt(top(solve))} s).",
+                f"- simulated bubble ≤ 10 %: {ok(bubble, lambda x: x <= 0.10)}/{n} settings (worst median {fmt(top(bubble), '.1%')}).",
+                f"- speedup over Seq1F1B at 48K, best over models and workloads (paper: max 1.27×): {fmt(top(s48), '.3f', '×')}: "
+                f"{met(top(s48), 1.27)} ({ok(s48, lambda x: x >= 1.27)}/{len(s48)} settings ≥ 1.27×).",
+                f"- speedup over Seq1F1B at 96K, best over models and workloads (paper: max 1.40×): {fmt(top(s96), '.3f', '×')}: "
+                f"{met(top(s96), 1.40)} ({ok(s96, lambda x: x >= 1.40)}/{len(s96)} settings ≥ 1.40×).",
+            ]
+        )
+        if s48 or s96
+        else ""
+    )
 
 
 def sensitivity_table(results) -> str:
@@ -211,11 +244,16 @@ def sensitivity_table(results) -> str:
 
 
 def oom_table(rows) -> str:
-    lines = ["| model | context | policy | fits (batches) | median iteration s of fitting batches |", "|---|---|---|---|---|"]
+    lines = [
+        "| model | context | policy | fits (batches) | median iteration s of fitting batches |",
+        "|---|---|---|---|---|",
+    ]
     for name, ctx, per in rows:
         for p, rs in per.items():
             ok = [r for r in rs if _ok(r)]
-            lines.append(f"| GPT-{name.upper()} | {ctx}K | {p} | {len(ok)}/{len(rs)} | {fmt(med([r['iter_s'] for r in ok]))} |")
+            lines.append(
+                f"| GPT-{name.upper()} | {ctx}K | {p} | {len(ok)}/{len(rs)} | {fmt(med([r['iter_s'] for r in ok]))} |"
+            )
     return "\n".join(lines)
 
 
@@ -260,34 +298,48 @@ def main() -> int:
     main_parts.append(bars(all_rows))
     main_parts.append(WHY)
     sens, sens_records = [], []
-    for m_half in (() if args.quick else SENSITIVITY_HALF_ROWS):
-        rows, recs = bench(args.workload, min(iters, 3), models, (48, 96), ("epp", "seq1f1b", "seq1f1b-tuned"),
-                           spec=dataclasses.replace(A800, gemm_half_rows=m_half), quiet=True)
+    for m_half in () if args.quick else SENSITIVITY_HALF_ROWS:
+        rows, recs = bench(
+            args.workload,
+            min(iters, 3),
+            models,
+            (48, 96),
+            ("epp", "seq1f1b", "seq1f1b-tuned"),
+            spec=dataclasses.replace(A800, gemm_half_rows=m_half),
+            quiet=True,
+        )
         sens.append((m_half, rows))
         sens_records += recs
     abl_rows, abl_records = bench(args.workload, min(iters, 3), ("13b",), (96,), ABLATIONS)
     oom_rows, oom_records = bench(
-        args.workload, min(iters, 3), ("30b",), (48,) if args.quick else CONTEXTS, ("epp", "seq1f1b", "dapple"), zero3_sp=False
+        args.workload,
+        min(iters, 3),
+        ("30b",),
+        (48,) if args.quick else CONTEXTS,
+        ("epp", "seq1f1b", "dapple"),
+        zero3_sp=False,
     )
-    text = "\n\n".join([
-        "Produced by `python scripts/bench_planner.py` (simulated with the analytic A800 cost model; "
-        "no GPU run). Setting of InfiniPipe §3/§5.1: 4 pipeline stages × Ulysses SP 8 (32 GPUs), SP "
-        "intra-node and PP inter-node, ZeRO-3 over the SP group (so a stage's gradient/parameter sync stays "
-        "on NVLink), global batch 512 documents truncated to the context.",
-        *main_parts,
-        f"Sensitivity to small-chunk GEMM efficiency (`ClusterSpec.gemm_half_rows`, Hockney's m½: a layer GEMM "
-        f"on m rows per device runs at m/(m+m½) of the large-GEMM rate; 0 in the tables above), workload "
-        f"`{args.workload}`, {min(iters, 3)} batches per row. No measured value backs any of these m½; they show "
-        "how far the result depends on it:",
-        sensitivity_table(sens),
-        "Ablations (InfiniPipe §5.5), GPT-13B, 96K:",
-        ablation_table(abl_rows),
-        "Memory-tight variant: GPT-30B without ZeRO-3 over the SP group (the cost model's default: every "
-        "device of a stage holds the stage's bf16 parameters and fp32 gradients, ~64 GB of the 72 GB budget). "
-        "This is where the baselines run out of memory:",
-        oom_table(oom_rows),
-        f"Total benchmark wall time {time.time() - t0:.0f} s.",
-    ])
+    text = "\n\n".join(
+        [
+            "Produced by `python scripts/bench_planner.py` (simulated with the analytic A800 cost model; "
+            "no GPU run). Setting of InfiniPipe §3/§5.1: 4 pipeline stages × Ulysses SP 8 (32 GPUs), SP "
+            "intra-node and PP inter-node, ZeRO-3 over the SP group (so a stage's gradient/parameter sync stays "
+            "on NVLink), global batch 512 documents truncated to the context.",
+            *main_parts,
+            f"Sensitivity to small-chunk GEMM efficiency (`ClusterSpec.gemm_half_rows`, Hockney's m½: a layer GEMM "
+            f"on m rows per device runs at m/(m+m½) of the large-GEMM rate; 0 in the tables above), workload "
+            f"`{args.workload}`, {min(iters, 3)} batches per row. No measured value backs any of these m½; they show "
+            "how far the result depends on it:",
+            sensitivity_table(sens),
+            "Ablations (InfiniPipe §5.5), GPT-13B, 96K:",
+            ablation_table(abl_rows),
+            "Memory-tight variant: GPT-30B without ZeRO-3 over the SP group (the cost model's default: every "
+            "device of a stage holds the stage's bf16 parameters and fp32 gradients, ~64 GB of the 72 GB budget). "
+            "This is where the baselines run out of memory:",
+            oom_table(oom_rows),
+            f"Total benchmark wall time {time.time() - t0:.0f} s.",
+        ]
+    )
     print(text)
     pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:

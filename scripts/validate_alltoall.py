@@ -28,9 +28,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS
 
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + SINGLE_THREAD_XLA_FLAGS).strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + SINGLE_THREAD_XLA_FLAGS
+    ).strip()
     import jax.numpy as jnp
-    import numpy as np
 
     from jvarlen.config import ModelConfig
     from jvarlen.plan.chunk import ChunkShape
@@ -48,8 +49,13 @@ def main(argv=None):
         link = fit_link(*zip(*fit_rows))
         links[sp] = link
         errs = [(link.time(b) - s) / s for b, s in held]
-        print(f"sp={sp}: bandwidth {link.bandwidth / 1e9:.2f} GB/s per device, latency {link.latency * 1e6:.0f} us; held-out "
-              + ", ".join(f"{b / 1e6:.2f} MB: meas {s * 1e6:.0f} us pred {link.time(b) * 1e6:.0f} us ({100 * e:+.0f} %)" for (b, s), e in zip(held, errs)))
+        print(
+            f"sp={sp}: bandwidth {link.bandwidth / 1e9:.2f} GB/s per device, latency {link.latency * 1e6:.0f} us; held-out "
+            + ", ".join(
+                f"{b / 1e6:.2f} MB: meas {s * 1e6:.0f} us pred {link.time(b) * 1e6:.0f} us ({100 * e:+.0f} %)"
+                for (b, s), e in zip(held, errs)
+            )
+        )
     harness = ChunkHarness(cfg, token_buckets=(512,), context_buckets=(0,), sp=2)
     batch = harness.layer_inputs(ChunkShape(0, (300, 212)))
     sec = time_call(harness.layers_program(2, "fwdbwd", False), harness.params, batch, repeats=3)
@@ -60,8 +66,10 @@ def main(argv=None):
         links = {sp: v for sp, v in links.items() if sp not in c.per_sp}
         c = c.replace(alltoall_intra={**c.alltoall_intra, **links}, alltoall_inter={**c.alltoall_inter, **links})
         c.save(args.profile)
-        print(f"links for sp {sorted(links)} stored in {args.profile}"
-              + (f"; not for sp {skipped}: measured per_sp coefficients include the all-to-all" if skipped else ""))
+        print(
+            f"links for sp {sorted(links)} stored in {args.profile}"
+            + (f"; not for sp {skipped}: measured per_sp coefficients include the all-to-all" if skipped else "")
+        )
     return links
 
 

@@ -41,7 +41,11 @@ def held_out_cases(num_layers: int):
     cases += [MemoryCase(t1536, L, 0), MemoryCase(t1536, L, L)]
     cases += [MemoryCase(split, L, r) for r in (0, L // 2, L)]
     cases += [MemoryCase(packed, L, 0), MemoryCase(long_ctx, L, 0), MemoryCase(long_ctx, L, L)]
-    cases += [MemoryCase(t768, L, 0, head=True), MemoryCase(t768, L, L, head=True), MemoryCase(split, L, L // 2, head=True)]
+    cases += [
+        MemoryCase(t768, L, 0, head=True),
+        MemoryCase(t768, L, L, head=True),
+        MemoryCase(split, L, L // 2, head=True),
+    ]
     return cases
 
 
@@ -49,7 +53,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile JSON (its *.report.json next to it with --refit_profile)")
     ap.add_argument("--config", help="run YAML whose model is used (default: ModelConfig())")
-    ap.add_argument("--refit_profile", action="store_true", help="measure the memory grid, store it in the report, refit")
+    ap.add_argument(
+        "--refit_profile", action="store_true", help="measure the memory grid, store it in the report, refit"
+    )
     ap.add_argument("--out", default="runs/validate_cost_memory.json")
     args = ap.parse_args(argv)
 
@@ -86,11 +92,21 @@ def main(argv=None):
     L = model_cfg.num_layers
     for chunk in (ChunkShape(0, (768,)), ChunkShape(1024, (768,), tail=False), ChunkShape(2048, (256,), tail=False)):
         batch = harness.layer_inputs(chunk)
-        temps = {n: program_memory(harness.layers_program(n, "fwdbwd", 0), harness.params, batch)["temp"] for n in (2, L)}
+        temps = {
+            n: program_memory(harness.layers_program(n, "fwdbwd", 0), harness.params, batch)["temp"] for n in (2, L)
+        }
         xla = (temps[L] - temps[2]) / (L - 2)
         residual = layer_residual_bytes(harness, chunk)
         model = coeffs.m_token * chunk.tokens + coeffs.m_context_token * chunk.context
-        slopes.append({"context": chunk.context, "tokens": chunk.tokens, "xla_per_layer": xla, "residual_per_layer": residual, "model_per_layer": model})
+        slopes.append(
+            {
+                "context": chunk.context,
+                "tokens": chunk.tokens,
+                "xla_per_layer": xla,
+                "residual_per_layer": residual,
+                "model_per_layer": model,
+            }
+        )
         print(
             f"per layer C={chunk.context:4d} T={chunk.tokens:4d}: XLA {xla / chunk.tokens:8.0f} B/tok  autodiff residuals "
             f"{residual / chunk.tokens:8.0f} B/tok  cost model {model / chunk.tokens:8.0f} B/tok  "
@@ -99,7 +115,9 @@ def main(argv=None):
         )
 
     rows = memory_check(harness, coeffs, held_out_cases(L))
-    print(f"\n| program | C | slices | recomputed layers | XLA temp (MB) | Eq. 10 (MB) | + working (MB) | predicted peak (MB) | error |")
+    print(
+        "\n| program | C | slices | recomputed layers | XLA temp (MB) | Eq. 10 (MB) | + working (MB) | predicted peak (MB) | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kind = "whole model chunk step" if r["head"] else f"{r['layers']}-layer slice"

@@ -86,7 +86,9 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
     from jvarlen.runtime.profiler import ChunkHarness, ProfileGrid, per_device_divisor, run_plan
 
     grid = ProfileGrid()
-    harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=args.sp)
+    harness = ChunkHarness(
+        model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=args.sp
+    )
     capacities = [c for c in (512, 768, 1024, 1536, 2048) if c <= max(grid.token_buckets)]
     pool = np.asarray(stdlib_lengths())
     rng = np.random.default_rng(args.seed)
@@ -171,11 +173,15 @@ def main(argv=None):
     ap.add_argument("--multi_thread", action="store_true", help="do not force single-threaded XLA CPU")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree of the measured plans (fake CPU devices)")
     ap.add_argument("--also_measurements", nargs="*", default=[], help="measured-plan JSONs of earlier runs to include")
-    ap.add_argument("--no_per_sp", action="store_true", help="baseline: drop the per-sp coefficients (ideal 1/sp scaling of sp = 1)")
+    ap.add_argument(
+        "--no_per_sp", action="store_true", help="baseline: drop the per-sp coefficients (ideal 1/sp scaling of sp = 1)"
+    )
     args = ap.parse_args(argv)
     if args.sp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # before JAX starts
-        os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.sp} " + os.environ.get("XLA_FLAGS", "")).strip()
+        os.environ["XLA_FLAGS"] = (
+            f"--xla_force_host_platform_device_count={args.sp} " + os.environ.get("XLA_FLAGS", "")
+        ).strip()
     if not args.multi_thread:  # same setting as the profiler, before JAX starts
         from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS
 
@@ -202,7 +208,9 @@ def main(argv=None):
         if args.measurements:
             os.makedirs(os.path.dirname(os.path.abspath(args.measurements)), exist_ok=True)
             with open(args.measurements, "w") as f:
-                json.dump({"backend": jax.default_backend(), "model": shape.key(), "sp": args.sp, "plans": rows}, f, indent=1)
+                json.dump(
+                    {"backend": jax.default_backend(), "model": shape.key(), "sp": args.sp, "plans": rows}, f, indent=1
+                )
     for path in args.also_measurements:
         with open(path) as f:
             rows = rows + [dict(r, source=path) for r in json.load(f)["plans"]]
@@ -217,8 +225,13 @@ def main(argv=None):
         raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
     if args.no_per_sp:
         # the in-situ bucket factors of sp > 1 were fitted on top of the per-sp terms: drop them too
-        coeffs = coeffs.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={},
-                                bucket_token_scale={k: v for k, v in coeffs.bucket_token_scale.items() if k == 1})
+        coeffs = coeffs.replace(
+            per_sp={},
+            recompute_per_sp={},
+            head_per_sp={},
+            step_overhead_per_sp={},
+            bucket_token_scale={k: v for k, v in coeffs.bucket_token_scale.items() if k == 1},
+        )
     cpu = jax.default_backend() == "cpu"
     profiled = profiled_shapes(args.profile)
     for r in rows:
@@ -247,7 +260,9 @@ def main(argv=None):
         "device_kind": jax.devices()[0].device_kind,
         "clock": "process CPU time, single-threaded XLA, / sp (fake devices are threads)" if cpu else "wall",
         **error_summary(rows),
-        "per_sp": {str(sp): error_summary([r for r in rows if r["sp"] == sp]) for sp in sorted({r["sp"] for r in rows})},
+        "per_sp": {
+            str(sp): error_summary([r for r in rows if r["sp"] == sp]) for sp in sorted({r["sp"] for r in rows})
+        },
         "profiled_shapes_in_plans": int(sum(r["profiled_shapes"] for r in rows)),
         "median_abs_rel_err_vs_wall": float(
             np.median([abs(r["predicted_s"] - r["measured_wall_s"]) / r["measured_wall_s"] for r in rows])

@@ -2,9 +2,7 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -24,7 +22,9 @@ from jvarlen.layout import Layout  # noqa: E402
 from jvarlen.plan.cost import CostModel, ModelShape  # noqa: E402
 from jvarlen.plan.hardware import A800, analytic_coefficients  # noqa: E402
 
-SMALL = ModelShape(num_layers=8, d_model=1024, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=2816, vocab_size=32000)
+SMALL = ModelShape(
+    num_layers=8, d_model=1024, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=2816, vocab_size=32000
+)
 
 
 def small_cost(pp: int = 4, sp: int = 2, budget: float | None = None, model: ModelShape = SMALL) -> CostModel:

@@ -20,8 +20,16 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves CPU compile time;
 
 
 def tiny_config(num_layers: int = 4, attention: str = "reference") -> ModelConfig:
-    return ModelConfig(vocab_size=64, d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                       mlp_dim=64, compute_dtype="float32", attention=attention)
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=64,
+        compute_dtype="float32",
+        attention=attention,
+    )
 
 
 def tiny_params(cfg: ModelConfig, seed: int = 0):
@@ -32,16 +40,37 @@ def tiny_params(cfg: ModelConfig, seed: int = 0):
 # packed with two short documents), a batched chunk. Plan B: two documents split in 2.
 PLAN_A = (
     (10, 7, 60, 5, 9, 14),
-    [[(0, 0, 10), (1, 0, 7)], [(2, 0, 16)], [(2, 16, 16)], [(2, 32, 16)], [(2, 48, 12), (3, 0, 5), (4, 0, 9)], [(5, 0, 14)]],
+    [
+        [(0, 0, 10), (1, 0, 7)],
+        [(2, 0, 16)],
+        [(2, 16, 16)],
+        [(2, 32, 16)],
+        [(2, 48, 12), (3, 0, 5), (4, 0, 9)],
+        [(5, 0, 14)],
+    ],
 )
 PLAN_B = (
     (40, 6, 50, 3, 8, 11, 21),
-    [[(0, 0, 24)], [(0, 24, 16), (1, 0, 6)], [(2, 0, 30)], [(2, 30, 20), (3, 0, 3), (4, 0, 8)], [(5, 0, 11)], [(6, 0, 21)]],
+    [
+        [(0, 0, 24)],
+        [(0, 24, 16), (1, 0, 6)],
+        [(2, 0, 30)],
+        [(2, 30, 20), (3, 0, 3), (4, 0, 8)],
+        [(5, 0, 11)],
+        [(6, 0, 21)],
+    ],
 )
 
 PLAN_C = (  # batched chunks only
     (12, 9, 20, 31, 4, 17, 8, 25, 6, 13),
-    [[(0, 0, 12), (1, 0, 9)], [(2, 0, 20)], [(3, 0, 31)], [(4, 0, 4), (5, 0, 17), (6, 0, 8)], [(7, 0, 25), (8, 0, 6)], [(9, 0, 13)]],
+    [
+        [(0, 0, 12), (1, 0, 9)],
+        [(2, 0, 20)],
+        [(3, 0, 31)],
+        [(4, 0, 4), (5, 0, 17), (6, 0, 8)],
+        [(7, 0, 25), (8, 0, 6)],
+        [(9, 0, 13)],
+    ],
 )
 
 
@@ -70,8 +99,10 @@ def reference(graphdef, params, documents):
 def reference_batch(documents) -> dict:
     """One document per row, like ``jvarlen.runtime.step``'s packed batches."""
     width = max(len(d) for d in documents)
-    batch = {k: np.zeros((len(documents), width), np.int32)
-             for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
+    batch = {
+        k: np.zeros((len(documents), width), np.int32)
+        for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+    }
     for i, doc in enumerate(documents):
         n = len(doc)
         batch["tokens"][i, :n] = doc

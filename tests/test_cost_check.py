@@ -55,7 +55,10 @@ def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
     errors = []
     for _ in range(10):
         plans = [plan_iteration(list(rng.integers(100, 3000, size=4)), cost=cost, policy="epp-fast") for _ in range(2)]
-        ticks = [simulate(p.schedule, p.chunk_shapes(), np.asarray(p.ckpt_layers), cost, "ticks").iteration_time for p in plans]
+        ticks = [
+            simulate(p.schedule, p.chunk_shapes(), np.asarray(p.ckpt_layers), cost, "ticks").iteration_time
+            for p in plans
+        ]
         record = check.observe_plans(plans, 1.8 * max(ticks))
         if not errors:  # before any refit: exactly the slowest plan's lock-step time
             assert record["predicted_step_s"] == max(ticks)

@@ -72,7 +72,9 @@ def shipped():
     cfg = ModelConfig()
     coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
     if not coeffs.m_work_token:
-        pytest.fail("the shipped CPU profile has no measured working memory; run scripts/validate_cost_memory.py --refit_profile")
+        pytest.fail(
+            "the shipped CPU profile has no measured working memory; run scripts/validate_cost_memory.py --refit_profile"
+        )
     return ChunkHarness(cfg, token_buckets=(768,), context_buckets=(0, 1024)), coeffs
 
 

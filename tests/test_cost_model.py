@@ -95,7 +95,9 @@ def test_alltoall_eq3_hand_computed():
     # 400 tokens, sp 4: 100 local, 75 sent; q/out: 2 B * 75 * 64, k/v: 2 B * 75 * 32
     per_layer = 2 * (2 * 75 * 64 / 1e6 + 1e-3) + 2 * (2 * 75 * 32 / 1e6 + 1e-3)
     assert cm.alltoall_time(ChunkShape(0, (400,))) == pytest.approx(2 * per_layer)
-    assert cm.fwd_time(ChunkShape(0, (400,))) == pytest.approx(cm.fwd_compute_time(ChunkShape(0, (400,))) + 2 * per_layer)
+    assert cm.fwd_time(ChunkShape(0, (400,))) == pytest.approx(
+        cm.fwd_compute_time(ChunkShape(0, (400,))) + 2 * per_layer
+    )
     assert CostModel(GQA, Layout(1, 2, 1), coeffs()).alltoall_time(ChunkShape(0, (400,))) == 0.0
 
 
@@ -186,7 +188,10 @@ def test_fit_layer_time_recovers_coefficients_from_noisy_timings():
     rng = np.random.default_rng(0)
     true = LayerTime(2e-9, 3e-6, 4e-4)
     sp = 2
-    shapes = [ChunkShape(int(c), (int(s),)) for c, s in zip(rng.choice([0, 512, 2048, 8192], 120), rng.integers(64, 4096, 120))]
+    shapes = [
+        ChunkShape(int(c), (int(s),))
+        for c, s in zip(rng.choice([0, 512, 2048, 8192], 120), rng.integers(64, 4096, 120))
+    ]
     pairs = [c.attention_pairs for c in shapes]
     tokens = [c.tokens for c in shapes]
     times = [true(p, t, sp) * (1 + 0.02 * rng.standard_normal()) for p, t in zip(pairs, tokens)]
@@ -217,7 +222,9 @@ def test_analytic_profiles_are_labelled_and_follow_flops():
     for name, spec in CLUSTERS.items():
         c = analytic_coefficients(llama7b, name, num_nodes=2)
         assert c.meta.analytic and c.meta.backend == "analytic" and c.meta.device_kind == spec.device_kind
-        assert c.fwd.alpha2 == pytest.approx(llama7b.layer_linear_flops_per_token / (spec.peak_flops * spec.matmul_efficiency))
+        assert c.fwd.alpha2 == pytest.approx(
+            llama7b.layer_linear_flops_per_token / (spec.peak_flops * spec.matmul_efficiency)
+        )
         assert c.memory_budget == pytest.approx(spec.hbm_bytes * spec.memory_margin)
         assert c.alltoall_link(8).bandwidth > c.alltoall_link(16).bandwidth  # NVLink beats the network
     a800 = CostModel(llama7b, Layout(1, 2, 8), analytic_coefficients(llama7b, "a800", 2))
@@ -256,7 +263,9 @@ def test_online_refit_recovers_scaled_truth():
     before = np.median(refit.relative_errors())
     assert refit.due()
     refit.refit()
-    after = np.median([abs(refit.predict(o.chunk_shapes, o.layout, o.schedule) - o.measured_s) / o.measured_s for o in refit.history])
+    after = np.median(
+        [abs(refit.predict(o.chunk_shapes, o.layout, o.schedule) - o.measured_s) / o.measured_s for o in refit.history]
+    )
     assert before > 0.1
     assert after < 0.01
     assert not refit.due()

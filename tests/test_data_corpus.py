@@ -198,7 +198,12 @@ def test_missing_field_names_field_and_line(tmp_path):
 def test_token_id_beyond_model_vocab(tmp_path):
     path = _jsonl(tmp_path / "ids.jsonl", [{"ids": [1, 2]}, {"ids": [3, 300, 4]}])
     config = DataConfig(
-        source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "c"), seq_len=8, tokens_per_batch=16
+        source="jsonl",
+        path=str(path),
+        tokens_field="ids",
+        cache_dir=str(tmp_path / "c"),
+        seq_len=8,
+        tokens_per_batch=16,
     )
     expected = r"token id 300 in document 1 \(.*ids\.jsonl:2\) is >= the model vocabulary size 290"
     with pytest.raises(TokenIdError, match=expected):

@@ -8,8 +8,14 @@ from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import Config, ConfigError, ModelConfig, ParallelConfig, parse_config
 from jvarlen.layout import Layout
-from jvarlen.parallel.layouts import (COMPUTE_RULES, STATE_RULES, batch_sharding, layout_mesh, logical_to_spec,
-                                      state_mesh)
+from jvarlen.parallel.layouts import (
+    COMPUTE_RULES,
+    STATE_RULES,
+    batch_sharding,
+    layout_mesh,
+    logical_to_spec,
+    state_mesh,
+)
 from jvarlen.parallel.sharding import param_axes, param_shardings, state_shardings
 from jvarlen.runtime.layout_policy import LayoutPolicy, pad_rows, per_device_tokens
 from jvarlen.runtime.state import create_train_state
@@ -58,7 +64,8 @@ def test_logical_rules():
     # FSDP: the first listed logical axis the device count divides takes all devices
     assert logical_to_spec(("vocab", "embed"), (320, 32), STATE_RULES, mesh) == P(None, "fsdp")
     assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (2, 12, 2, 8), STATE_RULES, mesh) == P(
-        None, None, None, "fsdp")
+        None, None, None, "fsdp"
+    )
     assert logical_to_spec(("embed",), (6,), STATE_RULES, mesh) == P()  # indivisible: replicated
     lmesh = layout_mesh(Layout(dp=2, sp=4))
     assert logical_to_spec(("batch", "seq", "embed"), (4, 64, 32), COMPUTE_RULES, lmesh) == P("dp", "sp")
@@ -130,8 +137,12 @@ def test_step_cache_hits_misses_and_buckets():
         return jax.jit(lambda state, batch: (state + 1, jnp.sum(batch["tokens"])))
 
     messages = []
-    cache = StepCache(build, jax.ShapeDtypeStruct((), jnp.float32), say=messages.append,
-                      batch_sharding=lambda layout: batch_sharding(layout_mesh(layout)))
+    cache = StepCache(
+        build,
+        jax.ShapeDtypeStruct((), jnp.float32),
+        say=messages.append,
+        batch_sharding=lambda layout: batch_sharding(layout_mesh(layout)),
+    )
     a, b = Layout(dp=8), Layout(dp=2, sp=4)
     small, big = {"tokens": np.ones((8, 16), np.int32)}, {"tokens": np.ones((8, 32), np.int32)}
     for layout, batch in [(a, small), (b, small), (a, small), (a, big), (b, small)]:
@@ -158,8 +169,9 @@ def test_pull_casts_matrices_and_push_returns_canonical_fp32():
 
     params = jax.device_put(state.params, canonical)
     pulled, pushed = jax.jit(roundtrip)(params)
-    for axes, x, y, s in zip(param_axes(state.params), jax.tree.leaves(pulled), jax.tree.leaves(pushed),
-                             jax.tree.leaves(canonical)):
+    for axes, x, y, s in zip(
+        param_axes(state.params), jax.tree.leaves(pulled), jax.tree.leaves(pushed), jax.tree.leaves(canonical)
+    ):
         matrix = len([a for a in axes if a != "layers"]) >= 2
         assert x.dtype == (jnp.bfloat16 if matrix else jnp.float32), axes
         assert x.sharding.is_fully_replicated  # whole weights for propagation (no tensor parallelism)

@@ -10,10 +10,22 @@ from jvarlen.config import parse_config
 from jvarlen.runtime.loop import train
 
 TINY_ARGS = [
-    "--model.vocab_size=320", "--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4",
-    "--model.num_kv_heads=2", "--model.mlp_dim=64", "--model.compute_dtype=float32", "--model.attention=reference",
-    "--data.seq_len=128", "--data.tokens_per_batch=1024", "--data.max_documents=60",
-    "--logging.tensorboard=false", "--logging.progress_bar=false", "--parallel.pp=1", "--train.steps=4", "--checkpoint.every_steps=2",
+    "--model.vocab_size=320",
+    "--model.d_model=32",
+    "--model.num_layers=2",
+    "--model.num_heads=4",
+    "--model.num_kv_heads=2",
+    "--model.mlp_dim=64",
+    "--model.compute_dtype=float32",
+    "--model.attention=reference",
+    "--data.seq_len=128",
+    "--data.tokens_per_batch=1024",
+    "--data.max_documents=60",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--parallel.pp=1",
+    "--train.steps=4",
+    "--checkpoint.every_steps=2",
 ]
 
 
@@ -28,8 +40,15 @@ def test_resume_across_layout_change(tmp_path):
     xla_cache = tmp_path / "xla"
 
     def config(run, *extra):
-        return parse_config([*TINY_ARGS, f"--logging.run_dir={tmp_path / run}", f"--data.cache_dir={cache}",
-                             f"--parallel.compilation_cache_dir={xla_cache}", *extra])
+        return parse_config(
+            [
+                *TINY_ARGS,
+                f"--logging.run_dir={tmp_path / run}",
+                f"--data.cache_dir={cache}",
+                f"--parallel.compilation_cache_dir={xla_cache}",
+                *extra,
+            ]
+        )
 
     full = train(config("full", "--parallel.sp_cycle=[1,2]"), quiet=True)
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
@@ -54,8 +73,16 @@ def test_resume_across_layout_change(tmp_path):
 def test_budget_policy_in_the_loop(tmp_path):
     # two rows of 512 tokens on 8 devices: sp=1 holds a whole row (512 tokens) per device,
     # sp=2 256, sp=4 128 -> the policy picks (dp=2, sp=4) for a budget of 128 tokens.
-    config = parse_config([*TINY_ARGS, f"--logging.run_dir={tmp_path / 'b'}", f"--data.cache_dir={tmp_path / 'c'}",
-                           "--data.seq_len=512", "--train.steps=1", "--parallel.tokens_per_device=128"])
+    config = parse_config(
+        [
+            *TINY_ARGS,
+            f"--logging.run_dir={tmp_path / 'b'}",
+            f"--data.cache_dir={tmp_path / 'c'}",
+            "--data.seq_len=512",
+            "--train.steps=1",
+            "--parallel.tokens_per_device=128",
+        ]
+    )
     result = train(config, quiet=True)
     record = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
     assert (record["dp"], record["sp"]) == (2, 4)

@@ -10,8 +10,16 @@ from jvarlen.config import CONFIG_DIR, ModelConfig, load_config
 from jvarlen.model import AttentionInputs, abstract_model, build_model, parameter_count
 from jvarlen.runtime.step import loss_sums
 
-TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-            compute_dtype="float32", attention="reference")
+TINY = dict(
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=64,
+    compute_dtype="float32",
+    attention="reference",
+)
 
 
 def pack_rows(docs, rows, seq_len):
@@ -75,7 +83,7 @@ def test_packed_loss_and_grads_equal_documents_alone(lengths, attention):
         alone = pack_rows([doc], rows=1, seq_len=16)
         (loss, n), grads = loss_and_grads(params, alone)
         weighted_loss += loss * n
-        scaled = jax.tree.map(lambda g: g * n, grads)
+        scaled = jax.tree.map(lambda g, n=n: g * n, grads)
         weighted_grads = scaled if weighted_grads is None else jax.tree.map(jnp.add, weighted_grads, scaled)
         total += n
     np.testing.assert_allclose(packed_loss, weighted_loss / total, rtol=1e-5)

@@ -64,8 +64,16 @@ def tiny_config():
     from jvarlen.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 
     return Config(
-        model=ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-                          compute_dtype="float32", attention="reference"),
+        model=ModelConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_dim=64,
+            compute_dtype="float32",
+            attention="reference",
+        ),
         # AdamW divides each gradient element by its own RMS: an element whose gradient is
         # about eps (1e-8) turns fp32 reduction-order rounding (gloo sums in another order
         # than the in-process collectives) into a parameter change of up to ~1e-2 x lr.
@@ -96,14 +104,17 @@ def worker(process_id: int, port: int, out: str) -> None:
     from jvarlen.config import ParallelConfig
     from jvarlen.runtime.distributed import initialize
 
-    initialize(ParallelConfig(distributed=True, coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                              process_id=process_id))
+    initialize(
+        ParallelConfig(
+            distributed=True, coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+        )
+    )
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
     mesh, losses, params = run_steps(interleave(*by_process))
     assert all({d.process_index for d in group} == {0, 1} for group in mesh.devices.reshape(-1, 4))
     if process_id == 0:
-        np.savez(out, losses=np.asarray(losses), *params)
+        np.savez(out, *params, losses=np.asarray(losses))
     jax.distributed.shutdown()
 
 
@@ -128,8 +139,10 @@ def _run_two_processes(command) -> None:
     """Runs ``command(pid)`` for pids 0 and 1 (4 host CPU devices each) to completion; fails
     with the log of a process that did not exit cleanly."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in (0, 1)]
+    procs = [
+        subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in (0, 1)
+    ]
     try:
         logs = [p.communicate(timeout=400)[0] for p in procs]
     finally:
@@ -171,10 +184,21 @@ if __name__ == "__main__":
 
 
 CLI_ARGS = [
-    "--model.vocab_size=320", "--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4",
-    "--model.num_kv_heads=2", "--model.mlp_dim=64", "--model.compute_dtype=float32", "--model.attention=reference",
-    "--data.seq_len=128", "--data.tokens_per_batch=1024", "--data.max_documents=60",
-    "--logging.tensorboard=false", "--logging.progress_bar=false", "--train.steps=2", "--parallel.sp_cycle=[4,2]",
+    "--model.vocab_size=320",
+    "--model.d_model=32",
+    "--model.num_layers=2",
+    "--model.num_heads=4",
+    "--model.num_kv_heads=2",
+    "--model.mlp_dim=64",
+    "--model.compute_dtype=float32",
+    "--model.attention=reference",
+    "--data.seq_len=128",
+    "--data.tokens_per_batch=1024",
+    "--data.max_documents=60",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--train.steps=2",
+    "--parallel.sp_cycle=[4,2]",
 ]
 
 
@@ -190,14 +214,25 @@ def test_training_cli_on_two_processes_matches_one_process(tmp_path):
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     port = _free_port()
-    _run_two_processes(lambda pid: [
-        sys.executable, "-m", "jvarlen.train", *CLI_ARGS, f"--logging.run_dir={tmp_path / 'two'}",
-        f"--data.cache_dir={tmp_path / f'cache{pid}'}", "--parallel.distributed=true",
-        f"--parallel.coordinator_address=127.0.0.1:{port}", "--parallel.num_processes=2",
-        f"--parallel.process_id={pid}"])
+    _run_two_processes(
+        lambda pid: [
+            sys.executable,
+            "-m",
+            "jvarlen.train",
+            *CLI_ARGS,
+            f"--logging.run_dir={tmp_path / 'two'}",
+            f"--data.cache_dir={tmp_path / f'cache{pid}'}",
+            "--parallel.distributed=true",
+            f"--parallel.coordinator_address=127.0.0.1:{port}",
+            "--parallel.num_processes=2",
+            f"--parallel.process_id={pid}",
+        ]
+    )
     records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["dp"], r["sp"]) for r in records] == [(1, 2, 4), (2, 4, 2)]  # only process 0 logs
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2"]
-    one = train(parse_config([*CLI_ARGS, f"--logging.run_dir={tmp_path / 'one'}",
-                              f"--data.cache_dir={tmp_path / 'cache0'}"]), quiet=True)
+    one = train(
+        parse_config([*CLI_ARGS, f"--logging.run_dir={tmp_path / 'one'}", f"--data.cache_dir={tmp_path / 'cache0'}"]),
+        quiet=True,
+    )
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)

@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import require_devices
+from pipeline_helpers import (
+    FAST_COMPILE,
+    PLAN_A,
+    PLAN_B,
+    PLAN_C,
+    assert_tree_close,
+    cover,
+    pipelines,
+    reference,
+    tiny_config,
+    tiny_params,
+)
+
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline_buffers import fuse_single_stage, op_ticks
 from jvarlen.parallel.pipeline_step import PipelineStepCache
 from jvarlen.plan import schedule as sch
-from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, PLAN_C, assert_tree_close, cover, pipelines, reference, tiny_config, tiny_params
 
 
 def _cases(layout: Layout, num_layers: int):
@@ -40,8 +51,13 @@ def _cases(layout: Layout, num_layers: int):
     return cases
 
 
-LAYOUTS = [Layout(dp=4, pp=2, sp=1), Layout(dp=2, pp=4, sp=1), Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2),
-           Layout(dp=2, pp=1, sp=2)]
+LAYOUTS = [
+    Layout(dp=4, pp=2, sp=1),
+    Layout(dp=2, pp=4, sp=1),
+    Layout(dp=2, pp=2, sp=2),
+    Layout(dp=1, pp=4, sp=2),
+    Layout(dp=2, pp=1, sp=2),
+]
 
 
 def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int) -> np.ndarray:
@@ -62,8 +78,12 @@ def test_matches_reference_under_every_table(layout):
     graphdef, params = tiny_params(cfg)
     ls = cfg.num_layers // layout.pp
     cases = _cases(layout, cfg.num_layers)
-    sig = cover(*[pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)[0]
-                  for _, pipes, scheds, ckpts in cases])
+    sig = cover(
+        *[
+            pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)[0]
+            for _, pipes, scheds, ckpts in cases
+        ]
+    )
     assert sig.context > 0 and sig.n_res > 0
     cache = PipelineStepCache(graphdef, cfg, params, say=lambda _: None, compiler_options=FAST_COMPILE)
     refs = {}
@@ -78,7 +98,9 @@ def test_matches_reference_under_every_table(layout):
         np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5, err_msg=name)
         assert_tree_close(grads, ref_grads)
         # recomputation is real: forwards + recomputed layers, per pipeline and stage
-        expected = np.stack([expected_forwards(pk, sc, ck, layout, ls) for (_, pk), sc, ck in zip(pipes, scheds, ckpts)])
+        expected = np.stack(
+            [expected_forwards(pk, sc, ck, layout, ls) for (_, pk), sc, ck in zip(pipes, scheds, ckpts)]
+        )
         np.testing.assert_array_equal(np.asarray(forwards), expected, err_msg=name)
     # new schedule and recomputation tables never recompiled
     assert len(cache) == 1 and cache.misses == 1 and cache.hits == len(cases) - 1

@@ -9,25 +9,46 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import require_devices
+
 from jvarlen.config import ConfigError, load_config
 from jvarlen.runtime.loop import train
 from jvarlen.runtime.pipeline_loop import pipeline_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "epp-cpu.yaml")
-PLAN_FIELDS = ("chunks", "split_documents", "bucket", "cache_hit", "step_seconds", "predicted_iteration_time_s",
-               "predicted_bubble_ratio", "predicted_peak_memory_bytes")
+PLAN_FIELDS = (
+    "chunks",
+    "split_documents",
+    "bucket",
+    "cache_hit",
+    "step_seconds",
+    "predicted_iteration_time_s",
+    "predicted_bubble_ratio",
+    "predicted_peak_memory_bytes",
+)
 
 
 def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the entry point sets 8 host devices itself
     proc = subprocess.run(
-        [sys.executable, "-m", "jvarlen.train", "--config", CONFIG, f"--logging.run_dir={run_dir}",
-         "--train.steps=2", "--checkpoint.every_steps=2", "--logging.tensorboard=false"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "jvarlen.train",
+            "--config",
+            CONFIG,
+            f"--logging.run_dir={run_dir}",
+            "--train.steps=2",
+            "--checkpoint.every_steps=2",
+            "--logging.tensorboard=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "elastic pipeline: Layout(dp=2, pp=2, sp=2)" in proc.stdout
@@ -50,11 +71,21 @@ def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path)
     # no parallel settings and no XLA_FLAGS: auto stages give pp = 2 and the entry point
     # gives the host platform the two devices (the default `python -m jvarlen.train`)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    tiny = ["--model.d_model=32", "--model.num_layers=2", "--model.mlp_dim=64", "--model.compute_dtype=float32",
-            "--data.seq_len=256", "--data.tokens_per_batch=1024", "--data.max_documents=40", "--train.steps=1",
-            "--logging.tensorboard=false", f"--logging.run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run([sys.executable, "-m", "jvarlen.train", *tiny], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
+    tiny = [
+        "--model.d_model=32",
+        "--model.num_layers=2",
+        "--model.mlp_dim=64",
+        "--model.compute_dtype=float32",
+        "--data.seq_len=256",
+        "--data.tokens_per_batch=1024",
+        "--data.max_documents=40",
+        "--train.steps=1",
+        "--logging.tensorboard=false",
+        f"--logging.run_dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jvarlen.train", *tiny], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "elastic pipeline: Layout(dp=1, pp=2, sp=1)" in proc.stdout
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -62,10 +93,19 @@ def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path)
 
 
 def _config(run_dir, cache, *extra):
-    return load_config(CONFIG, **{"logging.run_dir": str(run_dir), "logging.tensorboard": "false",
-                                  "logging.progress_bar": "false", "train.steps": "4",
-                                  "checkpoint.every_steps": "2", "parallel.compilation_cache_dir": str(cache),
-                                  "parallel.plan_wait": "true", **dict(extra)})
+    return load_config(
+        CONFIG,
+        **{
+            "logging.run_dir": str(run_dir),
+            "logging.tensorboard": "false",
+            "logging.progress_bar": "false",
+            "train.steps": "4",
+            "checkpoint.every_steps": "2",
+            "parallel.compilation_cache_dir": str(cache),
+            "parallel.plan_wait": "true",
+            **dict(extra),
+        },
+    )
 
 
 def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):
@@ -79,8 +119,10 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):
     for a, b in zip(jax.tree.leaves(full.final_state.params), jax.tree.leaves(resumed.final_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the resumed run logged the plans of steps 3-4 exactly as the uninterrupted one
-    plan = lambda run: [(r["step"], r["chunks"], r["split_documents"], r["predicted_iteration_time_s"])
-                        for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))]
+    plan = lambda run: [
+        (r["step"], r["chunks"], r["split_documents"], r["predicted_iteration_time_s"])
+        for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+    ]
     assert plan(full.run_dir) == plan(resumed.run_dir)
 
 
@@ -110,8 +152,12 @@ def test_steps_log_predicted_vs_measured_time(tmp_path):
     from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
     profile = sorted(p for p in os.listdir(PACKAGE_PROFILES) if p.endswith("__cpu__cpu.json"))[0]
-    config = _config(tmp_path / "run", tmp_path / "xla-cache", ("train.cost_profile", os.path.join(PACKAGE_PROFILES, profile)),
-                     ("train.cost_refit_every", "1"))
+    config = _config(
+        tmp_path / "run",
+        tmp_path / "xla-cache",
+        ("train.cost_profile", os.path.join(PACKAGE_PROFILES, profile)),
+        ("train.cost_refit_every", "1"),
+    )
     train(config, quiet=True)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     observed = [r for r in records if not r["compiled"]]

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import require_devices
+from flax import nnx
+from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference, tiny_config, tiny_params
+
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, make_attention_fn
 from jvarlen.model.transformer import abstract_model
@@ -18,7 +19,6 @@ from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline_chunks import pack_chunks
 from jvarlen.parallel.pipeline_stage import StageFns, residual_policy, residual_shapes
 from jvarlen.plan import schedule as sch
-from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference, tiny_config, tiny_params
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
 BUCKET = 32
@@ -88,7 +88,9 @@ def test_selective_residual_policy_is_exact_and_stores_less(model):
     """A stored layer that keeps only its matmul outputs (the rest recomputed in the backward)."""
     cfg, graphdef, params = model
     _, full = _compiled(model, 8, "gpipe", 0)
-    _, dots, (sums, grads, forwards), docs = _compile(model, 8, "gpipe", 0, "dots_with_no_batch_dims_saveable", run=True)
+    _, dots, (sums, grads, forwards), docs = _compile(
+        model, 8, "gpipe", 0, "dots_with_no_batch_dims_saveable", run=True
+    )
     assert dots < full, (dots, full)
     ref_sums, ref_grads = reference(graphdef, params, docs)
     np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
@@ -111,7 +113,9 @@ def test_dots_and_attention_policy_keeps_the_attention_output_and_is_exact():
     inputs = AttentionInputs(jnp.ones_like(pos), pos)
 
     def kept_bytes(policy):
-        fns = StageFns(layer_graphdef, make_attention_fn("xla"), jnp.float32, with_context=False, residual_policy=policy)
+        fns = StageFns(
+            layer_graphdef, make_attention_fn("xla"), jnp.float32, with_context=False, residual_policy=policy
+        )
         return sum(s.size * s.dtype.itemsize for s in residual_shapes(fns, layer0, x, no_ctx, no_ctx, inputs, pos[0]))
 
     full, dots, both = (kept_bytes(p) for p in (None, "dots_with_no_batch_dims_saveable", "dots_and_attention"))

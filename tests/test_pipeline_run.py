@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from conftest import require_devices
+from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
+from pipeline_helpers import reference_batch as _reference_batch
+
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline_run import PipelineRunner, split_documents
 from jvarlen.plan import schedule as sch
@@ -16,8 +18,6 @@ from jvarlen.plan.plan import Plan
 from jvarlen.runtime.layout_step import Placement, place_global
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step
-from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
-from pipeline_helpers import reference_batch as _reference_batch
 
 LAYOUT = Layout(dp=2, pp=2, sp=2)  # all 8 devices, like the loop's layouts
 # plan B without its last chunk: the runner pads that pipeline with an empty chunk
@@ -32,9 +32,18 @@ def _plan(template, seed, schedule_kind, ckpt_seed):
     prev = chunk_links(chunks)
     sched = sch.token_level_1f1b(prev, LAYOUT.pp) if schedule_kind == "token" else sch.gpipe(n, LAYOUT.pp, prev)
     ckpt = np.random.default_rng(ckpt_seed).integers(0, 3, size=(n, LAYOUT.pp)).astype(np.int32)
-    plan = Plan(policy="hand", layout=LAYOUT, num_layers=4, lengths=tuple(len(d) for d in docs),
-                chunks=tuple(tuple(c) for c in chunks), unit_sizes=(n,), schedule=sched, ckpt_layers=ckpt,
-                memory_budget_bytes=1e9, stats={"bubble_ratio": 0.25, "iteration_time_s": 0.01})
+    plan = Plan(
+        policy="hand",
+        layout=LAYOUT,
+        num_layers=4,
+        lengths=tuple(len(d) for d in docs),
+        chunks=tuple(tuple(c) for c in chunks),
+        unit_sizes=(n,),
+        schedule=sched,
+        ckpt_layers=ckpt,
+        memory_budget_bytes=1e9,
+        stats={"bubble_ratio": 0.25, "iteration_time_s": 0.01},
+    )
     return plan, docs
 
 
@@ -43,8 +52,12 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     cfg = tiny_config(num_layers=4)
     graphdef, params = tiny_params(cfg)
     optimizer = optax.sgd(0.5)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                       rng=jax.random.key_data(jax.random.key(0)))
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
     reference_step = jax.jit(make_train_step(graphdef, optimizer))
     reference_state = state
     # the loop's canonical FSDP placement of the state stays the placement after each step

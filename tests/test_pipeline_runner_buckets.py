@@ -4,9 +4,9 @@ power-of-two buckets), falling back to the power of two when sp does not divide 
 import types
 
 import pytest
+from pipeline_helpers import tiny_config, tiny_params
 
 from jvarlen.parallel.pipeline_run import PipelineRunner
-from pipeline_helpers import tiny_config, tiny_params
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +20,21 @@ def _plans(*chunk_tokens):
     return [types.SimpleNamespace(chunks=[[(0, 0, t)] for t in chunk_tokens])]
 
 
-@pytest.mark.parametrize("longest, sp, expected", [
-    (700, 1, [768, 1024]),
-    (520, 2, [768, 1024]),
-    (513, 1, [768, 1024]),
-    (512, 1, [512]),
-    (1024, 4, [1024]),
-    (1100, 1, [1536, 2048]),
-    (1600, 2, [2048]),
-    (1400, 2, [1536, 2048]),
-    (20, 1, [32]),
-    (700, 3, [1024]),  # 256-token steps are not divisible by sp = 3: power of two only
-])
+@pytest.mark.parametrize(
+    "longest, sp, expected",
+    [
+        (700, 1, [768, 1024]),
+        (520, 2, [768, 1024]),
+        (513, 1, [768, 1024]),
+        (512, 1, [512]),
+        (1024, 4, [1024]),
+        (1100, 1, [1536, 2048]),
+        (1600, 2, [2048]),
+        (1400, 2, [1536, 2048]),
+        (20, 1, [32]),
+        (700, 3, [1024]),  # 256-token steps are not divisible by sp = 3: power of two only
+    ],
+)
 def test_bucket_candidates(runner, longest, sp, expected):
     assert runner._buckets(_plans(longest // 2, longest, longest // 3), sp) == expected
     # padding with the smallest candidate stays under a quarter of the power of two

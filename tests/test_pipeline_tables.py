@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from pipeline_helpers import PLAN_A, plan_documents
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
@@ -14,7 +15,6 @@ from jvarlen.parallel.pipeline_buffers import FUSED, assign_slots, fuse_single_s
 from jvarlen.parallel.pipeline_chunks import pack_chunks
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
-from pipeline_helpers import PLAN_A, plan_documents
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
 
@@ -172,7 +172,9 @@ def test_rejects_window_overflow_naming_stage_tick_and_chunks():
     sig, _ = _prepare(sch.token_level_1f1b(pack.chunk_prev, 2).to_ticks(), pack)
     gpipe = sch.gpipe(6, 2, pack.chunk_prev).to_ticks()
     small = dataclasses.replace(sig, n_ticks=max(sig.n_ticks, gpipe.shape[0]), n_grad=6, n_res=12)
-    with pytest.raises(ScheduleError, match=r"window overflow: .*n_stash=6 .* has 5 \(stage 0, tick \d+: chunks \[0, 1, 2, 3, 4, 5\]"):
+    with pytest.raises(
+        ScheduleError, match=r"window overflow: .*n_stash=6 .* has 5 \(stage 0, tick \d+: chunks \[0, 1, 2, 3, 4, 5\]"
+    ):
         _prepare(gpipe, pack, signature=small)
     with pytest.raises(ValueError, match="n_chunks"):
         _prepare(gpipe, pack, signature=dataclasses.replace(sig, n_chunks=7))

@@ -5,6 +5,7 @@ look-ahead), and fall back to a fast plan (logged) when the solver is late."""
 import json
 
 import pytest
+from conftest import small_cost
 
 from jvarlen.config import DataConfig
 from jvarlen.data import DataPipeline
@@ -12,7 +13,6 @@ from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions
 from jvarlen.plan.service import PlanningService, deterministic_options
 from jvarlen.runtime.plan_feed import PlanFeed
-from conftest import small_cost
 
 OPTS = deterministic_options(PlannerOptions(n_candidates=2))
 LAYOUT = Layout(dp=2, pp=2, sp=1)
@@ -20,8 +20,9 @@ LAYOUT = Layout(dp=2, pp=2, sp=1)
 
 def _pipeline(tmp_path):
     # a stdlib subset: real long-tailed lengths, pieces up to 1024 tokens, 4 rows per batch
-    config = DataConfig(source="stdlib", max_documents=40, seq_len=1024, tokens_per_batch=4096,
-                        cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(
+        source="stdlib", max_documents=40, seq_len=1024, tokens_per_batch=4096, cache_dir=str(tmp_path / "cache")
+    )
     return DataPipeline(config, vocab_size=320)
 
 

@@ -4,11 +4,11 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import small_cost, tight_budget
 
 from jvarlen.plan.checkpointing import CkptProblem, SolverOptions, build_problem, greedy, solve
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.units import live_windows, unit_schedule
-from conftest import small_cost, tight_budget
 
 
 def brute_force(problem: CkptProblem):
@@ -29,7 +29,12 @@ def _unit_problem(seed: int, pp: int = 2):
     # Two short documents and one document split in two slices.
     a, b = int(rng.integers(2_000, 6_000)), int(rng.integers(2_000, 6_000))
     s0, s1 = int(rng.integers(3_000, 8_000)), int(rng.integers(1_000, 4_000))
-    shapes = [ChunkShape(0, (a,)), ChunkShape(0, (s0,), tail=False), ChunkShape(s0, (s1,), tail=True), ChunkShape(0, (b,))]
+    shapes = [
+        ChunkShape(0, (a,)),
+        ChunkShape(0, (s0,), tail=False),
+        ChunkShape(s0, (s1,), tail=True),
+        ChunkShape(0, (b,)),
+    ]
     families = [[0], [1, 2], [3]]
     budget = tight_budget(cost, int(rng.integers(6_000, 14_000)))
     cost = small_cost(pp=pp, sp=2, budget=budget)

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from conftest import small_cost
 
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.sequence_processor import Mesh, chunk_batch, split_document, split_mesh
 from jvarlen.plan.units import families_of
 from jvarlen.plan.workloads import sample_batch
-from conftest import small_cost
 
 K = 1024
 

@@ -4,12 +4,12 @@ import itertools
 import math
 
 import pytest
+from conftest import small_cost, tight_budget
 
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.grouping import group, solve_range, warmup_cost
 from jvarlen.plan.sequence_processor import chunk_batch
 from jvarlen.plan.units import families_of
-from conftest import small_cost, tight_budget
 
 OPTS = SolverOptions(time_limit_s=5.0, deterministic_time=10.0)
 
@@ -37,7 +37,9 @@ def brute_force(families, shapes, cost, delta):
         groups.append(cur)
         total = 0.0
         for g in groups:
-            units = solve_range([f for f in families if len(f) in g], shapes, cost, cost.layout.pp, cost.layers_per_stage, OPTS)
+            units = solve_range(
+                [f for f in families if len(f) in g], shapes, cost, cost.layout.pp, cost.layers_per_stage, OPTS
+            )
             total += math.inf if units is None else sum(delta + u.ckpt.cost_s for u in units)
         best = min(best, total)
     return best

@@ -12,11 +12,13 @@ from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.assemble import simulate
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.plan import stage_peak_memory
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 from jvarlen.plan.schedule import Schedule
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 SHAPE = ModelShape.from_config(Config().model)
 COEFFS = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+
+
 def forwards_first(sched: Schedule) -> bool:
     """Every stage runs all its forwards before its first backward (GPipe order)."""
     return all(all(op.kind == "F" for op in prog[: sched.n_chunks]) for prog in sched.stages)

@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
+from conftest import small_cost, tight_budget
 
 from jvarlen.plan.api import POLICIES, PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.plan import Plan, PlanError, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
 from jvarlen.plan.workloads import sample_batch
-from conftest import small_cost, tight_budget
 
 K = 1024
 OPTS = PlannerOptions(n_candidates=2, solver=SolverOptions(time_limit_s=0.5), chunk_tokens=(4096, 8192))
@@ -193,9 +193,11 @@ def test_paper_scale_plans_are_valid(model, context):
 
 
 def test_plan_iteration_builds_an_analytic_cost_from_cluster_and_model():
-    from jvarlen.layout import Layout
-    from jvarlen.plan import plan_iteration as exported, simulate
     from conftest import SMALL
+
+    from jvarlen.layout import Layout
+    from jvarlen.plan import plan_iteration as exported
+    from jvarlen.plan import simulate
 
     lengths = [9_000, 3_000, 1_200, 700, 300]
     plan = exported(lengths, "a800", SMALL, policy="epp", layout=Layout(1, 4, 2))

@@ -2,10 +2,11 @@
 
 import json
 
+from conftest import small_cost, tight_budget
+
 from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.service import PlanningService, deterministic_options
 from jvarlen.plan.workloads import sample_batch
-from conftest import small_cost, tight_budget
 
 K = 1024
 OPTS = deterministic_options(PlannerOptions(n_candidates=2))

@@ -5,14 +5,14 @@ import dataclasses
 import math
 
 import pytest
+from conftest import SMALL, small_cost
 
 from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration, refine_candidate
-from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.hardware import A800, analytic_coefficients
 from jvarlen.plan.workloads import sample_batch
-from conftest import SMALL, small_cost
 
 K = 1024
 

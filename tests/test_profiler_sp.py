@@ -23,13 +23,17 @@ def whole_model_step(cost, chunk, pairs_scale=1.0, token_scale=1.0):
     c = cost.coeffs
     parts = []
     for keep in ("alpha1", "alpha2"):
+
         def only(x, keep=keep):
             return LayerTime(**{n: (getattr(x, n) if n == keep else 0.0) for n in ("alpha1", "alpha2", "beta1")})
+
         part = c.replace(
             per_sp={d: (only(f), only(b)) for d, (f, b) in c.per_sp.items()},
             head_per_sp={d: (only(f), only(b)) for d, (f, b) in c.head_per_sp.items()},
-            fwd=only(c.fwd), bwd=only(c.bwd if c.bwd is not None else c.fwd.scaled(c.bwd_factor)),
-            head_fwd=only(c.head_fwd), head_bwd=only(c.head_bwd if c.head_bwd is not None else c.head_fwd.scaled(c.bwd_factor)),
+            fwd=only(c.fwd),
+            bwd=only(c.bwd if c.bwd is not None else c.fwd.scaled(c.bwd_factor)),
+            head_fwd=only(c.head_fwd),
+            head_bwd=only(c.head_bwd if c.head_bwd is not None else c.head_fwd.scaled(c.bwd_factor)),
         )
         m = CostModel(cost.model, cost.layout, part)
         parts.append(m.fwd_time(chunk, 0) + m.bwd_time(chunk, 0))
@@ -56,18 +60,35 @@ def synthetic_report(sp, div, grid, fwd, bwd, rec, head, opt_s, chunk_s, rng, no
                 modes = ("fwd", "fb", "fbr") if (tb, cb) in grid.remat_pairs else ("fwd", "fb")
                 raw[str(chunk)] = {f"{m}{n}": div * (n * layer[m] + per_call) * jitter() for m in modes for n in (2, 3)}
     hf, hb = head
-    head_rows = [[t, div * hf(0, t, sp) * jitter(), div * (hf(0, t, sp) + hb(0, t, sp)) * jitter()] for t in grid.token_buckets]
-    truth = c0.replace(per_sp={sp: (fwd, bwd)}, head_per_sp={sp: head}) if sp > 1 else c0.replace(fwd=fwd, bwd=bwd, head_fwd=hf, head_bwd=hb)
+    head_rows = [
+        [t, div * hf(0, t, sp) * jitter(), div * (hf(0, t, sp) + hb(0, t, sp)) * jitter()] for t in grid.token_buckets
+    ]
+    truth = (
+        c0.replace(per_sp={sp: (fwd, bwd)}, head_per_sp={sp: head})
+        if sp > 1
+        else c0.replace(fwd=fwd, bwd=bwd, head_fwd=hf, head_bwd=hb)
+    )
     cost = CostModel(SHAPE, Layout(1, 1, sp), truth)
     pairs_scale, token_scale = in_situ
     calibration = [
-        [[c.context, list(c.slices), c.tail], div * (whole_model_step(cost, c, pairs_scale, token_scale.get(cm.linear_tokens(c), 1.0)) + chunk_s)]
+        [
+            [c.context, list(c.slices), c.tail],
+            div * (whole_model_step(cost, c, pairs_scale, token_scale.get(cm.linear_tokens(c), 1.0)) + chunk_s),
+        ]
         for c in grid.calibration
     ]
     return {
-        "raw": raw, "dual_layers": [2, 3], "head": head_rows, "memory": [], "optimizer_s": div * opt_s,
-        "calibration": calibration, "repeats": 5, "token_buckets": list(grid.token_buckets),
-        "context_buckets": list(grid.context_buckets), "sp": sp, "clock_divisor": div,
+        "raw": raw,
+        "dual_layers": [2, 3],
+        "head": head_rows,
+        "memory": [],
+        "optimizer_s": div * opt_s,
+        "calibration": calibration,
+        "repeats": 5,
+        "token_buckets": list(grid.token_buckets),
+        "context_buckets": list(grid.context_buckets),
+        "sp": sp,
+        "clock_divisor": div,
     }
 
 
@@ -84,7 +105,9 @@ IN_SITU = (1.2, {512: 0.9, 1024: 1.1, 2048: 1.3})
 
 
 def test_fit_profile_recovers_exact_per_sp_coefficients_without_noise():
-    sub = synthetic_report(2, 2, SP_GRID, F2, B2, R2, H2, 1.5e-3, 3e-3, np.random.default_rng(0), noise=0.0, in_situ=IN_SITU)
+    sub = synthetic_report(
+        2, 2, SP_GRID, F2, B2, R2, H2, 1.5e-3, 3e-3, np.random.default_rng(0), noise=0.0, in_situ=IN_SITU
+    )
     base = synthetic_report(1, 1, ProfileGrid(), F2, B2, R2, H2, 1e-3, 0.0, np.random.default_rng(0), noise=0.0)
     got = fit_profile(dict(base, sp_reports={"2": sub}), SHAPE, BASE)
     # isolated-layer coefficients, attention terms corrected by the in-situ pairs factor
@@ -98,15 +121,27 @@ def test_fit_profile_recovers_exact_per_sp_coefficients_without_noise():
     close(got.head_bwd, H2[1], 1e-3)
     # the whole-model step of chunks that were not calibrated is predicted exactly: a per-chunk
     # constant is one more token factor per bucket (every chunk of a bucket has the same token part)
-    truth = CostModel(SHAPE, Layout(1, 1, 2), got.replace(per_sp={2: (F2, B2)}, head_per_sp={2: H2}, bucket_token_scale={}))
+    truth = CostModel(
+        SHAPE, Layout(1, 1, 2), got.replace(per_sp={2: (F2, B2)}, head_per_sp={2: H2}, bucket_token_scale={})
+    )
     fitted = CostModel(SHAPE, Layout(1, 1, 2), got)
-    for chunk in (ChunkShape(0, (300, 100)), ChunkShape(700, (600,), tail=False), ChunkShape(1900, (1000, 500)), ChunkShape(0, (2000,))):
+    for chunk in (
+        ChunkShape(0, (300, 100)),
+        ChunkShape(700, (600,), tail=False),
+        ChunkShape(1900, (1000, 500)),
+        ChunkShape(0, (2000,)),
+    ):
         want = whole_model_step(truth, chunk, IN_SITU[0], IN_SITU[1][truth.linear_tokens(chunk)]) + 3e-3
         assert fitted.fwd_time(chunk, 0) + fitted.bwd_time(chunk, 0) == pytest.approx(want, rel=1e-4), chunk
 
 
 def test_bucket_token_scale_lookup_and_json(tmp_path):
-    c = BASE.replace(fwd=LayerTime(0, 1e-3, 0), bwd=LayerTime(), token_buckets=(512, 1024, 2048), bucket_token_scale={1: {1024: 2.0, 2048: 3.0}})
+    c = BASE.replace(
+        fwd=LayerTime(0, 1e-3, 0),
+        bwd=LayerTime(),
+        token_buckets=(512, 1024, 2048),
+        bucket_token_scale={1: {1024: 2.0, 2048: 3.0}},
+    )
     cm = CostModel(SHAPE, Layout(1, 1, 1), c)
     # smallest calibrated bucket >= the padded tokens; the largest factor beyond the buckets
     assert [cm.time_tokens(ChunkShape(0, (t,))) for t in (100, 600, 1500, 3000)] == [1024.0, 2048.0, 6144.0, 9000.0]
@@ -123,7 +158,9 @@ def test_fit_profile_recovers_per_sp_coefficients_and_leaves_sp1_alone():
     rng = np.random.default_rng(0)
     grid1 = ProfileGrid()
     f1, b1, r1 = LayerTime(7e-9, 2.5e-6, 7e-5), LayerTime(1.6e-8, 2.4e-5, 1e-4), LayerTime(6e-9, 1e-6, 5e-5)
-    report = synthetic_report(1, 1, grid1, f1, b1, r1, (LayerTime(0, 4e-7, 4e-4), LayerTime(0, 3e-6, 2e-4)), 1.2e-3, 0.0, rng)
+    report = synthetic_report(
+        1, 1, grid1, f1, b1, r1, (LayerTime(0, 4e-7, 4e-4), LayerTime(0, 3e-6, 2e-4)), 1.2e-3, 0.0, rng
+    )
     # sp = 2: per-device coefficients that differ from the sp = 1 ones (not an ideal 1/sp split)
     f2, b2, r2, h2 = F2, B2, R2, H2
     sub = synthetic_report(2, 2, SP_GRID, f2, b2, r2, h2, 1.5e-3, 3e-3, rng)
@@ -131,15 +168,28 @@ def test_fit_profile_recovers_per_sp_coefficients_and_leaves_sp1_alone():
     both = fit_profile(dict(report, sp_reports={"2": sub}), SHAPE, BASE)
 
     sp1_scales = {1: both.bucket_token_scale[1]}
-    assert both.replace(per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={}, bucket_token_scale=sp1_scales) == alone
+    assert (
+        both.replace(
+            per_sp={}, recompute_per_sp={}, head_per_sp={}, step_overhead_per_sp={}, bucket_token_scale=sp1_scales
+        )
+        == alone
+    )
     fwd, bwd = both.per_sp[2]
     for got, want in ((fwd, f2), (bwd, b2)):
         assert got.alpha1 == pytest.approx(want.alpha1, rel=0.1)
         assert got.alpha2 == pytest.approx(want.alpha2, rel=0.1)
     assert both.step_overhead_per_sp[2] == pytest.approx(1.5e-3)  # raw clock / divisor
     # whole-plan prediction with the fitted coefficients is within 3 % of the truth
-    truth = both.replace(per_sp={2: (f2, b2)}, recompute_per_sp={2: r2}, head_per_sp={2: (h2[0], dataclasses.replace(h2[1], beta1=h2[1].beta1 + 3e-3))})
-    for chunk, l in [(ChunkShape(1536, (768,), tail=False), 2), (ChunkShape(0, (600, 300, 100)), 4), (ChunkShape(512, (400, 200)), 0)]:
+    truth = both.replace(
+        per_sp={2: (f2, b2)},
+        recompute_per_sp={2: r2},
+        head_per_sp={2: (h2[0], dataclasses.replace(h2[1], beta1=h2[1].beta1 + 3e-3))},
+    )
+    for chunk, l in [
+        (ChunkShape(1536, (768,), tail=False), 2),
+        (ChunkShape(0, (600, 300, 100)), 4),
+        (ChunkShape(512, (400, 200)), 0),
+    ]:
         pred = [CostModel(SHAPE, Layout(1, 1, 2), c) for c in (both, truth)]
         t = [m.fwd_time(chunk, 0) + m.bwd_time(chunk, 0) + m.recompute_time(chunk, l) for m in pred]
         assert t[0] == pytest.approx(t[1], rel=0.03)

@@ -7,7 +7,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
 from jvarlen.plan.gantt import draw_gantt, save_every
-from jvarlen.plan.schedule import Op, Schedule, gpipe, one_f_one_b, sequential, token_level_1f1b
+from jvarlen.plan.schedule import gpipe, one_f_one_b, sequential, token_level_1f1b
 from jvarlen.plan.simulator import simulate, simulate_pipelines
 
 # 2 layers, pp 2: one layer per stage. Each chunk token costs 1 s forward, 2 s backward per layer.

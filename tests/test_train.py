@@ -9,15 +9,24 @@ import jax
 import numpy as np
 import pytest
 
-from jvarlen.config import ModelConfig, parse_config
+from jvarlen.config import parse_config
 from jvarlen.runtime.checkpoint import CheckpointMismatchError
 from jvarlen.runtime.loop import train
 
 TINY_ARGS = [
-    "--model.vocab_size=320", "--model.d_model=32", "--model.num_layers=2", "--model.num_heads=4",
-    "--model.num_kv_heads=2", "--model.mlp_dim=64", "--model.compute_dtype=float32",
-    "--data.seq_len=128", "--data.tokens_per_batch=1024", "--data.max_documents=60",
-    "--logging.tensorboard=false", "--logging.progress_bar=false", "--parallel.pp=1",
+    "--model.vocab_size=320",
+    "--model.d_model=32",
+    "--model.num_layers=2",
+    "--model.num_heads=4",
+    "--model.num_kv_heads=2",
+    "--model.mlp_dim=64",
+    "--model.compute_dtype=float32",
+    "--data.seq_len=128",
+    "--data.tokens_per_batch=1024",
+    "--data.max_documents=60",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--parallel.pp=1",
 ]
 
 
@@ -29,17 +38,35 @@ def cache_dir(tmp_path_factory):
 def _config(run_dir, cache_dir, *extra):
     """In-process runs use dense reference attention (cheap to compile at T=128); the
     CLI test keeps the default implementation."""
-    return parse_config([*TINY_ARGS, "--model.attention=reference", f"--logging.run_dir={run_dir}",
-                         f"--data.cache_dir={cache_dir}", *extra])
+    return parse_config(
+        [
+            *TINY_ARGS,
+            "--model.attention=reference",
+            f"--logging.run_dir={run_dir}",
+            f"--data.cache_dir={cache_dir}",
+            *extra,
+        ]
+    )
 
 
 def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.run(
-        [sys.executable, "-m", "jvarlen.train", *TINY_ARGS, f"--logging.run_dir={run_dir}",
-         f"--data.cache_dir={cache_dir}", "--train.steps=3", "--checkpoint.every_steps=2"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "jvarlen.train",
+            *TINY_ARGS,
+            f"--logging.run_dir={run_dir}",
+            f"--data.cache_dir={cache_dir}",
+            "--train.steps=3",
+            "--checkpoint.every_steps=2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(run_dir) in proc.stdout
@@ -52,7 +79,9 @@ def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_
 def test_cli_reports_config_errors(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jvarlen.train", "--model.num_heads=6", "--model.num_kv_heads=4"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "num_kv_heads" in proc.stderr
@@ -67,9 +96,17 @@ def test_cli_reports_unknown_arguments_without_traceback(capsys):
 
 def test_cli_reports_data_errors_without_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "jvarlen.train", "--data.source=jsonl", f"--data.path={tmp_path}/missing.jsonl",
-         f"--logging.run_dir={tmp_path}/run"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "jvarlen.train",
+            "--data.source=jsonl",
+            f"--data.path={tmp_path}/missing.jsonl",
+            f"--logging.run_dir={tmp_path}/run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "missing.jsonl" in proc.stderr and "does not exist" in proc.stderr
@@ -79,8 +116,13 @@ def test_cli_reports_data_errors_without_traceback(tmp_path):
 def test_resume_bitwise(tmp_path, cache_dir):
     full = train(_config(tmp_path / "full", cache_dir, "--train.steps=4", "--checkpoint.every_steps=2"), quiet=True)
     part_dir = tmp_path / "part"
-    part = train(_config(part_dir, cache_dir, "--train.steps=4", "--checkpoint.every_steps=2"), quiet=True, stop_after=2)
-    resumed = train(_config(part_dir, cache_dir, "--train.steps=4", "--checkpoint.every_steps=2", "--checkpoint.resume=true"), quiet=True)
+    part = train(
+        _config(part_dir, cache_dir, "--train.steps=4", "--checkpoint.every_steps=2"), quiet=True, stop_after=2
+    )
+    resumed = train(
+        _config(part_dir, cache_dir, "--train.steps=4", "--checkpoint.every_steps=2", "--checkpoint.resume=true"),
+        quiet=True,
+    )
     assert resumed.first_step == 2
     assert part.losses + resumed.losses == full.losses  # bitwise on CPU
     for a, b in zip(jax.tree.leaves(full.final_state.params), jax.tree.leaves(resumed.final_state.params)):
@@ -90,4 +132,7 @@ def test_resume_bitwise(tmp_path, cache_dir):
 def test_resume_from_different_model_shape_is_refused(tmp_path, cache_dir):
     train(_config(tmp_path / "r", cache_dir, "--train.steps=1"), quiet=True)
     with pytest.raises(CheckpointMismatchError, match="model.d_model: checkpoint has 32, config has 64"):
-        train(_config(tmp_path / "r", cache_dir, "--train.steps=2", "--model.d_model=64", "--checkpoint.resume=true"), quiet=True)
+        train(
+            _config(tmp_path / "r", cache_dir, "--train.steps=2", "--model.d_model=64", "--checkpoint.resume=true"),
+            quiet=True,
+        )

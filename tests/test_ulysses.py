@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from jvarlen.kernels import reference_attention
@@ -48,8 +49,16 @@ def packed_batch(seed: int, rows: int = B, seq_len: int = T) -> dict:
 
 
 def tiny_config(**model) -> Config:
-    kw = dict(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2, mlp_dim=64,
-              compute_dtype="float32", attention="reference")
+    kw = dict(
+        vocab_size=VOCAB,
+        d_model=32,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        mlp_dim=64,
+        compute_dtype="float32",
+        attention="reference",
+    )
     kw.update(model)
     return Config(model=ModelConfig(**kw), optimizer=OptimizerConfig(warmup_steps=0), train=TrainConfig(steps=5))
 
@@ -76,8 +85,13 @@ def test_loss_and_grads_match_single_device(tiny, reference, layout):
     placement = Placement.for_state(state, optimizer)
     params = place_global(state.params, placement.state_sharding.params)
     sums, grads = layout_loss_and_grads(
-        graphdef, params, placement.state_sharding.params, batch, placement.mesh(layout),
-        attention=config.model.attention, compute_dtype="float32",
+        graphdef,
+        params,
+        placement.state_sharding.params,
+        batch,
+        placement.mesh(layout),
+        attention=config.model.attention,
+        compute_dtype="float32",
     )
     for key in ("loss_sum", "target_tokens"):
         np.testing.assert_allclose(float(sums[key]), float(ref_sums[key]), rtol=1e-5)
@@ -104,7 +118,9 @@ def test_layout_switching_every_step_matches_fixed_layout(tiny):
         s = place_global(state, placement.state_sharding)
         losses[name] = []
         for i, layout in enumerate(layouts):
-            batch = place_global(packed_batch(10 + i), {k: batch_sharding(placement.mesh(layout)) for k in packed_batch(0)})
+            batch = place_global(
+                packed_batch(10 + i), {k: batch_sharding(placement.mesh(layout)) for k in packed_batch(0)}
+            )
             s, metrics = steps[layout](s, batch)
             losses[name].append(float(metrics["loss_sum"] / metrics["target_tokens"]))
         final[name] = jax.device_get(s.params)
@@ -113,7 +129,9 @@ def test_layout_switching_every_step_matches_fixed_layout(tiny):
             assert leaf.sharding == sharding
     np.testing.assert_allclose(losses["switching"], losses["fixed"], rtol=1e-5)
     moved = 0.0
-    for a, b, init in zip(jax.tree.leaves(final["switching"]), jax.tree.leaves(final["fixed"]), jax.tree.leaves(state.params)):
+    for a, b, init in zip(
+        jax.tree.leaves(final["switching"]), jax.tree.leaves(final["fixed"]), jax.tree.leaves(state.params)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         moved = max(moved, float(np.abs(b - np.asarray(init)).max()))
     assert moved > 1e-3  # five AdamW steps really changed the parameters
@@ -136,7 +154,6 @@ def test_gqa_fewer_kv_heads_than_sp_matches_reference(num_kv_heads, layout):
     assert kv_repeats(num_kv_heads, layout.sp) == layout.sp // num_kv_heads
     mesh = layout_mesh(layout)
     ulysses = ulysses_attention_fn(mesh, "reference")
-    inputs = AttentionInputs(segment_ids=seg, positions=pos)
 
     def loss(fn, q, k, v):
         return jnp.sum(fn(q, k, v) * dout)
@@ -149,7 +166,9 @@ def test_gqa_fewer_kv_heads_than_sp_matches_reference(num_kv_heads, layout):
     inputs_s = AttentionInputs(segment_ids=jax.device_put(seg, sharded), positions=jax.device_put(pos, sharded))
     out = jax.jit(lambda q, k, v: ulysses(q, k, v, inputs_s))(q_s, k_s, v_s)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, k, v)), rtol=1e-5, atol=1e-6)
-    grads = jax.jit(jax.grad(lambda q, k, v: loss(lambda *a: ulysses(*a, inputs_s), q, k, v), argnums=(0, 1, 2)))(q_s, k_s, v_s)
+    grads = jax.jit(jax.grad(lambda q, k, v: loss(lambda *a: ulysses(*a, inputs_s), q, k, v), argnums=(0, 1, 2)))(
+        q_s, k_s, v_s
+    )
     ref_grads = jax.grad(lambda q, k, v: loss(ref_fn, q, k, v), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
@@ -162,13 +181,20 @@ def test_all_to_all_helpers_move_rank_coded_blocks():
     def body(x_local, ids_local):
         heads = seq_to_heads(x_local)  # [1, 16, 2, 1]: all tokens, this device's 2 heads
         sp_index = jax.lax.axis_index("sp")
-        expected = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x_local, "sp", axis=1, tiled=True), sp_index * 2, 2, axis=2)
+        expected = jax.lax.dynamic_slice_in_dim(
+            jax.lax.all_gather(x_local, "sp", axis=1, tiled=True), sp_index * 2, 2, axis=2
+        )
         return heads_to_seq(heads), jnp.max(jnp.abs(heads - expected))[None, None], gather_seq(ids_local)
 
     ids = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16)
-    back, err, gathered = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P("dp", "sp"), P("dp", "sp")), out_specs=(P("dp", "sp"),) * 3,
-    ))(x, ids)
+    back, err, gathered = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("dp", "sp"), P("dp", "sp")),
+            out_specs=(P("dp", "sp"),) * 3,
+        )
+    )(x, ids)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
     assert float(np.max(err)) == 0.0
     # every sp device holds the whole row of ids: 4 copies side by side

@@ -72,9 +72,14 @@ def split_documents(lengths: np.ndarray, max_doc_tokens: int, policy: str = "spl
         length = np.minimum(max_doc_tokens, lengths[doc] - start)
         has_next = start + length < lengths[doc]
         report = SplitReport(
-            policy, max_doc_tokens, int(lengths.size), int(doc.size),
-            documents_split=int((counts > 1).sum()), documents_truncated=0,
-            tokens_kept=int(lengths.sum()), tokens_dropped=0,
+            policy,
+            max_doc_tokens,
+            int(lengths.size),
+            int(doc.size),
+            documents_split=int((counts > 1).sum()),
+            documents_truncated=0,
+            tokens_kept=int(lengths.sum()),
+            tokens_dropped=0,
         )
     elif policy == "truncate":
         doc, start = docs, np.zeros_like(docs)
@@ -82,9 +87,14 @@ def split_documents(lengths: np.ndarray, max_doc_tokens: int, policy: str = "spl
         has_next = np.zeros(lengths.size, dtype=bool)
         dropped = int((lengths - length).sum())
         report = SplitReport(
-            policy, max_doc_tokens, int(lengths.size), int(doc.size),
-            documents_split=0, documents_truncated=int((lengths > max_doc_tokens).sum()),
-            tokens_kept=int(length.sum()), tokens_dropped=dropped,
+            policy,
+            max_doc_tokens,
+            int(lengths.size),
+            int(doc.size),
+            documents_split=0,
+            documents_truncated=int((lengths > max_doc_tokens).sum()),
+            tokens_kept=int(length.sum()),
+            tokens_dropped=dropped,
         )
     else:
         raise ValueError(f"unknown long_doc_policy {policy!r}; use 'split' or 'truncate'")

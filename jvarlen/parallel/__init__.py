@@ -8,8 +8,14 @@ the jitted step; :func:`ulysses_attention_fn` is the model's attention with toke
 sharded over ``sp``.
 """
 
-from jvarlen.parallel.layouts import (COMPUTE_RULES, STATE_RULES, batch_sharding, layout_mesh, logical_to_spec,
-                                      state_mesh)
+from jvarlen.parallel.layouts import (
+    COMPUTE_RULES,
+    STATE_RULES,
+    batch_sharding,
+    layout_mesh,
+    logical_to_spec,
+    state_mesh,
+)
 from jvarlen.parallel.sharding import param_shardings, pull, push, state_shardings
 from jvarlen.parallel.ulysses import ulysses_attention_fn
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
 

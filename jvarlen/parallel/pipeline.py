@@ -169,8 +169,9 @@ def split_params(params):
     return params["layers"], rest
 
 
-def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None,
-                        residual_policy: Optional[str] = None):
+def make_pipeline_grads(
+    graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None, residual_policy: Optional[str] = None
+):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
     ``grads`` are of the mean loss over every real target of all pipelines (like
@@ -189,8 +190,15 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
     cdt = resolve_compute_dtype(cfg.compute_dtype)
     attention_fn = attention_fn or make_attention_fn(cfg.attention)
     layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
-    fns = StageFns(layer_graphdef, attention_fn, cdt, with_context=Sc > 0, sp=sp, kv_repeats=repeats,
-                   residual_policy=residual_policy)
+    fns = StageFns(
+        layer_graphdef,
+        attention_fn,
+        cdt,
+        with_context=Sc > 0,
+        sp=sp,
+        kv_repeats=repeats,
+        residual_policy=residual_policy,
+    )
     dummy = dict(stash=sig.n_stash, grad=sig.n_grad, ctx=sig.n_ctx, res=sig.n_res)
     stores = sig.n_res > 0  # static: a signature without residual slots recomputes every layer
 
@@ -261,13 +269,25 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             )
 
             def last():
-                loss, vjp_fn = jax.vjp(lambda rr, yy: head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), rest, y)
+                loss, vjp_fn = jax.vjp(
+                    lambda rr, yy: head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), rest, y
+                )
                 d_rest, dy = vjp_fn(scale.astype(loss.dtype))
                 return loss, d_rest, dy
 
             loss, d_rest, dy = maybe(is_last, last)
-            return dict(out, send_act=y, x_in=x, dy_last=dy, res=residuals, k_own=k_own * c["own"],
-                        v_own=v_own * c["own"], d_rest=d_rest, loss=loss, count=n)
+            return dict(
+                out,
+                send_act=y,
+                x_in=x,
+                dy_last=dy,
+                res=residuals,
+                k_own=k_own * c["own"],
+                v_own=v_own * c["own"],
+                d_rest=d_rest,
+                loss=loss,
+                count=n,
+            )
 
         def bwd(r, k):
             c = chunk(k)
@@ -278,8 +298,17 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             else:
                 dk_own = dv_own = jnp.zeros((ls, T, K, D), cdt)
             dx, dlayers, dck, dcv, n = fns.backward(
-                layers, r["x"], r["dy"], r["ck"], r["cv"], dk_own, dv_own, r["res"] if stores else None,
-                c["res_slot"] == dummy["res"], c["inputs"], c["local_positions"],
+                layers,
+                r["x"],
+                r["dy"],
+                r["ck"],
+                r["cv"],
+                dk_own,
+                dv_own,
+                r["res"] if stores else None,
+                c["res_slot"] == dummy["res"],
+                c["inputs"],
+                c["local_positions"],
             )
 
             def first():
@@ -314,10 +343,15 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             c = chunk(k)
             s = c["slots"]
             reads = dict(
-                x=get(carry["stash"], s["stash"]), dy=get(carry["grad_in"], s["grad"]),
-                ck=roll_ctx(get(carry["ck"], s["ctx"]), c), cv=roll_ctx(get(carry["cv"], s["ctx"]), c),
-                dck=get(carry["dck"], s["ctx"]), dcv=get(carry["dcv"], s["ctx"]),
-                res=[] if not stores else jax.lax.cond(
+                x=get(carry["stash"], s["stash"]),
+                dy=get(carry["grad_in"], s["grad"]),
+                ck=roll_ctx(get(carry["ck"], s["ctx"]), c),
+                cv=roll_ctx(get(carry["cv"], s["ctx"]), c),
+                dck=get(carry["dck"], s["ctx"]),
+                dcv=get(carry["dcv"], s["ctx"]),
+                res=[]
+                if not stores
+                else jax.lax.cond(
                     is_b,
                     # recomputed layers (slot n_res) read a clipped slot they never use
                     lambda bufs: [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in bufs],
@@ -329,16 +363,27 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
             carry = dict(carry)
             carry["stash"] = put(carry["stash"], jnp.where(is_f & is_first, s["stash"], dummy["stash"]), o["x_in"])
             carry["grad_in"] = put(carry["grad_in"], jnp.where(is_f & is_last, s["grad"], dummy["grad"]), o["dy_last"])
-            carry["res"] = [] if not stores else jax.lax.cond(
-                is_f,
-                lambda bufs, new: [buf.at[c["res_slot"]].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(bufs, new)],
-                lambda bufs, new: list(bufs),
-                carry["res"], o["res"],
+            carry["res"] = (
+                []
+                if not stores
+                else jax.lax.cond(
+                    is_f,
+                    lambda bufs, new: [
+                        buf.at[c["res_slot"]].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(bufs, new)
+                    ],
+                    lambda bufs, new: list(bufs),
+                    carry["res"],
+                    o["res"],
+                )
             )
             if Sc:
                 ctx_f = jnp.where(is_f, s["ctx"], dummy["ctx"])
-                carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
-                carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
+                carry["ck"] = jax.lax.dynamic_update_slice(
+                    carry["ck"], o["k_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0)
+                )
+                carry["cv"] = jax.lax.dynamic_update_slice(
+                    carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0)
+                )
                 # a document's first slice clears its dK/dV accumulator; a backward adds to it
                 start = is_f & (b["has_next"][k] > 0) & (c["C"] == 0)
                 ctx_b = jnp.where(takes_dctx | start, s["ctx"], dummy["ctx"])
@@ -365,16 +410,27 @@ def make_pipeline_grads(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh
         act = jnp.zeros((Tl, d), cdt)
         kv_own = jnp.zeros((ls, T, K, D), cdt)
         out.update(
-            send_act=act, send_grad=act, x_in=act, dy_last=act,
+            send_act=act,
+            send_grad=act,
+            x_in=act,
+            dy_last=act,
             res=[jnp.zeros((ls,) + r.shape, r.dtype) for r in res_shapes] if stores else [],
-            k_own=kv_own, v_own=kv_own, dck=zeros_ctx[0], dcv=zeros_ctx[0],
-            d_layers=jax.tree.map(jnp.zeros_like, layers), d_rest=jax.tree.map(jnp.zeros_like, rest),
-            loss=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32),
+            k_own=kv_own,
+            v_own=kv_own,
+            dck=zeros_ctx[0],
+            dcv=zeros_ctx[0],
+            d_layers=jax.tree.map(jnp.zeros_like, layers),
+            d_rest=jax.tree.map(jnp.zeros_like, rest),
+            loss=jnp.zeros((), jnp.float32),
+            count=jnp.zeros((), jnp.int32),
         )
         carry = dict(
             stash=jnp.zeros((sig.n_stash + 1, Tl, d), cdt),
             grad_in=jnp.zeros((sig.n_grad + 1, Tl, d), cdt),
-            ck=zeros_ctx, cv=zeros_ctx, dck=zeros_ctx, dcv=zeros_ctx,
+            ck=zeros_ctx,
+            cv=zeros_ctx,
+            dck=zeros_ctx,
+            dcv=zeros_ctx,
             # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
             res=[jnp.zeros((sig.n_res,) + s.shape, s.dtype) for s in res_shapes] if stores else [],
             g_layers=jax.tree.map(jnp.zeros_like, layers),

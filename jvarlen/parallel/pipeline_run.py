@@ -35,7 +35,9 @@ def round_signature(sig: PipelineSignature) -> PipelineSignature:
     return dataclasses.replace(
         sig,
         n_ticks=_round_up(sig.n_ticks, 8),
-        context=sig.bucket * (1 << max(0, int(np.ceil(np.log2(max(sig.context // sig.bucket, 1)))))) if sig.context else 0,
+        context=sig.bucket * (1 << max(0, int(np.ceil(np.log2(max(sig.context // sig.bucket, 1))))))
+        if sig.context
+        else 0,
         n_stash=_round_up(sig.n_stash, 2),
         n_grad=_round_up(sig.n_grad, 2),
         n_ctx=sig.n_ctx,
@@ -102,12 +104,31 @@ class PipelineRunner:
     compilation. ``bucket`` fixes the chunk token bucket (default: see :meth:`_buckets`).
     """
 
-    def __init__(self, graphdef, cfg: ModelConfig, optimizer, state, *, bucket: Optional[int] = None,
-                 chunk_multiple: int = 2, attention_fn=None, compiler_options=None,
-                 residual_policy: Optional[str] = None, say: Callable[[str], None] = lambda _: None):
+    def __init__(
+        self,
+        graphdef,
+        cfg: ModelConfig,
+        optimizer,
+        state,
+        *,
+        bucket: Optional[int] = None,
+        chunk_multiple: int = 2,
+        attention_fn=None,
+        compiler_options=None,
+        residual_policy: Optional[str] = None,
+        say: Callable[[str], None] = lambda _: None,
+    ):
         self.cfg, self.bucket, self.chunk_multiple, self.say = cfg, bucket, chunk_multiple, say
-        self.cache = PipelineStepCache(graphdef, cfg, state, optimizer=optimizer, attention_fn=attention_fn,
-                                       compiler_options=compiler_options, residual_policy=residual_policy, say=say)
+        self.cache = PipelineStepCache(
+            graphdef,
+            cfg,
+            state,
+            optimizer=optimizer,
+            attention_fn=attention_fn,
+            compiler_options=compiler_options,
+            residual_policy=residual_policy,
+            say=say,
+        )
 
     def _buckets(self, plans: Sequence[Plan], sp: int) -> list[int]:
         """Token buckets that hold the largest chunk, smallest first: multiples of a quarter
@@ -165,6 +186,7 @@ class PipelineRunner:
             values = [p.stats[key] for p in plans if key in p.stats]
             if values:
                 predicted[key] = max(np.max(v) for v in values) if key != "bubble_ratio" else float(np.mean(values))
-        info = IterationInfo(sig, hit, seconds, sum(p.n_chunks for p in plans),
-                             sum(split_documents(p) for p in plans), predicted)
+        info = IterationInfo(
+            sig, hit, seconds, sum(p.n_chunks for p in plans), sum(split_documents(p) for p in plans), predicted
+        )
         return state, metrics, info

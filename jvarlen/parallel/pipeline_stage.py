@@ -76,6 +76,7 @@ class StageFns:
         """
         hooks = {}
         if self.sp > 1:
+
             def to_heads(q, k, v):
                 k, v = ulysses.repeat_kv_heads(k, self.kv_repeats), ulysses.repeat_kv_heads(v, self.kv_repeats)
                 return ulysses.seq_to_heads(q), ulysses.seq_to_heads(k), ulysses.seq_to_heads(v)
@@ -117,6 +118,7 @@ class StageFns:
             return y, (k, v, res)
 
         if recompute is None:  # nothing is stored in this signature: plain forwards only
+
             def plain_body(x, xs):
                 y, k, v = f(*xs[:1], x, *xs[1:])
                 return y, (k, v)
@@ -150,6 +152,7 @@ class StageFns:
             return y, (res, ran)
 
         if stored is None:  # nothing is stored in this signature: recompute every layer
+
             def recompute_all(x, xs):
                 lp, ck, cv = xs
                 (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
@@ -183,11 +186,13 @@ def residual_policy(name: str):
     if name == "all":
         return cp.everything_saveable
     if name == DOTS_AND_ATTENTION:
-        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                          cp.save_only_these_names(*ATTENTION_RESIDUALS))
+        return cp.save_from_both_policies(
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*ATTENTION_RESIDUALS)
+        )
     if not hasattr(cp, name):
-        raise ValueError(f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a "
-                         "jax.checkpoint_policies name")
+        raise ValueError(
+            f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a jax.checkpoint_policies name"
+        )
     return getattr(cp, name)
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
 from jvarlen.parallel.pipeline import DATA, PipelineSignature, make_pipeline_grads, pipeline_mesh
@@ -32,15 +33,22 @@ def batch_shapes(sig: PipelineSignature) -> dict:
     i32 = jnp.int32
     shapes = {key: (dp, n, sig.bucket) for key in CHUNK_KEYS}
     shapes.update(
-        ctx_len=(dp, n), has_next=(dp, n), ops=(dp, sig.n_ticks, pp, 2),
-        stash_slot=(dp, n, pp), grad_slot=(dp, n, pp), ctx_slot=(dp, n, pp),
-        res_slot=(dp, n, pp, sig.layers_per_stage), recv_act=(dp, sig.n_ticks, pp), recv_grad=(dp, sig.n_ticks, pp),
+        ctx_len=(dp, n),
+        has_next=(dp, n),
+        ops=(dp, sig.n_ticks, pp, 2),
+        stash_slot=(dp, n, pp),
+        grad_slot=(dp, n, pp),
+        ctx_slot=(dp, n, pp),
+        res_slot=(dp, n, pp, sig.layers_per_stage),
+        recv_act=(dp, sig.n_ticks, pp),
+        recv_grad=(dp, sig.n_ticks, pp),
     )
     return {key: jax.ShapeDtypeStruct(shape, i32) for key, shape in shapes.items()}
 
 
-def make_pipeline_train_step(graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, optimizer, attention_fn=None,
-                             residual_policy=None):
+def make_pipeline_train_step(
+    graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, optimizer, attention_fn=None, residual_policy=None
+):
     """``train_step(state, batch) -> (state, metrics)``: grads of one plan accumulated over its
     chunks and pipelines, applied once. Metrics: loss_sum, target_tokens, real_tokens,
     grad_norm and ``layer_forwards [dp, pp]`` (forwards + recomputations per stage)."""
@@ -68,9 +76,19 @@ class PipelineStepCache:
     ``example`` is the (abstract or concrete) params, or the TrainState with an optimizer.
     """
 
-    def __init__(self, graphdef, cfg: ModelConfig, example, *, optimizer=None, attention_fn=None,
-                 mesh_for: Optional[Callable] = None, say: Callable[[str], None] = log.info,
-                 compiler_options: Optional[dict] = None, residual_policy: Optional[str] = None):
+    def __init__(
+        self,
+        graphdef,
+        cfg: ModelConfig,
+        example,
+        *,
+        optimizer=None,
+        attention_fn=None,
+        mesh_for: Optional[Callable] = None,
+        say: Callable[[str], None] = log.info,
+        compiler_options: Optional[dict] = None,
+        residual_policy: Optional[str] = None,
+    ):
         self.graphdef, self.cfg, self.optimizer, self.attention_fn = graphdef, cfg, optimizer, attention_fn
         self.example = jax.tree.map(_abstract, example)
         self.mesh_for = mesh_for or pipeline_mesh
@@ -98,14 +116,19 @@ class PipelineStepCache:
     def _compile(self, sig: PipelineSignature):
         start = time.perf_counter()
         mesh = self.mesh_for(sig.layout)
-        batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(DATA)))
-                 for k, s in batch_shapes(sig).items()}
+        batch = {
+            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(DATA)))
+            for k, s in batch_shapes(sig).items()
+        }
         if self.optimizer is None:
-            fn = jax.jit(make_pipeline_grads(self.graphdef, self.cfg, sig, mesh, self.attention_fn, self.residual_policy))
+            fn = jax.jit(
+                make_pipeline_grads(self.graphdef, self.cfg, sig, mesh, self.attention_fn, self.residual_policy)
+            )
             compiled = fn.lower(self.example, batch).compile(compiler_options=self.compiler_options)
         else:
-            step = make_pipeline_train_step(self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn,
-                                            self.residual_policy)
+            step = make_pipeline_train_step(
+                self.graphdef, self.cfg, sig, mesh, self.optimizer, self.attention_fn, self.residual_policy
+            )
             # a state placed on a mesh (the loop's canonical sharding) keeps that sharding
             shardings = jax.tree.map(lambda a: a.sharding, self.example)
             leaves = jax.tree.leaves(shardings, is_leaf=_none)

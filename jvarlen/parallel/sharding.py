@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.parallel.layouts import COMPUTE_RULES, STATE_RULES, Rules, logical_to_spec
 
@@ -99,8 +100,7 @@ def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES)
     return _param_tree(params, out)
 
 
-def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = None,
-         rules: Rules = COMPUTE_RULES):
+def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = None, rules: Rules = COMPUTE_RULES):
     """Layout gradients -> canonical: cast to the dtype of ``params``, reshard to FSDP.
 
     With ``layout_mesh`` the gradients are first pinned to the layout's compute sharding

@@ -21,7 +21,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jvarlen import kernels
 from jvarlen.model.attention import AttentionInputs

@@ -203,7 +203,10 @@ def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int)
         return None
     step = math.sqrt(ratio)
     sides = []
-    for mid, nb in ((int(round(best * step)), int(round(best * ratio))), (int(round(best / step)), int(round(best / ratio)))):
+    for mid, nb in (
+        (int(round(best * step)), int(round(best * ratio))),
+        (int(round(best / step)), int(round(best / ratio))),
+    ):
         if n_lo <= mid <= n_hi and mid != best and mid not in tried:
             sides.append((tried.get(nb, -math.inf), mid))
     return min(sides)[1] if sides else None
@@ -360,8 +363,16 @@ def _plan_dapple(lengths, cost, options: PlannerOptions) -> Plan:
     fams = order_families(families_of(chunks, lengths), shapes, cost)
     unit, fits = uniform_unit(fams, shapes, cost)
     events = [] if fits else ["dapple: out of memory even with full recomputation"]
-    plan = assemble("dapple", lengths, chunks, [unit], cost, {"micro_batch_tokens": max(lengths)}, events,
-                    simulation=options.simulation)
+    plan = assemble(
+        "dapple",
+        lengths,
+        chunks,
+        [unit],
+        cost,
+        {"micro_batch_tokens": max(lengths)},
+        events,
+        simulation=options.simulation,
+    )
     plan.stats["oom"] = not fits
     return plan
 

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.checkpointing import SolverOptions, build_problem
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.grouping import Unit
 from jvarlen.plan.plan import Plan, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
@@ -72,8 +72,13 @@ def assemble(
         stats=dict(stats or {}),
         events=list(events or []),
     )
-    plan.stats.update(tokens_in=plan.tokens_in, tokens_planned=plan.tokens_planned, n_chunks=plan.n_chunks,
-                      n_units=len(units), ckpt_sources=[u.ckpt.source for u in units])
+    plan.stats.update(
+        tokens_in=plan.tokens_in,
+        tokens_planned=plan.tokens_planned,
+        n_chunks=plan.n_chunks,
+        n_units=len(units),
+        ckpt_sources=[u.ckpt.source for u in units],
+    )
     for i, u in enumerate(units):
         if u.ckpt.source == "greedy":
             plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
@@ -137,9 +142,13 @@ def uniform_unit(
     for l in candidates:
         c = np.full(problem.n_vars, l, dtype=np.int64)
         if problem.feasible(c):
-            return Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", f"l={l}")), True
+            return Unit(
+                tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", f"l={l}")
+            ), True
     c = np.full(problem.n_vars, lps if layers is None else layers, dtype=np.int64)
-    return Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", "oom")), False
+    return Unit(
+        tuple(tuple(f) for f in families), tuple(ids), schedule, make_solution(problem, c, "uniform", "oom")
+    ), False
 
 
 __all__ = ["assemble", "simulate", "record_simulation", "uniform_unit", "SolverOptions", "stage_peak_memory"]

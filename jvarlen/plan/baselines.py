@@ -35,7 +35,9 @@ def _ffd(seeds: list[tuple[Piece, ...]], items: list[Piece], budget: int) -> lis
     return [tuple(b) for b in buckets]
 
 
-def _split(lengths: Sequence[int], slice_tokens: int, even: bool) -> tuple[list[PlannedChunk], list[tuple[Piece, ...]], list[Piece]]:
+def _split(
+    lengths: Sequence[int], slice_tokens: int, even: bool
+) -> tuple[list[PlannedChunk], list[tuple[Piece, ...]], list[Piece]]:
     splits, tails, shorts = [], [], []
     for doc, length in enumerate(lengths):
         if length <= slice_tokens:

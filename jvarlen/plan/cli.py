@@ -14,8 +14,14 @@ from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningErro
 from jvarlen.plan.checkpointing import SolverOptions
 
 SUMMARY_FIELDS = (
-    "policy", "solve_seconds", "iteration_time_s", "bubble_ratio", "peak_memory_bytes",
-    "memory_budget_bytes", "tokens_in", "tokens_planned",
+    "policy",
+    "solve_seconds",
+    "iteration_time_s",
+    "bubble_ratio",
+    "peak_memory_bytes",
+    "memory_budget_bytes",
+    "tokens_in",
+    "tokens_planned",
 )
 
 
@@ -73,7 +79,10 @@ def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed
     if batch_size is None:
         return [lengths]
     pool = np.asarray(lengths)
-    return [[int(x) for x in pool[np.random.default_rng(seed + i).integers(0, pool.size, batch_size)]] for i in range(iterations)]
+    return [
+        [int(x) for x in pool[np.random.default_rng(seed + i).integers(0, pool.size, batch_size)]]
+        for i in range(iterations)
+    ]
 
 
 def cost_from_config(path: str, cluster: str, zero3_sp: bool):
@@ -91,15 +100,21 @@ def run(cli: PlanCli) -> int:
         n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit), simulation=cli.simulation
     )
     records, last = [], None
-    for i, batch in enumerate(batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)):
+    for i, batch in enumerate(
+        batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)
+    ):
         try:
             plan = plan_iteration(batch, cost=cost, policy=cli.policy, options=options)
         except PlanningError as e:
             records.append({"iteration": i, "policy": cli.policy, "error": str(e), "tokens_in": sum(batch)})
             continue
         rec = {"iteration": i, **{k: plan.stats.get(k) for k in SUMMARY_FIELDS}}
-        rec.update(fits_memory=plan.stats.get("fits_memory"), n_chunks=plan.n_chunks, n_units=len(plan.unit_sizes),
-                   events=plan.events)
+        rec.update(
+            fits_memory=plan.stats.get("fits_memory"),
+            n_chunks=plan.n_chunks,
+            n_units=len(plan.unit_sizes),
+            events=plan.events,
+        )
         records.append(rec)
         if i == 0 and cli.gantt:
             from jvarlen.plan.assemble import simulate
@@ -124,7 +139,9 @@ def summarize(policy: str, records: list[dict]) -> dict:
     if ok:
         for key in ("solve_seconds", "iteration_time_s", "bubble_ratio"):
             out[key] = statistics.median(r[key] for r in ok)
-        out["peak_memory_bytes"] = [max(r["peak_memory_bytes"][p] for r in ok) for p in range(len(ok[0]["peak_memory_bytes"]))]
+        out["peak_memory_bytes"] = [
+            max(r["peak_memory_bytes"][p] for r in ok) for p in range(len(ok[0]["peak_memory_bytes"]))
+        ]
         out["memory_budget_bytes"] = ok[0]["memory_budget_bytes"]
         out["tokens_in"] = sum(r["tokens_in"] for r in ok)
         out["tokens_planned"] = sum(r["tokens_planned"] for r in ok)
@@ -133,7 +150,9 @@ def summarize(policy: str, records: list[dict]) -> dict:
 
 
 def format_table(policy: str, records: list[dict], summary: dict) -> str:
-    head = f"{'iter':>4} {'solve s':>8} {'iter s':>9} {'bubble':>7} {'peak GB/stage':>28} {'chunks':>6} {'units':>5} fits"
+    head = (
+        f"{'iter':>4} {'solve s':>8} {'iter s':>9} {'bubble':>7} {'peak GB/stage':>28} {'chunks':>6} {'units':>5} fits"
+    )
     lines = [f"policy {policy}", head]
     for r in records:
         if "error" in r:

@@ -307,7 +307,9 @@ class CostCoefficients:
             "per_sp": {str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.per_sp.items()},
             "recompute": None if self.recompute is None else dataclasses.asdict(self.recompute),
             "recompute_per_sp": {str(k): dataclasses.asdict(v) for k, v in self.recompute_per_sp.items()},
-            "head_per_sp": {str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.head_per_sp.items()},
+            "head_per_sp": {
+                str(k): [dataclasses.asdict(f), dataclasses.asdict(b)] for k, (f, b) in self.head_per_sp.items()
+            },
             "step_overhead_per_sp": {str(k): v for k, v in self.step_overhead_per_sp.items()},
             "head_fwd": dataclasses.asdict(self.head_fwd),
             "head_bwd": None if self.head_bwd is None else dataclasses.asdict(self.head_bwd),
@@ -318,14 +320,28 @@ class CostCoefficients:
             "p2p_inter": link(self.p2p_inter),
             "sync_link": link(self.sync_link),
             "token_buckets": list(self.token_buckets),
-            "bucket_token_scale": {str(k): {str(b): f for b, f in v.items()} for k, v in self.bucket_token_scale.items()},
+            "bucket_token_scale": {
+                str(k): {str(b): f for b, f in v.items()} for k, v in self.bucket_token_scale.items()
+            },
             "meta": dataclasses.asdict(self.meta),
         }
         for name in (
-            "m_token", "m_head_token", "m_context_token", "m_work_token", "m_work_remat_token", "m_work_context_token",
-            "bytes_per_element", "dkv_bytes_per_element", "master_bytes_per_param",
-            "stage_bytes_per_param", "workspace_bytes", "memory_budget", "gpus_per_node", "step_overhead",
-            "attention_block", "sync_bytes_per_param",
+            "m_token",
+            "m_head_token",
+            "m_context_token",
+            "m_work_token",
+            "m_work_remat_token",
+            "m_work_context_token",
+            "bytes_per_element",
+            "dkv_bytes_per_element",
+            "master_bytes_per_param",
+            "stage_bytes_per_param",
+            "workspace_bytes",
+            "memory_budget",
+            "gpus_per_node",
+            "step_overhead",
+            "attention_block",
+            "sync_bytes_per_param",
         ):
             out[name] = getattr(self, name)
         return out
@@ -347,7 +363,9 @@ class CostCoefficients:
         kwargs["per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("per_sp", {}).items()}
         # fields added after the first profiles were saved: absent means "no per-sp override"
         kwargs["recompute_per_sp"] = {int(k): LayerTime(**v) for k, v in data.get("recompute_per_sp", {}).items()}
-        kwargs["head_per_sp"] = {int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("head_per_sp", {}).items()}
+        kwargs["head_per_sp"] = {
+            int(k): (LayerTime(**f), LayerTime(**b)) for k, (f, b) in data.get("head_per_sp", {}).items()
+        }
         kwargs["step_overhead_per_sp"] = {int(k): float(v) for k, v in data.get("step_overhead_per_sp", {}).items()}
         kwargs["alltoall_intra"] = {int(k): link(v) for k, v in data.get("alltoall_intra", {}).items()}
         kwargs["alltoall_inter"] = {int(k): link(v) for k, v in data.get("alltoall_inter", {}).items()}

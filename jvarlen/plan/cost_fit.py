@@ -41,9 +41,7 @@ def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return theta / scale
 
 
-def fit_layer_time(
-    pairs: Sequence[float], tokens: Sequence[float], times: Sequence[float], sp: int = 1
-) -> LayerTime:
+def fit_layer_time(pairs: Sequence[float], tokens: Sequence[float], times: Sequence[float], sp: int = 1) -> LayerTime:
     """Fits ``time ≈ (alpha1·pairs + alpha2·tokens)/sp + beta1`` (Eq. 1, one layer) with θ ≥ 0.
 
     ``pairs`` is ``ChunkShape.attention_pairs`` (the quadratic term (C+s0)² − C² + Σ s²).
@@ -83,7 +81,9 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
     def lt(x: Optional[LayerTime]) -> Optional[LayerTime]:
         if x is None:
             return None
-        return LayerTime(x.alpha1 * s.get("alpha1", 1.0), x.alpha2 * s.get("alpha2", 1.0), x.beta1 * s.get("beta1", 1.0))
+        return LayerTime(
+            x.alpha1 * s.get("alpha1", 1.0), x.alpha2 * s.get("alpha2", 1.0), x.beta1 * s.get("beta1", 1.0)
+        )
 
     def hd(x: Optional[LayerTime]) -> Optional[LayerTime]:
         return None if x is None else x.scaled(s.get("head", 1.0))
@@ -175,7 +175,9 @@ class OnlineRefit:
 
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
-        return simulate(sched, list(chunk_shapes), ckpt_layers, cost, self.mode, validate=schedule is None).iteration_time
+        return simulate(
+            sched, list(chunk_shapes), ckpt_layers, cost, self.mode, validate=schedule is None
+        ).iteration_time
 
     def observe(
         self,
@@ -264,7 +266,9 @@ def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
     return out
 
 
-def fit_layer_programs(rows: Sequence[tuple[int, float, float, float]], sp: int = 1) -> tuple[LayerTime, tuple[float, float]]:
+def fit_layer_programs(
+    rows: Sequence[tuple[int, float, float, float]], sp: int = 1
+) -> tuple[LayerTime, tuple[float, float]]:
     """Joint NNLS fit of whole layer-program times ``t = n·(α1·P/sp + α2·T/sp + β1) + c1·T + c0``
     (InfiniPipe Eq. 1 per layer, with the ``1/N`` of Eq. 1 being the Ulysses degree ``sp``).
 
@@ -309,11 +313,22 @@ def fit_time_terms(report: dict, shape: ModelShape, c0: CostCoefficients, sp: in
     zero = np.zeros(len(tokens))
     head_fwd = fit_layer_time(zero, tokens, [h[1] / div for h in report["head"]], sp)
     head_bwd = fit_layer_time(zero, tokens, [max(h[2] - h[1], 1e-9) / div for h in report["head"]], sp)
-    terms = dict(fwd=fwd, bwd=bwd, recompute=recompute, head_fwd=head_fwd, head_bwd=head_bwd, step_overhead=report["optimizer_s"] / div)
+    terms = dict(
+        fwd=fwd,
+        bwd=bwd,
+        recompute=recompute,
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
+        step_overhead=report["optimizer_s"] / div,
+    )
     chunks = [ChunkShape(ctx, tuple(slices), tail) for (ctx, slices, tail), _ in report["calibration"]]
     measured = [sec / div for _, sec in report["calibration"]]
     s_pairs, bucket_scale, constant = fit_in_situ_scales(shape, c0, sp, terms, chunks, measured)
-    report["in_situ"] = {"pairs_scale": s_pairs, "bucket_token_scale": {str(k): v for k, v in bucket_scale.items()}, "chunk_constant_s": constant}
+    report["in_situ"] = {
+        "pairs_scale": s_pairs,
+        "bucket_token_scale": {str(k): v for k, v in bucket_scale.items()},
+        "chunk_constant_s": constant,
+    }
     for name in ("fwd", "bwd", "recompute"):
         if terms[name] is not None:
             terms[name] = dataclasses.replace(terms[name], alpha1=terms[name].alpha1 * s_pairs)
@@ -327,12 +342,19 @@ def _stage_cost(shape: ModelShape, c0: CostCoefficients, sp: int, terms: dict) -
     if sp == 1:
         trial = c0.replace(**terms)
     else:
-        trial = c0.replace(per_sp={sp: (terms["fwd"], terms["bwd"])}, head_per_sp={sp: (terms["head_fwd"], terms["head_bwd"])})
+        trial = c0.replace(
+            per_sp={sp: (terms["fwd"], terms["bwd"])}, head_per_sp={sp: (terms["head_fwd"], terms["head_bwd"])}
+        )
     return CostModel(shape, Layout(1, 1, sp), trial.replace(bucket_token_scale={}))
 
 
 def fit_in_situ_scales(
-    shape: ModelShape, c0: CostCoefficients, sp: int, terms: dict, chunks: Sequence[ChunkShape], measured: Sequence[float]
+    shape: ModelShape,
+    c0: CostCoefficients,
+    sp: int,
+    terms: dict,
+    chunks: Sequence[ChunkShape],
+    measured: Sequence[float],
 ) -> tuple[float, dict[int, float], float]:
     """Corrects isolated-program coefficients with whole-model chunk steps ``(chunks, measured)``.
 

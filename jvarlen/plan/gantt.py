@@ -64,7 +64,9 @@ def draw_gantt(
     ax.set_ylim(-0.6, pp - 0.4)
     legend = [Patch(color="0.75", label="recompute"), Patch(color="0.25", label="all-to-all")]
     names = list(doc_names) if doc_names is not None else [f"doc {d}" for d in doc_ids]
-    legend += [Patch(color=colour[d], label=names[i] if i < len(names) else f"doc {d}") for i, d in enumerate(doc_ids[:12])]
+    legend += [
+        Patch(color=colour[d], label=names[i] if i < len(names) else f"doc {d}") for i, d in enumerate(doc_ids[:12])
+    ]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     overhead = result.iteration_time - result.makespan
     ax.set_title(

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.checkpointing import CkptSolution, MemoryTable, SolverOptions, build_problem, make_solution, solve
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.units import unit_schedule
 
@@ -153,7 +153,9 @@ def group(
     levels = len(sizes)
     # Quick infeasibility check: the largest families (the longest documents) must each fit alone.
     for fam in by_size[sizes[-1]]:
-        if not solve_unit([fam], shapes, cost, pp, max_layers, options, "greedy" if ckpt_mode == "milp" else ckpt_mode, table).ckpt.feasible:
+        if not solve_unit(
+            [fam], shapes, cost, pp, max_layers, options, "greedy" if ckpt_mode == "milp" else ckpt_mode, table
+        ).ckpt.feasible:
             raise ValueError(f"a document split into {len(fam)} chunks does not fit the memory budget on its own")
     dp = [0.0] + [math.inf] * levels
     back: list[tuple[int, list[Unit]]] = [(0, [])] * (levels + 1)

@@ -172,7 +172,9 @@ def _check_tokens(plan: Plan, lengths: list[int]) -> list[str]:
                 errors.append(f"chunk {k}: piece {(doc, start, length)} names an unknown document")
                 continue
             if length <= 0 or start < 0 or start + length > lengths[doc]:
-                errors.append(f"chunk {k}: piece {(doc, start, length)} is outside document {doc} (length {lengths[doc]})")
+                errors.append(
+                    f"chunk {k}: piece {(doc, start, length)} is outside document {doc} (length {lengths[doc]})"
+                )
                 continue
             if i > 0 and (start != 0 or length != lengths[doc]):
                 errors.append(f"chunk {k}: piece {i} {(doc, start, length)} is a slice; only the first piece may be")

@@ -116,12 +116,12 @@ class Schedule:
             seen_b: dict[int, int] = {}
             for i, op in enumerate(prog):
                 if op.chunk >= n:
-                    raise ScheduleError(f"stage {p}, position {i}: {op} names chunk {op.chunk} but there are {n} chunks")
+                    raise ScheduleError(
+                        f"stage {p}, position {i}: {op} names chunk {op.chunk} but there are {n} chunks"
+                    )
                 seen = seen_f if op.kind == "F" else seen_b
                 if op.chunk in seen:
-                    raise ScheduleError(
-                        f"stage {p}, position {i}: {op} repeats the op at position {seen[op.chunk]}"
-                    )
+                    raise ScheduleError(f"stage {p}, position {i}: {op} repeats the op at position {seen[op.chunk]}")
                 seen[op.chunk] = i
                 if op.kind == "B" and op.chunk not in seen_f:
                     raise ScheduleError(f"stage {p}, position {i}: B{op.chunk} comes before F{op.chunk}")
@@ -258,7 +258,9 @@ def _check_tick_table(table: np.ndarray, sched: Schedule) -> None:
     for (p, op), t in when.items():
         for d in dependencies(sched, p, op):
             if when[d] >= t:
-                raise ScheduleError(f"tick {t}, stage {p}: {op} (chunk {op.chunk}) runs before {d[1]} on stage {d[0]} finished")
+                raise ScheduleError(
+                    f"tick {t}, stage {p}: {op} (chunk {op.chunk}) runs before {d[1]} on stage {d[0]} finished"
+                )
 
 
 # --------------------------------------------------------------------------- builders

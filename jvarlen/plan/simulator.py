@@ -149,7 +149,7 @@ def simulate(
                     progressed = True
             if not progressed:  # validate() rules this out
                 raise RuntimeError("simulator made no progress")
-        for (q, op), (s, e) in list(spans.items()):
+        for (q, op), (_, e) in list(spans.items()):
             dst = q + 1 if op.kind == "F" else q - 1
             if 0 <= dst < pp:
                 events.append(Event(q, "P2P", op.chunk, e, e + p2p(q, dst, op.chunk)))
@@ -185,7 +185,7 @@ def simulate(
     # idle gaps per stage
     for p in range(pp):
         t = start
-        for (s, e) in sorted(v for (q, _), v in spans.items() if q == p):
+        for s, e in sorted(v for (q, _), v in spans.items() if q == p):
             if s > t + 1e-15:
                 events.append(Event(p, "idle", -1, t, s))
             t = max(t, e)

@@ -155,7 +155,9 @@ def measure_memory_case(harness, case: MemoryCase) -> Optional[dict]:
 
     if case.head:
         batch = harness.chunk_inputs(case.chunk)
-        return program_memory(harness.chunk_step_program(case.remat), harness.params, harness.zeros_like_params(), batch)
+        return program_memory(
+            harness.chunk_step_program(case.remat), harness.params, harness.zeros_like_params(), batch
+        )
     batch = harness.layer_inputs(case.chunk)
     return program_memory(harness.layers_program(case.layers, "fwdbwd", case.remat), harness.params, batch)
 

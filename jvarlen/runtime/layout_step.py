@@ -12,7 +12,8 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
@@ -67,8 +68,9 @@ def make_layout_step(graphdef, optimizer, placement: Placement, layout: Layout, 
     )
 
 
-def layout_loss_and_grads(graphdef, params, params_sharding, batch: dict, mesh: Mesh, *,
-                          attention: str = "auto", compute_dtype: str = "auto"):
+def layout_loss_and_grads(
+    graphdef, params, params_sharding, batch: dict, mesh: Mesh, *, attention: str = "auto", compute_dtype: str = "auto"
+):
     """(loss sums, canonical grads) of ``batch`` computed in the layout of ``mesh``."""
     dtype = resolve_compute_dtype(compute_dtype)
     attention_fn = ulysses_attention_fn(mesh, attention)

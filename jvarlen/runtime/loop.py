@@ -110,8 +110,23 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     log_cfg = config.logging if main else dataclasses.replace(config.logging, tensorboard=False)
     logger = MetricsLogger(run_dir, log_cfg, total_steps=total, initial_step=start, show_progress=not quiet)
     note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
-    return Run(config, main, say, note, run_dir, pipeline, graphdef, optimizer, placement, state, checkpointer,
-               logger, start, end, lr_at)
+    return Run(
+        config,
+        main,
+        say,
+        note,
+        run_dir,
+        pipeline,
+        graphdef,
+        optimizer,
+        placement,
+        state,
+        checkpointer,
+        logger,
+        start,
+        end,
+        lr_at,
+    )
 
 
 def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float, state) -> TrainResult:
@@ -209,17 +224,21 @@ def train(
             record = step_record(metrics, dt, float(lr_at(step)))
             losses.append(record["loss"])
             tokens_seen += record["real_tokens"]
-            record.update({
-                "padding_ratio": float(batch.padding_ratio),
-                "dp": layout.dp,
-                "sp": layout.sp,
-                "compile_s": compile_s,
-                "step_cache_hits": cache.stats.hits,
-                "step_cache_misses": cache.stats.misses,
-            })
+            record.update(
+                {
+                    "padding_ratio": float(batch.padding_ratio),
+                    "dp": layout.dp,
+                    "sp": layout.sp,
+                    "compile_s": compile_s,
+                    "step_cache_hits": cache.stats.hits,
+                    "step_cache_misses": cache.stats.misses,
+                }
+            )
             if step_time_check is not None and compile_s == 0.0:
                 record.update(step_time_check.observe(arrays["segment_ids"], layout, dt))
-            run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
+            run.end_step(
+                step, record, state, {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            )
         checkpointer.wait()
     finally:
         run.close()

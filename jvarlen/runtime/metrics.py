@@ -14,7 +14,9 @@ from jvarlen.config import LoggingConfig
 class MetricsLogger:
     """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` and to TensorBoard."""
 
-    def __init__(self, run_dir: str, cfg: LoggingConfig, *, total_steps: int, initial_step: int = 0, show_progress: bool = True):
+    def __init__(
+        self, run_dir: str, cfg: LoggingConfig, *, total_steps: int, initial_step: int = 0, show_progress: bool = True
+    ):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8")
         self._writer = None

@@ -40,23 +40,31 @@ def pipeline_layout(config: Config, num_devices: int) -> Layout:
     """(dp, pp, sp) over all devices; dp defaults to the devices left by pp and sp."""
     par = resolve_pipeline_stages(config, num_devices).parallel
     if par.chooses_dp_layouts:
-        raise ConfigError("parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; "
-                          "the pipeline path (parallel.pp > 1) uses the fixed (dp, pp, sp)")
+        raise ConfigError(
+            "parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; "
+            "the pipeline path (parallel.pp > 1) uses the fixed (dp, pp, sp)"
+        )
     if num_devices % (par.pp * par.sp):
         raise ConfigError(f"parallel.pp * parallel.sp = {par.pp * par.sp} must divide the {num_devices} devices")
     dp = par.dp if par.dp is not None else num_devices // (par.pp * par.sp)
     layout = Layout(dp=dp, pp=par.pp, sp=par.sp)
     if layout.num_devices != num_devices:
-        raise ConfigError(f"{layout} uses {layout.num_devices} devices, but there are {num_devices}: "
-                          "set parallel.dp to devices / (pp * sp) or leave it unset")
+        raise ConfigError(
+            f"{layout} uses {layout.num_devices} devices, but there are {num_devices}: "
+            "set parallel.dp to devices / (pp * sp) or leave it unset"
+        )
     if config.model.num_layers % par.pp:
         raise ConfigError(f"model.num_layers ({config.model.num_layers}) must be divisible by parallel.pp ({par.pp})")
     if config.model.num_heads % par.sp or config.model.num_kv_heads % par.sp:
-        raise ConfigError(f"model.num_heads ({config.model.num_heads}) and model.num_kv_heads "
-                          f"({config.model.num_kv_heads}) must be divisible by parallel.sp ({par.sp})")
+        raise ConfigError(
+            f"model.num_heads ({config.model.num_heads}) and model.num_kv_heads "
+            f"({config.model.num_kv_heads}) must be divisible by parallel.sp ({par.sp})"
+        )
     if config.data.rows_per_batch % dp:
-        raise ConfigError(f"data.tokens_per_batch / data.seq_len = {config.data.rows_per_batch} rows must be "
-                          f"divisible by dp = {dp}: each pipeline plans the documents of its rows")
+        raise ConfigError(
+            f"data.tokens_per_batch / data.seq_len = {config.data.rows_per_batch} rows must be "
+            f"divisible by dp = {dp}: each pipeline plans the documents of its rows"
+        )
     return layout
 
 
@@ -66,7 +74,9 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
     shape = ModelShape.from_config(config.model)
     path = find_profile(config)
     if path is None and config.train.cost_profile != "none":
-        shipped = [f for f in sorted(os.listdir(PACKAGE_PROFILES)) if f.endswith(f"__{jax.default_backend()}__cpu.json")]
+        shipped = [
+            f for f in sorted(os.listdir(PACKAGE_PROFILES)) if f.endswith(f"__{jax.default_backend()}__cpu.json")
+        ]
         if shipped:  # another shape's coefficients: plans are valid, predicted times are approximate
             path = os.path.join(PACKAGE_PROFILES, shipped[0])
             say(f"[jvarlen] planner: no profile for {shape.key()}; using the shipped {shipped[0]}")
@@ -91,17 +101,40 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
     run.state = None
     cost = cost_model(config, layout, say)
     # candidates are simulated in the executor's own lock-step execution model
-    options = PlannerOptions(min_slice_tokens=config.parallel.plan_min_slice_tokens, solver=SOLVER, simulation="ticks",
-                             gpipe_units=config.parallel.plan_gpipe_units)
-    runner = PipelineRunner(run.graphdef, config.model, run.optimizer, state, chunk_multiple=4, say=note,
-                            residual_policy=None if kept == "all" else kept)
-    say(f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
-        "chunks padded to buckets in quarter steps of a power of two")
+    options = PlannerOptions(
+        min_slice_tokens=config.parallel.plan_min_slice_tokens,
+        solver=SOLVER,
+        simulation="ticks",
+        gpipe_units=config.parallel.plan_gpipe_units,
+    )
+    runner = PipelineRunner(
+        run.graphdef,
+        config.model,
+        run.optimizer,
+        state,
+        chunk_multiple=4,
+        say=note,
+        residual_policy=None if kept == "all" else kept,
+    )
+    say(
+        f"[jvarlen] elastic pipeline: {layout}, policy {config.parallel.plan_policy}, "
+        "chunks padded to buckets in quarter steps of a power of two"
+    )
     # Every process plans its own copy of the iteration; only solved plans (no timing-dependent
     # fallbacks) are guaranteed to be the same on all of them, so multi-process runs wait.
     wait = config.parallel.plan_wait or jax.process_count() > 1
-    feed = PlanFeed(pipeline, layout, cost, config.parallel.plan_policy, options, run.start, run.end,
-                    ahead=config.parallel.plan_ahead, wait=wait, say=note)
+    feed = PlanFeed(
+        pipeline,
+        layout,
+        cost,
+        config.parallel.plan_policy,
+        options,
+        run.start,
+        run.end,
+        ahead=config.parallel.plan_ahead,
+        wait=wait,
+        say=note,
+    )
     step_time_check = StepTimeCheck.from_config(config, note)
     losses: list[float] = []
     tokens_seen, t_start = 0.0, time.perf_counter()
@@ -121,24 +154,31 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
             record = step_record(metrics, dt, float(run.lr_at(step)))
             losses.append(record["loss"])
             tokens_seen += record["real_tokens"]
-            record.update({
-                "documents": sum(len(g) for g in it.groups),
-                "longest_document": max(len(d) for g in it.groups for d in g),
-                "plan_s": it.plan_s,
-                "plan_fallbacks": it.fallbacks,
-                "dp": layout.dp,
-                "pp": layout.pp,
-                "sp": layout.sp,
-                "compiled": runner.cache.misses > misses,
-                "step_cache_misses": runner.cache.misses,
-                "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
-                **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
-            })
+            record.update(
+                {
+                    "documents": sum(len(g) for g in it.groups),
+                    "longest_document": max(len(d) for g in it.groups for d in g),
+                    "plan_s": it.plan_s,
+                    "plan_fallbacks": it.fallbacks,
+                    "dp": layout.dp,
+                    "pp": layout.pp,
+                    "sp": layout.sp,
+                    "compiled": runner.cache.misses > misses,
+                    "step_cache_misses": runner.cache.misses,
+                    "layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist(),
+                    **{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in info.as_dict().items()},
+                }
+            )
             if step_time_check is not None and not record["compiled"]:
                 record["pipeline_s"] = run_s
                 record.update(step_time_check.observe_plans(it.plans, run_s))
-            run.end_step(step, record, state, {"loss": f"{record['loss']:.3f}", "chunks": info.chunks,
-                                               "split": info.split_documents}, data_state=it.data_state)
+            run.end_step(
+                step,
+                record,
+                state,
+                {"loss": f"{record['loss']:.3f}", "chunks": info.chunks, "split": info.split_documents},
+                data_state=it.data_state,
+            )
         checkpointer.wait()
     finally:
         feed.close()

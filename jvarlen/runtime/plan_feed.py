@@ -49,9 +49,21 @@ class Iteration:
 class PlanFeed:
     """Yields :class:`Iteration` s for steps ``start, start + 1, ..., end - 1`` in order."""
 
-    def __init__(self, pipeline, layout: Layout, cost: CostModel, policy: str, options: PlannerOptions,
-                 start: int, end: int, *, ahead: int = 2, wait: bool = False,
-                 service: Optional[PlanningService] = None, say: Callable[[str], None] = lambda _: None):
+    def __init__(
+        self,
+        pipeline,
+        layout: Layout,
+        cost: CostModel,
+        policy: str,
+        options: PlannerOptions,
+        start: int,
+        end: int,
+        *,
+        ahead: int = 2,
+        wait: bool = False,
+        service: Optional[PlanningService] = None,
+        say: Callable[[str], None] = lambda _: None,
+    ):
         self.pipeline, self.layout, self.cost = pipeline, layout, cost
         self.policy, self.options, self.wait, self.say = policy, options, wait, say
         self.next_step, self.end, self.ahead = start, end, ahead

@@ -42,11 +42,12 @@ import numpy as np
 from flax import nnx
 
 from jvarlen.config import ModelConfig, OptimizerConfig
+from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, build_model, cross_entropy_sums, make_attention_fn
 from jvarlen.model.transformer import apply_stacked_layers
-from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, LayerTime, ModelShape, ProfileMeta
+
 # the fits live in cost_fit (pure numpy); re-exported here for the profiler's callers
 from jvarlen.plan.cost_fit import fit_layer_programs, fit_memory, fit_time_terms  # noqa: F401
 from jvarlen.plan.cost_fit import parse_chunk as _parse_chunk  # noqa: F401
@@ -81,7 +82,6 @@ def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1, clock: Opt
 
 
 from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS  # noqa: E402,F401  (re-exported)
-
 
 TOKEN_BUCKETS = (256, 512, 1024, 2048)
 CONTEXT_BUCKETS = (0, 2048, 6144)
@@ -146,7 +146,9 @@ class ChunkHarness:
             from jvarlen.parallel.layouts import layout_mesh
 
             if len(jax.devices()) < sp:
-                raise ValueError(f"sp={sp} needs {sp} devices, have {len(jax.devices())} (set XLA_FLAGS=--xla_force_host_platform_device_count)")
+                raise ValueError(
+                    f"sp={sp} needs {sp} devices, have {len(jax.devices())} (set XLA_FLAGS=--xla_force_host_platform_device_count)"
+                )
             self.mesh = layout_mesh(Layout(1, 1, sp), jax.devices()[:sp])
         self.token_buckets = tuple(token_buckets)
         self.context_buckets = tuple(context_buckets)
@@ -154,7 +156,9 @@ class ChunkHarness:
         self.model = build_model(cfg, seed=seed)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)
         if self.mesh is not None:
-            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            self.params = jax.device_put(
+                self.params, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            )
         self.dtype = jnp.dtype(self.model.compute_dtype)
         self.attention_impl = cfg.attention
         self._cache: dict = {}
@@ -182,7 +186,8 @@ class ChunkHarness:
         """With sp > 1 every per-token array is split over ``sp`` along its token axis (1)."""
         if self.mesh is None:
             return batch
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from jvarlen.parallel.layouts import SP
 
@@ -225,7 +230,7 @@ class ChunkHarness:
         parts = [(0, remat_layers, True), (remat_layers, n_layers, False)]
         for lo, hi, remat in parts:
             if hi > lo:
-                part = jax.tree.map(lambda a: a[lo:hi], stacked)
+                part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
                 x = apply_stacked_layers(gdef, part, x, inputs, attn, compute_dtype=self.dtype, remat=remat)
         return x
 
@@ -236,7 +241,9 @@ class ChunkHarness:
         (the first ones), False none."""
         n_remat = n_layers if remat is True else int(remat)
         if not 0 <= n_remat <= n_layers <= self.cfg.num_layers:
-            raise ValueError(f"need 0 <= remat ({n_remat}) <= n_layers ({n_layers}) <= num_layers ({self.cfg.num_layers})")
+            raise ValueError(
+                f"need 0 <= remat ({n_remat}) <= n_layers ({n_layers}) <= num_layers ({self.cfg.num_layers})"
+            )
         key = ("layers", n_layers, mode, n_remat)
         if key in self._cache:
             return self._cache[key]
@@ -295,7 +302,9 @@ class ChunkHarness:
             return sums["loss_sum"] / jnp.maximum(sums["target_tokens"], 1.0)
 
         def step(params, acc, batch):
-            value, (g, _, _) = jax.value_and_grad(loss, argnums=(0, 1, 2))(params, batch["ctx_k"], batch["ctx_v"], batch)
+            value, (g, _, _) = jax.value_and_grad(loss, argnums=(0, 1, 2))(
+                params, batch["ctx_k"], batch["ctx_v"], batch
+            )
             return jax.tree.map(jnp.add, acc, g), value
 
         fn = jax.jit(step, donate_argnums=1)
@@ -430,10 +439,16 @@ def profile_layers(harness: ChunkHarness, grid: ProfileGrid, progress: Optional[
             batch = harness.layer_inputs(chunk)
             t = {}
             for nl in (lo, hi):
-                t[("fwd", nl)] = time_call(harness.layers_program(nl, "fwd", False), harness.params, batch, repeats=grid.repeats)
-                t[("fb", nl)] = time_call(harness.layers_program(nl, "fwdbwd", False), harness.params, batch, repeats=grid.repeats)
+                t[("fwd", nl)] = time_call(
+                    harness.layers_program(nl, "fwd", False), harness.params, batch, repeats=grid.repeats
+                )
+                t[("fb", nl)] = time_call(
+                    harness.layers_program(nl, "fwdbwd", False), harness.params, batch, repeats=grid.repeats
+                )
                 if remat:
-                    t[("fbr", nl)] = time_call(harness.layers_program(nl, "fwdbwd", True), harness.params, batch, repeats=grid.repeats)
+                    t[("fbr", nl)] = time_call(
+                        harness.layers_program(nl, "fwdbwd", True), harness.params, batch, repeats=grid.repeats
+                    )
             f = t[("fwd", hi)] - t[("fwd", lo)]
             fb = t[("fb", hi)] - t[("fb", lo)]
             chunks.append(chunk)
@@ -492,13 +507,16 @@ def measure_memory(harness: ChunkHarness, tokens: Sequence[int], progress: Optio
     return rows
 
 
-def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim: int, dtype, repeats: int = 5) -> list[list[float]]:
+def measure_alltoall(
+    sp: int, token_counts: Sequence[int], heads: int, head_dim: int, dtype, repeats: int = 5
+) -> list[list[float]]:
     """Times the Ulysses all-to-all ``[1, T/sp, H, hd] -> [1, T, H/sp, hd]`` (``seq_to_heads``) on
     ``sp`` devices alone. Rows ``[bytes each device sends, seconds per device]``; a device sends
     ``(sp−1)/sp`` of its ``e·T/sp·H·hd`` bytes. Seconds per device = clock time / ``sp`` on the CPU
     backend, whose fake devices are threads of one process timed by process CPU time
     (:func:`default_clock`); elsewhere the clock is wall time and is not divided."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jvarlen.parallel.layouts import SP, layout_mesh
     from jvarlen.parallel.ulysses import seq_to_heads
@@ -516,7 +534,9 @@ def measure_alltoall(sp: int, token_counts: Sequence[int], heads: int, head_dim:
     return rows
 
 
-def measure_calibration(harness: ChunkHarness, chunks: Sequence[ChunkShape], repeats: int = 5, progress: Optional[Callable] = None) -> list:
+def measure_calibration(
+    harness: ChunkHarness, chunks: Sequence[ChunkShape], repeats: int = 5, progress: Optional[Callable] = None
+) -> list:
     """Raw clock readings of whole-model chunk steps (embedding, layers, head, loss, backward,
     gradient accumulation; no recomputation): rows ``[[context, slices, tail], seconds]``, the
     minimum over ``repeats`` rounds. Each round times every chunk once, so the repeats of one chunk
@@ -545,7 +565,9 @@ def measure_calibration(harness: ChunkHarness, chunks: Sequence[ChunkShape], rep
     return [[[c.context, list(c.slices), c.tail], t] for c, t in zip(chunks, best)]
 
 
-def measure_profile(harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None) -> dict:
+def measure_profile(
+    harness: ChunkHarness, grid: ProfileGrid = ProfileGrid(), progress: Optional[Callable] = None
+) -> dict:
     """All measurements of a profile as a JSON-able report (no fitting). Raw clock readings; with
     ``harness.sp > 1`` the report's ``clock_divisor`` turns them into per-device seconds, and memory
     is not measured (the memory coefficients come from the sp = 1 programs)."""
@@ -738,7 +760,9 @@ def run_profiler(cfg) -> str:
             report = json.load(f)
         if cfg.recalibrate:
             for sp, sub in [(1, report)] + [(int(k), v) for k, v in sorted(report.get("sp_reports", {}).items())]:
-                harness = ChunkHarness(model_cfg, token_buckets=sub["token_buckets"], context_buckets=sub["context_buckets"], sp=sp)
+                harness = ChunkHarness(
+                    model_cfg, token_buckets=sub["token_buckets"], context_buckets=sub["context_buckets"], sp=sp
+                )
                 with tqdm(total=cfg.repeats, desc=f"calibrating sp={sp}", unit="round") as bar:
                     sub["calibration"] = measure_calibration(
                         harness, ProfileGrid().calibration, cfg.repeats, progress=lambda done, total: bar.update(1)
@@ -747,14 +771,18 @@ def run_profiler(cfg) -> str:
         report = measure(1, ProfileGrid(repeats=cfg.repeats))
     for sp in sorted(set(cfg.sp) - {1}):
         if str(sp) not in report.get("sp_reports", {}):
-            report.setdefault("sp_reports", {})[str(sp)] = measure(sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats))
+            report.setdefault("sp_reports", {})[str(sp)] = measure(
+                sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats)
+            )
     _fit_and_save(report, model_cfg, path)
     with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return path
 
 
-def refit_profile(report_path: str, model_cfg: ModelConfig, out_path: str, base: Optional[CostCoefficients] = None) -> CostCoefficients:
+def refit_profile(
+    report_path: str, model_cfg: ModelConfig, out_path: str, base: Optional[CostCoefficients] = None
+) -> CostCoefficients:
     """Re-fits a profile from a saved report (``*.report.json``) without measuring again."""
     import json
 
@@ -763,7 +791,9 @@ def refit_profile(report_path: str, model_cfg: ModelConfig, out_path: str, base:
     return _fit_and_save(report, model_cfg, out_path, base)
 
 
-def _fit_and_save(report: dict, model_cfg: ModelConfig, path: str, base: Optional[CostCoefficients] = None) -> CostCoefficients:
+def _fit_and_save(
+    report: dict, model_cfg: ModelConfig, path: str, base: Optional[CostCoefficients] = None
+) -> CostCoefficients:
     """:func:`fit_profile` with :func:`profile_meta`, saved as the profile JSON ``path``."""
     shape = ModelShape.from_config(model_cfg)
     coeffs = fit_profile(report, shape, base or _default_base(model_cfg))

@@ -54,8 +54,14 @@ class StepCache:
     what each new entry is lowered and compiled for.
     """
 
-    def __init__(self, build: Callable[[Layout], Callable], abstract_state, *,
-                 batch_sharding: Callable[[Layout], object], say: Callable[[str], None] = log.info):
+    def __init__(
+        self,
+        build: Callable[[Layout], Callable],
+        abstract_state,
+        *,
+        batch_sharding: Callable[[Layout], object],
+        say: Callable[[str], None] = log.info,
+    ):
         self._build = build
         self._abstract_state = abstract_state
         self._batch_sharding = batch_sharding
@@ -77,9 +83,7 @@ class StepCache:
             return compiled
         t0 = time.perf_counter()
         sharding = self._batch_sharding(layout)
-        abstract_batch = {
-            k: jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for k, v in batch.items()
-        }
+        abstract_batch = {k: jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for k, v in batch.items()}
         compiled = self._build(layout).lower(self._abstract_state, abstract_batch).compile()
         dt = time.perf_counter() - t0
         self._compiled[key] = compiled
@@ -88,6 +92,8 @@ class StepCache:
         self.stats.last_compile_s = dt
         name = "tokens" if "tokens" in batch else next(iter(batch))
         shapes = f"{name}{list(np.shape(batch[name]))}"
-        self._say(f"[jvarlen] step cache miss: {layout} batch {shapes}: compiled in {dt:.1f} s "
-                  f"({self.stats.misses} compiled, {self.stats.hits} hits)")
+        self._say(
+            f"[jvarlen] step cache miss: {layout} batch {shapes}: compiled in {dt:.1f} s "
+            f"({self.stats.misses} compiled, {self.stats.hits} hits)"
+        )
         return compiled
