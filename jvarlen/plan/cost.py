@@ -443,7 +443,12 @@ class CostModel:
     stage is both first and last.
     """
 
-    def __init__(self, model: ModelShape, layout: Layout, coeffs: CostCoefficients):
+    def __init__(
+        self, model: ModelShape, layout: Layout, coeffs: CostCoefficients, state_devices: Optional[int] = None
+    ):
+        """``state_devices``: the devices the fp32 master parameters and optimizer moments are sharded
+        over (the canonical state of the whole run); default the layout's. A device group of a
+        heterogeneous strategy runs on fewer devices than hold the state."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -451,14 +456,19 @@ class CostModel:
         self.model = model
         self.layout = layout
         self.coeffs = coeffs
+        self.state_devices = layout.num_devices if state_devices is None else int(state_devices)
+        if self.state_devices < layout.num_devices:
+            raise ValueError(
+                f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices} devices"
+            )
         self.layers_per_stage = model.num_layers // layout.pp
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
         self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
         self._recompute = coeffs.recompute_times(layout.sp)
         self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
 
-    def with_layout(self, layout: Layout) -> "CostModel":
-        return CostModel(self.model, layout, self.coeffs)
+    def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
+        return CostModel(self.model, layout, self.coeffs, state_devices)
 
     def _is_last(self, stage: Optional[int]) -> bool:
         return stage is not None and stage == self.layout.pp - 1
@@ -617,7 +627,7 @@ class CostModel:
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
-        sharded = c.master_bytes_per_param * m.param_count / self.layout.num_devices
+        sharded = c.master_bytes_per_param * m.param_count / self.state_devices
         local = c.stage_bytes_per_param * m.stage_params(stage, self.layout.pp)
         return sharded + local + c.workspace_bytes
 
