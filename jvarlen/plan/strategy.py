@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -398,6 +398,49 @@ def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]
     return [int(lengths[d]) for d in documents]
 
 
+# ---- policies that return a StrategyPlan ------------------------------------------------------------
+
+StrategyPolicy = Callable[[Sequence[int], SchemeCosts, Any], StrategyPlan]
+_POLICIES: dict[str, tuple[StrategyPolicy, type]] = {}
+_POLICY_MODULES = ("jvarlen.plan.hydraulis", "jvarlen.plan.flexsp", "jvarlen.plan.dcp")
+
+
+def register_policy(name: str, options_type: type):
+    """Decorator: ``@register_policy("flexsp", FlexSPOptions)`` on ``plan(lengths, costs, options) ->
+    StrategyPlan``. ``options_type`` is a frozen dataclass whose defaults are the policy's defaults.
+
+    A policy must be a pure function of its arguments (seeded randomness only): every process of a
+    multi-process run and a resumed run must plan the same iteration identically."""
+
+    def wrap(fn: StrategyPolicy) -> StrategyPolicy:
+        _POLICIES[name] = (fn, options_type)
+        return fn
+
+    return wrap
+
+
+def strategy_policies() -> dict[str, tuple[StrategyPolicy, type]]:
+    """``{name: (plan function, options type)}`` of every strategy policy (importing their modules)."""
+    import importlib
+
+    for module in _POLICY_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+    return dict(_POLICIES)
+
+
+def plan_strategy(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: Any = None) -> StrategyPlan:
+    """Plans one iteration of ``lengths`` with the strategy policy ``policy`` (default options when None)."""
+    policies = strategy_policies()
+    if policy not in policies:
+        raise ValueError(f"unknown strategy policy {policy!r}; choose one of {', '.join(sorted(policies))}")
+    fn, options_type = policies[policy]
+    return fn([int(x) for x in lengths], costs, options_type() if options is None else options)
+
+
 def load_any(path: str | os.PathLike):
     """A :class:`Plan` or :class:`StrategyPlan` from a JSON file written by either."""
     with open(path) as f:
@@ -415,5 +458,8 @@ __all__ = [
     "group_lengths",
     "load_any",
     "place_groups",
+    "plan_strategy",
     "predicted_time",
+    "register_policy",
+    "strategy_policies",
 ]
