@@ -18,6 +18,8 @@ from jvarlen.runtime.pipeline_loop import pipeline_layout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "epp-cpu.yaml")
 PLAN_FIELDS = (
+    "pieces",
+    "documents",
     "chunks",
     "split_documents",
     "bucket",
@@ -58,6 +60,7 @@ def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path)
         assert all(field in r for field in PLAN_FIELDS), sorted(r)
         assert np.isfinite(r["loss"]) and r["real_tokens"] > 0 and (r["dp"], r["pp"], r["sp"]) == (2, 2, 2)
         assert r["chunks"] >= 2 * r["pp"] and r["step_seconds"] > 0 and r["step_time_s"] >= r["step_seconds"]
+        assert 1 <= r["documents"] <= r["pieces"]  # pieces of one corpus document count once
         assert 0 < r["predicted_bubble_ratio"] < 1 and r["predicted_iteration_time_s"] > 0
         assert r["predicted_peak_memory_bytes"] > 0
         # every stage ran at least one forward of each of its 2 layers per chunk of both pipelines

@@ -18,11 +18,9 @@ OPTS = deterministic_options(PlannerOptions(n_candidates=2))
 LAYOUT = Layout(dp=2, pp=2, sp=1)
 
 
-def _pipeline(tmp_path):
+def _pipeline(cache):
     # a stdlib subset: real long-tailed lengths, pieces up to 1024 tokens, 4 rows per batch
-    config = DataConfig(
-        source="stdlib", max_documents=40, seq_len=1024, tokens_per_batch=4096, cache_dir=str(tmp_path / "cache")
-    )
+    config = DataConfig(source="stdlib", max_documents=40, seq_len=1024, tokens_per_batch=4096, cache_dir=str(cache))
     return DataPipeline(config, vocab_size=320)
 
 
@@ -39,11 +37,11 @@ def _drain(feed, steps):
     return out
 
 
-def test_background_plans_equal_inline_plans_and_states_follow_the_step(tmp_path):
+def test_background_plans_equal_inline_plans_and_states_follow_the_step(corpus_cache):
     cost = small_cost(pp=2, sp=1)
-    inline = _drain(PlanFeed(_pipeline(tmp_path), LAYOUT, cost, "epp", OPTS, 0, 4, ahead=0), 4)
-    ahead = _drain(PlanFeed(_pipeline(tmp_path), LAYOUT, cost, "epp", OPTS, 0, 4, ahead=2, wait=True), 4)
-    reference = _pipeline(tmp_path)
+    inline = _drain(PlanFeed(_pipeline(corpus_cache), LAYOUT, cost, "epp", OPTS, 0, 4, ahead=0), 4)
+    ahead = _drain(PlanFeed(_pipeline(corpus_cache), LAYOUT, cost, "epp", OPTS, 0, 4, ahead=2, wait=True), 4)
+    reference = _pipeline(corpus_cache)
     for a, b in zip(inline, ahead):
         assert a.step == b.step and b.fallbacks == 0 and len(b.plans) == LAYOUT.dp
         assert [_strip(p) for p in a.plans] == [_strip(p) for p in b.plans]
@@ -52,19 +50,21 @@ def test_background_plans_equal_inline_plans_and_states_follow_the_step(tmp_path
         # background feed had already sampled up to two iterations further
         assert a.data_state == b.data_state == reference.state()
     with pytest.raises(StopIteration):
-        PlanFeed(_pipeline(tmp_path), LAYOUT, cost, "epp", OPTS, 3, 3, ahead=0).next()
+        PlanFeed(_pipeline(corpus_cache), LAYOUT, cost, "epp", OPTS, 3, 3, ahead=0).next()
 
 
-def test_late_solver_gives_logged_fallback_plans_after_the_first_iteration(tmp_path):
+def test_late_solver_gives_logged_fallback_plans_after_the_first_iteration(corpus_cache):
     cost = small_cost(pp=2, sp=1)
     said = []
     with PlanningService(cost, "epp", OPTS, delay_s=2.0) as slow:
-        feed = PlanFeed(_pipeline(tmp_path), LAYOUT, cost, "epp", OPTS, 0, 3, ahead=1, service=slow, say=said.append)
+        feed = PlanFeed(
+            _pipeline(corpus_cache), LAYOUT, cost, "epp", OPTS, 0, 3, ahead=1, service=slow, say=said.append
+        )
         first, second = feed.next(), feed.next()
     assert first.fallbacks == 0 and first.plan_s >= 2.0  # the first iteration waits for the solver
     assert second.fallbacks == LAYOUT.dp and second.plan_s < 2.0  # later ones never do
     assert all(p.stats["service_source"] == "fallback:late" for p in second.plans)
     assert sum("late" in line for line in said) == LAYOUT.dp
-    lengths = [[len(d) for d in docs] for docs in second.groups]
+    lengths = [[len(d.tokens) for d in docs] for docs in second.groups]
     for plan, lens in zip(second.plans, lengths):
         plan.validate(lens)

@@ -63,7 +63,8 @@ class DataPipeline:
         """Epoch of the next batch."""
         return self.sampler.epoch
 
-    def _piece(self, p: int) -> Piece:
+    def piece(self, p: int) -> Piece:
+        """Piece ``p`` of the piece table: its tokens, corpus document and the token that follows it."""
         doc, start, n = int(self.pieces.doc[p]), int(self.pieces.start[p]), int(self.pieces.length[p])
         tokens = self.corpus.document(doc)
         next_token = int(tokens[start + n]) if self.pieces.has_next[p] else -1
@@ -73,7 +74,7 @@ class DataPipeline:
         """The next global batch, arrays ``[rows_per_batch, seq_len]``."""
         sample = self.sampler.next()
         self.last_sample = sample
-        return pack([self._piece(int(p)) for p in sample.piece_ids], self.rows, self.seq_len, sample.rows)
+        return pack([self.piece(int(p)) for p in sample.piece_ids], self.rows, self.seq_len, sample.rows)
 
     def __iter__(self) -> Iterator[PackedBatch]:
         while True:
@@ -105,7 +106,8 @@ class DataPipeline:
         median, p99 = np.percentile(lengths, [50, 99])
         cache = "cached" if c.cache_hit else "tokenized"
         return (
-            f"{c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped), "
+            f"{c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped"
+            f"{f', {len(c.skipped_binary)} binary files skipped' if c.skipped_binary else ''}), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
             f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
             f"{cache} in {self.load_seconds:.2f}s"

@@ -62,15 +62,27 @@ def chunk_links(chunks: Sequence[Sequence[tuple[int, int, int]]]) -> list[int]:
     return prev
 
 
+def document_tokens(document) -> tuple[np.ndarray, int]:
+    """(tokens, next_token) of a planned document: a token array (``next_token = -1``), or a
+    :class:`jvarlen.data.packer.Piece` of a longer corpus document whose ``next_token`` is the
+    target of its last token (-1: the document ends there)."""
+    if hasattr(document, "next_token"):
+        return np.asarray(document.tokens), int(document.next_token)
+    return np.asarray(document), -1
+
+
 def pack_chunks(
     chunks: Sequence[Sequence[tuple[int, int, int]]],
-    documents: Sequence[np.ndarray],
+    documents: Sequence,
     bucket: int,
 ) -> PackedChunks:
     """Lays out each chunk's pieces in a ``bucket``-token row.
 
-    Targets are the next token of the same document; ``loss_mask`` is 0 on a document's
-    last token and on padding, so every token of every document is a target at most once.
+    ``documents[d]``: token array or :class:`~jvarlen.data.packer.Piece` (see
+    :func:`document_tokens`). Targets are the next token of the same document; the last
+    token's target is the piece's ``next_token`` when it has one (a corpus document cut into
+    pieces by ``data.max_doc_tokens``), else it has none (``loss_mask`` 0, as on padding). So a
+    corpus document of n tokens contributes exactly n - 1 targets however it is split.
     """
     n = len(chunks)
     arrays = {key: np.zeros((n, bucket), np.int32) for key in CHUNK_KEYS}
@@ -82,7 +94,7 @@ def pack_chunks(
             raise ValueError(f"chunk {k} holds {used} tokens, more than the bucket of {bucket}")
         off = 0
         for i, (d, s, length) in enumerate(pieces):
-            doc = np.asarray(documents[d])
+            doc, next_token = document_tokens(documents[d])
             if s < 0 or length <= 0 or s + length > len(doc):
                 raise ValueError(f"chunk {k}: piece {(d, s, length)} is outside document {d} of {len(doc)} tokens")
             if i > 0 and (s > 0 or s + length < len(doc)):
@@ -94,13 +106,16 @@ def pack_chunks(
             nxt = np.arange(s + 1, s + length + 1)
             valid = nxt < len(doc)
             arrays["targets"][k, sl] = np.where(valid, doc[np.minimum(nxt, len(doc) - 1)], 0)
+            if s + length == len(doc) and next_token >= 0:  # the piece continues in the corpus
+                arrays["targets"][k, off + length - 1] = next_token
+                valid[-1] = True
             arrays["loss_mask"][k, sl] = valid
             off += length
         if not pieces:
             continue
         d0, s0, l0 = pieces[0]
         ctx_len[k] = s0
-        has_next[k] = int(s0 + l0 < len(documents[d0]))
+        has_next[k] = int(s0 + l0 < len(document_tokens(documents[d0])[0]))
         if has_next[k] and len(pieces) > 1:
             raise ValueError(f"chunk {k}: a slice that is continued later must be alone in its chunk")
     return PackedChunks(arrays, ctx_len, has_next, tuple(chunk_links(chunks)))

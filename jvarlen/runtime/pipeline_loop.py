@@ -156,8 +156,9 @@ def train_pipeline(config: Config, *, quiet: bool = False, stop_after: Optional[
             tokens_seen += record["real_tokens"]
             record.update(
                 {
-                    "documents": sum(len(g) for g in it.groups),
-                    "longest_document": max(len(d) for g in it.groups for d in g),
+                    "pieces": sum(len(g) for g in it.groups),
+                    "documents": len({p.doc_id for g in it.groups for p in g}),
+                    "longest_piece": max(len(p.tokens) for g in it.groups for p in g),
                     "plan_s": it.plan_s,
                     "plan_fallbacks": it.fallbacks,
                     "dp": layout.dp,

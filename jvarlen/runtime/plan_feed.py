@@ -18,8 +18,7 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-import numpy as np
-
+from jvarlen.data.packer import Piece
 from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.cost import CostModel
@@ -27,19 +26,20 @@ from jvarlen.plan.plan import Plan
 from jvarlen.plan.service import PlanningService
 
 
-def group_documents(pipeline, sample, dp: int) -> list[list[np.ndarray]]:
-    """The sampled pieces' tokens in ``dp`` groups: pipeline ``g`` takes rows ``[g R/dp, (g+1) R/dp)``."""
+def group_documents(pipeline, sample, dp: int) -> list[list[Piece]]:
+    """The sampled pieces in ``dp`` groups: pipeline ``g`` takes rows ``[g R/dp, (g+1) R/dp)``. Each
+    piece keeps the token that follows it in its corpus document (the target of its last token)."""
     rows = pipeline.rows
-    groups: list[list[np.ndarray]] = [[] for _ in range(dp)]
+    groups: list[list[Piece]] = [[] for _ in range(dp)]
     for pid, row in zip(sample.piece_ids, sample.rows):
-        groups[int(row) * dp // rows].append(pipeline._piece(int(pid)).tokens)
+        groups[int(row) * dp // rows].append(pipeline.piece(int(pid)))
     return groups
 
 
 @dataclasses.dataclass
 class Iteration:
     step: int
-    groups: list  # dp lists of token arrays
+    groups: list  # dp lists of data.Piece (tokens + the target of the last token)
     data_state: dict  # data pipeline state after this iteration's sample
     plans: list = dataclasses.field(default_factory=list)
     plan_s: float = 0.0  # time the consumer spent obtaining the plans (waiting or planning)
@@ -84,7 +84,7 @@ class PlanFeed:
                 if not docs:
                     raise PlanningError(f"pipeline {g} drew no documents (data.tokens_per_batch too small for dp?)")
                 if self.service is not None:
-                    self.service.submit(self._key(self.next_step, g), [len(d) for d in docs])
+                    self.service.submit(self._key(self.next_step, g), [len(d.tokens) for d in docs])
             self.queue.append(Iteration(self.next_step, groups, self.pipeline.state()))
             self.next_step += 1
 
@@ -95,7 +95,7 @@ class PlanFeed:
         it = self.queue.popleft()
         start = time.perf_counter()
         for g, docs in enumerate(it.groups):
-            lengths = [len(d) for d in docs]
+            lengths = [len(d.tokens) for d in docs]
             if self.service is None:
                 plan = plan_iteration(lengths, cost=self.cost, policy=self.policy, options=self.options)
             else:
