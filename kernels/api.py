@@ -92,6 +92,11 @@ def _validate(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
     *kb, s, hkv, dk = k.shape
     if qb != kb:
         raise ValueError(f"batch sizes of q {q.shape} and k {k.shape} differ")
+    if t == 0 or s == 0 or 0 in qb or d == 0 or h == 0:
+        raise ValueError(
+            f"varlen_attention needs at least one query and one key token (and non-empty batch, heads and head "
+            f"dim); got q {tuple(q.shape)}, k {tuple(k.shape)}: nothing to attend over, drop the empty batch instead"
+        )
     if dk != d:
         raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
     if hkv == 0 or h % hkv:

@@ -30,7 +30,7 @@ from jvarlen.data.errors import EmptyCorpusError, TokenIdError
 from jvarlen.data.sources import Source
 from jvarlen.data.tokenizer import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta records binary files skipped under text_dir
 DEFAULT_CACHE_DIR = "~/.cache/jvarlen"
 _ENCODE_BATCH = 256
 
@@ -86,6 +86,11 @@ class Corpus:
     @property
     def skipped_empty(self) -> int:
         return int(self.meta["skipped_empty"])
+
+    @property
+    def skipped_binary(self) -> list[str]:
+        """``text_dir`` files skipped because they are not text (binary)."""
+        return list(self.meta.get("skipped_binary", []))
 
     @property
     def files(self) -> list[str]:
@@ -172,10 +177,11 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
                     batch = []
             flush(batch)
         if not lengths:
-            where = source.files[0].parent if source.files else "(no files)"
+            files = ", ".join(repr(str(f)) for f in source.files[:3]) + (" ..." if len(source.files) > 3 else "")
+            binary = f", {len(source.skipped_binary)} binary files skipped" if source.skipped_binary else ""
             raise EmptyCorpusError(
-                f"data source {source.kind!r} at {str(where)!r} has no non-empty documents "
-                f"({len(source.files)} files read, {skipped} empty documents skipped)"
+                f"data source {source.kind!r} has no non-empty documents in {files or '(no files)'} "
+                f"({len(source.files)} files read, {skipped} empty documents skipped{binary})"
             )
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -188,6 +194,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
             "num_tokens": int(offsets[-1]),
             "num_documents": len(lengths),
             "skipped_empty": skipped,
+            "skipped_binary": list(source.skipped_binary),
             "max_token_id": max(max_id, tokenizer.bos_id, tokenizer.eos_id),
             "tokenizer": tokenizer.identity,
             "tokenizer_vocab_size": tokenizer.vocab_size,

@@ -58,6 +58,52 @@ def _files_under(path: pathlib.Path, suffixes: tuple[str, ...] | None) -> list[p
     return sorted(files)
 
 
+def _token_ids(value, where: str, name: str) -> np.ndarray:
+    """A record's token ids: a flat list of integers (JSON ints; numpy/Arrow integer arrays).
+    Floats, booleans and strings are refused, not converted: ``1.7`` or ``"12"`` in a token
+    field is a data bug, and converting it would train on something else than what is there."""
+    if value is None:
+        return np.zeros(0, np.int64)
+    if isinstance(value, np.ndarray):
+        items = value
+        if not (np.issubdtype(value.dtype, np.integer) or value.size == 0):
+            raise MissingFieldError(f"{where}: field {name!r} must hold integer token ids, got dtype {value.dtype}")
+    elif isinstance(value, (list, tuple)):
+        items = value
+        for i, v in enumerate(items):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise MissingFieldError(
+                    f"{where}: field {name!r} must be a flat list of integer token ids; item {i} is "
+                    f"{v!r} ({type(v).__name__})"
+                )
+    else:
+        raise MissingFieldError(
+            f"{where}: field {name!r} must be a list of integer token ids, got {type(value).__name__}"
+        )
+    try:
+        ids = np.asarray(items, dtype=np.int64)
+    except OverflowError as error:
+        raise TokenIdError(f"{where}: field {name!r} holds a token id that does not fit 64 bits: {error}") from None
+    if ids.ndim != 1:
+        raise MissingFieldError(f"{where}: field {name!r} must be a flat list of token ids, got shape {ids.shape}")
+    if ids.size and ids.min() < 0:
+        raise TokenIdError(f"{where}: field {name!r} holds a negative token id {int(ids.min())}")
+    return ids
+
+
+def looks_binary(data: bytes) -> bool:
+    """A file that is not text: a NUL byte in its first 8 KiB, or no valid UTF-8 there (the test
+    git and grep use; a source file or prose never holds NUL)."""
+    head = data[:8192]
+    if b"\x00" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start < len(head) - 3  # a multi-byte character cut at the 8 KiB boundary is fine
+    return False
+
+
 @dataclasses.dataclass
 class Source:
     """One configured document source (see ``DataConfig.source``)."""
@@ -66,6 +112,7 @@ class Source:
     files: list[pathlib.Path]
     text_field: str = "text"
     tokens_field: Optional[str] = None
+    skipped_binary: list[str] = dataclasses.field(default_factory=list)  # text_dir files that are not text
 
     @classmethod
     def create(
@@ -111,6 +158,9 @@ class Source:
             data = path.read_bytes()
         except OSError as error:
             raise UnreadableFileError(f"cannot read data file {str(path)!r}: {error}") from error
+        if self.kind == "text_dir" and looks_binary(data):
+            self.skipped_binary.append(str(path))
+            return
         yield RawDocument(index, 0, data, None)
 
     def _field(self, record: dict, where: str) -> tuple[Optional[str | bytes], Optional[np.ndarray]]:
@@ -121,16 +171,7 @@ class Source:
             raise MissingFieldError(f"{where}: record has no field {name!r} (has: {keys}); set data.{option}")
         value = record[name]
         if self.tokens_field:
-            try:
-                ids = np.asarray(value if value is not None else [], dtype=np.int64)
-            except (TypeError, ValueError, OverflowError) as error:
-                message = f"{where}: field {name!r} must be a list of integer token ids: {error}"
-                raise MissingFieldError(message) from error
-            if ids.ndim != 1:
-                raise MissingFieldError(f"{where}: field {name!r} must be a flat list of token ids, got {ids.shape}")
-            if ids.size and ids.min() < 0:
-                raise TokenIdError(f"{where}: field {name!r} holds a negative token id {int(ids.min())}")
-            return (None, ids)
+            return (None, _token_ids(value, where, name))
         if value is None:
             value = ""
         if not isinstance(value, (str, bytes)):

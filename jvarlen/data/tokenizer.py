@@ -74,6 +74,13 @@ class HFTokenizer:
         import tokenizers
 
         self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            inside = os.path.join(self.path, "tokenizer.json")
+            hint = f" (it holds a tokenizer.json: set data.tokenizer={inside})" if os.path.isfile(inside) else ""
+            raise TokenizerError(
+                f"tokenizer path {self.path!r} is a directory, not a tokenizer JSON file{hint}; set data.tokenizer "
+                "to 'byte' or to the path of a Hugging Face tokenizer.json"
+            )
         if not os.path.isfile(self.path):
             raise TokenizerError(
                 f"tokenizer file {self.path!r} does not exist; set data.tokenizer to 'byte' "
