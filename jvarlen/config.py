@@ -7,12 +7,14 @@ keys (``--model.num_layers=4``), parsed by draccus. Every invariant is checked i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
 from typing import Literal, Optional
 
 import draccus
+import yaml
 
 
 class ConfigError(ValueError):
@@ -253,9 +255,18 @@ class TrainConfig:
     # this model on this backend (python -m jvarlen.profile), "none" disables, or a path.
     cost_profile: Optional[str] = "auto"
     cost_refit_every: int = 20  # refit the cost coefficients from measured steps this often
+    # A step whose loss or gradient is not finite skips its update (state unchanged, logged as
+    # "nonfinite"); this many in a row stop the run with an error.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
-        _positive("train", steps=self.steps, log_every=self.log_every, cost_refit_every=self.cost_refit_every)
+        _positive(
+            "train",
+            steps=self.steps,
+            log_every=self.log_every,
+            cost_refit_every=self.cost_refit_every,
+            max_nonfinite_steps=self.max_nonfinite_steps,
+        )
 
 
 @dataclasses.dataclass
@@ -311,10 +322,16 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
         raise ConfigError(f"config file {config_path!r} does not exist")
     try:
         return draccus.parse(Config, config_path=config_path, args=args, exit_on_error=False)
+    except argparse.ArgumentError as error:  # a value outside a flag's fixed choices
+        raise ConfigError(str(error)) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {config_path!r} is not valid YAML: {error}") from None
     except draccus.utils.DraccusException as error:  # parsing errors, unknown arguments
         cause = error.__cause__
-        while cause is not None and not isinstance(cause, ConfigError):
+        while cause is not None and not isinstance(cause, (ConfigError, yaml.YAMLError)):
             cause = cause.__cause__
+        if isinstance(cause, yaml.YAMLError):
+            raise ConfigError(f"config file {config_path!r} is not valid YAML: {cause}") from None
         if cause is not None:
             raise cause from None
         raise ConfigError(str(error)) from error

@@ -28,14 +28,20 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError
-    from jvarlen.runtime.checkpoint import CheckpointMismatchError
-    from jvarlen.runtime.loop import train
+    from jvarlen.runtime.checkpoint import CheckpointMismatchError, NonFiniteStateError, NoReadableCheckpointError
+    from jvarlen.runtime.loop import Interrupted, NonFiniteError, train
 
     try:
         train(config)
-    except (ConfigError, DataError, CheckpointMismatchError, PlanningError) as error:
+    except (ConfigError, DataError, CheckpointMismatchError, PlanningError) as error:  # fix the input
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+    except (NonFiniteError, NonFiniteStateError, NoReadableCheckpointError) as error:  # the run failed
+        print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    except Interrupted as stop:
+        print(f"jvarlen.train: {stop}; continue with --checkpoint.resume=true", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 

@@ -16,13 +16,13 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
 from jvarlen.parallel.pipeline import DATA, PipelineSignature, make_pipeline_grads, pipeline_mesh
 from jvarlen.parallel.pipeline_chunks import CHUNK_KEYS
+from jvarlen.runtime.step import apply_gradients
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,8 @@ def make_pipeline_train_step(
 
     def train_step(state, batch):
         sums, grads, count = grads_fn(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            **sums,
-            "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
-            "grad_norm": optax.tree.norm(grads),
-            "layer_forwards": count,
-        }
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        state, metrics = apply_gradients(optimizer, state, grads, sums, batch["segment_ids"])
+        return state, {**metrics, "layer_forwards": count}
 
     return train_step
 

@@ -1,12 +1,25 @@
-"""Orbax checkpoints of the train state, the sampler position and the run's model shape."""
+"""Orbax checkpoints of the train state, the sampler position and the run's model shape.
+
+Guarantees beyond Orbax's atomic step directories:
+
+* a state holding a non-finite value is never written (:class:`NonFiniteStateError`);
+* rotation (``checkpoint.max_to_keep``) is done here, and only once a newer checkpoint has been
+  finalized: an older checkpoint is never deleted before its successor is complete, so a crash
+  or a failed write never leaves the run without its newest good checkpoint;
+* resume falls back from a checkpoint that cannot be read to the newest one that can, says which
+  it skipped and why, and moves the damaged one aside (renamed, never deleted) so that the run
+  can write that step again.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jvarlen.config import CheckpointConfig, ModelConfig
@@ -16,14 +29,29 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not belong to this model (shape or dtype differ)."""
 
 
+class NoReadableCheckpointError(RuntimeError):
+    """Resume was asked for, checkpoints exist, and none of them can be read."""
+
+
+class NonFiniteStateError(RuntimeError):
+    """A checkpoint was about to be written from a state holding NaN or Inf."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
 class Checkpointer:
     """Saves ``TrainState`` + data-pipeline state + model config every N steps (async)."""
 
-    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig):
+    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, say: Callable[[str], None] = print):
         self.cfg = cfg
+        self.say = say
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.max_to_keep,
+            max_to_keep=None,  # rotation is ours (see _rotate): only after a newer save is finalized
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
@@ -32,10 +60,22 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.cfg.every_steps == 0 or step == last_step
 
     def save(self, step: int, state: Any, data_state: dict, model_cfg: ModelConfig) -> None:
+        """Writes checkpoint ``step`` (in the background with ``async_save``); raises
+        :class:`NonFiniteStateError` instead of writing a state with NaN/Inf."""
+        if not bool(_all_finite(state)):
+            raise NonFiniteStateError(
+                f"not writing checkpoint {step}: the train state holds NaN or Inf; the newest good checkpoint "
+                f"in {self.directory} is {self.latest_step()}"
+            )
+        self.manager.wait_until_finished()  # the previous save is finalized: older ones may go now
+        self._rotate(keep=self.cfg.max_to_keep)
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -45,27 +85,67 @@ class Checkpointer:
             ),
         )
 
+    def _rotate(self, keep: int) -> None:
+        """Deletes finalized checkpoints beyond the newest ``keep`` (called when no save is running)."""
+        steps = self.all_steps()
+        for old in steps[: max(0, len(steps) - keep)]:
+            self.manager.delete(old)
+
     def restore(self, abstract_state: Any, model_cfg: ModelConfig, step: Optional[int] = None):
-        """Returns (step, state, data_state); ``abstract_state`` gives shapes and shardings."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        """Returns (step, state, data_state); ``abstract_state`` gives shapes and shardings.
+
+        Without ``step``: the newest checkpoint that can be read. A checkpoint that cannot be read
+        is reported, renamed to ``<step>.unreadable-<time>`` (kept for inspection, out of the way of
+        new saves) and the next older one is tried; :class:`NoReadableCheckpointError` when none can
+        be read. A checkpoint of another model raises :class:`CheckpointMismatchError` (no fallback:
+        that is a configuration error, not damage)."""
+        steps = self.all_steps() if step is None else [step]
+        if not steps:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
-        saved_model = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-        _check_same_model(saved_model, dataclasses.asdict(model_cfg), self.directory)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-            ),
+        skipped = []
+        for candidate in reversed(steps):
+            try:
+                saved_model = self.manager.restore(candidate, args=ocp.args.Composite(model=ocp.args.JsonRestore()))[
+                    "model"
+                ]
+            except Exception as error:  # noqa: BLE001 (any read failure means: damaged)
+                skipped.append(self._set_aside(candidate, error))
+                continue
+            _check_same_model(saved_model, dataclasses.asdict(model_cfg), self.directory)
+            try:
+                restored = self.manager.restore(
+                    candidate,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+                    ),
+                )
+            except Exception as error:  # noqa: BLE001
+                skipped.append(self._set_aside(candidate, error))
+                continue
+            if not bool(_all_finite(restored["state"])):
+                skipped.append(self._set_aside(candidate, ValueError("state holds NaN or Inf")))
+                continue
+            return candidate, restored["state"], restored["data"]
+        raise NoReadableCheckpointError(
+            f"none of the {len(steps)} checkpoints in {self.directory} can be read: " + "; ".join(skipped)
         )
-        return step, restored["state"], restored["data"]
+
+    def _set_aside(self, step: int, error: Exception) -> str:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        path = os.path.join(self.directory, str(step))
+        aside = f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0 and os.path.isdir(path):
+            os.rename(path, aside)
+        self.manager.reload()
+        self.say(f"[jvarlen] checkpoint {step} cannot be read ({reason}); moved to {aside}, trying an older one")
+        return f"step {step}: {reason}"
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
+        self._rotate(keep=self.cfg.max_to_keep)
         self.manager.close()
 
 

@@ -15,22 +15,38 @@ class MetricsLogger:
     """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` and to TensorBoard."""
 
     def __init__(
-        self, run_dir: str, cfg: LoggingConfig, *, total_steps: int, initial_step: int = 0, show_progress: bool = True
+        self,
+        run_dir: str,
+        cfg: LoggingConfig,
+        *,
+        total_steps: int,
+        initial_step: int = 0,
+        show_progress: bool = True,
+        write: bool = True,
     ):
+        """``initial_step``: the step the run continues after (its checkpoint). Records of later
+        steps, written by an earlier process that died before its next checkpoint, are dropped
+        from ``metrics.jsonl`` and hidden from TensorBoard (``purge_step``), so every step
+        appears once. ``write=False`` (processes other than 0) touches no file."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = None
         self._writer = None
-        if cfg.tensorboard:
+        if write:
+            truncate_records(self.path, initial_step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        if write and cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            purge = initial_step + 1 if initial_step > 0 else None
+            self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
         self._bar = None
         if show_progress and cfg.progress_bar:
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict, postfix: Optional[dict] = None) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._file.flush()
         if self._writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
@@ -52,4 +68,30 @@ class MetricsLogger:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def truncate_records(path: str, last_step: int) -> int:
+    """Drops the records of steps after ``last_step`` (and a torn last line) from a metrics
+    JSONL file; returns how many lines were dropped. The file is rewritten atomically."""
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step", 0)
+            except json.JSONDecodeError:
+                dropped += 1  # a line cut short by a kill
+                continue
+            if step <= last_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped

@@ -717,9 +717,9 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
 
 
 def enable_compilation_cache(path: Optional[str]) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from jvarlen.runtime.step_cache import enable_persistent_cache
+
+    enable_persistent_cache(path)
 
 
 def run_profiler(cfg) -> str:

@@ -59,14 +59,31 @@ def make_train_step(
         sums, grads = loss_and_grads(graphdef, params, batch, attention_fn)
         if push is not None:
             grads = push(grads, state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            **sums,
-            "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
-            "grad_norm": optax.tree.norm(grads),
-        }
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, metrics
+        return apply_gradients(optimizer, state, grads, sums, batch["segment_ids"])
 
     return train_step
+
+
+def apply_gradients(optimizer, state: TrainState, grads, sums: dict, segment_ids) -> tuple[TrainState, dict]:
+    """One optimizer update from the iteration's gradients, skipped when anything is not finite.
+
+    The update is applied only if the loss sum, the gradient norm and the update's norm are all
+    finite; otherwise parameters and optimizer state stay as they were (the step counter still
+    advances) and ``metrics["nonfinite"]`` is 1. The check rides on the metrics the loop already
+    fetches, so it costs no extra host sync. Metrics: the loss ``sums``, ``real_tokens``,
+    ``grad_norm``, ``nonfinite``.
+    """
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    metrics = {
+        **sums,
+        "real_tokens": jnp.sum(segment_ids > 0).astype(jnp.float32),
+        "grad_norm": grad_norm,
+        "nonfinite": 1.0 - finite.astype(jnp.float32),
+    }
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -25,6 +25,11 @@ def enable_persistent_cache(directory: Optional[str]) -> None:
     """Turns on JAX's persistent compilation cache in ``directory`` (no-op for None)."""
     if not directory:
         return
+    if jax.config.jax_compilation_cache_dir != str(directory):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        # JAX opens its cache once per process; a different directory takes effect only after a reset
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
