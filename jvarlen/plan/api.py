@@ -24,16 +24,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.grouping import group, lockstep_order, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
-from jvarlen.plan.sequence_processor import chunk_batch, split_mesh
+from jvarlen.plan.sequence_processor import chunk_batch, cut, longest_slice, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
 
 SIMULATIONS = ("async", "ticks")  # execution models of PlannerOptions.simulation
@@ -112,8 +113,12 @@ def plan_iteration(
     policy: str = "epp",
     options: PlannerOptions = PlannerOptions(),
     layout: Layout = Layout(1, 4, 8),
+    progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Plans one iteration over the documents ``lengths`` (tokens each).
+
+    ``progress(message)`` is told of each slice count N the EPP policies simulate (long
+    documents make planning take seconds; the CLI shows these).
 
     Either pass ``cost`` (its layout is used) or ``cluster`` + ``model`` (+ ``layout``)
     to build an analytic one. Returns a :class:`Plan` whose ``stats`` hold
@@ -132,7 +137,7 @@ def plan_iteration(
     t0 = time.perf_counter()
     if policy in ("epp", "epp-fast", "wo-ckpt", "full-ckpt"):
         mode = {"epp": "milp", "epp-fast": "greedy", "wo-ckpt": "none", "full-ckpt": "full"}[policy]
-        plan = _plan_epp(policy, lengths, cost, options, mode)
+        plan = _plan_epp(policy, lengths, cost, options, mode, progress)
     elif policy == "wo-wbc":
         plan = _plan_fixed(policy, lengths, cost, options, even=True)
     elif policy == "seq1f1b-tuned":
@@ -149,15 +154,45 @@ def plan_iteration(
 # --------------------------------------------------------------------------- EPP and ablations
 
 
-def smallest_slices(lengths: Sequence[int], cost) -> int:
-    """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity."""
-    if max(lengths) <= cost.max_tokens(in_flight=1, tail=True):
+def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> int:
+    """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity.
+
+    The first slice of a mesh is its longest (later slices pay for their context), so the
+    largest admissible time target is that of a capacity-sized first slice, and one cut of the
+    longest document at that target counts the slices needed: O(N) cost evaluations. Never
+    finer than an average slice of ``min_slice_tokens``; raises :class:`PlanningError` saying
+    what fits when no N does."""
+    longest = max(lengths)
+    if longest <= cost.max_tokens(in_flight=1, tail=True):
         return 1  # nothing needs splitting: every document fits as a (tail) chunk of its own
     cap = cost.max_tokens(in_flight=1, tail=False)
+    budget = f"{cost.memory_budget / 2**30:.2f} GiB per device"
     if cap < 1:
-        raise PlanningError("model states alone exceed the memory budget")
-    n = max(2, math.ceil(max(lengths) / cap))
-    while split_mesh(cost, max(lengths), n).token_threshold > cap:
+        state = cost.model_state_memory(0) / 2**30
+        raise PlanningError(
+            f"the model states alone ({state:.2f} GiB per device) exceed the memory budget ({budget}): "
+            "add pipeline stages or devices"
+        )
+    n_max = max(2, longest // max(1, min_slice_tokens))
+    advice = "raise pp or sp, lower parallel.plan_min_slice_tokens, or shorten data.seq_len"
+    tau = cost.bwd_time(ChunkShape(0, (cap,), tail=False))
+    first = longest_slice(cost, 0, longest, tau, tail_at_end=False)
+    if first > cap:  # cost flat below the profile's smallest token bucket: no shorter slice is cheaper
+        raise PlanningError(
+            f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: a "
+            f"slice may hold at most {cap:,} tokens ({budget}), but the cost model charges a {cap:,}-token slice "
+            f"as much as a {first:,}-token one (its smallest token bucket), so balanced slices are never shorter; "
+            + advice
+        )
+    needed = cut(cost, longest, tau, n_max)
+    if needed is None:
+        raise PlanningError(
+            f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: a "
+            f"slice may hold at most {cap:,} tokens ({budget}), which takes more than {n_max:,} slices (an average "
+            f"of {max(1, min_slice_tokens):,} tokens, parallel.plan_min_slice_tokens); " + advice
+        )
+    n = max(2, len(needed))
+    while n < n_max and split_mesh(cost, longest, n).token_threshold > cap:  # bisection slack: rarely runs
         n += 1
     return n
 
@@ -182,7 +217,7 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
     ``min_slice_tokens`` (finer chunks lose GPU efficiency, InfiniPipe App. B)."""
     if options.n_slices is not None:
         return [options.n_slices]
-    n0 = smallest_slices(lengths, cost)
+    n0 = smallest_slices(lengths, cost, options.min_slice_tokens)
     if policy == "epp-fast":
         return [n0]
     n_max = max(n0, max(lengths) // max(1, options.min_slice_tokens))
@@ -212,7 +247,7 @@ def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int)
     return min(sides)[1] if sides else None
 
 
-def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) -> Plan:
+def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, progress=None) -> Plan:
     """Alg. 1 + Eq. 14 + Alg. 2. N is tuned by simulating candidates (§3.2), largest first,
     stopping at the first candidate slower than the best so far (or after
     ``n_candidates``), then refined once: the geometric midpoint between the best N and
@@ -232,6 +267,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str) ->
         ordered = _ordered(grouping.units, shapes, cost, options)
         plan = assemble(policy, lengths, chunks, list(ordered.values()), cost, simulation=options.simulation)
         tried[n] = plan.stats["iteration_time_s"]
+        if progress is not None:
+            progress(f"N={n}: {len(chunks)} chunks, {tried[n]:.4g} s simulated")
         return (n, res, chunks, shapes, grouping, ordered, tried[n])
 
     while queue and len(tried) < options.n_candidates:

@@ -6,7 +6,6 @@ in how they chunk and how they choose recomputation.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
@@ -22,21 +21,10 @@ from jvarlen.plan.simulator import simulate as simulate_schedule
 from jvarlen.plan.units import PlannedChunk, unit_schedule
 
 
-class _LinkedSchedule(Schedule):
-    """A :class:`Schedule` whose ``chunk_next`` is computed once (the simulator asks for it per op)."""
-
-    @functools.cached_property
-    def chunk_next(self) -> tuple[int, ...]:  # type: ignore[override]
-        return Schedule.chunk_next.fget(self)
-
-
 def simulate(plan: Plan, cost, mode: str = "async") -> SimResult:
     """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost``; ``mode``:
     the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: jvarlen's lock-step executor)."""
-    sched = plan.schedule
-    if not isinstance(sched, _LinkedSchedule):
-        sched = _LinkedSchedule(sched.stages, sched.chunk_prev, sched.chunk_docs)
-    return simulate_schedule(sched, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
+    return simulate_schedule(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
 
 
 def assemble(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
+import time
 from typing import Optional
 
 import numpy as np
@@ -12,6 +14,8 @@ import numpy as np
 from jvarlen.layout import Layout
 from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
+
+PROGRESS_AFTER_S = 2.0  # planning that takes longer than this reports its progress on stderr
 
 SUMMARY_FIELDS = (
     "policy",
@@ -47,28 +51,44 @@ class PlanCli:
 
     def __post_init__(self):
         if self.policy not in POLICIES:
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise InputError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.iterations < 1:
-            raise ValueError(f"--iterations must be >= 1, got {self.iterations}")
+            raise InputError(f"--iterations must be >= 1, got {self.iterations}")
         if self.simulation not in SIMULATIONS:
-            raise ValueError(f"--simulation must be one of {', '.join(SIMULATIONS)}, got {self.simulation!r}")
+            raise InputError(f"--simulation must be one of {', '.join(SIMULATIONS)}, got {self.simulation!r}")
         if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.time_limit < 0 or self.n_slices < 0 or self.context < 0:
+            raise InputError("--time_limit, --n_slices and --context must be >= 0")
+
+
+class InputError(ValueError):
+    """A bad command-line value or input file; the message names the flag or file:line."""
 
 
 def read_lengths(path: str) -> list[int]:
+    """Document lengths, one per line (first field; ``#`` comments and blank lines skipped)."""
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            value = int(line.split()[0])
-            if value < 1:
-                raise ValueError(f"{path}:{i}: document length must be >= 1, got {value}")
-            out.append(value)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise InputError(f"--lengths {path}: cannot read it ({reason})") from None
+    for i, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        field = line.split()[0]
+        try:
+            value = int(field)
+        except ValueError:
+            raise InputError(f"{path}:{i}: document length must be a whole number of tokens, got {field!r}") from None
+        if value < 1:
+            raise InputError(f"{path}:{i}: document length must be >= 1, got {value}")
+        out.append(value)
     if not out:
-        raise ValueError(f"{path}: no document lengths")
+        raise InputError(f"{path}: no document lengths (one per line)")
     return out
 
 
@@ -86,9 +106,15 @@ def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed
 
 
 def cost_from_config(path: str, cluster: str, zero3_sp: bool):
-    from jvarlen.config import load_config, requested_pipeline_stages
+    from jvarlen.config import ConfigError, load_config, requested_pipeline_stages
+    from jvarlen.plan.hardware import CLUSTERS
 
-    cfg = requested_pipeline_stages(load_config(path))  # auto pp: the stages a training run of it gets
+    if cluster not in CLUSTERS:
+        raise InputError(f"--cluster must be one of {', '.join(sorted(CLUSTERS))}, got {cluster!r}")
+    try:
+        cfg = requested_pipeline_stages(load_config(path))  # auto pp: the stages a training run of it gets
+    except ConfigError as error:
+        raise InputError(f"--config {path}: {error}") from None
     pp, sp = cfg.parallel.pp, cfg.parallel.sp
     layout = Layout(cfg.parallel.dp or 1, pp, sp)
     return make_cost(cfg.model, cluster, layout, zero3_sp=zero3_sp)
@@ -100,11 +126,24 @@ def run(cli: PlanCli) -> int:
         n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit), simulation=cli.simulation
     )
     records, last = [], None
-    for i, batch in enumerate(
-        batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)
-    ):
+    t_start = time.perf_counter()
+    todo = batches(read_lengths(cli.lengths), cli.batch_size, cli.iterations, cli.seed, cli.context)
+    for i, batch in enumerate(todo):
+        t_iter = time.perf_counter()
+
+        def progress(message: str, i=i, t_iter=t_iter) -> None:
+            if time.perf_counter() - t_iter > PROGRESS_AFTER_S:  # quiet unless planning takes a while
+                elapsed = time.perf_counter() - t_iter
+                print(f"[plan] iteration {i + 1}/{len(todo)}: {message} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+        if i and time.perf_counter() - t_start > PROGRESS_AFTER_S:
+            print(
+                f"[plan] iteration {i + 1}/{len(todo)} ({time.perf_counter() - t_start:.0f} s so far)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
-            plan = plan_iteration(batch, cost=cost, policy=cli.policy, options=options)
+            plan = plan_iteration(batch, cost=cost, policy=cli.policy, options=options, progress=progress)
         except PlanningError as e:
             records.append({"iteration": i, "policy": cli.policy, "error": str(e), "tokens_in": sum(batch)})
             continue

@@ -422,14 +422,16 @@ def tile_pairs(chunk: ChunkShape, block: int) -> float:
     b = block
     nq = -(-chunk.tokens // b)
     nctx = -(-chunk.context // b)
-    visible = np.zeros((nq, nq), bool)
-    start = 0
-    for s in chunk.slices:
-        lo, hi = start // b, (start + s - 1) // b
-        for i in range(lo, hi + 1):
-            visible[i, lo : i + 1] = True
-        start += s
-    tiles = int(visible.sum())
+    if len(chunk.slices) == 1:  # the planner's hot path: one slice, nq(nq+1)/2 causal tiles
+        return 2.0 * b * b * (nq * (nq + 1) // 2 + nctx * nq)
+    # Row block i sees the columns [first(i), i], first(i) being the first block of the earliest
+    # slice with a query in row block i (every slice's visible columns end at the diagonal):
+    # O(blocks) instead of a blocks² mask (a 2M-token slice has 15,625 blocks of 128).
+    ends = np.cumsum(chunk.slices)
+    first = np.empty(nq, np.int64)
+    for start, end in reversed(list(zip(ends - np.asarray(chunk.slices), ends))):
+        first[start // b : (end - 1) // b + 1] = start // b
+    tiles = int((np.arange(nq) - first + 1).sum())
     if chunk.context:
         tiles += nctx * ((chunk.slices[0] - 1) // b + 1)
     return 2.0 * b * b * tiles

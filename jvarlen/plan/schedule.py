@@ -18,6 +18,7 @@ at tick ``t`` is usable at tick ``t + 1``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -75,8 +76,10 @@ class Schedule:
     def n_chunks(self) -> int:
         return len(self.chunk_prev)
 
-    @property
+    @functools.cached_property
     def chunk_next(self) -> tuple[int, ...]:
+        """``next[k]``: the chunk continuing chunk k's split slice, or -1 (computed once: the tick
+        table and the simulator ask for it per op)."""
         nxt = [-1] * self.n_chunks
         for k, j in enumerate(self.chunk_prev):
             if j >= 0:
@@ -186,13 +189,17 @@ def _check_links(chunk_prev: Sequence[int]) -> None:
                     f"chunks {succ[j]} and {k} both continue chunk {j}; a chunk holds at most one split slice"
                 )
             succ[j] = k
-    for k in range(n):  # cycles
-        seen, j = set(), k
-        while j >= 0:
-            if j in seen:
-                raise ScheduleError(f"chunk {k}: chunk_prev links form a cycle")
-            seen.add(j)
+    state = [0] * n  # cycles, each chunk walked once: 0 new, 1 on the current walk, 2 known to end
+    for k in range(n):
+        walk, j = [], k
+        while j >= 0 and state[j] == 0:
+            state[j] = 1
+            walk.append(j)
             j = chunk_prev[j]
+        if j >= 0 and state[j] == 1:
+            raise ScheduleError(f"chunk {k}: chunk_prev links form a cycle")
+        for w in walk:
+            state[w] = 2
 
 
 def dependencies(sched: Schedule, stage: int, op: Op) -> list[tuple[int, Op]]:

@@ -51,12 +51,13 @@ class ChunkingResult:
     perturbations: int
 
 
-def _longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: bool) -> int:
+def longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: bool, hint: int = 0) -> int:
     """Longest s ≤ remaining with bwd_time({context, (s,)}) ≤ tau (at least 1 token).
 
-    Eq. 1 + Eq. 3 make the time quadratic in s for a fixed context; a quadratic
-    through three evaluations gives the answer, confirmed (and corrected by a few
-    tokens) with the cost model itself; bisection when that does not settle.
+    The time is nondecreasing in s. From ``hint`` (the previous slice of the same cut: successive
+    slices differ little) the answer is bracketed by galloping and then bisected, O(log |s - hint|)
+    cost evaluations; without a hint, a quadratic through three evaluations (Eq. 1 + Eq. 3 make
+    the time quadratic in s for a fixed context) gives the starting guess.
     """
 
     def t(s: int) -> float:
@@ -64,23 +65,36 @@ def _longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: 
 
     if t(remaining) <= tau:
         return remaining
-    if remaining >= 8:
+    if remaining == 1:
+        return 1
+    guess = hint
+    if not 0 < guess < remaining and remaining >= 8:
         xs = (1.0, float(remaining // 2), float(remaining - 1))
         ys = [cost.bwd_time(ChunkShape(context, (int(x),), tail=False)) for x in xs]
         qa, qb, qc = np.polyfit(xs, ys, 2)
         disc = qb * qb - 4 * qa * (qc - tau)
         if qa > 0 and disc >= 0:
-            guess = int(min(remaining - 1, max(1, math.floor((-qb + math.sqrt(disc)) / (2 * qa)))))
-            for _ in range(8):
-                if t(guess) > tau:
-                    if guess == 1:
-                        return 1
-                    guess -= 1
-                elif guess + 1 < remaining and t(guess + 1) <= tau:
-                    guess += 1
-                else:
-                    return guess
-    lo, hi = 1, remaining  # bisection; t(lo) may exceed tau: then 1 token is the best we can do
+            guess = int(math.floor((-qb + math.sqrt(disc)) / (2 * qa)))
+    guess = min(remaining - 1, max(1, guess or remaining // 2))
+    # invariant: t(lo) <= tau (or lo == 1, the floor) and t(hi + 1) > tau
+    if t(guess) <= tau:
+        lo, step, hi = guess, 1, remaining - 1
+        while lo < remaining - 1:
+            probe = min(remaining - 1, lo + step)
+            if t(probe) > tau:
+                hi = probe - 1
+                break
+            lo, step = probe, 2 * step
+    else:
+        hi, step, lo = guess - 1, 1, 1
+        while hi > 1:
+            probe = max(1, hi - step)
+            if t(probe) <= tau:
+                lo = probe
+                break
+            hi, step = probe - 1, 2 * step
+        else:
+            return 1  # even one token costs more than tau: the floor
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if t(mid) <= tau:
@@ -90,10 +104,15 @@ def _longest_slice(cost, context: int, remaining: int, tau: float, tail_at_end: 
     return lo
 
 
-def _cut(cost, length: int, tau: float) -> list[int]:
+def cut(cost, length: int, tau: float, max_slices: int | None = None) -> list[int] | None:
+    """Slices of a ``length``-token document, each the longest whose backward time is ≤ ``tau``;
+    None as soon as more than ``max_slices`` would be needed (bounds the work when ``tau`` is
+    below what a short slice can cost, e.g. under the profile's smallest token bucket)."""
     slices, ctx = [], 0
     while ctx < length:
-        s = _longest_slice(cost, ctx, length - ctx, tau, tail_at_end=True)
+        if max_slices is not None and len(slices) >= max_slices:
+            return None
+        s = longest_slice(cost, ctx, length - ctx, tau, tail_at_end=True, hint=slices[-1] if slices else 0)
         slices.append(s)
         ctx += s
     return slices
@@ -111,17 +130,19 @@ def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
     # Equal-time slices take about T(whole)/N each (plus per-chunk constants): bracket around that.
     whole = cost.bwd_time(ChunkShape(0, (max_length,)))
     hi = 2.0 * whole / n_slices
-    best = _cut(cost, max_length, hi)
-    while len(best) > n_slices:
+    best = cut(cost, max_length, hi, n_slices)
+    while best is None:  # terminates: at hi >= T(whole) one slice does
         hi *= 2.0
-        best = _cut(cost, max_length, hi)
+        best = cut(cost, max_length, hi, n_slices)
     lo = 0.5 * whole / n_slices
-    while lo > 0 and len(_cut(cost, max_length, lo)) <= n_slices:
+    for _ in range(64):  # a lower bracket: time targets no N-slice cut meets (bounded halvings)
+        if lo <= 0 or cut(cost, max_length, lo, n_slices) is None:
+            break
         lo *= 0.5
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        slices = _cut(cost, max_length, mid)
-        if len(slices) <= n_slices:
+        slices = cut(cost, max_length, mid, n_slices)
+        if slices is not None:
             hi, best = mid, slices
         else:
             lo = mid

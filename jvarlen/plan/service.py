@@ -20,6 +20,8 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
+import threading
 import time
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -35,6 +37,18 @@ def deterministic_options(options: PlannerOptions = PlannerOptions(), safety_s: 
     deterministic-time limit can stop CP-SAT (results independent of machine load)."""
     solver = dataclasses.replace(options.solver, time_limit_s=safety_s, workers=1)
     return dataclasses.replace(options, solver=solver)
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Worker initializer: a daemon thread ends the worker within ``poll_s`` of its parent's death
+    (a trainer killed with SIGKILL cannot shut its pool down; its workers would live on)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _solve(lengths: Sequence[int], cost, policy: str, options: PlannerOptions, delay_s: float) -> Plan:
@@ -74,7 +88,12 @@ class PlanningService:
         self.fallback_policy = fallback_policy
         self.fallback_options = dataclasses.replace(self.options, solver=SolverOptions(time_limit_s=0.0))
         self.delay_s = delay_s
-        self._pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        self._pool = cf.ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=exit_with_parent,
+            initargs=(os.getpid(),),
+        )
         self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
         self.events: list[ServiceEvent] = []
 
