@@ -1,6 +1,9 @@
 """Test setup: eight fake CPU devices, set before JAX starts; shared helpers (device check, small planner cost models)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -9,6 +12,41 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test session, made by the first process that loads this
+# file (pytest's controller) and inherited by the xdist workers and the subprocesses they start:
+# many tests compile the same small programs, and XLA's own cache key (the optimized HLO and
+# compile options) decides what is reused, so results are unchanged. Removed at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jvarlen-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
+if "JVARLEN_TEST_CORPUS_CACHE" not in os.environ:  # tokenized corpora, shared the same way
+    os.environ["JVARLEN_TEST_CORPUS_CACHE"] = tempfile.mkdtemp(prefix="jvarlen-test-corpus-")
+    atexit.register(shutil.rmtree, os.environ["JVARLEN_TEST_CORPUS_CACHE"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True)
+def _session_compilation_cache():
+    """A test that turns on its own persistent cache (parallel.compilation_cache_dir) gets the
+    session's back afterwards: the setting is process-wide."""
+    yield
+    if jax.config.jax_compilation_cache_dir != _CACHE:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", _CACHE)
+
+
+@pytest.fixture
+def corpus_cache() -> str:
+    """``data.cache_dir`` shared by the whole session (the stdlib corpus is tokenized once)."""
+    return os.environ["JVARLEN_TEST_CORPUS_CACHE"]
 
 
 def require_devices(n: int) -> None:

@@ -30,9 +30,9 @@ TINY_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus-cache"))
+@pytest.fixture
+def cache_dir(corpus_cache):
+    return corpus_cache
 
 
 def _config(run_dir, cache_dir, *extra):

@@ -1,0 +1,364 @@
+"""Nothing lost, nothing silent: non-finite steps, checkpoint fallback and rotation, signals, process
+hygiene, metrics after resume, and the answers to bad input (docs/reliability.md lists them all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_train import TINY_ARGS, _config
+
+from jvarlen.config import ConfigError, parse_config
+from jvarlen.runtime.checkpoint import Checkpointer, NonFiniteStateError, NoReadableCheckpointError
+from jvarlen.runtime.loop import NonFiniteError, train
+from jvarlen.runtime.metrics import truncate_records
+from jvarlen.runtime.state import TrainState
+from jvarlen.runtime.step import apply_gradients
+
+
+@pytest.fixture
+def cache_dir(corpus_cache):
+    return corpus_cache
+
+
+def _state(optimizer, value=1.0):
+    params = {"w": jnp.full((4,), value, jnp.float32)}
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((2,), jnp.uint32))
+
+
+# ------------------------------------------------------------------------------------- non-finite steps
+
+
+@pytest.mark.parametrize("bad", ["nan_grad", "inf_loss", "huge_update"])
+def test_a_non_finite_step_keeps_the_state_and_counts(bad):
+    optimizer = optax.adam(1.0)
+    state = _state(optimizer)
+    grads = {"w": jnp.full((4,), jnp.nan if bad == "nan_grad" else 1.0)}
+    sums = {"loss_sum": jnp.float32(jnp.inf if bad == "inf_loss" else 2.0), "target_tokens": jnp.float32(3)}
+    if bad == "huge_update":
+        optimizer = optax.sgd(3e38)
+        state = _state(optimizer)
+        grads = {"w": jnp.full((4,), 10.0)}
+    new, metrics = jax.jit(lambda s, g, m: apply_gradients(optimizer, s, g, m, jnp.ones((1, 3), jnp.int32)))(
+        state, grads, sums
+    )
+    assert float(metrics["nonfinite"]) == 1.0 and int(new.step) == 1
+    np.testing.assert_array_equal(new.params["w"], state.params["w"])
+    for a, b in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_finite_step_updates():
+    optimizer = optax.sgd(0.5)
+    state = _state(optimizer)
+    sums = {"loss_sum": jnp.float32(2.0), "target_tokens": jnp.float32(3)}
+    new, metrics = apply_gradients(optimizer, state, {"w": jnp.ones(4)}, sums, jnp.ones((1, 3), jnp.int32))
+    assert float(metrics["nonfinite"]) == 0.0 and float(metrics["real_tokens"]) == 3.0
+    np.testing.assert_allclose(new.params["w"], 0.5)
+
+
+def test_training_stops_after_consecutive_non_finite_steps(tmp_path, cache_dir):
+    """A learning rate that overflows every update: each step is skipped (logged, counted), the
+    second in a row stops the run with NonFiniteError; the checkpoint of step 1 holds the last
+    finite state (the initial one), step 2's is not written."""
+    run_dir = tmp_path / "run"
+    config = _config(
+        run_dir,
+        cache_dir,
+        "--train.steps=8",
+        "--train.max_nonfinite_steps=2",
+        "--optimizer.learning_rate=3e38",
+        "--optimizer.warmup_steps=0",
+        "--optimizer.grad_clip_norm=1e38",
+        "--checkpoint.every_steps=1",
+    )
+    with pytest.raises(NonFiniteError, match="2 steps in a row"):
+        train(config, quiet=True)
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["nonfinite"] for r in records] == [1, 1] and records[-1]["nonfinite_steps"] == 2
+    assert all(np.isfinite(r["loss"]) for r in records)  # the state never took the overflowing update
+    assert Checkpointer(run_dir / "checkpoints", config.checkpoint).all_steps() == [1]
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+
+def test_a_state_with_nan_is_never_written(tmp_path):
+    config = parse_config(["--checkpoint.async_save=false"]).checkpoint
+    ckpt = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    optimizer = optax.sgd(1.0)
+    ckpt.save(1, _state(optimizer), {"pos": 1}, parse_config([]).model)
+    with pytest.raises(NonFiniteStateError, match="newest good checkpoint .* is 1"):
+        ckpt.save(2, _state(optimizer, value=float("nan")), {"pos": 2}, parse_config([]).model)
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [1]
+
+
+def test_rotation_keeps_the_newest_good_checkpoint_when_a_save_fails(tmp_path, monkeypatch):
+    config = parse_config(["--checkpoint.async_save=false", "--checkpoint.max_to_keep=1"]).checkpoint
+    model = parse_config([]).model
+    ckpt = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    optimizer = optax.sgd(1.0)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(optimizer, step), {"pos": step}, model)
+    assert ckpt.all_steps() == [2, 3]  # the older one goes only once a newer one is finalized
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.manager, "save", broken_save)
+    with pytest.raises(OSError):
+        ckpt.save(4, _state(optimizer, 4), {"pos": 4}, model)
+    assert ckpt.all_steps()[-1] == 3  # the newest good checkpoint survived the failed save
+    monkeypatch.undo()
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [3]
+
+
+def _damage(step_dir):
+    """Overwrites every file of a checkpoint's state with garbage of the same size."""
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            with open(path, "wb") as f:
+                f.write(b"\x13" * max(size, 7))
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp_path, cache_dir, capsys):
+    run_dir = tmp_path / "run"
+    args = ("--train.steps=4", "--checkpoint.every_steps=2", "--checkpoint.max_to_keep=3")
+    first = train(_config(run_dir, cache_dir, *args), quiet=True)
+    ckpt_dir = run_dir / "checkpoints"
+    _damage(ckpt_dir / "4")
+    # as if the process had died after logging steps 3-4 while writing checkpoint 4
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    resumed = train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"))
+    out = capsys.readouterr().out
+    assert "checkpoint 4 cannot be read" in out and "resumed from step 2" in out
+    assert resumed.first_step == 2
+    np.testing.assert_array_equal(resumed.losses, first.losses[2:])  # bitwise: steps 3-4 again, same data
+    assert any(name.startswith("4.unreadable-") for name in os.listdir(ckpt_dir))
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
+    # every checkpoint damaged: a clear error, nothing trained
+    for step in Checkpointer(ckpt_dir, parse_config([]).checkpoint).all_steps():
+        _damage(ckpt_dir / str(step))
+    with pytest.raises(NoReadableCheckpointError, match="none of the 2 checkpoints"):
+        train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+
+
+def test_truncate_records_drops_later_steps_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert truncate_records(str(path), 3) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert truncate_records(str(path), 3) == 0
+
+
+# ------------------------------------------------------------------------------------- signals, processes
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jvarlen.train",
+        *TINY_ARGS,
+        "--model.attention=reference",
+        "--train.steps=200",
+        "--checkpoint.every_steps=100",
+        f"--logging.run_dir={run_dir}",
+        f"--data.cache_dir={cache_dir}",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM received" in out and "continue with --checkpoint.resume=true" in out
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    steps = Checkpointer(run_dir / "checkpoints", parse_config([]).checkpoint).all_steps()
+    assert steps == [logged[-1]] and 2 <= logged[-1] < 100
+
+
+def test_planner_workers_exit_when_the_trainer_is_killed(tmp_path):
+    """SIGKILL gives the trainer no chance to shut its planning pool down: the workers notice
+    their parent is gone and exit by themselves."""
+    parent = textwrap.dedent(
+        """
+        import sys, time
+        from conftest import small_cost
+        from jvarlen.plan.service import PlanningService
+        svc = PlanningService(small_cost(pp=2, sp=1), delay_s=60.0)
+        svc.submit(0, [1000, 2000])
+        while not [p for p in svc._pool._processes.values() if p.pid]:
+            time.sleep(0.05)
+        print(" ".join(str(p.pid) for p in svc._pool._processes.values()), flush=True)
+        time.sleep(600)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=env)
+    workers = [int(pid) for pid in proc.stdout.readline().split()]
+    assert workers and all(os.path.exists(f"/proc/{pid}") for pid in workers)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "planner workers outlived the killed trainer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    from jvarlen.plan.__main__ import main as plan_main
+    from jvarlen.train import main as train_main
+
+    assert train_main(["--data.source=bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "invalid choice: 'bogus'" in err and "'jsonl'" in err
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: [1, 2\n")
+    assert train_main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid YAML" in err and "line 2, column 12" in err  # the parser's own words
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n# a comment\nabc\n")
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
+    cases = [
+        (["--lengths", str(lengths), "--config", config], f"{lengths}:3: document length must be a whole number"),
+        (["--lengths", str(tmp_path), "--config", config], "cannot read it (Is a directory)"),
+        (["--lengths", str(tmp_path / "none"), "--config", config], "cannot read it (No such file or directory)"),
+        (["--lengths", str(lengths), "--config", config, "--policy", "x"], "--policy must be one of epp"),
+        (["--lengths", str(lengths), "--config", str(tmp_path / "no.yaml")], "does not exist"),
+        (["--lengths", str(lengths), "--config", config, "--iterations", "x"], "Couldn't parse 'x'"),
+    ]
+    for argv, message in cases:
+        assert plan_main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, (argv, err)
+
+
+def test_run_dir_under_a_file_is_a_config_error(tmp_path, cache_dir):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot be created"):
+        train(_config(tmp_path / "file" / "run", cache_dir, "--train.steps=1"), quiet=True)
+
+
+def test_token_fields_refuse_floats_booleans_and_strings(tmp_path):
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataError, DataPipeline
+
+    for bad, what in (
+        ("[1, 2.5, 3]", "item 1 is 2.5"),
+        ("[1, true]", "item 1 is True"),
+        ('["12", 3]', "item 0 is '12'"),
+    ):
+        path = tmp_path / "c.jsonl"
+        path.write_text('{"ids": [5, 6, 7]}\n' + '{"ids": ' + bad + "}\n")
+        config = DataConfig(source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(DataError, match=rf"{path}:2: field 'ids' .*{what}"):
+            DataPipeline(config)
+
+
+def test_binary_files_in_a_text_dir_are_skipped_and_counted(tmp_path):
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataPipeline
+
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "a.txt").write_text("hello world " * 20)
+    (root / "b.md").write_text("# title\n" + "some text " * 30)
+    (root / "blob.bin").write_bytes(bytes(range(256)) * 8)
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\x00" * 64)
+    pipeline = DataPipeline(DataConfig(source="text_dir", path=str(root), cache_dir=str(tmp_path / "cache")))
+    assert pipeline.corpus.num_documents == 2
+    assert sorted(os.path.basename(p) for p in pipeline.corpus.skipped_binary) == ["blob.bin", "image.png"]
+    assert "2 binary files skipped" in pipeline.summary()
+
+
+def test_messages_name_what_is_wrong(tmp_path):
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataError, DataPipeline
+    from jvarlen.data.tokenizer import load_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(DataError, match="is a directory, not a tokenizer JSON file"):
+        load_tokenizer(str(tmp_path / "tok"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "one.txt").write_text("")
+    with pytest.raises(DataError, match=r"no non-empty documents in '.*one\.txt'"):
+        DataPipeline(DataConfig(source="text_dir", path=str(empty), cache_dir=str(tmp_path / "cache")))
+
+    from jvarlen.kernels import varlen_attention
+
+    q = jnp.zeros((1, 0, 4, 8))
+    ids = jnp.zeros((1, 0), jnp.int32)
+    with pytest.raises(ValueError, match="at least one query and one key token"):
+        varlen_attention(q, q, q, q_segment_ids=ids, kv_segment_ids=ids, q_positions=ids, kv_positions=ids)
+
+
+# ------------------------------------------------------------------------------------- planner in bounded time
+
+
+def test_the_planner_answers_an_impossible_budget_at_once():
+    from conftest import small_cost
+
+    from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
+
+    cost = small_cost(pp=2, sp=1)
+    state = max(cost.model_state_memory(p) for p in range(2))
+    tight = small_cost(pp=2, sp=1, budget=state + 2**20)  # 1 MiB of activations: tens of tokens per chunk
+    start = time.perf_counter()
+    with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
+        plan_iteration([2_000_000, 300], cost=tight, options=PlannerOptions(min_slice_tokens=512))
+    with pytest.raises(PlanningError, match="model states alone"):
+        plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2))
+    assert time.perf_counter() - start < 30  # a hang guard, not a speed bar (a hang ran > 300 s)
+
+
+def test_a_two_million_token_document_is_planned(tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("2000000\n500\n3000\n")
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jvarlen.plan", "--lengths", str(lengths), "--config", config, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard; it takes a few seconds
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(out.read_text())
+    assert summary["tokens_planned"] == summary["tokens_in"] == 2_003_500 and summary["fits_memory"]
