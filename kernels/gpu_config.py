@@ -136,29 +136,34 @@ def _t(bq, bk, warps, stages=2):
 
 
 # (minimum shared memory per block, bytes per element, largest padded head dim) -> config.
-# First matching row wins; rows are ordered from the largest GPUs down. Chosen by
-# deviceless compiles for H100 (232,448 B) and A100 (166,912 B): see docs/benchmarks.md.
+# First matching row wins; rows are ordered from the largest GPUs down. The H100 and A100
+# rows are the output of ``python scripts/gpu_compile_check.py --search`` (deviceless
+# compiles, 8 q / 2 kv heads; per kernel the largest tiles that fit the shared memory with
+# no register spills; the one exception, H100 f32 d=256 dk/dv, spills 808 B at the
+# smallest tile). The rows below 163 KB are NOT compile-checked (no target spec here): the
+# A100 4-byte rows reused for 2-byte inputs (same bytes per tile at half the rows) and the
+# smallest tiles for 4-byte inputs.
 _TABLE: list[tuple[int, int, int, KernelConfig]] = [
     # Hopper / Blackwell (227 KB)
-    (232_448, 2, 64, KernelConfig(_t(128, 128, 4), _t(128, 128, 4), _t(128, 64, 4))),
-    (232_448, 2, 128, KernelConfig(_t(128, 128, 8), _t(128, 64, 8), _t(64, 64, 8))),
+    (232_448, 2, 64, KernelConfig(_t(128, 128, 4), _t(64, 128, 4), _t(64, 64, 4))),
+    (232_448, 2, 128, KernelConfig(_t(128, 128, 8), _t(128, 128, 8), _t(128, 64, 8))),
     (232_448, 2, 256, KernelConfig(_t(64, 64, 8), _t(64, 64, 8), _t(32, 32, 8))),
-    (232_448, 4, 64, KernelConfig(_t(128, 64, 8), _t(64, 64, 4), _t(64, 64, 4))),
-    (232_448, 4, 128, KernelConfig(_t(64, 64, 8), _t(64, 64, 8), _t(32, 32, 8))),
+    (232_448, 4, 64, KernelConfig(_t(64, 64, 4), _t(64, 32, 4), _t(64, 32, 4))),
+    (232_448, 4, 128, KernelConfig(_t(64, 32, 8), _t(64, 32, 8), _t(16, 16, 8))),
     (232_448, 4, 256, KernelConfig(_t(32, 32, 8), _t(32, 32, 8), _t(16, 16, 8))),
     # A100 (163 KB)
-    (166_912, 2, 64, KernelConfig(_t(128, 128, 4), _t(128, 64, 4), _t(64, 64, 4))),
-    (166_912, 2, 128, KernelConfig(_t(128, 64, 8), _t(64, 64, 8), _t(64, 64, 8))),
-    (166_912, 2, 256, KernelConfig(_t(64, 64, 8), _t(64, 32, 8), _t(32, 32, 8))),
-    (166_912, 4, 64, KernelConfig(_t(64, 64, 4), _t(64, 64, 4), _t(64, 32, 4))),
-    (166_912, 4, 128, KernelConfig(_t(64, 64, 8), _t(64, 32, 8), _t(32, 32, 8))),
-    (166_912, 4, 256, KernelConfig(_t(32, 32, 8), _t(32, 16, 8), _t(16, 16, 8))),
-    # consumer Ampere/Ada, anything smaller (99 KB)
-    (0, 2, 64, KernelConfig(_t(64, 64, 4), _t(64, 64, 4), _t(64, 32, 4))),
-    (0, 2, 128, KernelConfig(_t(64, 64, 8), _t(64, 32, 8), _t(32, 32, 8))),
-    (0, 2, 256, KernelConfig(_t(32, 32, 8), _t(32, 32, 8), _t(16, 16, 8))),
-    (0, 4, 64, KernelConfig(_t(64, 32, 4), _t(32, 32, 4), _t(32, 32, 4))),
-    (0, 4, 128, KernelConfig(_t(32, 32, 8), _t(32, 32, 8), _t(16, 16, 8))),
+    (166_912, 2, 64, KernelConfig(_t(128, 64, 4), _t(64, 64, 4), _t(64, 32, 4))),
+    (166_912, 2, 128, KernelConfig(_t(128, 64, 8), _t(64, 128, 8), _t(64, 32, 8))),
+    (166_912, 2, 256, KernelConfig(_t(64, 64, 8), _t(64, 64, 8), _t(32, 32, 8))),
+    (166_912, 4, 64, A100_F32_64 := KernelConfig(_t(64, 128, 4), _t(64, 32, 4), _t(32, 32, 4))),
+    (166_912, 4, 128, A100_F32_128 := KernelConfig(_t(64, 32, 8), _t(32, 32, 8), _t(16, 16, 8))),
+    (166_912, 4, 256, A100_F32_256 := KernelConfig(_t(32, 16, 8), _t(32, 16, 8), _t(16, 16, 8))),
+    # consumer Ampere / Ada and smaller (99 KB): not compile-checked, see above
+    (0, 2, 64, A100_F32_64),
+    (0, 2, 128, A100_F32_128),
+    (0, 2, 256, A100_F32_256),
+    (0, 4, 64, KernelConfig(_t(32, 32, 4), _t(32, 32, 4), _t(16, 16, 4))),
+    (0, 4, 128, KernelConfig(_t(32, 16, 8), _t(32, 16, 8), _t(16, 16, 8))),
     (0, 4, 256, KernelConfig(_t(16, 16, 8), _t(16, 16, 8), _t(16, 16, 8))),
 ]
 

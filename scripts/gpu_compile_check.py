@@ -31,6 +31,7 @@ from jvarlen import (
     kernels,  # noqa: E402
 )
 from jvarlen.config import load_config  # noqa: E402
+from jvarlen.runtime.memory_fit import check_fit  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -111,7 +112,44 @@ def step_rows(target: str, names):
         if report is not None:
             fwd = report.count("varlen_flash_fwd")
             row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
+            fit = check_fit(report.memory, device_bytes=tgt.memory_bytes, env={})
+            row.detail = fit.message
+            if name == "llama-7b":
+                pred = cost_model_memory(config, n, target)
+                m = report.memory
+                row.detail += (
+                    f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.1f} GiB "
+                    f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}), model states "
+                    f"{pred['model_state'] / GiB:.1f} GiB vs XLA arguments {m['argument_size_in_bytes'] / GiB:.1f} GiB, "
+                    f"activations+working {(pred['activations'] + pred['working']) / GiB:.1f} GiB vs XLA temporaries "
+                    f"{m['temp_size_in_bytes'] / GiB:.1f} GiB; planner budget {pred['budget'] / GiB:.1f} GiB"
+                )
         yield row
+
+
+def cost_model_memory(config, devices: int, target: str) -> dict:
+    """What the planner's cost model predicts for the same data-parallel step, bytes per device:
+    model states + Eq. 10 activations (all layers checkpointed when model.remat) + working
+    memory, and its memory budget; with the analytic profile of the target's GPU."""
+    from jvarlen.layout import Layout
+    from jvarlen.plan.chunk import ChunkShape
+    from jvarlen.plan.cost import CostModel, ModelShape
+    from jvarlen.plan.hardware import analytic_coefficients
+
+    shape = ModelShape.from_config(config.model)
+    layout = Layout(dp=devices)
+    cost = CostModel(shape, layout, analytic_coefficients(shape, "h100" if target == "h100" else "a800"))
+    rows = config.data.tokens_per_batch // config.data.seq_len // devices
+    chunk = ChunkShape(0, (config.data.seq_len,) * rows)
+    ckpt = shape.num_layers if config.model.remat else 0
+    state = cost.model_state_memory(0)
+    return {
+        "model_state": state,
+        "activations": cost.activation_memory(chunk, ckpt, 0),
+        "working": cost.working_memory(chunk, ckpt),
+        "peak": state + cost.peak_memory(chunk, ckpt, 0),
+        "budget": cost.memory_budget,
+    }
 
 
 def markdown(rows) -> str:
@@ -120,7 +158,7 @@ def markdown(rows) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        status = r.status if r.status == "compiled" else f"{r.status}: {r.detail[:120]}"
+        status = r.status if r.status == "compiled" else f"{r.status}: {r.detail[:160]}"
         smem = f"{r.shared_memory:,}" if r.status == "compiled" else ""
         spills = f"{r.spill_bytes:,}" if r.status == "compiled" else ""
         peak = f"{r.peak_gib:.2f}" if r.status == "compiled" else ""
