@@ -70,6 +70,14 @@ def abstract_devices(name: str, count: int = 1) -> tuple:
     return tuple(topo.devices)
 
 
+def lowering_device(device):
+    """Context making ``device`` JAX's default device while lowering: JAX >= 0.12 asks the
+    default device which GPU the Pallas Triton lowering targets (jax 0.10 does not)."""
+    import jax
+
+    return jax.default_device(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelStats:
     """One Pallas (Triton) kernel of a compiled program."""
@@ -221,7 +229,8 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, placement.state_sharding
     )
-    return step.lower(abstract, batch)
+    with lowering_device(devices[0]):
+        return step.lower(abstract, batch)
 
 
 # Attention cases of the compile matrix: (q heads, kv heads, query tokens, key tokens).
@@ -274,5 +283,5 @@ def lower_attention(device, dtype, head_dim: int, case: str = "gqa", kernel_conf
         *(sds((1, n), jnp.int32) for n in (t, t, s, s)),
         info,
     )
-    with kernels.compile_for(target or device):
+    with kernels.compile_for(target or device), lowering_device(device):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)

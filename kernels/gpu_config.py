@@ -156,7 +156,7 @@ _TABLE: list[tuple[int, int, int, KernelConfig]] = [
     (166_912, 2, 128, KernelConfig(_t(128, 64, 8), _t(64, 128, 8), _t(64, 32, 8))),
     (166_912, 2, 256, KernelConfig(_t(64, 64, 8), _t(64, 64, 8), _t(32, 32, 8))),
     (166_912, 4, 64, A100_F32_64 := KernelConfig(_t(64, 128, 4), _t(64, 32, 4), _t(32, 32, 4))),
-    (166_912, 4, 128, A100_F32_128 := KernelConfig(_t(64, 32, 8), _t(32, 32, 8), _t(16, 16, 8))),
+    (166_912, 4, 128, A100_F32_128 := KernelConfig(_t(64, 64, 8), _t(64, 64, 8), _t(16, 16, 8))),
     (166_912, 4, 256, A100_F32_256 := KernelConfig(_t(32, 16, 8), _t(32, 16, 8), _t(16, 16, 8))),
     # consumer Ampere / Ada and smaller (99 KB): not compile-checked, see above
     (0, 2, 64, A100_F32_64),
