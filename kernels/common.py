@@ -17,6 +17,10 @@ import jax.numpy as jnp
 EMPTY_ROW_LSE = -1e30
 
 
+class UnsupportedError(ValueError):
+    """A configuration the kernels refuse up front (rather than fail inside XLA/Triton)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes. ``block_q`` x ``block_kv`` is one tile of the score matrix.

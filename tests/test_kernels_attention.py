@@ -174,7 +174,7 @@ def test_dtype_and_id_errors():
     k = jnp.zeros((8, 1, 64))
     with pytest.raises(TypeError, match="share a dtype"):
         _call(q, k.astype(jnp.bfloat16), k)
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         _call(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
     with pytest.raises(TypeError, match="integer"):
         _call(q, k, k, q_seg=jnp.ones(8, jnp.float32))

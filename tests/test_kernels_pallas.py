@@ -118,7 +118,12 @@ def test_kernels_lower_to_triton(d, hkv):
         sds((2, 200), jnp.int32),
         sds((2, 300), jnp.int32),
     )
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    try:
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    except RuntimeError as e:  # JAX >= 0.12 asks Triton lowering for a (real or abstract) GPU device
+        if "No supported GPU devices found" not in str(e):
+            raise
+        pytest.skip("this JAX lowers Triton only for a GPU device; tests/test_gpu_aot.py compiles for an abstract one")
     text = lowered.as_text()
     for name in ("varlen_flash_fwd", "varlen_flash_dq", "varlen_flash_dkv"):
         assert name in text

@@ -14,8 +14,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvarlen.config import ModelConfig
+from jvarlen.kernels import ATTENTION_RESIDUALS
+from jvarlen.kernels.gpu_config import compiles_for_gpu
 from jvarlen.model.attention import AttentionFn, AttentionInputs, make_attention_fn
 from jvarlen.model.layers import DecoderLayer, RMSNorm, _param
+
+# What a rematerialised layer keeps: attention's output and logsumexp (kernels.api names them).
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS)
 
 
 class Transformer(nnx.Module):
@@ -90,20 +95,32 @@ class Transformer(nnx.Module):
 
 def apply_stacked_layers(graphdef, stacked, x_btd, inputs, attention_fn, *, compute_dtype, remat: bool):
     """Scans ``x`` through layers whose state leaves are stacked ``[L, ...]``."""
+    body = layer_body(graphdef, inputs, attention_fn, compute_dtype=compute_dtype, remat=remat)
+    x_btd, _ = jax.lax.scan(body, x_btd, stacked)
+    return x_btd
+
+
+def layer_body(graphdef, inputs, attention_fn, *, compute_dtype, remat: bool):
+    """The scan body ``(x, layer_state) -> (x, None)`` of one layer."""
 
     def body(x, layer_state):
         layer = nnx.merge(graphdef, layer_state)
         return layer(x, inputs, attention_fn, compute_dtype), None
 
     if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    x_btd, _ = jax.lax.scan(body, x_btd, stacked)
-    return x_btd
+        # Recompute the layer in the backward pass except attention's output and softmax
+        # statistics: the attention backward needs them, and recomputing them would run the
+        # attention forward a second time (the costliest part of a long-context layer).
+        body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICY)
+    return body
 
 
 def resolve_compute_dtype(name: str):
+    """ "auto": bfloat16 when compiling for a GPU (a default GPU backend, or inside
+    ``kernels.compile_for``) or TPU, float32 on CPU."""
     if name == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        on_cpu = jax.default_backend() == "cpu" and not compiles_for_gpu()
+        return jnp.dtype(jnp.float32 if on_cpu else jnp.bfloat16)
     return jnp.dtype(name)
 
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jvarlen.layout import Layout
+from jvarlen.runtime.memory_fit import ensure_fits
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class StepCache:
         sharding = self._batch_sharding(layout)
         abstract_batch = {k: jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for k, v in batch.items()}
         compiled = self._build(layout).lower(self._abstract_state, abstract_batch).compile()
+        ensure_fits(compiled)  # issue 17: refuse a step that cannot fit the device, before it runs
         dt = time.perf_counter() - t0
         self._compiled[key] = compiled
         self.stats.misses += 1

@@ -1,0 +1,262 @@
+"""Deviceless GPU compile check: does every attention configuration and train step compile
+for an H100 / A100, and what does it need?
+
+    pip install -e '.[gpu-aot]'          # the CUDA plugin + ptxas; no GPU, no cuDNN needed
+    python scripts/gpu_compile_check.py --target h100 --target a100 [--part attention|steps]
+
+Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64, 80, 96,
+128, 256} x {gqa, context} (``jvarlen.gpu_aot.ATTENTION_CASES``). Train steps: the
+data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
+(real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Every row either
+compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
+XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
+status, largest shared memory of the Pallas kernels, register spill bytes (ptxas), peak
+memory per device (arguments + outputs + temporaries - donated), attention forwards per
+layer. ``--search`` instead compiles candidate tiles per (target, dtype size, head dim)
+and prints the largest that fit without spills (rows for ``kernels/gpu_config._TABLE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax.numpy as jnp  # noqa: E402
+
+from jvarlen import (
+    gpu_aot,  # first: lets the CUDA plugin register without cuDNN
+    kernels,  # noqa: E402
+)
+from jvarlen.config import load_config  # noqa: E402
+from jvarlen.runtime.memory_fit import check_fit  # noqa: E402
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+HEAD_DIMS = (64, 80, 96, 128, 256)
+# config file, devices, overrides (the llama-7b row is the shape of the issue: 8 GPUs, 16 x 32K)
+STEPS = {
+    "default": ("configs/default.yaml", 2, {}),
+    "default-f32": ("configs/default.yaml", 2, {"model.compute_dtype": "float32"}),
+    "epp-cpu": ("configs/epp-cpu.yaml", 8, {"model.attention": "auto"}),
+    "llama-7b": ("configs/llama-7b.yaml", 8, {}),
+}
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class Row:
+    target: str
+    what: str
+    status: str  # compiled | refused | FAILED
+    detail: str = ""
+    shared_memory: int = 0
+    spill_bytes: int = 0
+    peak_gib: float = 0.0
+    attention_fwd_per_layer: str = ""
+    seconds: float = 0.0
+    kernels: list = dataclasses.field(default_factory=list)
+
+
+def _run(target, what, lower):
+    t0 = time.perf_counter()
+    try:
+        report = gpu_aot.compile_report(lower())
+    except kernels.UnsupportedError as e:
+        return Row(target, what, "refused", str(e), seconds=time.perf_counter() - t0), None
+    except Exception as e:  # anything else failed inside JAX/XLA/Triton: the bar says none may
+        msg = " ".join(str(e).split())[:300]
+        return Row(target, what, "FAILED", f"{type(e).__name__}: {msg}", seconds=time.perf_counter() - t0), None
+    row = Row(
+        target,
+        what,
+        "compiled",
+        shared_memory=report.max_shared_memory,
+        spill_bytes=report.spill_bytes,
+        peak_gib=report.peak_bytes / GiB,
+        seconds=time.perf_counter() - t0,
+        kernels=[dataclasses.asdict(k) for k in report.kernels],
+    )
+    return row, report
+
+
+def attention_rows(target: str, dtypes, head_dims, cases):
+    device = gpu_aot.abstract_devices(target, 1)[0]
+    tgt = gpu_aot.gpu_target(target)
+    for dname in dtypes:
+        for d in head_dims:
+            for case in cases:
+                what = f"attention {dname} d={d} {case}"
+                lower = lambda dt=DTYPES[dname], d=d, case=case: gpu_aot.lower_attention(
+                    device, dt, d, case, target=tgt
+                )  # noqa: E731
+                row, _ = _run(target, what, lower)
+                yield row
+
+
+def step_rows(target: str, names):
+    tgt = gpu_aot.gpu_target(target)
+    for name in names:
+        path, n, overrides = STEPS[name]
+        config = load_config(path, **{"parallel.pp": "1", **overrides})
+        devices = gpu_aot.abstract_devices(target, n)
+
+        def lower(config=config, devices=devices):
+            with kernels.compile_for(tgt):
+                return gpu_aot.lower_train_step(config, devices)
+
+        rows = config.data.tokens_per_batch // config.data.seq_len
+        what = f"step {name} ({n} GPUs, {rows}x{config.data.seq_len}, remat={config.model.remat})"
+        row, report = _run(target, what, lower)
+        if report is not None:
+            fwd = report.count("varlen_flash_fwd")
+            row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
+            fit = check_fit(report.memory, device_bytes=tgt.memory_bytes, env={})
+            row.detail = fit.message
+            if name == "llama-7b":
+                pred = cost_model_memory(config, n, target)
+                m = report.memory
+                row.detail += (
+                    f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.1f} GiB "
+                    f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}), model states "
+                    f"{pred['model_state'] / GiB:.1f} GiB vs XLA arguments {m['argument_size_in_bytes'] / GiB:.1f} GiB, "
+                    f"activations+working {(pred['activations'] + pred['working']) / GiB:.1f} GiB vs XLA temporaries "
+                    f"{m['temp_size_in_bytes'] / GiB:.1f} GiB; planner budget {pred['budget'] / GiB:.1f} GiB"
+                )
+        yield row
+
+
+def cost_model_memory(config, devices: int, target: str) -> dict:
+    """What the planner's cost model predicts for the same data-parallel step, bytes per device:
+    model states + Eq. 10 activations (all layers checkpointed when model.remat) + working
+    memory, and its memory budget; with the analytic profile of the target's GPU."""
+    from jvarlen.layout import Layout
+    from jvarlen.plan.chunk import ChunkShape
+    from jvarlen.plan.cost import CostModel, ModelShape
+    from jvarlen.plan.hardware import analytic_coefficients
+
+    shape = ModelShape.from_config(config.model)
+    layout = Layout(dp=devices)
+    cost = CostModel(shape, layout, analytic_coefficients(shape, "h100" if target == "h100" else "a800"))
+    rows = config.data.tokens_per_batch // config.data.seq_len // devices
+    chunk = ChunkShape(0, (config.data.seq_len,) * rows)
+    ckpt = shape.num_layers if config.model.remat else 0
+    state = cost.model_state_memory(0)
+    return {
+        "model_state": state,
+        "activations": cost.activation_memory(chunk, ckpt, 0),
+        "working": cost.working_memory(chunk, ckpt),
+        "peak": state + cost.peak_memory(chunk, ckpt, 0),
+        "budget": cost.memory_budget,
+    }
+
+
+def markdown(rows) -> str:
+    out = [
+        "| target | configuration | status | max shared memory (B) | spills (B) | peak / device (GiB) | attention fwd kernels | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        status = r.status if r.status == "compiled" else f"{r.status}: {r.detail[:160]}"
+        smem = f"{r.shared_memory:,}" if r.status == "compiled" else ""
+        spills = f"{r.spill_bytes:,}" if r.status == "compiled" else ""
+        peak = f"{r.peak_gib:.2f}" if r.status == "compiled" else ""
+        out.append(
+            f"| {r.target} | {r.what} | {status} | {smem} | {spills} | {peak} | {r.attention_fwd_per_layer} | {r.seconds:.0f} |"
+        )
+    return "\n".join(out)
+
+
+# --search: candidate tiles per kernel, preferred first (bigger tiles = fewer passes).
+def _candidates(d: int):
+    warps = 4 if d <= 64 else 8
+    sizes = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 16)]
+    return [kernels.KernelTiles(bq, bk, warps, 2) for bq, bk in sizes]
+
+
+def search(target: str, dtype_names, head_dims):
+    """Per kernel, the first candidate whose compile fits shared memory with no spills."""
+    device = gpu_aot.abstract_devices(target, 1)[0]
+    tgt = gpu_aot.gpu_target(target)
+    for dname in dtype_names:
+        for d in head_dims:
+            chosen, best_spill = {}, {}
+            for cand in _candidates(d):
+                todo = [k for k in ("fwd", "dq", "dkv") if k not in chosen]
+                if not todo:
+                    break
+                cfg = kernels.KernelConfig(cand, cand, cand)
+                try:
+                    report = gpu_aot.compile_report(
+                        gpu_aot.lower_attention(device, DTYPES[dname], d, "gqa", kernel_config=cfg, target=tgt)
+                    )
+                except Exception as e:
+                    print(f"  {target} {dname} d={d} {cand}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                    continue
+                stats = {k.name.removeprefix("varlen_flash_"): k for k in report.kernels}
+                for k in todo:
+                    ks = stats.get(k)
+                    if ks is None:
+                        continue
+                    print(
+                        f"  {target} {dname} d={d} {k} {cand}: smem {ks.shared_memory} spill {ks.spill_stores}",
+                        flush=True,
+                    )
+                    if (ks.spill_stores or 0) == 0:
+                        chosen[k] = cand
+                    elif k not in best_spill or ks.spill_stores < best_spill[k][0]:
+                        best_spill[k] = (ks.spill_stores, cand)
+            for k in ("fwd", "dq", "dkv"):
+                if k not in chosen and k in best_spill:
+                    chosen[k] = best_spill[k][1]
+            line = ", ".join(f"{k}=({c.block_q}, {c.block_kv}, {c.num_warps})" for k, c in chosen.items())
+            print(f"{target} {dname} d={d}: {line}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", action="append", choices=sorted(gpu_aot.TARGETS), help="repeatable; default both")
+    ap.add_argument("--part", choices=("all", "attention", "steps"), default="all")
+    ap.add_argument("--dtype", action="append", choices=sorted(DTYPES))
+    ap.add_argument("--head_dim", action="append", type=int)
+    ap.add_argument("--case", action="append", choices=sorted(gpu_aot.ATTENTION_CASES))
+    ap.add_argument("--step", action="append", choices=sorted(STEPS))
+    ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
+    ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
+    args = ap.parse_args(argv)
+    reason = gpu_aot.unavailable_reason()
+    if reason:
+        print(f"deviceless GPU compilation unavailable: {reason}", file=sys.stderr)
+        return 2
+    targets = args.target or ["h100", "a100"]
+    dtypes, head_dims = args.dtype or list(DTYPES), args.head_dim or list(HEAD_DIMS)
+    if args.search:
+        for target in targets:
+            search(target, args.dtype or ["bf16", "f32"], args.head_dim or [64, 128, 256])
+        return 0
+    t0, rows = time.perf_counter(), []
+    for target in targets:
+        if args.part in ("all", "attention"):
+            for row in attention_rows(target, dtypes, head_dims, args.case or list(gpu_aot.ATTENTION_CASES)):
+                rows.append(row)
+                print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
+        if args.part in ("all", "steps"):
+            for row in step_rows(target, args.step or list(STEPS)):
+                rows.append(row)
+                print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
+    print()
+    print(markdown(rows))
+    counts = {s: sum(r.status == s for r in rows) for s in ("compiled", "refused", "FAILED")}
+    print(
+        f"\n{counts['compiled']} compiled, {counts['refused']} refused, {counts['FAILED']} failed inside XLA; "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return 1 if counts["FAILED"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Deviceless CUDA compilation for an abstract H100 (needs the gpu-aot extra; skipped
+without the CUDA plugin). A representative subset of scripts/gpu_compile_check.py: about a
+minute of compiling on 2 cores; the full matrix is the script's."""
+
+import jax.numpy as jnp
+import pytest
+
+from jvarlen import gpu_aot, kernels
+from jvarlen.config import load_config
+from jvarlen.runtime.memory_fit import check_fit
+
+pytestmark = [
+    pytest.mark.gpu_aot,
+    pytest.mark.skipif(gpu_aot.unavailable_reason() is not None, reason=str(gpu_aot.unavailable_reason())),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,case",
+    [
+        (jnp.float32, 128, "gqa"),  # 263,168 B of shared memory with the old 128-row tiles
+        (jnp.bfloat16, 96, "context"),  # not a power of two: failed at Triton lowering before padding
+    ],
+)
+def test_attention_compiles_for_h100(dtype, head_dim, case):
+    import jax
+
+    device = gpu_aot.abstract_devices("h100", 1)[0]
+    # conftest sets matmul precision "highest" for the CPU reference tests; it changes the f32
+    # Triton dots (more registers). Compile as training does, with the default precision.
+    with jax.default_matmul_precision("default"):
+        lowered = gpu_aot.lower_attention(device, dtype, head_dim, case, target=gpu_aot.gpu_target("h100"))
+    report = gpu_aot.compile_report(lowered)
+    names = {k.name for k in report.kernels}
+    assert names == {"varlen_flash_fwd", "varlen_flash_dq", "varlen_flash_dkv"}
+    assert report.max_shared_memory <= 232_448
+    assert report.spill_bytes == 0, report.kernels
+
+
+def test_head_dim_above_256_is_refused_before_xla():
+    device = gpu_aot.abstract_devices("h100", 1)[0]
+    with pytest.raises(kernels.UnsupportedError):
+        gpu_aot.lower_attention(device, jnp.bfloat16, 320, "gqa", target=gpu_aot.gpu_target("h100"))
+
+
+def test_data_parallel_step_runs_one_attention_forward_per_layer():
+    """configs/default.yaml with model.remat on 2 abstract H100s: the compiled step holds one
+    forward kernel (in the scanned layer body), not a second one for the recomputation."""
+    config = load_config("configs/default.yaml", **{"parallel.pp": "1", "model.remat": "true"})
+    target = gpu_aot.gpu_target("h100")
+    with kernels.compile_for(target):
+        lowered = gpu_aot.lower_train_step(config, gpu_aot.abstract_devices("h100", 2))
+    report = gpu_aot.compile_report(lowered, ptxas=False)
+    assert report.count("varlen_flash_fwd") == 1
+    assert report.count("varlen_flash_dq") == 1 and report.count("varlen_flash_dkv") == 1
+    fit = check_fit(report.memory, device_bytes=target.memory_bytes, env={})
+    assert fit.fits, fit.message
