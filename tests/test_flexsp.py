@@ -163,3 +163,16 @@ def test_homogeneous_reference():
     full = plan_homogeneous(batches[0], costs, HomogeneousOptions(sp=sp, full_recompute=True))
     assert all((np.asarray(g.plan.ckpt_layers) == costs.model.num_layers).all() for g in full.groups)
     assert full.stats["iteration_time_s"] >= plan.stats["iteration_time_s"]
+
+
+def test_no_recomputation_protocol():
+    costs = scheme_costs(8)
+    gc = GroupCosts(costs, max_recompute=0)
+    lengths = [20000] + [2000] * 20 + [300] * 20
+    plan = flexsp.plan(lengths, costs, FlexSPOptions(max_recompute=0))
+    check_plan(plan, lengths, costs)
+    assert all((np.asarray(g.plan.ckpt_layers) == 0).all() for g in plan.groups)
+    too_long = gc.cap_full(max(gc.schemes)) + 1  # fits with recomputation, not without
+    assert flexsp.plan([too_long, 100], costs).validate([too_long, 100], costs) is None
+    with pytest.raises(PlanningError, match="with 0 of 8 layers recomputed"):
+        flexsp.plan([too_long, 100], costs, FlexSPOptions(max_recompute=0))

@@ -195,7 +195,7 @@ class _Option:
 
     scheme: Scheme
     setting: Setting
-    budget: int  # tokens per micro-batch: b · s of the bucket's longest document
+    budget: int  # tokens per micro-batch (:func:`_micro_batch_cap`)
     groups: list[list[int]]
     times: list[float]
 
@@ -238,32 +238,47 @@ def buckets_by_scheme(lengths: Sequence[int], gc: GroupCosts, options: DCPOption
     return [out[p] for p in sorted(out, reverse=True)]
 
 
-def _micro_batches(tokens: int, n_docs: int, budget: int, g_min: int) -> int:
-    """Accumulation steps of a group: its tokens in micro-batches of the bucket's token budget
-    ``b · s`` (at least ``g_min`` when it has that many documents)."""
-    return max(-(-int(tokens) // int(budget)), min(g_min, n_docs), 1)
+def _micro_batch_cap(gc: GroupCosts, scheme: Scheme, setting: Setting, s_max: int, intra: bool) -> int:
+    """Tokens per micro-batch of a bucket on ``scheme``: ``b·s`` of its (b, r) at its longest length;
+    DCP-intra never packs beyond what fits without recomputation (Alg. 1 at a shorter batch's own
+    length would not either: recomputation costs more than a micro-batch's constant), a longer
+    document runs alone with its least recomputation."""
+    budget = setting.b * s_max
+    return min(budget, gc.cap_none(scheme)) if intra else budget
 
 
 def bucket_options(
     lengths: Sequence[int], docs: list[int], gc: GroupCosts, options: DCPOptions, g_max: Optional[int]
 ) -> list[_Option]:
     """Every (p, n) of one bucket worth considering: for each scheme that holds its longest document
-    the throughput-optimal (b, r) at that length (its token budget ``b·s`` per micro-batch), then
-    n = 1, 2, ... groups (LPT of the documents by their time), while more groups still shorten the
-    slowest group and n·p fits the devices."""
+    the throughput-optimal (b, r) at that length (:func:`best_setting`, its micro-batch cap
+    :func:`_micro_batch_cap`), then n = 1, 2, ... groups (LPT of the documents by their time),
+    while more groups still shorten the slowest group and n·p fits the devices. Times use the
+    additive model of :class:`~jvarlen.plan.sp_groups.WorkTable` (per document, per micro-batch,
+    per group)."""
     s_max = max(lengths[d] for d in docs)
-    total = sum(lengths[d] for d in docs)
     out = []
     for scheme in gc.schemes:
         setting = best_setting(gc, scheme, s_max, len(docs), options)
         if setting is None:
             continue
-        budget = setting.b * s_max
-        c, base = gc.mb_const(scheme), gc.base(scheme)
-        work = {d: gc.doc_time(lengths[d], scheme) - c + gc.recompute_time(lengths[d], scheme, setting.r) for d in docs}
+        cap = _micro_batch_cap(gc, scheme, setting, s_max, options.intra)
+        r_shared = 0 if options.intra else gc.layers  # layers a shared micro-batch recomputes
+        c = gc.mb_const(scheme) + r_shared * gc.rec_const(scheme)
+        base = gc.base(scheme)
+        work, alone = {}, {}
+        for d in docs:
+            n = lengths[d]
+            alone[d] = n > cap
+            if alone[d]:  # its own micro-batch, least recomputation
+                work[d] = gc.doc_time(n, scheme) + gc.recompute_time(n, scheme, gc.least_recompute(scheme, n))
+            else:
+                work[d] = gc.doc_time(n, scheme) - gc.mb_const(scheme) + gc.recompute_time(n, scheme, r_shared)
+                work[d] -= r_shared * gc.rec_const(scheme)
         order = sorted(docs, key=lambda d: (-work[d], d))
-        floor = max(work.values()) + c + base
-        n_lo = 1 if g_max is None else max(1, -(-total // (g_max * budget)))
+        floor = max(work.values()) + base
+        shared_total = sum(lengths[d] for d in docs if not alone[d])
+        n_lo = 1 if g_max is None else max(1, -(-shared_total // (g_max * cap)))
         prev = math.inf
         for n in range(n_lo, min(len(docs), gc.num_devices // scheme.sp) + 1):
             heap = [(0.0, g) for g in range(n)]
@@ -272,11 +287,15 @@ def bucket_options(
                 load, g = heap[0]
                 heapq.heapreplace(heap, (load + work[d], g))
                 groups[g].append(d)
-            steps = [_micro_batches(sum(lengths[d] for d in grp), len(grp), budget, options.g_min) for grp in groups]
+            times, steps = [], []
+            for grp in groups:
+                shared = -(-sum(lengths[d] for d in grp if not alone[d]) // cap)
+                g = max(shared + sum(alone[d] for d in grp), min(options.g_min, len(grp)))
+                steps.append(g)
+                times.append(base + sum(work[d] for d in grp) + c * (g - sum(alone[d] for d in grp)))
             if g_max is not None and max(steps) > g_max:
                 continue
-            times = [base + sum(work[d] for d in grp) + c * g for grp, g in zip(groups, steps)]
-            opt = _Option(scheme, setting, budget, groups, times)
+            opt = _Option(scheme, setting, cap, groups, times)
             if opt.span < prev - 1e-12:
                 out.append(opt)
                 prev = opt.span

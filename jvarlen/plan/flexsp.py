@@ -67,13 +67,14 @@ class FlexSPOptions:
     token mass, counted per group). ``milp_max_vars``: skip the MILP when it would have more
     assignment variables. ``milp_linearization``: CP-SAT's ``linearization_level`` (0: no LP
     relaxation; see :func:`solve`). ``max_sp``: largest group. ``micro_batch_tokens``: cap on
-    a micro-batch's tokens below what memory allows. ``patience``: split steps without improvement
+    a micro-batch's tokens below what memory allows. ``max_recompute``: the most layers a
+    micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all). ``patience``: split steps without improvement
     before the heuristic stops. ``simulation``: the executor model of the group plans.
     """
 
     milp: bool = True
-    deterministic_time: float = 0.3
-    time_limit_s: float = 1.0
+    deterministic_time: float = 0.2
+    time_limit_s: float = 2.0
     workers: int = 1
     seed: int = 0
     milp_classes: int = 24
@@ -81,6 +82,7 @@ class FlexSPOptions:
     milp_max_vars: int = 20000
     max_sp: Optional[int] = None
     micro_batch_tokens: Optional[int] = None
+    max_recompute: Optional[int] = None
     patience: int = 6
     local_search: bool = True
     simulation: str = "ticks"
@@ -444,7 +446,9 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = GroupCosts(costs, max_sp=options.max_sp, micro_batch_tokens=options.micro_batch_tokens)
+    gc = GroupCosts(
+        costs, max_sp=options.max_sp, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute
+    )
     bad = infeasible_documents(lengths, gc)
     if bad:
         raise PlanningError(too_long_message("flexsp", lengths, gc, bad))

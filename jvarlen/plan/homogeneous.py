@@ -33,12 +33,14 @@ from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
 class HomogeneousOptions:
     """``sp``: the one SP degree (None: the fastest for each batch). ``full_recompute``: every layer
     recomputed, micro-batches as large as that allows (DCP's baseline, the paper protocol of
-    DCP-inter); default: the least recomputation per micro-batch, as FlexSP. ``micro_batch_tokens``: cap on a
+    DCP-inter); default: the least recomputation per micro-batch, as FlexSP. ``max_recompute``: the
+    most layers a micro-batch may recompute (0: FlexSP's GPT-7B protocol). ``micro_batch_tokens``: cap on a
     micro-batch's tokens below what memory allows. ``simulation``: executor model of the group plans."""
 
     sp: Optional[int] = None
     full_recompute: bool = False
     micro_batch_tokens: Optional[int] = None
+    max_recompute: Optional[int] = None
     local_search: bool = True
     simulation: str = "ticks"
 
@@ -77,7 +79,7 @@ def best_static_sp(
     the whole run must hold every batch), and every degree's per-batch times (``inf``: a document
     does not fit). Returns ``(None, times)`` when no degree holds every batch."""
     options = options or HomogeneousOptions()
-    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens)
+    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute)
     times = {
         s.sp: [homogeneous_time(b, gc, s.sp, options.local_search, options.full_recompute) for b in batches]
         for s in gc.schemes
@@ -93,7 +95,7 @@ def plan_homogeneous(lengths: Sequence[int], costs: SchemeCosts, options: Homoge
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens)
+    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute)
     degrees = [s.sp for s in gc.schemes] if options.sp is None else [int(options.sp)]
     candidates, best = [], None
     for sp in degrees:

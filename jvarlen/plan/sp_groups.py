@@ -64,10 +64,17 @@ class GroupCosts:
 
     ``schemes``: every ``Scheme(1, sp)`` with ``sp`` a power of two dividing the heads, at most
     ``max_sp`` and the device count. ``micro_batch_tokens`` optionally caps a micro-batch's
-    tokens below what memory allows (a runtime bucket limit, say).
+    tokens below what memory allows (a runtime bucket limit, say). ``max_recompute``: the most
+    layers a micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all).
     """
 
-    def __init__(self, costs: SchemeCosts, max_sp: Optional[int] = None, micro_batch_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        costs: SchemeCosts,
+        max_sp: Optional[int] = None,
+        micro_batch_tokens: Optional[int] = None,
+        max_recompute: Optional[int] = None,
+    ):
         self.costs = costs
         self.num_devices = costs.num_devices
         model = costs.model
@@ -78,18 +85,20 @@ class GroupCosts:
             raise ValueError(f"no SP scheme on {self.num_devices} devices (max_sp={max_sp})")
         self.layers = model.num_layers
         self.micro_batch_tokens = micro_batch_tokens
+        self.max_recompute = self.layers if max_recompute is None else max(0, min(int(max_recompute), self.layers))
         self.transition = costs.transition_time(self.schemes[:1])
 
     # ---- memory
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one object per planning call)
     def caps(self, scheme: Scheme) -> np.ndarray:
-        """``[L + 1]`` the most tokens one micro-batch may hold with ``r`` recomputed layers
-        (model states + activations + the backward's working memory within the budget)."""
+        """``[R + 1]`` the most tokens one micro-batch may hold with ``r`` recomputed layers
+        (model states + activations + the backward's working memory within the budget),
+        ``R = max_recompute``."""
         cost = self.costs.cost(scheme)
         free = (cost.memory_budget - cost.model_state_memory(0)) * _SAFETY
         probe = ChunkShape(0, (scheme.sp * 1024,))
-        out = np.zeros(self.layers + 1, dtype=np.int64)
-        for r in range(self.layers + 1):
+        out = np.zeros(self.max_recompute + 1, dtype=np.int64)
+        for r in range(self.max_recompute + 1):
             per_token = cost.peak_memory(probe, r, 0) / probe.tokens
             out[r] = 0 if free <= 0 else int(free // per_token)
         if self.micro_batch_tokens is not None:
@@ -101,7 +110,7 @@ class GroupCosts:
         return int(self.caps(scheme)[0])
 
     def cap_full(self, scheme: Scheme) -> int:
-        """Tokens a micro-batch may hold with every layer recomputed (the scheme's MaxLen)."""
+        """Tokens a micro-batch may hold with the most recomputation allowed (the scheme's MaxLen)."""
         return int(self.caps(scheme).max())
 
     def least_recompute(self, scheme: Scheme, tokens: int) -> Optional[int]:
@@ -155,6 +164,14 @@ class GroupCosts:
         documents into one micro-batch saves over running them separately."""
         a = 256
         return max(0.0, 2 * self.doc_time(a, scheme) - self.costs.micro_batch_time([a, a], scheme))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def rec_const(self, scheme: Scheme) -> float:
+        """The per-micro-batch constant of recomputing one layer (what ``c_P`` is to the forward)."""
+        a = 256
+        one = self.recompute_time(a, scheme, 1)
+        two = self.costs.cost(scheme).recompute_time(ChunkShape(0, (a, a)), 1)
+        return max(0.0, 2 * one - two)
 
     @functools.lru_cache(maxsize=None)  # noqa: B019
     def base(self, scheme: Scheme) -> float:
@@ -211,7 +228,7 @@ class GroupCosts:
             r = self.least_recompute(scheme, tokens)
             if r is None:
                 raise ValueError(f"micro-batch of {tokens} tokens does not fit {scheme}")
-            ckpt.append(self.layers if full_recompute else r)
+            ckpt.append(self.max_recompute if full_recompute else r)
         return GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
 
 
@@ -378,8 +395,8 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
     scheme, longest = gc.longest_fitting()
     return (
         f"{policy}: document(s) {list(docs)[:5]} of {[int(lengths[d]) for d in docs][:5]} tokens do not fit "
-        f"any SP group: the longest micro-batch that fits is {longest} tokens on sp={scheme.sp} with all "
-        f"{gc.layers} layers recomputed (sp <= {max(s.sp for s in gc.schemes)}: a power of two dividing the "
+        f"any SP group: the longest micro-batch that fits is {longest} tokens on sp={scheme.sp} with "
+        f"{gc.max_recompute} of {gc.layers} layers recomputed (sp <= {max(s.sp for s in gc.schemes)}: a power of two dividing the "
         f"{gc.costs.model.num_heads} heads and the {gc.num_devices} devices)"
     )
 
