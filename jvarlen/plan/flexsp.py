@@ -73,7 +73,7 @@ class FlexSPOptions:
     """
 
     milp: bool = True
-    deterministic_time: float = 0.2
+    deterministic_time: float = 0.1
     time_limit_s: float = 2.0
     workers: int = 1
     seed: int = 0
@@ -231,7 +231,8 @@ def lower_bound_us(problem: FlexSPProblem) -> int:
     """A makespan no assignment beats: the longest single-document group, and the device time of
     every document at its cheapest scheme (plus one micro-batch and base per device) spread over N."""
     fit = problem.work_us >= 0
-    alone = np.where(fit, problem.work_us + problem.base_us[None, :] + problem.mbc_us[None, :], np.iinfo(np.int64).max)
+    own_mb = np.where(problem.table.short, problem.mbc_us[None, :], 0)  # a long document's work has its own
+    alone = np.where(fit, problem.work_us + problem.base_us[None, :] + own_mb, np.iinfo(np.int64).max)
     single = int(alone.min(axis=1).max())
     device_us = np.where(fit, problem.work_us * problem.sp[None, :], np.iinfo(np.int64).max).min(axis=1).sum()
     spread = int((device_us + problem.num_devices * int(problem.base_us.min())) // problem.num_devices)
@@ -368,9 +369,10 @@ def solve(
     solver.parameters.max_deterministic_time = float(options.deterministic_time)
     solver.parameters.num_workers = int(options.workers)
     solver.parameters.random_seed = int(options.seed)
-    # Probing and the LP relaxation cost more than they find here (measured: with them CP-SAT
-    # spends its budget completing the hint; without, it proves the single-document bound
-    # optimal or improves the hint within the same deterministic time).
+    # Presolve, probing and the LP relaxation cost more than they find here (measured on GPT-7B /
+    # github iterations: with them CP-SAT spent a 0.1-0.3 deterministic budget before even taking
+    # the hint, status UNKNOWN; without, it starts from the hint and proves it optimal or improves it).
+    solver.parameters.cp_model_presolve = False
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.linearization_level = int(options.milp_linearization)
     status = solver.solve(m.model)
@@ -459,7 +461,11 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
     finalists = {"heuristic": greedy}
     classes = document_classes(problem, options.milp_classes)
     status, n_vars = "skipped", n_assignment_vars(problem, classes)
-    if options.milp and n_vars <= options.milp_max_vars and options.deterministic_time > 0 and options.time_limit_s > 0:
+    if problem.makespan_us(greedy) <= lower_bound_us(problem):
+        status = "heuristic at the lower bound"
+    elif (
+        options.milp and n_vars <= options.milp_max_vars and options.deterministic_time > 0 and options.time_limit_s > 0
+    ):
         groups, status, solve_events = solve(problem, options, greedy, classes)
         events.extend(solve_events)
         if groups is not None:
@@ -468,7 +474,7 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
                 groups = list(zip(sizes, problem.table.improve(sizes, [r for _, r in groups])))
                 groups = [(s, r) for s, r in groups if r]
             finalists["milp"] = groups
-    elif options.milp:
+    elif options.milp and n_vars > options.milp_max_vars:
         events.append(f"flexsp: MILP skipped ({n_vars} assignment variables > milp_max_vars={options.milp_max_vars})")
     candidates, best = [], None
     for name, groups in finalists.items():
