@@ -1,0 +1,471 @@
+"""DCP policy (Data-Centric Parallel): per-batch parallel size p, batch size b, accumulation g, recomputation r.
+
+DCP lets each batch's sequence length pick its runtime settings. Its notions map onto the
+shared structures (:mod:`jvarlen.plan.strategy`) as follows:
+
+* a DCP *batch* ``d_i`` (b sequences of one length) is one **micro-batch** packing ``b`` whole
+  documents of one length class (a *bucket*: lengths within a factor ``bucket_ratio``);
+* its *sequence parallel size* ``p_i`` is the group's scheme ``Scheme(1, p)``;
+* its *gradient accumulation steps* ``g_i`` are the **number of micro-batches** the group runs;
+* its *recomputed layers* ``r_i`` (DCP-intra) are the group plan's ``ckpt`` per micro-batch
+  (runtime data, no recompilation per choice);
+* the *profile* (§3.5, dual-layer profiling: per-layer ``t_f``, ``t_b``, ``m`` and the constants
+  ``T_C``, ``M_C``) is the fitted per-layer cost model (:class:`~jvarlen.plan.strategy.SchemeCosts`).
+
+Per iteration:
+
+1. **(b, p, r) per bucket** (§3.3, Eq. 1; §3.4, Alg. 1, Eq. 4-6): for every scheme p and batch
+   size b of a grid, the batch's time and memory with every layer recomputed; DCP-intra
+   (:func:`alg1`) lowers the recomputation to the least that fits memory and keeps, per p, the b
+   of highest throughput ``b·s / (p·T)``; DCP-inter keeps full recomputation.
+2. **g per group** (§3.3, Eq. 3, App. C): a bucket's documents spread over ``n`` groups of p
+   devices (LPT), each group running ``g = ⌈docs / b⌉`` micro-batches, ``g ∈ [G_min, G_max]``.
+   The iteration's documents are fixed, so choosing g is choosing n: for a time target τ each
+   bucket takes the (p, n) with the fewest devices whose slowest group fits τ (the most
+   throughput, Eq. 1, subject to balance, Eq. 2-3); the least τ whose buckets fit the devices
+   wins (a search over the finite set of group times), idle devices then go to the buckets
+   whose groups are slowest while that does not slow them (lowering Eq. 3's idle sum). Short
+   buckets thus get few small groups that accumulate many micro-batches while a long document
+   runs once on a large group.
+3. Several bucket widths are tried and the exact predicted times decide.
+
+Pure Python/numpy: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from typing import Mapping, Optional, Sequence
+
+from jvarlen.plan.api import SIMULATIONS, PlanningError
+from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunking import chunk_group, sorted_order
+from jvarlen.plan.sp_groups import (
+    GroupChoice,
+    GroupCosts,
+    assemble_strategy,
+    candidate_record,
+    infeasible_documents,
+    too_long_message,
+)
+from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan, register_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPOptions:
+    """Knobs of the DCP policies.
+
+    ``intra``: DCP-intra (least recomputation per (b, p), Alg. 1) or DCP-inter (every layer
+    recomputed). ``g_min`` / ``g_max``: bounds on a group's accumulation steps (App. C; a group
+    with fewer documents than ``g_min`` runs one per micro-batch; ``g_max`` is lifted, with an
+    event, when the devices cannot otherwise hold the iteration). ``bucket_ratios``: widths of the
+    length classes tried (``inf``: one class); ``scheme_buckets``: also try buckets of the documents
+    that prefer the same SP degree (:func:`buckets_by_scheme`). ``max_batch_docs``: largest b profiled.
+    ``max_sp``: largest group. ``micro_batch_tokens``: cap on a micro-batch's tokens.
+    ``simulation``: the executor model of the group plans.
+    """
+
+    intra: bool = True
+    g_min: int = 1
+    g_max: Optional[int] = 32
+    bucket_ratios: tuple[float, ...] = (2.0, 4.0, 16.0, math.inf)
+    scheme_buckets: bool = True
+    max_batch_docs: int = 512
+    max_sp: Optional[int] = None
+    micro_batch_tokens: Optional[int] = None
+    simulation: str = "ticks"
+
+    def __post_init__(self):
+        if self.simulation not in SIMULATIONS:
+            raise ValueError(f"DCPOptions.simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
+        if self.g_min < 1 or (self.g_max is not None and self.g_max < self.g_min):
+            raise ValueError(f"DCPOptions: need 1 <= g_min <= g_max, got {self.g_min}, {self.g_max}")
+        if not self.bucket_ratios or any(r <= 1 for r in self.bucket_ratios):
+            raise ValueError(f"DCPOptions.bucket_ratios must be > 1, got {self.bucket_ratios}")
+        if self.max_batch_docs < 1:
+            raise ValueError("DCPOptions.max_batch_docs must be >= 1")
+
+
+# --------------------------------------------------------------------------- Alg. 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileEntry:
+    """Alg. 1's profile of one (b, p) (§3.5): ``t_f`` seconds to recompute one layer of the batch,
+    ``m`` bytes per device one layer keeps beyond its checkpoint when not recomputed, ``T`` seconds
+    and ``M`` bytes per device of the batch with every layer recomputed (Eq. 4, 6 with r = L)."""
+
+    t_f: float
+    m: float
+    T: float
+    M: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A chosen (b, p, r): batch size, SP degree, recomputed layers, time of one batch, throughput."""
+
+    b: int
+    p: int
+    r: int
+    time: float
+    throughput: float
+
+
+def alg1(
+    capacity: float, layers: int, candidates: Mapping[tuple[int, int], ProfileEntry], seq_len: float
+) -> Optional[Setting]:
+    """DCP-intra, Alg. 1: for each (b, p), the most layers that can skip recomputation within the
+    memory ``capacity`` (``M + k·m <= capacity``, so ``r = L - k`` recomputed layers, Eq. 6), the
+    time ``T - k·t_f`` (Eq. 4-5), and the (b, p) of highest throughput ``b·s / (p·time)`` (Eq. 1;
+    ties: smaller p, then smaller b). The paper's loop breaks at the *first* k that fits, which
+    would keep a single layer; we take the largest (what the text describes). (b, p) whose fully
+    recomputed batch exceeds the capacity are skipped; None when none fits."""
+    best = None
+    for (b, p), e in sorted(candidates.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if e.M > capacity:
+            continue
+        k = layers if e.m <= 0 else int(min(layers, math.floor((capacity - e.M) / e.m)))
+        t = e.T - k * e.t_f
+        thr = b * seq_len / (p * t)
+        if best is None or thr > best.throughput * (1 + 1e-12):
+            best = Setting(b, p, layers - k, t, thr)
+    return best
+
+
+def profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> ProfileEntry:
+    """The cost model's answer to DCP's dual-layer profile for ``b`` sequences of ``seq_len`` on ``scheme``."""
+    cost = gc.costs.cost(scheme)
+    chunk = ChunkShape(0, (int(seq_len),) * int(b))
+    L = gc.layers
+    full = cost.peak_memory(chunk, L, 0)
+    return ProfileEntry(
+        t_f=cost.recompute_time(chunk, 1),
+        m=cost.peak_memory(chunk, L - 1, 0) - full,
+        T=gc.micro_batch_time(chunk.slices, scheme, L),
+        M=cost.model_state_memory(0) + full,
+    )
+
+
+def batch_grid(n: int, cap: int) -> list[int]:
+    """Batch sizes profiled: 1, 2, 3, 4, 6, 8, 12, ... up to ``min(n, cap)``, and that bound itself."""
+    hi = max(1, min(n, cap))
+    out, x = {1, hi}, 2
+    while x < hi:
+        out.add(x)
+        out.add(min(hi, x * 3 // 2))
+        x *= 2
+    return sorted(out)
+
+
+def best_setting(gc: GroupCosts, scheme: Scheme, seq_len: int, n: int, options: DCPOptions) -> Optional[Setting]:
+    """Throughput-optimal (b, r) on ``scheme`` for ``n`` documents of up to ``seq_len`` tokens."""
+    cost = gc.costs.cost(scheme)
+    capacity = cost.memory_budget
+    if gc.micro_batch_tokens is not None:
+        n = min(n, max(1, gc.micro_batch_tokens // seq_len))
+    cands = {}
+    for b in batch_grid(n, options.max_batch_docs):
+        if b * seq_len > gc.cap_full(scheme):
+            break
+        cands[b, scheme.sp] = profile_entry(gc, scheme, seq_len, b)
+    if options.intra:
+        found = alg1(capacity, gc.layers, cands, seq_len)
+        if found is None:
+            return None
+        exact = gc.least_recompute(scheme, found.b * seq_len)  # Eq. 6 is linear; the model may not be
+        return dataclasses.replace(found, r=max(found.r, exact if exact is not None else gc.layers))
+    best = None
+    for (b, p), e in cands.items():
+        thr = b * seq_len / (p * e.T)
+        if best is None or thr > best.throughput * (1 + 1e-12):
+            best = Setting(b, p, gc.layers, e.T, thr)
+    return best
+
+
+# --------------------------------------------------------------------------- g search (Eq. 3)
+
+
+@dataclasses.dataclass
+class _Option:
+    """Bucket k on n groups of scheme p: group documents, group times (additive model)."""
+
+    scheme: Scheme
+    setting: Setting
+    budget: int  # tokens per micro-batch (:func:`_micro_batch_cap`)
+    groups: list[list[int]]
+    times: list[float]
+
+    @property
+    def devices(self) -> int:
+        return self.scheme.sp * len(self.groups)
+
+    @property
+    def span(self) -> float:
+        return max(self.times)
+
+
+def buckets_of(lengths: Sequence[int], ratio: float) -> list[list[int]]:
+    """Documents (longest first) in length classes ``[ratio^k, ratio^(k+1))``, longest class first."""
+    order = sorted_order(lengths)
+    if math.isinf(ratio):
+        return [order]
+    out: dict[int, list[int]] = {}
+    for i in order:
+        out.setdefault(int(math.floor(math.log(lengths[i]) / math.log(ratio) + 1e-12)), []).append(i)
+    return [out[k] for k in sorted(out, reverse=True)]
+
+
+def buckets_by_scheme(lengths: Sequence[int], gc: GroupCosts, options: DCPOptions) -> list[list[int]]:
+    """Documents (longest first) bucketed by the SP degree of highest throughput for one document of
+    their length alone (Eq. 1 at b = 1, with the least recomputation that fits for DCP-intra, all
+    layers for DCP-inter): batches that prefer the same p share groups. Longest bucket first."""
+    out: dict[int, list[int]] = {}
+    for i in sorted_order(lengths):
+        best = None
+        for scheme in gc.schemes:
+            r = gc.least_recompute(scheme, lengths[i])
+            if r is None:
+                continue
+            r = r if options.intra else gc.layers
+            busy = scheme.sp * (gc.doc_time(lengths[i], scheme) + gc.recompute_time(lengths[i], scheme, r))
+            if best is None or busy < best[0] * (1 - 1e-12):
+                best = (busy, scheme.sp)
+        out.setdefault(best[1], []).append(i)
+    return [out[p] for p in sorted(out, reverse=True)]
+
+
+def _micro_batch_cap(gc: GroupCosts, scheme: Scheme, setting: Setting, s_max: int, intra: bool) -> int:
+    """Tokens per micro-batch of a bucket on ``scheme``: ``b·s`` of its (b, r) at its longest length;
+    DCP-intra never packs beyond what fits without recomputation (Alg. 1 at a shorter batch's own
+    length would not either: recomputation costs more than a micro-batch's constant), a longer
+    document runs alone with its least recomputation."""
+    budget = setting.b * s_max
+    return min(budget, gc.cap_none(scheme)) if intra else budget
+
+
+def bucket_options(
+    lengths: Sequence[int], docs: list[int], gc: GroupCosts, options: DCPOptions, g_max: Optional[int]
+) -> list[_Option]:
+    """Every (p, n) of one bucket worth considering: for each scheme that holds its longest document
+    the throughput-optimal (b, r) at that length (:func:`best_setting`, its micro-batch cap
+    :func:`_micro_batch_cap`), then n = 1, 2, ... groups (LPT of the documents by their time),
+    while more groups still shorten the slowest group and n·p fits the devices. Times use the
+    additive model of :class:`~jvarlen.plan.sp_groups.WorkTable` (per document, per micro-batch,
+    per group)."""
+    s_max = max(lengths[d] for d in docs)
+    out = []
+    for scheme in gc.schemes:
+        setting = best_setting(gc, scheme, s_max, len(docs), options)
+        if setting is None:
+            continue
+        cap = _micro_batch_cap(gc, scheme, setting, s_max, options.intra)
+        r_shared = 0 if options.intra else gc.layers  # layers a shared micro-batch recomputes
+        c = gc.mb_const(scheme) + r_shared * gc.rec_const(scheme)
+        base = gc.base(scheme)
+        work, alone = {}, {}
+        for d in docs:
+            n = lengths[d]
+            alone[d] = n > cap
+            if alone[d]:  # its own micro-batch, least recomputation
+                work[d] = gc.doc_time(n, scheme) + gc.recompute_time(n, scheme, gc.least_recompute(scheme, n))
+            else:
+                work[d] = gc.doc_time(n, scheme) - gc.mb_const(scheme) + gc.recompute_time(n, scheme, r_shared)
+                work[d] -= r_shared * gc.rec_const(scheme)
+        order = sorted(docs, key=lambda d: (-work[d], d))
+        floor = max(work.values()) + base
+        shared_total = sum(lengths[d] for d in docs if not alone[d])
+        n_lo = 1 if g_max is None else max(1, -(-shared_total // (g_max * cap)))
+        prev = math.inf
+        for n in range(n_lo, min(len(docs), gc.num_devices // scheme.sp) + 1):
+            heap = [(0.0, g) for g in range(n)]
+            groups: list[list[int]] = [[] for _ in range(n)]
+            for d in order:
+                load, g = heap[0]
+                heapq.heapreplace(heap, (load + work[d], g))
+                groups[g].append(d)
+            times, steps = [], []
+            for grp in groups:
+                shared = -(-sum(lengths[d] for d in grp if not alone[d]) // cap)
+                g = max(shared + sum(alone[d] for d in grp), min(options.g_min, len(grp)))
+                steps.append(g)
+                times.append(base + sum(work[d] for d in grp) + c * (g - sum(alone[d] for d in grp)))
+            if g_max is not None and max(steps) > g_max:
+                continue
+            opt = _Option(scheme, setting, cap, groups, times)
+            if opt.span < prev - 1e-12:
+                out.append(opt)
+                prev = opt.span
+            if opt.span <= floor * (1 + 1e-9):
+                break
+    return out
+
+
+def search(per_bucket: list[list[_Option]], num_devices: int) -> Optional[list[_Option]]:
+    """The least time target τ for which every bucket has an option within τ and the cheapest such
+    options (fewest devices) fit ``num_devices``; then idle devices go to the slowest buckets'
+    next option while it is as fast and fits. None when no τ fits."""
+    if any(not opts for opts in per_bucket):
+        return None
+    values = sorted({o.span for opts in per_bucket for o in opts})
+
+    def pick(tau):
+        chosen = []
+        for opts in per_bucket:
+            ok = [o for o in opts if o.span <= tau]
+            if not ok:
+                return None
+            chosen.append(min(ok, key=lambda o: (o.devices, o.span)))
+        return chosen if sum(o.devices for o in chosen) <= num_devices else None
+
+    lo, hi = 0, len(values) - 1
+    if pick(values[hi]) is None:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pick(values[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    chosen = pick(values[lo])
+    while True:  # fill idle devices (Eq. 3): the slowest bucket first, never slower
+        idle = num_devices - sum(o.devices for o in chosen)
+        moved = False
+        for k in sorted(range(len(chosen)), key=lambda k: -chosen[k].span):
+            more = [
+                o
+                for o in per_bucket[k]
+                if o.scheme == chosen[k].scheme
+                and len(o.groups) > len(chosen[k].groups)
+                and o.devices - chosen[k].devices <= idle
+                and o.span <= chosen[k].span
+            ]
+            if more:
+                chosen[k] = min(more, key=lambda o: (o.span, o.devices))
+                moved = True
+                break
+        if not moved:
+            return chosen
+
+
+def realise(lengths: Sequence[int], gc: GroupCosts, chosen: list[_Option], options: DCPOptions) -> list[GroupChoice]:
+    """Each group's documents, length-sorted, cut by Eq. 23-24 into its g micro-batches; each
+    micro-batch recomputes the least layers that fit (DCP-intra) or all of them (DCP-inter)."""
+    out = []
+    for opt in chosen:
+        for grp in opt.groups:
+            local = [lengths[d] for d in grp]
+            mbs = chunk_group(local, opt.budget, options.g_min)
+            ckpt = []
+            for mb in mbs:
+                tokens = sum(local[i] for i in mb)
+                r = gc.least_recompute(opt.scheme, tokens) if options.intra else gc.layers
+                if r is None or tokens > gc.cap_full(opt.scheme):
+                    raise ValueError(f"dcp: a micro-batch of {tokens} tokens does not fit {opt.scheme}")
+                ckpt.append(r)
+            out.append(GroupChoice(opt.scheme, tuple(grp), tuple(tuple(mb) for mb in mbs), tuple(ckpt)))
+    return out
+
+
+def eq3(times: Sequence[float], sizes: Sequence[int], num_devices: int) -> tuple[float, float]:
+    """Eq. 3 for groups of ``sizes`` devices whose accumulated times ``g_i·T(d_i)`` are ``times``:
+    ``Σ_i (max_j g_j·T_j - g_i·T_i) / W`` (seconds), and the imbalance ratio of §4.2: the mean
+    fraction of the iteration a device is idle (devices in no group idle throughout)."""
+    top = max(times)
+    busy = sum(p * t for p, t in zip(sizes, times))
+    return sum(top - t for t in times) / num_devices, 1.0 - busy / (num_devices * top)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPOptions) -> StrategyPlan:
+    t0 = time.perf_counter()
+    lengths = [int(x) for x in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    gc = GroupCosts(costs, max_sp=options.max_sp, micro_batch_tokens=options.micro_batch_tokens)
+    bad = infeasible_documents(lengths, gc)
+    if bad:
+        raise PlanningError(too_long_message(policy, lengths, gc, bad))
+    events: list[str] = []
+    candidates, best = [], None
+    bucketings = [(ratio, buckets_of(lengths, ratio)) for ratio in options.bucket_ratios]
+    if options.scheme_buckets:
+        bucketings.append(("by-p", buckets_by_scheme(lengths, gc, options)))
+    for ratio, buckets in bucketings:
+        g_max = options.g_max
+        chosen = search([bucket_options(lengths, b, gc, options, g_max) for b in buckets], gc.num_devices)
+        if chosen is None and g_max is not None:
+            chosen = search([bucket_options(lengths, b, gc, options, None) for b in buckets], gc.num_devices)
+            if chosen is not None:
+                events.append(f"{policy}: bucket ratio {ratio}: G_max={g_max} lifted (too few devices otherwise)")
+        if chosen is None:
+            events.append(
+                f"{policy}: bucket ratio {ratio}: {len(buckets)} buckets need more than {gc.num_devices} devices"
+            )
+            continue
+        choices = realise(lengths, gc, chosen, options)
+        record = candidate_record(
+            lengths,
+            gc,
+            choices,
+            bucket_ratio=ratio,
+            buckets=[
+                {
+                    "docs": len(b),
+                    "max_len": max(lengths[d] for d in b),
+                    "p": o.scheme.sp,
+                    "b": o.setting.b,
+                    "r": o.setting.r,
+                    "groups": len(o.groups),
+                }
+                for b, o in zip(buckets, chosen)
+            ],
+        )
+        candidates.append(record)
+        if best is None or record["iteration_time_s"] < best[0] - 1e-12:
+            best = (record["iteration_time_s"], ratio, choices, record["buckets"])
+    if best is None:
+        raise PlanningError(f"{policy}: no bucketing of this batch fits {gc.num_devices} devices ({'; '.join(events)})")
+    _, ratio, choices, buckets = best
+    idle = gc.num_devices - sum(c.scheme.sp for c in choices)
+    if idle:
+        events.append(f"{policy}: {idle} device(s) idle: no further group makes any bucket's slowest group faster")
+    eq3_s, idle_ratio = eq3(
+        [gc.group_time(lengths, c) for c in choices], [c.scheme.sp for c in choices], gc.num_devices
+    )
+    stats = {
+        "bucket_ratio": ratio,
+        "buckets": buckets,
+        "accumulation": [len(c.micro_batches) for c in choices],
+        "eq3_s": eq3_s,
+        "imbalance_ratio": idle_ratio,
+        "candidates": candidates,
+    }
+    return assemble_strategy(policy, lengths, gc, choices, options.simulation, t0, stats, events)
+
+
+@register_policy("dcp", DCPOptions)
+def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[DCPOptions] = None) -> StrategyPlan:
+    """DCP-intra: per-bucket (b, p, r) by Alg. 1, accumulation by Eq. 3 (module docstring)."""
+    return _plan("dcp", lengths, costs, options or DCPOptions())
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPInterOptions(DCPOptions):
+    """DCP-inter: as :class:`DCPOptions` with every layer recomputed (no recomputation choice)."""
+
+    intra: bool = False
+
+
+@register_policy("dcp-inter", DCPInterOptions)
+def plan_inter(lengths: Sequence[int], costs: SchemeCosts, options: Optional[DCPOptions] = None) -> StrategyPlan:
+    """DCP-inter (the ablation without DCP-intra's recomputation choice)."""
+    return _plan("dcp-inter", lengths, costs, options or DCPInterOptions())
+
+
+__all__ = ["DCPInterOptions", "DCPOptions", "ProfileEntry", "Setting", "alg1", "eq3", "plan", "plan_inter", "search"]
