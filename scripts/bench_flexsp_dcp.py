@@ -16,8 +16,8 @@ one SP degree for the whole workload, N/sp groups, LPT dispatch, the same Eq. 23
 with the least recomputation per micro-batch (our strict reference) or every layer recomputed
 (the papers' protocol: DeepSpeed-Ulysses / bucket parallel with full activation checkpointing).
 Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
-slowest group's propagation only (without the per-iteration step overhead and pull/push
-transition, which are the same constant for every strategy here). Also measures planning time at
+slowest group's propagation only (without the per-iteration step overhead, which includes the
+parameter pull and gradient push and is the same constant for every strategy here). Also measures planning time at
 ~200K tokens per iteration on 64 devices (the policies' per-iteration budget). Writes the
 "## FlexSP and DCP policies (simulated)" section of docs/benchmarks.md and a JSON file of records.
 
@@ -136,7 +136,7 @@ def settings(quick: bool) -> list[Setting]:
 def propagation(iteration: float, gc: GroupCosts) -> float:
     """Slowest group's micro-batches only: the iteration less the (scheme-independent) step overhead
     and transition."""
-    return iteration - gc.base(gc.schemes[0]) - gc.transition
+    return iteration - gc.base(gc.schemes[0])
 
 
 def run_setting(s: Setting, iterations: int, quiet: bool) -> dict:
@@ -191,7 +191,7 @@ def run_setting(s: Setting, iterations: int, quiet: bool) -> dict:
             *((p, [r["iter_s"] for r in rows[p]]) for p in VARIANTS),
         )
     }
-    rows["overhead_s"] = gc.base(gc.schemes[0]) + gc.transition
+    rows["overhead_s"] = gc.base(gc.schemes[0])
     return rows
 
 
@@ -330,9 +330,8 @@ dispatch and (first columns) the least recomputation per micro-batch, so the onl
 add is heterogeneity. What limits the gains here: (1) intra-node all-to-all is cheap in the analytic
 A800/H200 models (sp <= 8 scales almost linearly), so only groups crossing nodes lose much;
 (2) Ulysses needs sp | heads: GPT-13B (40 heads) has groups of at most 8 devices, its 256K documents
-then bound every layout alike (1.00×); (3) the per-iteration step overhead and pull/push transition
-(one gradient sync counted twice, see docs/design/heterogeneous.md) are a constant that dilutes the
-iteration speedups, hence the propagation columns; (4) DCP's groups each run one bucket of lengths,
+then bound every layout alike (1.00×); (3) the per-iteration step overhead (gradient sync, parameter
+pull) is a constant that dilutes the iteration speedups, hence the propagation columns; (4) DCP's groups each run one bucket of lengths,
 which fragments the devices (FlexSP mixes lengths in a group and is at least as fast on every row).
 The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation for DCP's baseline) give the
 larger ratios, as in the papers."""

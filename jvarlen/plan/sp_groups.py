@@ -86,7 +86,6 @@ class GroupCosts:
         self.layers = model.num_layers
         self.micro_batch_tokens = micro_batch_tokens
         self.max_recompute = self.layers if max_recompute is None else max(0, min(int(max_recompute), self.layers))
-        self.transition = costs.transition_time(self.schemes[:1])
 
     # ---- memory
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one object per planning call)
@@ -209,8 +208,8 @@ class GroupCosts:
         return t + self.base(choice.scheme)
 
     def strategy_time(self, lengths: Sequence[int], choices: Sequence[GroupChoice]) -> float:
-        """Predicted iteration time: slowest group + pull/push transition (as :func:`predicted_time`)."""
-        return max(self.group_time(lengths, c) for c in choices) + self.transition
+        """Predicted iteration time: the slowest group's (as :func:`predicted_time`)."""
+        return max(self.group_time(lengths, c) for c in choices)
 
     # ---- FlexSP / homogeneous micro-batching
     def flex_group(
@@ -429,7 +428,7 @@ def assemble_strategy(
 ) -> StrategyPlan:
     """The :class:`StrategyPlan` of ``choices``: groups ordered largest first (ties by first
     document), devices by :func:`place_groups`, one executor plan per group. ``stats`` gets
-    ``iteration_time_s`` (slowest group + transition), ``solve_seconds`` (since ``t0``, without
+    ``iteration_time_s`` (the slowest group's), ``solve_seconds`` (since ``t0``, without
     building the executor plans), ``policy``, ``strategy`` and ``idle_devices``."""
     lengths = [int(x) for x in lengths]
     choices = sorted(choices, key=lambda c: (-c.scheme.num_devices, min(c.documents)))

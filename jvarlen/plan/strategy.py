@@ -19,8 +19,10 @@ and what the heterogeneous executor runs:
 Costs: :class:`SchemeCosts` gives each scheme its :class:`~jvarlen.plan.cost.CostModel` (the
 run's fitted coefficients, the scheme's layout, model states sharded over *all* devices),
 Hydraulis' latency model ``T(l, P)`` (App. B.2, here from the fitted cost model) and memory
-model ``MaxLen(P)`` (App. B.1). A strategy's predicted time is its slowest group plus the
-per-iteration pull/push of the parameters (:meth:`SchemeCosts.transition_time`).
+model ``MaxLen(P)`` (App. B.1). A strategy's predicted time is its slowest group's: each group's
+simulated time already charges its step overhead, which includes the all-gather of its stage's
+parameters and the reduce-scatter of their gradients (``sync_bytes_per_param``) — the per-device
+volume of the pull and push between the canonical sharding and the group (docs/design/heterogeneous.md).
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -305,17 +307,6 @@ class SchemeCosts:
             best = n if best is None else min(best, n)
         return int(best or 0)
 
-    def transition_time(self, schemes: Sequence[Scheme]) -> float:
-        """Seconds per iteration for pulling the parameters from the canonical sharding into every
-        group's layout and pushing the gradients back (what a homogeneous step's all-gather and
-        reduce-scatter cost, over the run's slowest link): each device receives its stage's
-        parameters and sends its stage's gradients once."""
-        c = self.coeffs
-        if c.sync_bytes_per_param <= 0:
-            return 0.0
-        params = max(self.model.stage_params(p, s.pp) for s in schemes for p in range(s.pp))
-        return c.sync_link.time(c.sync_bytes_per_param * params)
-
 
 def build_group_plan(
     policy: str,
@@ -389,9 +380,10 @@ def build_group_plan(
 
 
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:
-    """A strategy's predicted iteration time: its slowest group plus the pull/push transition."""
+    """A strategy's predicted iteration time: its slowest group's (whose step overhead includes the
+    parameter pull and gradient push of its stage)."""
     slowest = max((g.predicted_time_s for g in groups), default=0.0)
-    return float(slowest + costs.transition_time([g.scheme for g in groups]))
+    return float(slowest)
 
 
 def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]:
