@@ -167,27 +167,10 @@ class ParallelConfig:
     # (for tests and benchmarks). Neither: the fixed layout (dp, pp, sp).
     tokens_per_device: Optional[int] = None
     sp_cycle: Optional[list[int]] = None
-    # pp > 1 selects the elastic pipeline path (jvarlen.runtime.pipeline_loop): every
-    # iteration's documents are planned by jvarlen.plan with this policy into chunks,
-    # schedule and recomputation tables, and run by the pipeline executor. There,
-    # data.seq_len is the longest document piece (data.max_doc_tokens defaults to it).
-    plan_policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = (
-        "epp"
-    )
-    plan_min_slice_tokens: int = 512  # the planner's finest average slice of a split document
-    # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
-    # simulator says it is faster and it fits memory (more chunks in flight).
-    plan_gpipe_units: bool = True
     # What a pipeline stage keeps of a layer whose recomputation the plan does not ask for:
     # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
     # the backward), "all" (every residual), or a jax.checkpoint_policies name.
     residual_policy: str = "dots_and_attention"
-    # Iterations sampled and solved ahead in a background planning process (0: plan inline).
-    plan_ahead: int = 2
-    # Wait for the solver instead of taking a fast fallback plan when it is late: plans
-    # (and so a resumed run) are then reproducible whatever the machine load. Always on
-    # with several processes, which must all run the same plans.
-    plan_wait: bool = False
 
     @property
     def chooses_dp_layouts(self) -> bool:
@@ -195,12 +178,11 @@ class ParallelConfig:
         return self.tokens_per_device is not None or self.sp_cycle is not None
 
     def __post_init__(self):
-        _positive("parallel", sp=self.sp, plan_min_slice_tokens=self.plan_min_slice_tokens)
+        _positive("parallel", sp=self.sp)
         if self.pp is not None:
             _positive("parallel", pp=self.pp)
         if self.dp is not None:
             _positive("parallel", dp=self.dp)
-        _require(self.plan_ahead >= 0, f"parallel.plan_ahead must be >= 0, got {self.plan_ahead}")
         if self.tokens_per_device is not None:
             _positive("parallel", tokens_per_device=self.tokens_per_device)
         if self.sp_cycle is not None:
@@ -221,29 +203,42 @@ class ParallelConfig:
             )
 
 
-def resolve_pipeline_stages(config: "Config", num_devices: int) -> "Config":
-    """``config`` with ``parallel.pp`` fixed: unchanged when set; auto (None) -> 2 when
-    ``num_devices`` splits into two stages (times sp and a set dp), the model's layers split
-    in two and no data-parallel layout policy (tokens_per_device / sp_cycle) is set, else 1."""
-    par = config.parallel
-    if par.pp is not None:
-        return config
-    per_stage = par.sp * (par.dp or 1)
-    two = (
-        not par.chooses_dp_layouts
-        and config.model.num_layers % 2 == 0
-        and num_devices % (2 * per_stage) == 0
-        and (par.dp is None or num_devices == 2 * per_stage)
-    )
-    return dataclasses.replace(config, parallel=dataclasses.replace(par, pp=2 if two else 1))
+@dataclasses.dataclass
+class PlanConfig:
+    """The per-iteration planner (jvarlen.plan) of the elastic pipeline path (parallel.pp > 1):
+    every iteration's documents become chunks, schedule and recomputation tables. There,
+    data.seq_len is the longest document piece (data.max_doc_tokens defaults to it)."""
 
+    policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
+    min_slice_tokens: int = 512  # the finest average slice of a split document
+    # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
+    # simulator says it is faster and it fits memory (more chunks in flight).
+    gpipe_units: bool = True
+    # Iterations sampled and solved ahead in a background planning process (0: plan inline).
+    ahead: int = 2
+    # Wait for the solver instead of taking a fast fallback plan when it is late: plans (and so
+    # a resumed run) are then reproducible whatever the machine load. Always on with several
+    # processes, which must all run the same plans.
+    wait: bool = False
+    # Limits of each checkpointing MILP (CP-SAT). The deterministic-time limit binds first, so a
+    # resumed run plans the same chunks; the wall-clock limit is a safety net.
+    solver_deterministic_time: float = 0.5
+    solver_time_limit_s: float = 30.0
+    solver_workers: int = 1
+    solver_seed: int = 0
 
-def requested_pipeline_stages(config: "Config") -> "Config":
-    """``config`` with ``parallel.pp`` fixed as :func:`resolve_pipeline_stages` fixes it when the run
-    has the devices an auto config asks for, ``(dp or 1) · 2 · sp`` (a CPU host gets exactly
-    those; the planner CLI plans for them)."""
-    par = config.parallel
-    return resolve_pipeline_stages(config, (par.dp or 1) * 2 * par.sp)
+    def __post_init__(self):
+        _positive(
+            "plan",
+            min_slice_tokens=self.min_slice_tokens,
+            solver_time_limit_s=self.solver_time_limit_s,
+            solver_workers=self.solver_workers,
+        )
+        _require(self.ahead >= 0, f"plan.ahead must be >= 0, got {self.ahead}")
+        _require(
+            self.solver_deterministic_time >= 0,
+            f"plan.solver_deterministic_time must be >= 0, got {self.solver_deterministic_time}",
+        )
 
 
 @dataclasses.dataclass
@@ -293,6 +288,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -203,10 +203,11 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
 
     from jvarlen.layout import Layout
     from jvarlen.model import abstract_model
-    from jvarlen.parallel.layouts import batch_sharding
-    from jvarlen.runtime.layout_step import Placement, make_layout_step
+    from jvarlen.parallel.sharding import Placement
     from jvarlen.runtime.state import TrainState, make_optimizer, split_model
     from jvarlen.runtime.step import BATCH_KEYS
+    from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, shape_bucket
+    from jvarlen.runtime.strategy import StepContext
 
     layout = layout or Layout(dp=len(devices))
     graphdef, params = split_model(abstract_model(config.model))
@@ -221,16 +222,16 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
         params,
     )
     placement = Placement.for_state(state, optimizer, devices)
-    step = make_layout_step(graphdef, optimizer, placement, layout, config.model)
-    seq_len = seq_len or config.data.seq_len
-    rows = rows or max(layout.dp, config.data.tokens_per_batch // seq_len)
-    sharding = batch_sharding(placement.mesh(layout))
-    batch = {k: jax.ShapeDtypeStruct((rows, seq_len), np.int32, sharding=sharding) for k in BATCH_KEYS}
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, placement.state_sharding
     )
+    ctx = StepContext(graphdef, config.model, optimizer, placement, abstract)
+    seq_len = seq_len or config.data.seq_len
+    rows = rows or max(layout.dp, config.data.tokens_per_batch // seq_len)
+    strategy = LayoutStrategy(ctx, LayoutPolicy(len(devices), config.model.num_heads, 1, layout), rows, seq_len)
+    batch = {k: np.zeros((rows, seq_len), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
     with lowering_device(devices[0]):
-        return step.lower(abstract, batch)
+        return ctx.lower(*strategy.step_inputs(("layout", layout, shape_bucket(batch))))
 
 
 # Attention cases of the compile matrix: (q heads, kv heads, query tokens, key tokens).

@@ -50,3 +50,72 @@ class Layout:
 
     def __str__(self) -> str:
         return f"Layout(dp={self.dp}, pp={self.pp}, sp={self.sp})"
+
+
+def _auto_stages(config, num_devices: int) -> int:
+    """``parallel.pp`` left unset: 2 stages (the elastic pipeline path) when ``num_devices`` splits
+    into two stages (times sp and a set dp), the model's layers split in two and no data-parallel
+    layout policy (tokens_per_device / sp_cycle) is set; else 1."""
+    par = config.parallel
+    per_stage = par.sp * (par.dp or 1)
+    two = (
+        not par.chooses_dp_layouts
+        and config.model.num_layers % 2 == 0
+        and num_devices % (2 * per_stage) == 0
+        and (par.dp is None or num_devices == 2 * per_stage)
+    )
+    return 2 if two else 1
+
+
+def requested_devices(config) -> int:
+    """The devices a run of ``config`` asks for when it is given exactly what it needs (a CPU host
+    gets them as fake devices; the planner CLI plans for them): ``(dp or 1) · pp · sp``, with auto
+    ``pp`` resolved for that count."""
+    par = config.parallel
+    pp = par.pp if par.pp is not None else _auto_stages(config, (par.dp or 1) * 2 * par.sp)
+    return (par.dp or 1) * pp * par.sp
+
+
+def resolve_layout(config, num_devices: int | None = None) -> Layout:
+    """The run's ``(dp, pp, sp)`` over ``num_devices`` (default :func:`requested_devices`): the one
+    place where auto pipeline stages, the default dp and every layout constraint are decided.
+    Every entry point (training, the planner CLI, the research API) calls it.
+
+    With a data-parallel layout policy (``parallel.tokens_per_device`` / ``sp_cycle``) this is
+    the nominal layout ``(devices / sp, 1, sp)``; the policy picks each step's layout.
+    Raises :class:`jvarlen.config.ConfigError` naming the constraint and the fix."""
+    from jvarlen.config import ConfigError
+
+    par, model = config.parallel, config.model
+    n = requested_devices(config) if num_devices is None else int(num_devices)
+    pp = par.pp if par.pp is not None else _auto_stages(config, n)
+    if pp > 1 and par.chooses_dp_layouts:
+        raise ConfigError(
+            "parallel.tokens_per_device / parallel.sp_cycle choose data-parallel layouts; the pipeline path "
+            "(parallel.pp > 1) uses the fixed (dp, pp, sp)"
+        )
+    if n % (pp * par.sp):
+        raise ConfigError(f"parallel.pp*sp = {pp * par.sp} must divide the {n} devices; change parallel.pp or sp")
+    dp = par.dp if par.dp is not None and not par.chooses_dp_layouts else n // (pp * par.sp)
+    layout = Layout(dp=dp, pp=pp, sp=par.sp)
+    if layout.num_devices != n:
+        raise ConfigError(
+            f"{layout} uses {layout.num_devices} devices, but there are {n}: set parallel.dp to devices / (pp * sp) "
+            "or leave it unset"
+        )
+    if model.num_layers % pp:
+        raise ConfigError(f"model.num_layers ({model.num_layers}) must be divisible by parallel.pp ({pp})")
+    if model.num_heads % par.sp:
+        raise ConfigError(f"parallel: Ulysses needs model.num_heads ({model.num_heads}) divisible by sp ({par.sp})")
+    if pp > 1:
+        if model.num_kv_heads % par.sp:
+            raise ConfigError(
+                f"model.num_kv_heads ({model.num_kv_heads}) must be divisible by parallel.sp ({par.sp}) on the "
+                "pipeline path"
+            )
+        if config.data.rows_per_batch % dp:
+            raise ConfigError(
+                f"data.tokens_per_batch / data.seq_len = {config.data.rows_per_batch} rows must be divisible by "
+                f"dp = {dp}: each pipeline plans the documents of its rows"
+            )
+    return layout

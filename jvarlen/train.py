@@ -9,22 +9,23 @@ from __future__ import annotations
 import os
 import sys
 
-from jvarlen.config import ConfigError, parse_config, requested_pipeline_stages
+from jvarlen.config import ConfigError, parse_config
+from jvarlen.layout import requested_devices, resolve_layout
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv)
+        layout = resolve_layout(config)  # the layout the run asks for (checked before JAX starts)
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
-    par = requested_pipeline_stages(config).parallel
-    if par.pp > 1 and "jax" not in sys.modules:
+    if layout.pp > 1 and "jax" not in sys.modules:
         # the pipeline path on a CPU-only host: give the host platform the devices the layout
         # needs (no effect on GPU/TPU devices)
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
-            count = (par.dp or 1) * par.pp * par.sp
+            count = requested_devices(config)
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError

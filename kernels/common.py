@@ -1,6 +1,6 @@
 """Shared pieces of the varlen attention kernels: block sizes, visibility, constants.
 
-Visibility contract (see ``../shared/ARCHITECTURE.md``, "Packed attention inputs"):
+Visibility contract (see ``docs/architecture.md``, "Packed attention inputs"):
 a query sees a key iff both carry the same non-zero segment id and, when causal,
 ``kv_position <= q_position``. Segment id 0 is padding.
 """

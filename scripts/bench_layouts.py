@@ -43,13 +43,12 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
+    from jvarlen.api import Session
     from jvarlen.config import Config, ModelConfig, TrainConfig
     from jvarlen.model.transformer import resolve_compute_dtype
-    from jvarlen.parallel.layouts import batch_sharding
-    from jvarlen.parallel.sharding import pull
-    from jvarlen.runtime.layout_policy import LayoutPolicy
-    from jvarlen.runtime.layout_step import Placement, make_layout_step, place_global
+    from jvarlen.parallel.sharding import place_global, pull
     from jvarlen.runtime.state import create_train_state
+    from jvarlen.runtime.strategies.layouts import LayoutPolicy
 
     config = Config(
         model=ModelConfig(
@@ -64,7 +63,8 @@ def main(argv=None) -> int:
         train=TrainConfig(steps=1000),
     )
     graphdef, optimizer, state = create_train_state(config)
-    placement = Placement.for_state(state, optimizer)
+    session = Session(graphdef, config.model, optimizer, state)
+    placement = session.placement
     n = len(placement.devices)
     layouts = LayoutPolicy(num_devices=n, num_heads=args.heads).candidates(args.seq_len)
     layouts = [lay for lay in layouts if args.rows % lay.dp == 0]
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     )
 
     dtype = resolve_compute_dtype(config.model.compute_dtype)
-    state = place_global(state, placement.state_sharding)
+    state = session.state
     steps, batches, results = {}, {}, []
 
     def run(layout, s):
@@ -99,11 +99,12 @@ def main(argv=None) -> int:
 
     for layout in layouts:
         mesh = placement.mesh(layout)
-        batches[layout] = place_global(batch, {k: batch_sharding(mesh) for k in batch})
         t0 = time.perf_counter()
-        steps[layout] = make_layout_step(graphdef, optimizer, placement, layout, config.model)
-        steps[layout] = steps[layout].lower(state, batches[layout]).compile()
+        layout_step = session.layout_step(layout, rows, t)
+        compiled = layout_step.compiled(layout_step.from_arrays(batch))
         compile_s = time.perf_counter() - t0
+        batches[layout] = place_global(batch, compiled.batch_shardings)  # placed once: time the step only
+        steps[layout] = compiled.compiled
         state = run(layout, state)  # warm-up
         times = []
         for _ in range(args.steps):

@@ -25,7 +25,8 @@ from jvarlen.config import ModelConfig  # noqa: E402
 from jvarlen.layout import Layout  # noqa: E402
 from jvarlen.model import build_model  # noqa: E402
 from jvarlen.parallel import pipeline as pl  # noqa: E402
-from jvarlen.parallel.pipeline_chunks import pack_chunks  # noqa: E402
+from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
+from jvarlen.parallel.pipeline import pack_chunks  # noqa: E402
 from jvarlen.plan import schedule as sch  # noqa: E402
 from jvarlen.runtime.state import split_model  # noqa: E402
 from jvarlen.runtime.step import loss_and_grads  # noqa: E402
@@ -72,7 +73,11 @@ POLICIES = (None, "dots_with_no_batch_dims_saveable", "dots_and_attention")
 
 def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None, fuse=True):
     sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers, fuse=fuse)
-    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(layout), residual_policy=policy))
+    fn = jax.jit(
+        pl.make_pipeline_grads(
+            graphdef, cfg, sig, layout_mesh(layout, jax.devices()[: layout.num_devices]), residual_policy=policy
+        )
+    )
     start = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
     return sig, batch, compiled, time.perf_counter() - start

@@ -10,7 +10,7 @@ at a random moment of a (re)start (data loading, planning, compiling). After eac
 resumed with ``--checkpoint.resume=true``; the trainer's planner workers must exit by themselves
 (no orphans). At the end the per-step losses of ``metrics.jsonl`` (each step exactly once) and the
 final parameters and optimizer state are compared with the uninterrupted run. Both runs wait for
-solved plans (``parallel.plan_wait=true``): a fast fallback plan depends on timing, and the
+solved plans (``plan.wait=true``): a fast fallback plan depends on timing, and the
 comparison is about what a resume does, not about what the machine load does.
 
 Prints a table (kills by kind, resumes, steps compared, bitwise equal) and exits 1 on any
@@ -45,7 +45,7 @@ def command(config: str | None, run_dir: str, steps: int, every: int, resume: bo
         f"--train.steps={steps}",
         f"--checkpoint.every_steps={every}",
         "--checkpoint.max_to_keep=2",
-        "--parallel.plan_wait=true",
+        "--plan.wait=true",
         "--logging.progress_bar=false",
         "--logging.tensorboard=false",
     ]

@@ -105,31 +105,29 @@ def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict
 def memory_part(config_path: str) -> dict:
     """Compiles the data-parallel step on this node's GPUs, compares memory_analysis() with
     the allocator's peak after two steps on random tokens."""
+    from jvarlen.api import Session
     from jvarlen.config import load_config
-    from jvarlen.parallel.mesh import data_mesh
-    from jvarlen.runtime.layout_step import place_global
-    from jvarlen.runtime.loop import jit_train_step
+    from jvarlen.layout import Layout
+    from jvarlen.parallel.sharding import place_global
     from jvarlen.runtime.memory_fit import check_fit
-    from jvarlen.runtime.state import create_train_state
     from jvarlen.runtime.step import BATCH_KEYS
 
     config = load_config(config_path, **{"parallel.pp": "1"})
-    graphdef, optimizer, state = create_train_state(config)
-
-    step, state_sharding, batch_shardings = jit_train_step(graphdef, optimizer, state, data_mesh())
-    state = jax.device_put(state, state_sharding)
+    session = Session.from_config(config)
+    state = session.state
     rows = max(jax.device_count(), config.data.tokens_per_batch // config.data.seq_len)
     rng = np.random.default_rng(0)
     batch = {
         "tokens": rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), dtype=np.int32),
         "segment_ids": np.ones((rows, config.data.seq_len), np.int32),
         "positions": np.tile(np.arange(config.data.seq_len, dtype=np.int32), (rows, 1)),
-        "loss_mask": np.ones((rows, config.data.seq_len), np.int32),
+        "loss_mask": np.ones((rows, config.data.seq_len), np.float32),
     }
     batch["targets"] = np.roll(batch["tokens"], -1, axis=1)
-    sharding = next(iter(batch_shardings.values()))
-    placed = place_global({k: batch[k] for k in BATCH_KEYS}, {k: sharding for k in BATCH_KEYS})
-    compiled = step.lower(state, placed).compile()
+    step = session.layout_step(Layout(dp=jax.device_count()), rows, config.data.seq_len)
+    step_exe = step.compiled(step.from_arrays({k: batch[k] for k in BATCH_KEYS}))
+    placed = place_global({k: batch[k] for k in BATCH_KEYS}, step_exe.batch_shardings)
+    compiled = step_exe.compiled
     fit = check_fit(compiled, jax.local_devices()[0])
     for _ in range(2):
         state, metrics = compiled(state, placed)
@@ -155,8 +153,8 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
     for policy in ("epp", "seq1f1b"):
         run_dir = os.path.join(out, "pipeline", policy)
         cmd = [sys.executable, "-m", "jvarlen.train", "--config", "configs/default.yaml", "--parallel.pp=2"]
-        cmd += [f"--parallel.plan_policy={policy}", f"--train.steps={steps}", f"--logging.run_dir={run_dir}"]
-        cmd += ["--parallel.plan_wait=true"]
+        cmd += [f"--plan.policy={policy}", f"--train.steps={steps}", f"--logging.run_dir={run_dir}"]
+        cmd += ["--plan.wait=true"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         row = {"policy": policy, "returncode": proc.returncode}
         path = os.path.join(run_dir, "metrics.jsonl")

@@ -1,6 +1,6 @@
 """Measured Ulysses all-to-all links (Eq. 2/3) for sp in {2, 4} on this backend, held-out check.
 
-Times ``seq_to_heads`` alone (:func:`jvarlen.runtime.profiler.measure_alltoall`) for fit sizes
+Times ``seq_to_heads`` alone (:func:`jvarlen.profile.measure.measure_alltoall`) for fit sizes
 and held-out sizes, fits ``Link(bandwidth, latency)`` per sp on the fit sizes
 (:func:`jvarlen.plan.cost_fit.fit_link`), prints predicted vs measured on the held-out sizes and,
 with ``--profile``, stores the links in the profile (``alltoall_intra`` and ``alltoall_inter``:
@@ -37,7 +37,8 @@ def main(argv=None):
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostCoefficients, ModelShape
     from jvarlen.plan.cost_fit import fit_link
-    from jvarlen.runtime.profiler import ChunkHarness, measure_alltoall, time_call
+    from jvarlen.profile.harness import ChunkHarness, time_call
+    from jvarlen.profile.measure import measure_alltoall
 
     cfg = ModelConfig()
     shape = ModelShape.from_config(cfg)

@@ -10,7 +10,7 @@ memory of the backward in flight). It also prints, per chunk, the per-layer slop
 (``jax.eval_shape`` of one layer's VJP residuals) and the profile's ``m_token``.
 
 ``--refit_profile`` first measures the profiler's memory grid
-(:func:`jvarlen.runtime.profiler.measure_memory`), stores it in the profile's report
+(:func:`jvarlen.profile.measure.measure_memory`), stores it in the profile's report
 (``*.report.json``) and refits the profile from that report (time coefficients are refitted
 from the same saved timings, i.e. unchanged).
 
@@ -30,7 +30,7 @@ def held_out_cases(num_layers: int):
     """Chunks that fill their token/context buckets exactly (the harness pads to buckets; the
     cost model's memory is per real token), none of them a memory-grid shape."""
     from jvarlen.plan.chunk import ChunkShape
-    from jvarlen.runtime.cost_check import MemoryCase
+    from jvarlen.profile.memory import MemoryCase
 
     L = num_layers
     t768, t1536 = ChunkShape(0, (768,)), ChunkShape(0, (1536,))
@@ -64,8 +64,10 @@ def main(argv=None):
     from jvarlen.config import ModelConfig, load_config
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostCoefficients, ModelShape
-    from jvarlen.runtime.cost_check import layer_residual_bytes, memory_check
-    from jvarlen.runtime.profiler import ChunkHarness, ProfileGrid, measure_memory, program_memory, refit_profile
+    from jvarlen.profile.fit import refit_profile
+    from jvarlen.profile.harness import ChunkHarness
+    from jvarlen.profile.measure import ProfileGrid, measure_memory, program_memory
+    from jvarlen.profile.memory import layer_residual_bytes, memory_check
 
     model_cfg = load_config(args.config).model if args.config else ModelConfig()
     shape = ModelShape.from_config(model_cfg)

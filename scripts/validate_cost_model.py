@@ -6,11 +6,11 @@ slices (split chunks, the last slice packed with short documents into a hybrid c
 short documents packed first-fit-decreasing (batched chunks); recomputation per chunk
 drawn from {0, L/2, L} layers. None of these chunk shapes is a profiling shape.
 
-Each plan is run by :func:`jvarlen.runtime.profiler.run_plan` (real decoder, every chunk
+Each plan is run by :func:`jvarlen.profile.harness.run_plan` (real decoder, every chunk
 forward + backward with its recomputation, gradients accumulated, AdamW update; pp = 1,
 Ulysses degree ``--sp``) and timed (min of ``--repeats``; on CPU process CPU time of
 single-threaded XLA, divided by sp for sp > 1 because the fake devices are threads of this
-process (:func:`jvarlen.runtime.profiler.per_device_divisor`); wall time is recorded too); the
+process (:func:`jvarlen.profile.harness.per_device_divisor`); wall time is recorded too); the
 prediction is the simulator's iteration time (InfiniPipe Eq. 4-11 via the cost model) with the
 profile's coefficients for that sp. Chunk shapes that the profile's report timed are counted and
 reported (``profiled_shapes_in_plans``; 0 means every plan is held out).
@@ -83,7 +83,8 @@ def make_plan(rng, pool, capacity: int, max_doc: int, budget: int, num_layers: i
 def measure_plans(args, model_cfg, shape) -> list[dict]:
     """Generates ``args.plans`` plans (deterministic in ``args.seed``) and times each one."""
     from jvarlen.plan.workloads import stdlib_lengths
-    from jvarlen.runtime.profiler import ChunkHarness, ProfileGrid, per_device_divisor, run_plan
+    from jvarlen.profile.harness import ChunkHarness, per_device_divisor, run_plan
+    from jvarlen.profile.measure import ProfileGrid
 
     grid = ProfileGrid()
     harness = ChunkHarness(
@@ -195,7 +196,7 @@ def main(argv=None):
     from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
     from jvarlen.plan.schedule import one_f_one_b
     from jvarlen.plan.simulator import simulate
-    from jvarlen.runtime.profiler import enable_compilation_cache
+    from jvarlen.runtime.compile_cache import enable_persistent_cache as enable_compilation_cache
 
     enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla"))
     model_cfg = load_config(args.config).model if args.config else ModelConfig()

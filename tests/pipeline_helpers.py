@@ -7,11 +7,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
+from jvarlen.layout import Layout
 from jvarlen.model import build_model
-from jvarlen.parallel.pipeline import PipelineSignature
-from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.parallel.layouts import layout_mesh
+from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, pack_chunks
 from jvarlen.runtime.state import split_model
 from jvarlen.runtime.step import loss_and_grads
 
@@ -130,3 +133,24 @@ def cover(*sigs: PipelineSignature) -> PipelineSignature:
 
 def zeros_like_tree(tree):
     return jax.tree.map(jnp.zeros_like, tree)
+
+
+def pipeline_mesh(layout: Layout):
+    """The layout's ``(dp, pp, sp)`` mesh over the first ``layout.num_devices`` devices."""
+    return layout_mesh(layout, jax.devices()[: layout.num_devices])
+
+
+class PipelineGrads:
+    """``grads(params, batch) -> (sums, grads, layer_forwards)`` of one signature, compiled once ahead of
+    time (every schedule and recomputation table of that signature runs on this one executable)."""
+
+    def __init__(self, graphdef, cfg, sig: PipelineSignature, params, *, residual_policy=None, compiler_options=None):
+        mesh = pipeline_mesh(sig.layout)
+        self.sharding = NamedSharding(mesh, P("dp"))
+        fn = jax.jit(make_pipeline_grads(graphdef, cfg, sig, mesh, residual_policy=residual_policy))
+        shapes = {k: jax.ShapeDtypeStruct(v, np.int32, sharding=self.sharding) for k, v in sig.input_shapes().items()}
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self.compiled = fn.lower(abstract, shapes).compile(compiler_options)
+
+    def __call__(self, params, batch):
+        return self.compiled(params, {k: jax.device_put(np.asarray(v), self.sharding) for k, v in batch.items()})

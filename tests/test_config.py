@@ -2,7 +2,8 @@
 
 import pytest
 
-from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config, resolve_pipeline_stages
+from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config
+from jvarlen.layout import resolve_layout
 
 
 def test_defaults_equal_configs_default_yaml():
@@ -50,14 +51,14 @@ def test_missing_config_file():
 def test_auto_pipeline_stages_pick_the_elastic_pipeline_when_two_stages_fit():
     auto = Config()
     assert auto.parallel.pp is None
-    assert resolve_pipeline_stages(auto, 2).parallel.pp == 2
-    assert resolve_pipeline_stages(auto, 8).parallel.pp == 2  # dp = 4 pipelines of 2 stages
-    assert resolve_pipeline_stages(auto, 1).parallel.pp == 1  # one device: data parallel
-    assert resolve_pipeline_stages(auto, 3).parallel.pp == 1
+    assert resolve_layout(auto, 2).pp == 2
+    assert resolve_layout(auto, 8).pp == 2  # dp = 4 pipelines of 2 stages
+    assert resolve_layout(auto, 1).pp == 1  # one device: data parallel
+    assert resolve_layout(auto, 3).pp == 1
     odd = parse_config(["--model.num_layers=3"])
-    assert resolve_pipeline_stages(odd, 8).parallel.pp == 1
+    assert resolve_layout(odd, 8).pp == 1
     policy = parse_config(["--parallel.tokens_per_device=512"])
-    assert resolve_pipeline_stages(policy, 8).parallel.pp == 1  # a data-parallel layout policy
+    assert resolve_layout(policy, 8).pp == 1  # a data-parallel layout policy
     fixed = parse_config(["--parallel.dp=2", "--parallel.sp=2"])
-    assert resolve_pipeline_stages(fixed, 8).parallel.pp == 2 and resolve_pipeline_stages(fixed, 4).parallel.pp == 1
-    assert resolve_pipeline_stages(parse_config(["--parallel.pp=4"]), 8).parallel.pp == 4  # set: kept
+    assert resolve_layout(fixed, 8).pp == 2 and resolve_layout(fixed, 4).pp == 1
+    assert resolve_layout(parse_config(["--parallel.pp=4"]), 8).pp == 4  # set: kept

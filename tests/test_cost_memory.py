@@ -50,7 +50,7 @@ def test_old_profiles_without_memory_fields_still_load(tmp_path):
 
 
 def test_fit_memory_recovers_known_coefficients():
-    from jvarlen.runtime.profiler import fit_memory
+    from jvarlen.plan.cost_fit import fit_memory
 
     rows = []
     for t in (512, 1024, 2048):
@@ -66,8 +66,8 @@ def test_fit_memory_recovers_known_coefficients():
 
 @pytest.fixture(scope="module")
 def shipped():
+    from jvarlen.profile.harness import ChunkHarness
     from jvarlen.runtime.cost_check import PACKAGE_PROFILES
-    from jvarlen.runtime.profiler import ChunkHarness
 
     cfg = ModelConfig()
     coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
@@ -82,8 +82,8 @@ def test_memory_of_a_held_out_split_chunk_matches_xla(shipped):
     """Per extra stored layer XLA keeps (temp(4 layers) − temp(2 layers)) / 2 bytes: Eq. 5 plus the
     context term must match it within 5 %; the 4-layer program's peak temp must match
     ``CostModel.peak_memory`` within 10 %."""
-    from jvarlen.runtime.cost_check import MemoryCase, predict_memory
-    from jvarlen.runtime.profiler import program_memory
+    from jvarlen.profile.measure import program_memory
+    from jvarlen.profile.memory import MemoryCase, predict_memory
 
     harness, coeffs = shipped
     chunk = ChunkShape(1024, (768,), tail=False)

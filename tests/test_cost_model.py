@@ -284,7 +284,7 @@ def test_online_refit_recovers_scaled_truth():
 def test_tile_pairs_matches_the_harness_layout(chunk):
     """tile_pairs counts exactly the tiles a block-skipping kernel visits for the profiler's layout."""
     from jvarlen.plan.cost import tile_pairs
-    from jvarlen.runtime.profiler import bucket, chunk_metadata
+    from jvarlen.profile.harness import bucket, chunk_metadata
 
     b = 128
     tb, cb = bucket(chunk.tokens, (256, 512, 1024)), bucket(chunk.context, (0, 2048))
@@ -298,7 +298,8 @@ def test_tile_pairs_matches_the_harness_layout(chunk):
 
 def test_joint_layer_program_fit_recovers_per_layer_coefficients():
     """fit_layer_programs separates per-layer cost from per-call overhead on noisy program times."""
-    from jvarlen.runtime.profiler import _parse_chunk, fit_layer_programs
+    from jvarlen.plan.cost_fit import fit_layer_programs
+    from jvarlen.plan.cost_fit import parse_chunk as _parse_chunk
 
     rng = np.random.default_rng(3)
     true, c1, c0 = LayerTime(2e-8, 3e-6, 1e-4), 5e-7, 2e-3

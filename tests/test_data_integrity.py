@@ -12,14 +12,12 @@ import numpy as np
 from conftest import require_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import FAST_COMPILE, tiny_config, tiny_params
+from pipeline_helpers import FAST_COMPILE, PipelineGrads, tiny_config, tiny_params
 
 from jvarlen.data.packer import Piece, pack, place
 from jvarlen.data.split import split_documents
 from jvarlen.layout import Layout
-from jvarlen.parallel.pipeline import prepare_batch
-from jvarlen.parallel.pipeline_chunks import chunk_links, pack_chunks
-from jvarlen.parallel.pipeline_step import PipelineStepCache
+from jvarlen.parallel.pipeline import chunk_links, pack_chunks, prepare_batch
 from jvarlen.plan import schedule as sch
 from jvarlen.runtime.step import loss_sums
 
@@ -133,7 +131,6 @@ def test_pipeline_loss_sums_equal_the_data_parallel_path_on_split_documents():
     schedule = sch.gpipe(len(chunks), layout.pp, chunk_links(chunks))
     ckpt = np.zeros((len(chunks), layout.pp), np.int32)
     sig, arrays = prepare_batch([pack_], [schedule], [ckpt], layout, cfg.num_layers)
-    cache = PipelineStepCache(graphdef, cfg, params, compiler_options=FAST_COMPILE)
-    sums, _, _ = cache(sig, params, arrays)
+    sums, _, _ = PipelineGrads(graphdef, cfg, sig, params, compiler_options=FAST_COMPILE)(params, arrays)
     assert float(sums["target_tokens"]) == float(dp_sums["target_tokens"]) == sum(n - 1 for n in lengths)
     np.testing.assert_allclose(float(sums["loss_sum"]), float(dp_sums["loss_sum"]), rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Layouts, the logical-axis rules, the canonical sharding, the layout policy and the step cache."""
+"""Layouts, the logical-axis rules, the canonical sharding, the layout policy and the compile cache."""
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +17,9 @@ from jvarlen.parallel.layouts import (
     state_mesh,
 )
 from jvarlen.parallel.sharding import param_axes, param_shardings, state_shardings
-from jvarlen.runtime.layout_policy import LayoutPolicy, pad_rows, per_device_tokens
+from jvarlen.runtime.compile_cache import CompileCache
 from jvarlen.runtime.state import create_train_state
-from jvarlen.runtime.step_cache import StepCache
+from jvarlen.runtime.strategies.layouts import LayoutPolicy, pad_rows, per_device_tokens, shape_bucket
 
 N = 8
 
@@ -129,30 +129,36 @@ def test_pad_rows_adds_padding_rows_only():
     assert pad_rows(batch, 3) is batch
 
 
-def test_step_cache_hits_misses_and_buckets():
+def test_compile_cache_hits_misses_and_buckets():
     built = []
 
-    def build(layout):
+    def compile_fn(key):
+        layout, bucket = key
         built.append(layout)
-        return jax.jit(lambda state, batch: (state + 1, jnp.sum(batch["tokens"])))
+        sharding = batch_sharding(layout_mesh(layout))
+        batch = {name: jax.ShapeDtypeStruct(shape, np.dtype(dt), sharding=sharding) for name, shape, dt in bucket}
+        fn = jax.jit(lambda state, batch: (state + 1, jnp.sum(batch["tokens"])))
+        return fn.lower(jax.ShapeDtypeStruct((), jnp.float32), batch).compile()
 
     messages = []
-    cache = StepCache(
-        build,
-        jax.ShapeDtypeStruct((), jnp.float32),
-        say=messages.append,
-        batch_sharding=lambda layout: batch_sharding(layout_mesh(layout)),
-    )
+    cache = CompileCache(say=messages.append)
     a, b = Layout(dp=8), Layout(dp=2, sp=4)
     small, big = {"tokens": np.ones((8, 16), np.int32)}, {"tokens": np.ones((8, 32), np.int32)}
     for layout, batch in [(a, small), (b, small), (a, small), (a, big), (b, small)]:
-        cache.get(layout, batch)
+        cache.get((layout, shape_bucket(batch)), compile_fn)
     assert (cache.stats.misses, cache.stats.hits, len(cache)) == (3, 2, 3)
     assert built == [a, b, a]
     assert cache.stats.compile_s > 0 and len(messages) == 3 and "compiled in" in messages[0]
-    step = cache.get(b, small)
+    step = cache.get((b, shape_bucket(small)), compile_fn)
     state, total = step(jnp.zeros(()), jax.device_put(small, {"tokens": batch_sharding(layout_mesh(b))}))
     assert float(state) == 1.0 and int(total) == 8 * 16
+    # a signature compiled ahead of time in the background is a hit once it is done
+    future = cache.precompile((b, shape_bucket(big)), compile_fn)
+    future.result()
+    assert cache.compiled_by[(b, shape_bucket(big))].startswith("step-aot")
+    cache.get((b, shape_bucket(big)), compile_fn)
+    assert (cache.stats.misses, cache.stats.hits) == (3, 4)
+    cache.close()
 
 
 def test_pull_casts_matrices_and_push_returns_canonical_fp32():

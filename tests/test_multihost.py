@@ -37,22 +37,19 @@ def run_steps(devices):
     import jax
     from jax.experimental import multihost_utils
 
+    from jvarlen.api import Session
     from jvarlen.layout import Layout
-    from jvarlen.parallel.layouts import batch_sharding
-    from jvarlen.runtime.layout_step import Placement, make_layout_step, place_global
-    from jvarlen.runtime.state import create_train_state
 
     config = tiny_config()
-    graphdef, optimizer, state = create_train_state(config)
-    placement = Placement.for_state(state, optimizer, devices)
+    session = Session.from_config(config, devices=devices)
     layout = Layout(dp=2, sp=4)
-    mesh = placement.mesh(layout)
-    step = make_layout_step(graphdef, optimizer, placement, layout, config.model)
-    state = place_global(state, placement.state_sharding)
+    mesh = session.placement.mesh(layout)
+    first = batch_for(0)
+    step = session.layout_step(layout, *first["tokens"].shape)
+    state = session.state
     losses = []
     for i in range(STEPS):
-        batch = batch_for(i)
-        state, metrics = step(state, place_global(batch, {k: batch_sharding(mesh) for k in batch}))
+        state, metrics = step(state, step.from_arrays(batch_for(i)))  # each process fills its own shards
         metrics = jax.device_get(metrics)
         losses.append(float(metrics["loss_sum"] / metrics["target_tokens"]))
         losses.append(float(metrics["grad_norm"]))

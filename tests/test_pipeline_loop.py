@@ -12,8 +12,8 @@ import pytest
 from conftest import require_devices
 
 from jvarlen.config import ConfigError, load_config
+from jvarlen.layout import resolve_layout
 from jvarlen.runtime.loop import train
-from jvarlen.runtime.pipeline_loop import pipeline_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "epp-cpu.yaml")
@@ -105,7 +105,7 @@ def _config(run_dir, cache, *extra):
             "train.steps": "4",
             "checkpoint.every_steps": "2",
             "parallel.compilation_cache_dir": str(cache),
-            "parallel.plan_wait": "true",
+            "plan.wait": "true",
             **dict(extra),
         },
     )
@@ -131,20 +131,20 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):
 
 def test_pipeline_layout_is_checked_with_clear_messages():
     cfg = load_config(CONFIG)
-    assert pipeline_layout(cfg, 8) == pipeline_layout(load_config(CONFIG, **{"parallel.dp": "2"}), 8)
+    assert resolve_layout(cfg, 8) == resolve_layout(load_config(CONFIG, **{"parallel.dp": "2"}), 8)
     with pytest.raises(ConfigError, match="uses 8 devices, but there are 16"):
-        pipeline_layout(cfg, 16)
+        resolve_layout(cfg, 16)
     with pytest.raises(ConfigError, match="must divide the 6 devices"):
-        pipeline_layout(cfg, 6)
+        resolve_layout(cfg, 6)
     with pytest.raises(ConfigError, match="rows must be divisible by dp = 2"):
-        pipeline_layout(load_config(CONFIG, **{"data.tokens_per_batch": "3072"}), 8)
+        resolve_layout(load_config(CONFIG, **{"data.tokens_per_batch": "3072"}), 8)
     require_devices(8)
     with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
         train(load_config(CONFIG, **{"parallel.residual_policy": "bogus"}), quiet=True)
     with pytest.raises(ConfigError, match="num_layers \\(4\\) must be divisible by parallel.pp \\(3\\)"):
-        pipeline_layout(load_config(CONFIG, **{"parallel.pp": "3", "parallel.dp": "1", "parallel.sp": "1"}), 3)
+        resolve_layout(load_config(CONFIG, **{"parallel.pp": "3", "parallel.dp": "1", "parallel.sp": "1"}), 3)
     with pytest.raises(ConfigError, match="fixed \\(dp, pp, sp\\)"):
-        pipeline_layout(load_config(CONFIG, **{"parallel.sp_cycle": "[1,2]"}), 8)
+        resolve_layout(load_config(CONFIG, **{"parallel.sp_cycle": "[1,2]"}), 8)
 
 
 def test_steps_log_predicted_vs_measured_time(tmp_path):

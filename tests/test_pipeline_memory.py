@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from conftest import require_devices
 from flax import nnx
-from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference, tiny_config, tiny_params
+from pipeline_helpers import FAST_COMPILE, assert_tree_close, pipeline_mesh, reference, tiny_config, tiny_params
 
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, make_attention_fn
 from jvarlen.model.transformer import abstract_model
 from jvarlen.parallel import pipeline as pl
-from jvarlen.parallel.pipeline_chunks import pack_chunks
-from jvarlen.parallel.pipeline_stage import StageFns, residual_policy, residual_shapes
+from jvarlen.parallel.pipeline import pack_chunks
+from jvarlen.parallel.pipeline.stage import StageFns, residual_policy, residual_shapes
 from jvarlen.plan import schedule as sch
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
@@ -49,7 +49,7 @@ def _compile(model, n: int, kind: str, recompute: int, policy=None, run=False):
     sched = sch.gpipe(n, LAYOUT.pp) if kind == "gpipe" else sch.one_f_one_b(n, LAYOUT.pp)
     ckpt = np.full((n, LAYOUT.pp), recompute, np.int32)
     sig, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, cfg.num_layers)
-    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pl.pipeline_mesh(LAYOUT), residual_policy=policy))
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(LAYOUT), residual_policy=policy))
     compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
     if run:
         return sig, compiled.memory_analysis().temp_size_in_bytes, compiled(params, batch), docs

@@ -1,5 +1,6 @@
-"""The loop's entry to the executor: Plans + documents -> one optimizer update per iteration,
-equal to the single-device train step; rounded signatures reuse the compiled step."""
+"""The pipeline strategy through the research API (jvarlen.api): Plans + documents -> one optimizer
+update per iteration, equal to the single-device train step; rounded signatures reuse the
+compiled step, and a predicted signature compiles ahead of time in the background."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from conftest import require_devices
 from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
 from pipeline_helpers import reference_batch as _reference_batch
 
+from jvarlen.api import Session
 from jvarlen.layout import Layout
-from jvarlen.parallel.pipeline_run import PipelineRunner, split_documents
+from jvarlen.parallel.pipeline import chunk_links, split_documents
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.plan import Plan
-from jvarlen.runtime.layout_step import Placement, place_global
 from jvarlen.runtime.state import TrainState
-from jvarlen.runtime.step import make_train_step
+from jvarlen.runtime.step import make_train_step, single_program_grads
 
 LAYOUT = Layout(dp=2, pp=2, sp=2)  # all 8 devices, like the loop's layouts
 # plan B without its last chunk: the runner pads that pipeline with an empty chunk
@@ -27,8 +28,6 @@ PLAN_B5 = (PLAN_B[0][:6], PLAN_B[1][:5])
 def _plan(template, seed, schedule_kind, ckpt_seed):
     docs, chunks = plan_documents(template, seed)
     n = len(chunks)
-    from jvarlen.parallel.pipeline_chunks import chunk_links
-
     prev = chunk_links(chunks)
     sched = sch.token_level_1f1b(prev, LAYOUT.pp) if schedule_kind == "token" else sch.gpipe(n, LAYOUT.pp, prev)
     ckpt = np.random.default_rng(ckpt_seed).integers(0, 3, size=(n, LAYOUT.pp)).astype(np.int32)
@@ -58,36 +57,40 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
         opt_state=optimizer.init(params),
         rng=jax.random.key_data(jax.random.key(0)),
     )
-    reference_step = jax.jit(make_train_step(graphdef, optimizer))
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     reference_state = state
     # the loop's canonical FSDP placement of the state stays the placement after each step
-    placement = Placement.for_state(state, optimizer)
-    state = place_global(state, placement.state_sharding)
-    runner = PipelineRunner(graphdef, cfg, optimizer, state, bucket=32, compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, state, compiler_options=FAST_COMPILE)
+    state, placement, cache = session.state, session.placement, session.cache
+    step = session.plan_step(LAYOUT, bucket=32, residual_policy="all")
     # the first plan's signature is predicted and compiled ahead of time in the background
     (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
-    future = runner.precompile([pa, pb], [da, db])
+    future = cache.precompile(step.prepare([pa, pb], [da, db]).key, step.strategy.compile)
     future.result()
-    (sig,) = runner.cache.compiled_by
-    assert runner.cache.compiled_by[sig].startswith("pipeline-aot")
+    (sig,) = cache.compiled_by
+    assert cache.compiled_by[sig].startswith("step-aot")
     # token-level 1F1B fits GPipe's buffers; then plan B loses a chunk and is padded with an
     # empty one (its token-level table plus a GPipe tail needs more ticks: a new signature)
     for it, (kind, plan_b) in enumerate((("gpipe", PLAN_B), ("token", PLAN_B), ("token", PLAN_B5))):
         (pa, da), (pb, db) = _plan(PLAN_A, 10 + it, kind, it), _plan(plan_b, 20 + it, kind, 5 + it)
         expected, ref_metrics = reference_step(reference_state, _reference_batch(da + db))
         reference_state = expected
-        state, metrics, info = runner.step(state, [pa, pb], [da, db])
+        prepared = step.prepare([pa, pb], [da, db])
+        hit = prepared.key in cache
+        state, metrics = step(state, prepared)
         np.testing.assert_allclose(metrics["loss_sum"], ref_metrics["loss_sum"], rtol=1e-5)
         np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
         assert_tree_close(state.params, expected.params)
         assert int(state.step) == it + 1
         for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(placement.state_sharding)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-        assert info.chunks == 6 + pb.n_chunks and info.split_documents == split_documents(pa) + split_documents(pb) == 3
-        assert info.cache_hit == (it < 2) and (info.signature == sig) == (it < 2)
-        assert info.as_dict()["predicted_bubble_ratio"] == 0.25
+        info = prepared.info
+        assert info["chunks"] == 6 + pb.n_chunks
+        assert info["split_documents"] == split_documents(pa) + split_documents(pb) == 3
+        assert hit == (it < 2) and (prepared.key == sig) == (it < 2)
+        assert info["predicted_bubble_ratio"] == 0.25
         # 6 chunks x 2 layers of forwards per stage, plus recomputation; B's padding chunk recomputes both layers
         padding = 2 * (6 - pb.n_chunks)
         expected_forwards = [6 * 2 + pa.ckpt_layers.sum(0), 6 * 2 + pb.ckpt_layers.sum(0) + padding]
         np.testing.assert_array_equal(metrics["layer_forwards"], expected_forwards)
-    assert len(runner.cache) == 2 and runner.cache.misses == 1
+    assert len(cache) == 2 and cache.stats.misses == 1

@@ -11,8 +11,8 @@ from pipeline_helpers import PLAN_A, plan_documents
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
-from jvarlen.parallel.pipeline_buffers import FUSED, assign_slots, fuse_single_stage
-from jvarlen.parallel.pipeline_chunks import pack_chunks
+from jvarlen.parallel.pipeline import pack_chunks
+from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, fuse_single_stage
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
 

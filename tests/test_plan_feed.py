@@ -1,7 +1,8 @@
-"""PlanFeed: iterations sampled ahead and planned in the background give the same plans
+"""IterationFeed: iterations sampled ahead and planned in the background give the same plans
 as inline planning, checkpoint the data position of the step (not of the sampler's
 look-ahead), and fall back to a fast plan (logged) when the solver is late."""
 
+import functools
 import json
 
 import pytest
@@ -10,9 +11,10 @@ from conftest import small_cost
 from jvarlen.config import DataConfig
 from jvarlen.data import DataPipeline
 from jvarlen.layout import Layout
-from jvarlen.plan.api import PlannerOptions
+from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.service import PlanningService, deterministic_options
-from jvarlen.runtime.plan_feed import PlanFeed
+from jvarlen.runtime.feed import IterationFeed, split_by_rows
+from jvarlen.runtime.strategy import Planner
 
 OPTS = deterministic_options(PlannerOptions(n_candidates=2))
 LAYOUT = Layout(dp=2, pp=2, sp=1)
@@ -22,6 +24,17 @@ def _pipeline(cache):
     # a stdlib subset: real long-tailed lengths, pieces up to 1024 tokens, 4 rows per batch
     config = DataConfig(source="stdlib", max_documents=40, seq_len=1024, tokens_per_batch=4096, cache_dir=str(cache))
     return DataPipeline(config, vocab_size=320)
+
+
+def PlanFeed(pipeline, layout, cost, policy, options, start, end, *, ahead, wait=False, service=None, say=None):
+    """The pipeline strategy's feed: one plan per dp group of rows, solved inline or by ``service``."""
+    if service is None and ahead > 0:
+        service = PlanningService(cost, policy, options)
+    solve = functools.partial(plan_iteration, cost=cost, policy=policy, options=options)
+    planner = Planner(split_by_rows(layout.dp, pipeline.rows), solve, service, wait)
+    feed = IterationFeed(pipeline, planner, start, end, ahead=ahead, say=say or (lambda _: None))
+    feed.close = service.close if service is not None else (lambda: None)
+    return feed
 
 
 def _strip(plan) -> str:

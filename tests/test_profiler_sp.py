@@ -11,7 +11,8 @@ from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.cost_fit import scale_coefficients
-from jvarlen.runtime.profiler import SP_GRID, ProfileGrid, _attention_block, fit_profile
+from jvarlen.profile.fit import _attention_block, fit_profile
+from jvarlen.profile.measure import SP_GRID, ProfileGrid
 
 SHAPE = ModelShape.from_config(ModelConfig())
 BASE = CostCoefficients(fwd=LayerTime(), bytes_per_element=4, gpus_per_node=8)

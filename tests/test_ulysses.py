@@ -11,11 +11,14 @@ from jvarlen.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from jvarlen.kernels import reference_attention
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs
-from jvarlen.parallel.layouts import batch_sharding, layout_mesh
+from jvarlen.parallel.layouts import layout_mesh
+from jvarlen.parallel.sharding import Placement, place_global
 from jvarlen.parallel.ulysses import gather_seq, heads_to_seq, kv_repeats, seq_to_heads, ulysses_attention_fn
-from jvarlen.runtime.layout_step import Placement, layout_loss_and_grads, make_layout_step, place_global
+from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.state import create_train_state
 from jvarlen.runtime.step import loss_and_grads
+from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, layout_loss_and_grads, shape_bucket
+from jvarlen.runtime.strategy import StepContext
 
 N = 8
 LAYOUTS = [Layout(dp=8, sp=1), Layout(dp=4, sp=2), Layout(dp=2, sp=4), Layout(dp=1, sp=8)]
@@ -106,7 +109,11 @@ def test_loss_and_grads_match_single_device(tiny, reference, layout):
 def test_layout_switching_every_step_matches_fixed_layout(tiny):
     config, graphdef, optimizer, state = tiny
     placement = Placement.for_state(state, optimizer)
-    steps = {layout: make_layout_step(graphdef, optimizer, placement, layout, config.model) for layout in LAYOUTS[::3]}
+    ctx = StepContext(
+        graphdef, config.model, optimizer, placement, abstract_like(place_global(state, placement.state_sharding))
+    )
+    strategy = LayoutStrategy(ctx, LayoutPolicy(N, config.model.num_heads), B, T)
+    steps = {layout: strategy.compile(("layout", layout, shape_bucket(packed_batch(0)))) for layout in LAYOUTS[::3]}
     # dp=8 <-> sp=8 every step: the two most different arrangements of the devices
     # (each layout's own numerics are checked against the reference above).
     schedule = {
@@ -118,10 +125,7 @@ def test_layout_switching_every_step_matches_fixed_layout(tiny):
         s = place_global(state, placement.state_sharding)
         losses[name] = []
         for i, layout in enumerate(layouts):
-            batch = place_global(
-                packed_batch(10 + i), {k: batch_sharding(placement.mesh(layout)) for k in packed_batch(0)}
-            )
-            s, metrics = steps[layout](s, batch)
+            s, metrics = steps[layout](s, packed_batch(10 + i))  # the step places the host batch
             losses[name].append(float(metrics["loss_sum"] / metrics["target_tokens"]))
         final[name] = jax.device_get(s.params)
         # the state never leaves its canonical sharding

@@ -17,7 +17,7 @@ document's next token when the piece is followed by more of its document
 document's final EOS, or the cut of a truncated document. So over the pieces of a
 split document every token is an input once and every token but the first is a
 target once. Attention sees only the piece (same non-zero segment id, causal by
-``positions``), per the packed-attention contract in ARCHITECTURE.md.
+``positions``), per the packed-attention contract in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one attention entry point of the model.
 
 Every attention call of the decoder goes through :func:`attention`, whose contract is
-ARCHITECTURE.md's "Packed attention inputs": a query sees a key iff both carry the same
+docs/architecture.md's "Packed attention inputs": a query sees a key iff both carry the same
 non-zero segment id and ``kv_position <= q_position``. The work is done by
 ``jvarlen.kernels.varlen_attention`` (Pallas on GPU, blockwise XLA elsewhere).
 """

@@ -16,16 +16,18 @@ from jvarlen.parallel.layouts import (
     logical_to_spec,
     state_mesh,
 )
-from jvarlen.parallel.sharding import param_shardings, pull, push, state_shardings
+from jvarlen.parallel.sharding import Placement, param_shardings, place_global, pull, push, state_shardings
 from jvarlen.parallel.ulysses import ulysses_attention_fn
 
 __all__ = [
     "COMPUTE_RULES",
+    "Placement",
     "STATE_RULES",
     "batch_sharding",
     "layout_mesh",
     "logical_to_spec",
     "param_shardings",
+    "place_global",
     "pull",
     "push",
     "state_mesh",

@@ -14,15 +14,17 @@ Only shardings and ``with_sharding_constraint`` are used; no transfer code.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.parallel.layouts import COMPUTE_RULES, STATE_RULES, Rules, logical_to_spec
+from jvarlen.parallel.layouts import COMPUTE_RULES, STATE_RULES, Rules, layout_mesh, logical_to_spec, state_mesh
 
 
 def _is_variable(x) -> bool:
@@ -119,3 +121,43 @@ def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = No
             g = jax.lax.with_sharding_constraint(g, c)
         out.append(jax.lax.with_sharding_constraint(g.astype(p.dtype), s))
     return jax.tree.structure(grads).unflatten(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The run's devices and the canonical state sharding on them (fixed for the run)."""
+
+    devices: tuple
+    state_sharding: object  # TrainState of NamedSharding on the 1-D fsdp mesh
+
+    @classmethod
+    def for_state(cls, state, optimizer, devices: Optional[Sequence[jax.Device]] = None) -> "Placement":
+        mesh = state_mesh(devices)
+        return cls(tuple(mesh.devices.flat), state_shardings(state, optimizer, mesh))
+
+    @property
+    def state_mesh(self) -> Mesh:
+        return jax.tree.leaves(self.state_sharding)[0].mesh
+
+    def mesh(self, layout) -> Mesh:
+        """The ``(dp, pp, sp)`` mesh of ``layout`` over the first ``layout.num_devices`` devices."""
+        if len(self.devices) < layout.num_devices:
+            raise ValueError(f"{layout} needs {layout.num_devices} devices, the run has {len(self.devices)}")
+        return layout_mesh(layout, self.devices[: layout.num_devices])
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.state_mesh, P())
+
+
+def place_global(tree, shardings):
+    """Host values (identical on every process) -> global arrays with ``shardings``.
+
+    Works with one or many processes: each process fills only its addressable shards.
+    """
+
+    def place(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree, shardings)

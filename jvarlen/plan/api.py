@@ -174,7 +174,7 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
             "add pipeline stages or devices"
         )
     n_max = max(2, longest // max(1, min_slice_tokens))
-    advice = "raise pp or sp, lower parallel.plan_min_slice_tokens, or shorten data.seq_len"
+    advice = "raise pp or sp, lower plan.min_slice_tokens, or shorten data.seq_len"
     tau = cost.bwd_time(ChunkShape(0, (cap,), tail=False))
     first = longest_slice(cost, 0, longest, tau, tail_at_end=False)
     if first > cap:  # cost flat below the profile's smallest token bucket: no shorter slice is cheaper
@@ -189,7 +189,7 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
         raise PlanningError(
             f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: a "
             f"slice may hold at most {cap:,} tokens ({budget}), which takes more than {n_max:,} slices (an average "
-            f"of {max(1, min_slice_tokens):,} tokens, parallel.plan_min_slice_tokens); " + advice
+            f"of {max(1, min_slice_tokens):,} tokens, plan.min_slice_tokens); " + advice
         )
     n = max(2, len(needed))
     while n < n_max and split_mesh(cost, longest, n).token_threshold > cap:  # bisection slack: rarely runs

@@ -11,7 +11,6 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.layout import Layout
 from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 
@@ -106,17 +105,19 @@ def batches(lengths: list[int], batch_size: Optional[int], iterations: int, seed
 
 
 def cost_from_config(path: str, cluster: str, zero3_sp: bool):
-    from jvarlen.config import ConfigError, load_config, requested_pipeline_stages
+    """The analytic cost model of the config's model on ``cluster``, for the layout a training run of
+    the config asks for (:func:`jvarlen.layout.resolve_layout`; auto pp: the stages it gets)."""
+    from jvarlen.config import ConfigError, load_config
+    from jvarlen.layout import resolve_layout
     from jvarlen.plan.hardware import CLUSTERS
 
     if cluster not in CLUSTERS:
         raise InputError(f"--cluster must be one of {', '.join(sorted(CLUSTERS))}, got {cluster!r}")
     try:
-        cfg = requested_pipeline_stages(load_config(path))  # auto pp: the stages a training run of it gets
+        cfg = load_config(path)
+        layout = resolve_layout(cfg)
     except ConfigError as error:
         raise InputError(f"--config {path}: {error}") from None
-    pp, sp = cfg.parallel.pp, cfg.parallel.sp
-    layout = Layout(cfg.parallel.dp or 1, pp, sp)
     return make_cost(cfg.model, cluster, layout, zero3_sp=zero3_sp)
 
 

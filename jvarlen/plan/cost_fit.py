@@ -6,7 +6,7 @@
 * :func:`fit_linear`: slope and intercept (memory per token, constant memory).
 * :class:`OnlineRefit`: logs predicted vs measured step time and refits per-term scale factors
   of the coefficients from measured steps (Gauss-Newton on the simulator's makespan).
-* Profiler reports (``jvarlen.runtime.profiler``): :func:`fit_layer_programs` (dual-layer
+* Profiler reports (``jvarlen.profile``): :func:`fit_layer_programs` (dual-layer
   program times), :func:`fit_time_terms` (all time coefficients of one Ulysses degree),
   :func:`fit_memory` (XLA temp sizes).
 

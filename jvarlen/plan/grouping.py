@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -21,8 +21,6 @@ from jvarlen.plan.checkpointing import CkptSolution, MemoryTable, SolverOptions,
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.units import unit_schedule
-
-UnitSolver = Callable[[Sequence[Sequence[int]]], tuple[float, object]]
 
 
 @dataclasses.dataclass(frozen=True)

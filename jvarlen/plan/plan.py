@@ -1,6 +1,6 @@
 """The ``Plan`` of one iteration: chunks, 1F1B units, op order and recomputation table, as data.
 
-A plan is everything the pipeline executor needs (ARCHITECTURE principle 1):
+A plan is everything the pipeline executor needs (docs/architecture.md, principle 1):
 JSON-serialisable, versioned, and checked by :meth:`Plan.validate` — every token
 exactly once, chunk well-formedness, slice order, 1F1B dependencies and per-stage
 peak memory within the budget under the cost model (Eq. 6-10).

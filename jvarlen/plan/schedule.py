@@ -3,7 +3,7 @@
 A :class:`Schedule` holds one :data:`StageProgram` (ordered ops) per stage plus the
 token-level links between chunks: ``chunk_prev[k]`` is the chunk holding the previous
 slice of the document that chunk ``k`` continues (``-1`` when ``k`` has context 0).
-Dependencies (InfiniPipe §3.1.1, ARCHITECTURE "Token-level order"):
+Dependencies (InfiniPipe §3.1.1, docs/architecture.md, "Token-level order"):
 
 * ``F(k)`` on stage ``p`` needs ``F(k)`` on ``p-1`` (activations) and ``F(chunk_prev[k])`` on ``p``
   (the K/V of earlier slices);

@@ -1,4 +1,4 @@
-"""Background planning service (InfiniPipe §3.3.4 "pre-solving"; ARCHITECTURE principle 6).
+"""Background planning service (InfiniPipe §3.3.4 "pre-solving"; docs/architecture.md, principle 6).
 
 The producer (fed by the sampler) submits the document lengths of upcoming
 iterations; worker processes solve them with the full policy while training runs.
@@ -162,6 +162,14 @@ class PlanningService:
         if job is None or not job[1].done() or job[1].cancelled() or job[1].exception() is not None:
             return None
         return job[1].result()
+
+    def done(self, iteration: int, timeout_s: float = 0.0) -> bool:
+        """Whether ``iteration``'s solver has finished (or failed), waiting up to ``timeout_s``."""
+        job = self._jobs.get(iteration)
+        if job is None:
+            return False
+        cf.wait([job[1]], timeout=timeout_s)
+        return job[1].done()
 
     def pending(self) -> list[int]:
         return sorted(self._jobs)

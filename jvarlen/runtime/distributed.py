@@ -14,18 +14,11 @@ processes and the layouts span them (jvarlen.parallel.layouts orders them by pro
 
 from __future__ import annotations
 
-import os
-
 import jax
 
 from jvarlen.config import ConfigError, ParallelConfig
 
 _initialized = False
-
-
-def running_under_slurm() -> bool:
-    """True inside a SLURM job step with more than one task (``srun``)."""
-    return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 def initialize(cfg: ParallelConfig) -> bool:
@@ -49,7 +42,3 @@ def initialize(cfg: ParallelConfig) -> bool:
         jax.distributed.initialize()  # auto-detects SLURM / MPI / ... or raises
     _initialized = True
     return True
-
-
-def is_main_process() -> bool:
-    return jax.process_index() == 0

@@ -39,29 +39,90 @@ def loss_and_grads(graphdef, params, batch: dict, attention_fn=None):
     return sums, grads
 
 
-def make_train_step(
+GradsFn = Callable[[object, dict], tuple]  # (params, batch) -> (loss sums, grads, extra metrics)
+
+
+def single_program_grads(
     graphdef,
-    optimizer: optax.GradientTransformation,
     attention_fn: Optional[Callable] = None,
     *,
     pull: Optional[Callable] = None,
     push: Optional[Callable] = None,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """Returns the un-jitted step; callers jit it with their shardings and donation.
+) -> GradsFn:
+    """Gradients of one packed batch in one program (the data-parallel layouts' way): ``pull(params)``
+    maps the stored parameters to what propagation uses and ``push(grads, params)`` maps the
+    gradients back (jvarlen.parallel.sharding); both default to the identity."""
 
-    ``attention_fn=None`` uses the model's configured implementation. ``pull(params)``
-    maps the stored params to what propagation uses and ``push(grads, params)`` maps the
-    gradients back (jvarlen.parallel.sharding); both default to the identity.
-    """
+    def grads_fn(params, batch):
+        sums, grads = loss_and_grads(graphdef, params if pull is None else pull(params), batch, attention_fn)
+        return sums, grads if push is None else push(grads, params), {}
+
+    return grads_fn
+
+
+def make_train_step(grads_fn: GradsFn, optimizer: optax.GradientTransformation) -> Callable:
+    """The one train step of every execution strategy: ``train_step(state, batch) -> (state,
+    metrics)``. A strategy supplies only how an iteration's gradients are computed (``grads_fn``:
+    one program, pipeline ticks, device groups); the update is :func:`apply_gradients`. Un-jitted:
+    :func:`compile_train_step` jits it with the strategy's shardings and donation."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        params = state.params if pull is None else pull(state.params)
-        sums, grads = loss_and_grads(graphdef, params, batch, attention_fn)
-        if push is not None:
-            grads = push(grads, state.params)
-        return apply_gradients(optimizer, state, grads, sums, batch["segment_ids"])
+        sums, grads, extra = grads_fn(state.params, batch)
+        state, metrics = apply_gradients(optimizer, state, grads, sums, batch["segment_ids"])
+        return state, {**metrics, **extra}
 
     return train_step
+
+
+class CompiledStep:
+    """An executable ``(state, host arrays) -> (state, metrics)``: places the numpy inputs with the
+    shardings it was compiled for (each process fills only its own shards) and runs it."""
+
+    def __init__(self, compiled, batch_shardings: dict):
+        self.compiled = compiled
+        self.batch_shardings = batch_shardings
+
+    def __call__(self, state, arrays: dict):
+        from jvarlen.parallel.sharding import place_global
+
+        return self.compiled(state, place_global(arrays, {k: self.batch_shardings[k] for k in arrays}))
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+
+def lower_train_step(
+    train_step: Callable,
+    abstract_state,
+    state_sharding,
+    batch_shapes: dict,
+    batch_shardings: dict,
+    metrics_sharding,
+):
+    """``train_step`` jitted with canonical state in and out (donated), the batch
+    (``{key: ShapeDtypeStruct}``) placed with ``batch_shardings`` and metrics replicated, lowered
+    for those inputs (``jax.stages.Lowered``)."""
+    jitted = jax.jit(
+        train_step,
+        in_shardings=(state_sharding, batch_shardings),
+        out_shardings=(state_sharding, metrics_sharding),
+        donate_argnums=0,
+    )
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch_shapes.items()
+    }
+    return jitted.lower(abstract_state, abstract_batch)
+
+
+def compile_train_step(*args, compiler_options: Optional[dict] = None, check_memory: bool = True) -> CompiledStep:
+    """:func:`lower_train_step` compiled ahead of time (same arguments); refuses a step that cannot
+    fit the device (:mod:`jvarlen.runtime.memory_fit`) before it runs."""
+    from jvarlen.runtime.memory_fit import ensure_fits
+
+    compiled = lower_train_step(*args).compile(compiler_options=compiler_options)
+    if check_memory:
+        ensure_fits(compiled)
+    return CompiledStep(compiled, args[4])
 
 
 def apply_gradients(optimizer, state: TrainState, grads, sums: dict, segment_ids) -> tuple[TrainState, dict]:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import draccus
 
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS
 
 
 @dataclasses.dataclass
@@ -56,10 +56,6 @@ def main(args: Optional[list[str]] = None) -> str:
         ).strip()
     if cfg.cpu_single_thread:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
-    from jvarlen.runtime.profiler import run_profiler
+    from jvarlen.profile.fit import run_profiler
 
     return run_profiler(cfg)
-
-
-if __name__ == "__main__":
-    print(main())

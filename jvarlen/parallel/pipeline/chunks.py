@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+from jvarlen.parallel.pipeline.signature import CHUNK_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

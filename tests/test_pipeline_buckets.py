@@ -1,19 +1,11 @@
-"""PipelineRunner's chunk buckets: quarter steps of the next power of two (less padding than
+"""Chunk buckets of the pipeline path: quarter steps of the next power of two (less padding than
 power-of-two buckets), falling back to the power of two when sp does not divide the step."""
 
 import types
 
 import pytest
-from pipeline_helpers import tiny_config, tiny_params
 
-from jvarlen.parallel.pipeline_run import PipelineRunner
-
-
-@pytest.fixture(scope="module")
-def runner():
-    cfg = tiny_config(num_layers=2)
-    graphdef, params = tiny_params(cfg)
-    return PipelineRunner(graphdef, cfg, None, params)
+from jvarlen.parallel.pipeline.prepare import chunk_buckets
 
 
 def _plans(*chunk_tokens):
@@ -35,15 +27,12 @@ def _plans(*chunk_tokens):
         (700, 3, [1024]),  # 256-token steps are not divisible by sp = 3: power of two only
     ],
 )
-def test_bucket_candidates(runner, longest, sp, expected):
-    assert runner._buckets(_plans(longest // 2, longest, longest // 3), sp) == expected
+def test_bucket_candidates(longest, sp, expected):
+    assert chunk_buckets(_plans(longest // 2, longest, longest // 3), sp) == expected
     # padding with the smallest candidate stays under a quarter of the power of two
     if sp in (1, 2, 4):
         assert expected[0] - longest < max(16, expected[-1] // 4)
 
 
 def test_a_fixed_bucket_is_the_only_candidate():
-    cfg = tiny_config(num_layers=2)
-    graphdef, params = tiny_params(cfg)
-    fixed = PipelineRunner(graphdef, cfg, None, params, bucket=32)
-    assert fixed._buckets(_plans(10), 1) == [32]
+    assert chunk_buckets(_plans(10), 1, fixed=32) == [32]

@@ -1,0 +1,146 @@
+"""jvarlen for research code: the compiled train step of a layout or of a plan, the shardings its
+inputs need, and the host-side preparation of a batch of documents — the same pieces the
+training loop runs (:mod:`jvarlen.runtime.strategy`), without the loop::
+
+    from jvarlen import api
+    session = api.Session.from_config(config)                  # model, AdamW, canonical state
+    step = session.layout_step(Layout(dp=8), rows=8, seq_len=1024)
+    batch = step.prepare(documents)                            # numpy: packed rows
+    state, metrics = step(session.state, batch)                # compiled once per signature
+
+``session.plan_step(layout)`` does the same for the elastic pipeline: ``step.prepare(plans,
+documents)`` with one :class:`~jvarlen.plan.plan.Plan` and one list of documents per pipeline.
+Documents are token arrays or :class:`~jvarlen.data.packer.Piece` s.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jvarlen.config import Config, ModelConfig
+from jvarlen.data.packer import Piece, place
+from jvarlen.layout import Layout
+from jvarlen.parallel.sharding import Placement, place_global
+from jvarlen.runtime.checkpoint import abstract_like
+from jvarlen.runtime.compile_cache import CompileCache
+from jvarlen.runtime.feed import Iteration
+from jvarlen.runtime.state import create_train_state
+from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
+
+
+def as_pieces(documents: Sequence) -> list[Piece]:
+    """Token arrays (or pieces) as :class:`Piece` s: document i is corpus document i, whole."""
+    return [d if isinstance(d, Piece) else Piece(np.asarray(d, np.int32), i, -1) for i, d in enumerate(documents)]
+
+
+class Step:
+    """One strategy's compiled steps: ``prepare`` builds host arrays, calling runs the compiled step
+    of their signature (compiled on first use, cached per signature)."""
+
+    def __init__(self, strategy: ExecutionStrategy, cache: CompileCache):
+        self.strategy, self.cache = strategy, cache
+
+    def compiled(self, prepared: Prepared):
+        """The executable of ``prepared``'s signature (its ``batch_shardings``, ``compiled``)."""
+        return self.cache.get(prepared.key, self.strategy.compile)
+
+    def batch_shardings(self, prepared: Prepared) -> dict:
+        return self.compiled(prepared).batch_shardings
+
+    def __call__(self, state, prepared: Prepared):
+        """-> (state, metrics): one optimizer update; ``state`` is donated."""
+        return self.compiled(prepared)(state, prepared.arrays)
+
+
+class LayoutStep(Step):
+    def __init__(self, strategy, cache, rows: int, seq_len: int):
+        super().__init__(strategy, cache)
+        self.rows, self.seq_len = rows, seq_len
+
+    def prepare(self, documents: Sequence) -> Prepared:
+        """Packs whole documents into ``rows x seq_len`` (best fit; raises if they do not fit)."""
+        pieces = as_pieces(documents)
+        rows = place(np.array([len(p.tokens) for p in pieces]), self.rows, self.seq_len)
+        return self.strategy.prepare(Iteration(0, pieces, rows, {}), self.cache.keys())
+
+    def from_arrays(self, arrays: dict) -> Prepared:
+        """A batch packed elsewhere (``[rows, seq_len]`` arrays named as
+        :data:`jvarlen.runtime.step.BATCH_KEYS`) as this step's input."""
+        from jvarlen.runtime.strategies.layouts import shape_bucket
+
+        return Prepared(("layout", self.strategy.policy.fixed, shape_bucket(arrays)), dict(arrays))
+
+
+class PlanStep(Step):
+    def prepare(self, plans: Sequence, documents: Sequence[Sequence]) -> Prepared:
+        """One plan and the list of its documents per pipeline (``len(plans) == layout.dp``)."""
+        groups = [as_pieces(docs) for docs in documents]
+        pieces = [p for g in groups for p in g]
+        it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=groups, plans=list(plans))
+        return self.strategy.prepare(it, self.cache.keys())
+
+
+class Session:
+    """The model, its optimizer and the train state in the canonical sharding over ``devices``."""
+
+    def __init__(self, graphdef, model: ModelConfig, optimizer, state, *, devices=None, compiler_options=None):
+        self.placement = Placement.for_state(state, optimizer, devices)
+        self.state = place_global(state, self.placement.state_sharding)
+        self.context = StepContext(
+            graphdef, model, optimizer, self.placement, abstract_like(self.state), compiler_options=compiler_options
+        )
+        self.cache = CompileCache(say=lambda _: None)
+
+    @classmethod
+    def from_config(cls, config: Config, devices=None, **kwargs) -> "Session":
+        graphdef, optimizer, state = create_train_state(config)
+        return cls(graphdef, config.model, optimizer, state, devices=devices, **kwargs)
+
+    @property
+    def state_sharding(self):
+        return self.placement.state_sharding
+
+    def layout_step(self, layout: Layout, rows: int, seq_len: int) -> LayoutStep:
+        """The data-parallel step on ``layout`` (``dp · sp`` = the session's devices) for batches of
+        ``rows`` rows of ``seq_len`` tokens."""
+        from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
+
+        layout.validate(len(self.placement.devices), num_heads=self.context.model.num_heads)
+        policy = LayoutPolicy(len(self.placement.devices), self.context.model.num_heads, 1, layout)
+        return LayoutStep(LayoutStrategy(self.context, policy, rows, seq_len), self.cache, rows, seq_len)
+
+    def plan_step(
+        self,
+        layout: Layout,
+        *,
+        bucket: Optional[int] = None,
+        chunk_multiple: int = 2,
+        residual_policy: Optional[str] = "dots_and_attention",
+    ) -> PlanStep:
+        """The elastic pipeline step on ``layout`` for plans of that layout (chunks padded to
+        ``bucket`` tokens, or to quarter steps of a power of two; chunk counts to a multiple of
+        ``chunk_multiple``)."""
+        from jvarlen.runtime.strategies.pipeline import PipelineStrategy
+
+        strategy = PipelineStrategy(
+            self.context,
+            layout,
+            None,
+            "epp",
+            None,
+            rows_per_batch=1,
+            ahead=0,
+            residual=residual_policy,
+            chunk_multiple=chunk_multiple,
+            bucket=bucket,
+        )
+        return PlanStep(strategy, self.cache)
+
+    def put(self, tree, shardings):
+        """Host values -> global arrays with ``shardings`` (each process fills its own shards)."""
+        return place_global(tree, shardings)
+
+
+__all__ = ["LayoutStep", "PlanStep", "Session", "Step", "as_pieces"]

@@ -1,0 +1,28 @@
+"""The elastic pipeline executor: plans of chunks through ``pp`` stages in one compiled program.
+
+Host side (numpy): :mod:`.chunks` (plan pieces -> packed chunks), :mod:`.buffers` (slot tables),
+:mod:`.signature` (the static key of a compiled step), :mod:`.prepare` (one step's inputs).
+Device side: :mod:`.stage` (a stage's layers with stored or recomputed residuals),
+:mod:`.executor` (the tick program). docs/design/pipeline.md describes the whole.
+"""
+
+from jvarlen.parallel.pipeline.chunks import PackedChunks, chunk_links, pack_chunks
+from jvarlen.parallel.pipeline.executor import make_pipeline_grads, split_params
+from jvarlen.parallel.pipeline.prepare import pad_plan, prepare_batch, prepare_plans, split_documents
+from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature, covers, round_signature
+
+__all__ = [
+    "CHUNK_KEYS",
+    "PackedChunks",
+    "PipelineSignature",
+    "chunk_links",
+    "covers",
+    "make_pipeline_grads",
+    "pack_chunks",
+    "pad_plan",
+    "prepare_batch",
+    "prepare_plans",
+    "round_signature",
+    "split_documents",
+    "split_params",
+]

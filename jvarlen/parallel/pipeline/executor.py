@@ -1,0 +1,429 @@
+"""Device side of the elastic pipeline executor: any valid plan of chunks through ``pp`` stages in
+one program.
+
+See docs/design/pipeline.md. Static: the :class:`PipelineSignature` (layout, bucket, chunk count,
+tick count, context bucket, slot counts). Runtime data: the chunks, the tick table
+``[ticks, pp, 2]`` from ``jvarlen.plan.schedule`` and the slot tables of
+:mod:`jvarlen.parallel.pipeline.buffers` (which also encode the recomputation table), built on
+the host by :mod:`jvarlen.parallel.pipeline.prepare`. Mesh axes ``(dp, pp, sp)`` of
+:mod:`jvarlen.parallel.layouts`; every pipeline (``dp`` index) has its own chunks and tables;
+Ulysses runs inside each stage over ``sp``.
+
+Inside ``shard_map`` one device runs a ``lax.scan`` over ticks (:class:`StageProgram`): each
+tick gathers what its op reads from the stage's buffers, runs ``lax.switch(op, [idle, forward,
+backward, fused])`` on those values, scatters what the op wrote, adds its gradients and passes
+activations / cotangents to the neighbouring stages with two ``ppermute``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.config import ModelConfig
+from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
+from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
+from jvarlen.parallel import ulysses
+from jvarlen.parallel.layouts import DP, PP, SP
+from jvarlen.parallel.pipeline.buffers import FUSED
+from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
+from jvarlen.parallel.pipeline.stage import StageFns, maybe, residual_shapes
+
+DATA = DP  # pipelines (independent data) over the layout's dp axis
+
+
+def split_params(params):
+    """(stacked layer state [L, ...], the rest: embed, final norm, head)."""
+    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
+    return params["layers"], rest
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShapes:
+    """Static sizes of one signature, per device: T tokens per chunk (Tl = T/sp of them on one device
+    of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
+    Ulysses all_to_all, Sc context tokens."""
+
+    sig: PipelineSignature
+    graphdef: Any
+    fns: StageFns
+    compute_dtype: Any
+    d: int
+    D: int
+    K: int
+
+    @property
+    def pp(self) -> int:
+        return self.sig.layout.pp
+
+    @property
+    def ls(self) -> int:
+        return self.sig.layers_per_stage
+
+    @property
+    def T(self) -> int:
+        return self.sig.bucket
+
+    @property
+    def Tl(self) -> int:
+        return self.sig.bucket // self.sig.layout.sp
+
+    @property
+    def Sc(self) -> int:
+        return self.sig.context
+
+    @property
+    def stores(self) -> bool:
+        """Static: a signature without residual slots recomputes every layer."""
+        return self.sig.n_res > 0
+
+    def dummy(self, kind: str) -> int:
+        """The slot meaning "nothing": one past the last real slot of a buffer."""
+        return getattr(self.sig, "n_" + kind)
+
+
+class StageProgram:
+    """One device's tick program (built inside ``shard_map``): the stage's layers, the rest of the
+    model (embedding, final norm, head), this pipeline's tables and chunks ``b``, and the loss
+    ``scale`` (1 / all real targets of the iteration).
+
+    The switch branches never see a buffer: what an op reads is gathered before it and what it
+    writes is scattered after it (to the dummy slot when it writes nothing), so every buffer update
+    is an in-place dynamic-update-slice in the tick loop's carry."""
+
+    def __init__(self, s: StageShapes, layers, rest, b, scale):
+        self.s, self.layers, self.rest, self.scale = s, layers, rest, scale
+        self.b = jax.tree.map(lambda a: a[0], b)
+        self.stage = jax.lax.axis_index(PP)
+        self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
+        self.is_first, self.is_last = self.stage == 0, self.stage == s.pp - 1
+        self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
+
+    # ---- the model pieces outside the stage's layers
+    def model_of(self, rest):
+        return nnx.merge(self.s.graphdef, rest, nnx.State({"layers": self.layers}))
+
+    def embed(self, rest, tokens):
+        return self.model_of(rest).embed_tokens(tokens[None])[0]
+
+    def head_loss(self, rest, y, targets, mask):
+        logits = self.model_of(rest).logits(y[None])
+        return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
+
+    # ---- one chunk's view
+    def chunk(self, k) -> dict:
+        s, b, cdt = self.s, self.b, self.s.compute_dtype
+        c = {key: jax.lax.dynamic_index_in_dim(b[key], k, 0, keepdims=False) for key in CHUNK_KEYS}
+        c["C"] = b["ctx_len"][k]
+        c["slots"] = {name: b[name + "_slot"][k, self.stage] for name in ("stash", "grad", "ctx")}
+        c["res_slot"] = b["res_slot"][k, self.stage]
+        seg, pos = c["segment_ids"], c["positions"]
+        if s.Sc:
+            # The context buffers hold a document's keys 0..C-1 at [0, C). The stage sees them
+            # rolled right by Sc - C, i.e. at [Sc - C, Sc), right before the chunk's own keys: the
+            # visible keys of a query are then one contiguous run and the attention's tile lists
+            # skip the unused [C, Sc) part of the bucket.
+            c["shift"] = s.Sc - c["C"]
+            ar = jnp.arange(s.Sc, dtype=jnp.int32)
+            in_ctx = ar >= c["shift"]
+            kv_seg = jnp.concatenate([jnp.where(in_ctx, seg[0], 0), seg])
+            kv_pos = jnp.concatenate([jnp.where(in_ctx, ar - c["shift"], 0), pos])
+            c["inputs"] = AttentionInputs(seg[None], pos[None], kv_seg[None], kv_pos[None])
+        else:
+            c["inputs"] = AttentionInputs(seg[None], pos[None])
+        c["own"] = ((b["has_next"][k] > 0) & (seg == seg[0]) & (seg > 0)).astype(cdt)[None, :, None, None]
+        for key in ("tokens", "targets", "loss_mask", "positions"):  # this device's tokens
+            c["local_" + key] = jax.lax.dynamic_slice_in_dim(c[key], self.mine, s.Tl)
+        return c
+
+    def roll_ctx(self, a, c, back=False):
+        """Context K/V (or their gradients) [Ls, Sc, K, D] between the buffers' layout and the
+        stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
+        if not self.s.Sc:
+            return a
+        return jnp.roll(a, -c["shift"] if back else c["shift"], axis=1)
+
+    # ---- the ops (branches of the tick's switch): reads -> outputs
+    def fwd(self, r, k):
+        s, c = self.s, self.chunk(k)
+        x = jnp.where(self.is_first, self.embed(self.rest, c["local_tokens"]), r["x"])
+        recompute = c["res_slot"] == s.dummy("res") if s.stores else None
+        y, k_own, v_own, residuals, n = s.fns.forward(
+            self.layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"], recompute
+        )
+
+        def last():
+            loss, vjp_fn = jax.vjp(
+                lambda rr, yy: self.head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), self.rest, y
+            )
+            d_rest, dy = vjp_fn(self.scale.astype(loss.dtype))
+            return loss, d_rest, dy
+
+        loss, d_rest, dy = maybe(self.is_last, last)
+        return dict(
+            self.out,
+            send_act=y,
+            x_in=x,
+            dy_last=dy,
+            res=residuals,
+            k_own=k_own * c["own"],
+            v_own=v_own * c["own"],
+            d_rest=d_rest,
+            loss=loss,
+            count=n,
+        )
+
+    def bwd(self, r, k):
+        s, c = self.s, self.chunk(k)
+        if s.Sc:
+            at, size = (0, c["C"], 0, 0), (s.ls, s.T, s.K, s.D)
+            dk_own = jax.lax.dynamic_slice(r["dck"], at, size) * c["own"]
+            dv_own = jax.lax.dynamic_slice(r["dcv"], at, size) * c["own"]
+        else:
+            dk_own = dv_own = jnp.zeros((s.ls, s.T, s.K, s.D), s.compute_dtype)
+        dx, dlayers, dck, dcv, n = s.fns.backward(
+            self.layers,
+            r["x"],
+            r["dy"],
+            r["ck"],
+            r["cv"],
+            dk_own,
+            dv_own,
+            r["res"] if s.stores else None,
+            c["res_slot"] == s.dummy("res"),
+            c["inputs"],
+            c["local_positions"],
+        )
+
+        def first():
+            _, vjp_fn = jax.vjp(lambda rr: self.embed(rr, c["local_tokens"]), self.rest)
+            return vjp_fn(dx)[0]
+
+        d_rest = maybe(self.is_first, first)
+        return dict(self.out, send_grad=dx, d_layers=dlayers, dck=dck, dcv=dcv, d_rest=d_rest, count=n)
+
+    def fused(self, r, k):
+        """pp = 1: F and B of chunk k in one tick (plain autodiff, nothing stored across ticks)."""
+        s, c = self.s, self.chunk(k)
+
+        def stage_loss(layers_, rest_, ck, cv):
+            x = self.embed(rest_, c["local_tokens"])
+            y, *_ = s.fns.forward(layers_, x, ck, cv, c["inputs"], c["local_positions"], None)
+            return self.head_loss(rest_, y, c["local_targets"], c["local_loss_mask"])
+
+        loss, vjp_fn = jax.vjp(stage_loss, self.layers, self.rest, r["ck"], r["cv"])
+        d_layers, d_rest, dck, dcv = vjp_fn(self.scale.astype(loss.dtype))
+        return dict(self.out, d_layers=d_layers, d_rest=d_rest, dck=dck, dcv=dcv, loss=loss, count=jnp.int32(s.ls))
+
+    def idle(self, r, k):
+        return self.out
+
+    @property
+    def branches(self) -> list[Callable]:
+        return [self.idle, self.fwd, self.bwd] + ([self.fused] if self.s.pp == 1 else [])
+
+    # ---- one tick
+    def reads(self, carry, c, is_b) -> dict:
+        """What the tick's op may read: its chunk's slots of every buffer (stored residuals only on B)."""
+        s, sl = self.s, c["slots"]
+        reads = dict(
+            x=_get(carry["stash"], sl["stash"]),
+            dy=_get(carry["grad_in"], sl["grad"]),
+            ck=self.roll_ctx(_get(carry["ck"], sl["ctx"]), c),
+            cv=self.roll_ctx(_get(carry["cv"], sl["ctx"]), c),
+            dck=_get(carry["dck"], sl["ctx"]),
+            dcv=_get(carry["dcv"], sl["ctx"]),
+            res=[],
+        )
+        if s.stores:
+            reads["res"] = jax.lax.cond(
+                is_b,
+                # recomputed layers (slot n_res) read a clipped slot they never use
+                lambda bufs: [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in bufs],
+                lambda bufs: [jnp.zeros((s.ls,) + buf.shape[1:], buf.dtype) for buf in bufs],
+                carry["res"],
+            )
+        return reads
+
+    def write_context(self, carry, o, c, k, is_f, takes_dctx, reads) -> None:
+        """Own K/V into the context slot (forward); context dK/dV accumulated (backward)."""
+        s, sl, cdt = self.s, c["slots"], self.s.compute_dtype
+        ctx_f = jnp.where(is_f, sl["ctx"], s.dummy("ctx"))
+        carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
+        carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
+        # a document's first slice clears its dK/dV accumulator; a backward adds to it
+        start = is_f & (self.b["has_next"][k] > 0) & (c["C"] == 0)
+        ctx_b = jnp.where(takes_dctx | start, sl["ctx"], s.dummy("ctx"))
+        keep = takes_dctx.astype(cdt)
+        carry["dck"] = _put(carry["dck"], ctx_b, keep * reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
+        carry["dcv"] = _put(carry["dcv"], ctx_b, keep * reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
+
+    def tick(self, carry, t):
+        s, b = self.s, self.b
+        branches = self.branches
+        row = b["ops"][t, self.stage]
+        op, k = jnp.clip(row[0], 0, len(branches) - 1), jnp.maximum(row[1], 0)
+        is_f, is_b = op == 1, op == 2
+        takes_dctx = is_b | (op == FUSED)  # ops that add to the context dK/dV accumulator
+        c = self.chunk(k)
+        sl = c["slots"]
+        reads = self.reads(carry, c, is_b)
+        o = jax.lax.switch(op, branches, reads, k)
+        carry = dict(carry)
+        carry["stash"] = _put(carry["stash"], jnp.where(is_f & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"])
+        carry["grad_in"] = _put(
+            carry["grad_in"], jnp.where(is_f & self.is_last, sl["grad"], s.dummy("grad")), o["dy_last"]
+        )
+        if s.stores:
+            carry["res"] = jax.lax.cond(
+                is_f,
+                lambda bufs, new: [
+                    buf.at[c["res_slot"]].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(bufs, new)
+                ],
+                lambda bufs, new: list(bufs),
+                carry["res"],
+                o["res"],
+            )
+        else:
+            carry["res"] = []
+        if s.Sc:
+            self.write_context(carry, o, c, k, is_f, takes_dctx, reads)
+        carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
+        carry["loss"] = carry["loss"] + o["loss"]
+        carry["count"] = carry["count"] + o["count"]
+        if s.pp > 1:
+            cdt = s.compute_dtype
+            recv_act = jax.lax.ppermute(o["send_act"].astype(cdt), PP, [(i, i + 1) for i in range(s.pp - 1)])
+            recv_grad = jax.lax.ppermute(o["send_grad"].astype(cdt), PP, [(i + 1, i) for i in range(s.pp - 1)])
+            carry["stash"] = _put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
+            carry["grad_in"] = _put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
+        return carry, None
+
+    # ---- the whole program
+    def init(self) -> dict:
+        """Zero outputs of every op (:attr:`out`) and the initial carry: the stage's buffers
+        (zero-initialised every step: temporaries, not state) and gradient accumulators."""
+        s, cdt, layers, rest = self.s, self.s.compute_dtype, self.layers, self.rest
+        sig = s.sig
+        x0 = jnp.zeros((s.Tl, s.d), cdt)
+        c0 = self.chunk(jnp.int32(0))
+        layer0 = jax.tree.map(lambda a: a[0], layers)
+        ctx0 = jnp.zeros((s.Sc, s.K, s.D), cdt)
+        res_shapes = residual_shapes(s.fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
+        zeros_ctx = jnp.zeros((sig.n_ctx + 1, s.ls, s.Sc, s.K, s.D), cdt)
+        act = jnp.zeros((s.Tl, s.d), cdt)
+        kv_own = jnp.zeros((s.ls, s.T, s.K, s.D), cdt)
+        self.out.update(
+            send_act=act,
+            send_grad=act,
+            x_in=act,
+            dy_last=act,
+            res=[jnp.zeros((s.ls,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
+            k_own=kv_own,
+            v_own=kv_own,
+            dck=zeros_ctx[0],
+            dcv=zeros_ctx[0],
+            d_layers=jax.tree.map(jnp.zeros_like, layers),
+            d_rest=jax.tree.map(jnp.zeros_like, rest),
+            loss=jnp.zeros((), jnp.float32),
+            count=jnp.zeros((), jnp.int32),
+        )
+        return dict(
+            stash=jnp.zeros((sig.n_stash + 1, s.Tl, s.d), cdt),
+            grad_in=jnp.zeros((sig.n_grad + 1, s.Tl, s.d), cdt),
+            ck=zeros_ctx,
+            cv=zeros_ctx,
+            dck=zeros_ctx,
+            dcv=zeros_ctx,
+            # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
+            res=[jnp.zeros((sig.n_res,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
+            g_layers=jax.tree.map(jnp.zeros_like, layers),
+            g_rest=jax.tree.map(jnp.zeros_like, rest),
+            loss=jnp.zeros((), jnp.float32),
+            count=jnp.zeros((), jnp.int32),
+        )
+
+    def run(self):
+        """-> (grads of the stage's layers, of the rest, loss sum, layer forwards [1, 1])."""
+        carry = self.init()
+        carry, _ = jax.lax.scan(self.tick, carry, jnp.arange(self.s.sig.n_ticks))
+        g_layers = jax.lax.psum(carry["g_layers"], (DATA, SP))
+        g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP, SP))
+        loss = jax.lax.psum(carry["loss"], (DATA, PP, SP))
+        return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
+
+
+def _put(buf, i, value):
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+
+
+def _get(buf, i):
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def stage_shapes(graphdef, cfg: ModelConfig, sig: PipelineSignature, attention_fn=None, residual_policy=None):
+    """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`)."""
+    sp = sig.layout.sp
+    if sig.bucket % sp or cfg.num_heads % sp:
+        raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
+    repeats = ulysses.kv_repeats(cfg.num_kv_heads, sp)
+    cdt = resolve_compute_dtype(cfg.compute_dtype)
+    layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    fns = StageFns(
+        layer_graphdef,
+        attention_fn or make_attention_fn(cfg.attention),
+        cdt,
+        with_context=sig.context > 0,
+        sp=sp,
+        kv_repeats=repeats,
+        residual_policy=residual_policy,
+    )
+    return StageShapes(
+        sig,
+        graphdef,
+        fns,
+        cdt,
+        d=cfg.d_model,
+        D=cfg.head_dim or cfg.d_model // cfg.num_heads,
+        K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
+    )
+
+
+def make_pipeline_grads(
+    graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None, residual_policy: Optional[str] = None
+):
+    """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
+
+    ``grads`` are of the mean loss over every real target of all pipelines (like
+    :func:`jvarlen.runtime.step.loss_and_grads`), accumulated over chunks and pipelines.
+    ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
+    """
+    shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy)
+
+    def device_fn(layers, rest, b, scale):
+        return StageProgram(shapes, layers, rest, b, scale).run()
+
+    def grads(params, batch):
+        layers, rest = split_params(params)
+        targets = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
+        scale = 1.0 / jnp.maximum(targets, 1.0)
+        layer_spec = jax.tree.map(lambda _: P(PP), layers)
+        rest_spec = jax.tree.map(lambda _: P(), rest)
+        batch_spec = {key: P(DATA) for key in batch}
+        g_layers, g_rest, loss, count = jax.shard_map(
+            device_fn,
+            mesh=mesh,
+            in_specs=(layer_spec, rest_spec, batch_spec, P()),
+            out_specs=(layer_spec, rest_spec, P(), P(DATA, PP)),
+            check_vma=False,
+        )(layers, rest, batch, scale)
+        grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))
+        return {"loss_sum": loss, "target_tokens": targets}, grads, count
+
+    return grads

@@ -1,0 +1,193 @@
+"""Host side of the pipeline executor: plans + documents -> the numpy inputs of one step.
+
+Numpy only. :func:`prepare_batch` turns packed chunks, schedules and recomputation tables into
+the device arrays of a :class:`~jvarlen.parallel.pipeline.signature.PipelineSignature`;
+:func:`prepare_plans` does it for one :class:`~jvarlen.plan.plan.Plan` per pipeline, choosing
+the chunk bucket and reusing an already compiled signature that covers the plans.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from jvarlen.layout import Layout
+from jvarlen.parallel.pipeline.buffers import assign_slots, fuse_single_stage
+from jvarlen.parallel.pipeline.chunks import PackedChunks, pack_chunks, stack_pipelines
+from jvarlen.parallel.pipeline.signature import (
+    GROWABLE,
+    TABLE_KEYS,
+    PipelineSignature,
+    _round_up,
+    covers,
+    round_signature,
+)
+from jvarlen.plan import schedule as sch
+from jvarlen.plan.plan import Plan
+from jvarlen.plan.schedule import Schedule, ScheduleError
+
+
+def prepare_batch(
+    packs: Sequence[PackedChunks],
+    schedules: Sequence[Union[Schedule, np.ndarray]],
+    ckpt_layers: Sequence[np.ndarray],
+    layout: Layout,
+    num_layers: int,
+    *,
+    signature: Optional[PipelineSignature] = None,
+    fuse: bool = True,
+) -> tuple[PipelineSignature, dict]:
+    """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
+
+    ``schedules[i]``: a :class:`Schedule` (run as its ASAP tick table) or a tick table
+    ``[ticks, pp, 2]`` from the planner (validated with ``Schedule.from_ticks``).
+    ``ckpt_layers[i] [n, pp]``: layers recomputed per chunk and stage (InfiniPipe Eq. 15-16).
+    ``signature``: run inside that compiled step's buffers (raises naming the stage, tick and
+    chunks when the tables need more slots, ticks or context); else the smallest signature.
+    ``fuse``: with one stage, run each F directly followed by its B as one fused op
+    (``pipeline_buffers.fuse_single_stage``); False keeps them in separate ticks.
+    Returns (signature, ``{key: [dp, ...]}``).
+    """
+    if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
+        raise ValueError(f"need one pack, schedule and ckpt table per pipeline (dp={layout.dp})")
+    if num_layers % layout.pp:
+        raise ValueError(f"num_layers ({num_layers}) must be divisible by pp ({layout.pp})")
+    ls = num_layers // layout.pp
+    tables = []
+    for pack, sched, ckpt in zip(packs, schedules, ckpt_layers):
+        if isinstance(sched, Schedule):
+            if tuple(sched.chunk_prev) != tuple(pack.chunk_prev):
+                raise ScheduleError(f"schedule links {sched.chunk_prev} differ from the chunks' {pack.chunk_prev}")
+            sched.validate()
+            ticks = sched.to_ticks()
+        else:
+            ticks = np.asarray(sched, np.int32)
+            Schedule.from_ticks(ticks, pack.chunk_prev)
+        if ticks.shape[1] != layout.pp:
+            raise ScheduleError(f"tick table has {ticks.shape[1]} stages, layout has pp={layout.pp}")
+        if layout.pp == 1 and fuse:
+            ticks = fuse_single_stage(ticks)
+        ckpt = np.asarray(ckpt, np.int32)
+        if ckpt.shape != (pack.n_chunks, layout.pp):
+            raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
+        slots = assign_slots(ticks, pack.chunk_prev, ckpt, ls, uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
+        tables.append((ticks, slots))
+    bucket = packs[0].bucket
+    context = max(p.context_bucket() for p in packs)
+    context = -(-context // bucket) * bucket if context else 0
+    need = dict(
+        n_ticks=max(t.shape[0] for t, _ in tables),
+        context=context,
+        **{name: max(getattr(s, name) for _, s in tables) for name in ("n_stash", "n_grad", "n_ctx", "n_res")},
+    )
+    if signature is None:
+        sig = PipelineSignature(layout, num_layers, bucket, packs[0].n_chunks, **need)
+    else:
+        sig = signature
+        _check_fits(sig, layout, num_layers, bucket, packs[0].n_chunks, need, [s for _, s in tables])
+    out = stack_pipelines(packs)
+    per = {key: [] for key in TABLE_KEYS}
+    for ticks, slots in tables:
+        slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res)
+        pad = sig.n_ticks - ticks.shape[0]
+        idle = np.zeros((pad, layout.pp, 2), np.int32)
+        idle[..., 1] = -1
+        per["ops"].append(np.concatenate([ticks, idle]))
+        per["recv_act"].append(np.concatenate([slots.recv_act, np.full((pad, layout.pp), sig.n_stash, np.int32)]))
+        per["recv_grad"].append(np.concatenate([slots.recv_grad, np.full((pad, layout.pp), sig.n_grad, np.int32)]))
+        for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot"):
+            per[key].append(getattr(slots, key))
+    out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
+    return sig, out
+
+
+def _check_fits(sig, layout, num_layers, bucket, n_chunks, need, slot_tables) -> None:
+    fixed = dict(layout=layout, num_layers=num_layers, bucket=bucket, n_chunks=n_chunks)
+    for name, value in fixed.items():
+        if getattr(sig, name) != value:
+            raise ValueError(f"plan has {name}={value}, the compiled signature has {getattr(sig, name)}")
+    for name, value in need.items():
+        if value <= getattr(sig, name):
+            continue
+        where = ""
+        kind = name[2:] if name.startswith("n_") else None
+        for slots in slot_tables:
+            if kind in slots.peaks and getattr(slots, name) == value:
+                stage, tick, who = slots.peaks[kind]
+                where = f" (stage {stage}, tick {tick}: chunks {who} live at once)"
+        raise ScheduleError(
+            f"window overflow: the tables need {name}={value} but the compiled signature has "
+            f"{getattr(sig, name)}{where}"
+        )
+
+
+def split_documents(plan: Plan) -> int:
+    """Documents cut into more than one slice by the plan."""
+    seen: dict[int, int] = {}
+    for chunk in plan.chunks:
+        for doc, _, _ in chunk:
+            seen[doc] = seen.get(doc, 0) + 1
+    return sum(1 for c in seen.values() if c > 1)
+
+
+def pad_plan(plan: Plan, n_chunks: int, layers_per_stage: int):
+    """(chunks, schedule, ckpt) with empty chunks appended up to ``n_chunks`` (they run a GPipe
+    tail, carry only padding, recompute everything and contribute nothing)."""
+    extra = n_chunks - plan.n_chunks
+    if extra < 0:
+        raise ValueError(f"plan has {plan.n_chunks} chunks, more than {n_chunks}")
+    chunks = [list(c) for c in plan.chunks] + [[] for _ in range(extra)]
+    sched, ckpt = plan.schedule, np.asarray(plan.ckpt_layers, np.int32)
+    if extra:
+        sched = sch.sequential([sched, sch.gpipe(extra, plan.layout.pp)])
+        ckpt = np.concatenate([ckpt, np.full((extra, plan.layout.pp), layers_per_stage, np.int32)])
+    return chunks, sched, ckpt
+
+
+def chunk_buckets(plans: Sequence[Plan], sp: int, fixed: Optional[int] = None) -> list[int]:
+    """Token buckets that hold the largest chunk, smallest first: multiples of a quarter of the
+    next power of two p (at least 16 tokens, divisible by sp) up to p itself, so padding stays
+    under a quarter of p instead of up to half of it. ``fixed``: that bucket only."""
+    if fixed is not None:
+        return [fixed]
+    longest = max(sum(p[2] for p in c) for plan in plans for c in plan.chunks)
+    top = max(16, sp, 1 << int(np.ceil(np.log2(max(longest, 1)))))
+    step = max(16, top // 4)
+    if step % sp:
+        return [top]
+    return list(range(_round_up(max(longest, 1), step), top + 1, step))
+
+
+def prepare_plans(
+    plans: Sequence[Plan],
+    documents: Sequence[Sequence],
+    num_layers: int,
+    known: Sequence[PipelineSignature] = (),
+    *,
+    chunk_multiple: int = 2,
+    bucket: Optional[int] = None,
+) -> tuple[PipelineSignature, dict]:
+    """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``);
+    ``documents[i]``: pipeline i's documents (token arrays or :class:`jvarlen.data.packer.Piece`).
+
+    Chunk counts are padded to a multiple of ``chunk_multiple``. Reuses a ``known`` signature
+    that covers the plans in any of the candidate buckets (the smallest such); otherwise the
+    smallest bucket's rounded signature (compiled on first use)."""
+    layout: Layout = plans[0].layout
+    if any(p.layout != layout for p in plans):
+        raise ValueError("all pipelines of one iteration need the same layout")
+    ls = num_layers // layout.pp
+    n = _round_up(max(p.n_chunks for p in plans), chunk_multiple)
+    padded = [pad_plan(p, n, ls) for p in plans]
+    first = None
+    for size in chunk_buckets(plans, layout.sp, bucket):
+        packs = [pack_chunks(chunks, docs, size) for (chunks, _, _), docs in zip(padded, documents)]
+        args = (packs, [s for _, s, _ in padded], [c for _, _, c in padded], layout, num_layers)
+        need, _ = prepare_batch(*args)
+        first = first or (args, need)
+        fitting = [s for s in known if isinstance(s, PipelineSignature) and covers(s, need)]
+        if fitting:
+            return prepare_batch(*args, signature=min(fitting, key=lambda s: sum(getattr(s, f) for f in GROWABLE)))
+    args, need = first
+    return prepare_batch(*args, signature=round_signature(need))

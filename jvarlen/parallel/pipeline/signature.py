@@ -1,0 +1,83 @@
+"""The static part of a pipeline step (the compile-cache key) and its input shapes.
+
+Everything a plan decides at runtime (chunks, tick table, slot and recomputation tables) is
+data; a :class:`PipelineSignature` holds only what shapes the compiled program. Nearby plans
+share one executable: signatures are rounded up (:func:`round_signature`) and a compiled one
+that :func:`covers` a plan's needs is reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jvarlen.layout import Layout
+
+CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "recv_act", "recv_grad")
+GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSignature:
+    """Everything that shapes the compiled step (the compiled-step cache key)."""
+
+    layout: Layout
+    num_layers: int
+    bucket: int  # T, tokens per chunk
+    n_chunks: int
+    n_ticks: int
+    context: int  # Sc, context tokens per split document in flight (0: no split document)
+    n_stash: int
+    n_grad: int
+    n_ctx: int
+    n_res: int  # stored-layer residual slots per stage
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.layout.pp
+
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the int32 device inputs :func:`jvarlen.parallel.pipeline.prepare_batch` builds."""
+        dp, pp, n = self.layout.dp, self.layout.pp, self.n_chunks
+        shapes = {key: (dp, n, self.bucket) for key in CHUNK_KEYS}
+        shapes.update(
+            ctx_len=(dp, n),
+            has_next=(dp, n),
+            ops=(dp, self.n_ticks, pp, 2),
+            stash_slot=(dp, n, pp),
+            grad_slot=(dp, n, pp),
+            ctx_slot=(dp, n, pp),
+            res_slot=(dp, n, pp, self.layers_per_stage),
+            recv_act=(dp, self.n_ticks, pp),
+            recv_grad=(dp, self.n_ticks, pp),
+        )
+        return shapes
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m if x else 0
+
+
+def round_signature(sig: PipelineSignature) -> PipelineSignature:
+    """Coarser signature so that nearby plans share one executable."""
+    return dataclasses.replace(
+        sig,
+        n_ticks=_round_up(sig.n_ticks, 8),
+        context=sig.bucket * (1 << max(0, int(np.ceil(np.log2(max(sig.context // sig.bucket, 1))))))
+        if sig.context
+        else 0,
+        n_stash=_round_up(sig.n_stash, 2),
+        n_grad=_round_up(sig.n_grad, 2),
+        n_ctx=sig.n_ctx,
+        n_res=_round_up(sig.n_res, 2 * sig.layers_per_stage),
+    )
+
+
+def covers(big: PipelineSignature, small: PipelineSignature) -> bool:
+    """``big``'s buffers hold everything ``small`` needs (same layout, model, bucket and chunk count)."""
+    same = ("layout", "num_layers", "bucket", "n_chunks")
+    return all(getattr(big, f) == getattr(small, f) for f in same) and all(
+        getattr(big, f) >= getattr(small, f) for f in GROWABLE
+    )

@@ -1,0 +1,234 @@
+"""One training run's frame, shared by every execution strategy: run directory, data pipeline,
+canonical train state (resumed if asked), checkpoints, metrics, signals, and the closing line.
+
+The train state stays in one canonical FSDP sharding for the whole run (and in checkpoints);
+a strategy only decides how each iteration's gradients are computed, so a resumed run may use
+other layouts or strategies than the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from jvarlen.config import Config, ConfigError, to_dict
+from jvarlen.data import DataPipeline
+from jvarlen.parallel.sharding import Placement, place_global
+from jvarlen.runtime import distributed
+from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
+from jvarlen.runtime.compile_cache import enable_persistent_cache
+from jvarlen.runtime.metrics import MetricsLogger
+from jvarlen.runtime.state import create_train_state, learning_rate_schedule
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived; the step it arrived in was finished and checkpointed."""
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step = signum, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {step} written")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handlers for the run (main thread only): the first signal asks the loop to
+    finish the current step, checkpoint it and stop; a second SIGINT interrupts at once."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous: dict = {}
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        print(
+            f"[jvarlen] {signal.Signals(signum).name} received: finishing this step, writing a checkpoint, stopping",
+            flush=True,
+        )
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: str
+    first_step: int  # first step run by this call (> 0 after a resume)
+    losses: list[float]  # mean loss of every step run by this call
+    final_state: object
+
+
+@dataclasses.dataclass
+class Run:
+    """What both training paths share: output, data, canonical state, checkpoints, logger."""
+
+    config: Config
+    main: bool
+    say: Callable[[str], None]
+    note: Callable[[str], None]
+    run_dir: str
+    pipeline: DataPipeline
+    graphdef: object
+    optimizer: object
+    placement: Placement
+    state: object
+    checkpointer: Checkpointer
+    logger: MetricsLogger
+    start: int
+    end: int
+    lr_at: Callable[[int], float]
+    nonfinite_run: int = 0  # consecutive steps whose update was skipped
+    nonfinite_total: int = 0
+    signals: "StopSignals" = dataclasses.field(default_factory=lambda: StopSignals())
+
+    def end_step(self, step: int, record: dict, state, postfix: dict, data_state: Optional[dict] = None) -> None:
+        """Logs step ``step`` (0-based) and saves a checkpoint when one is due. ``data_state``:
+        the data position after this step when the sampler has run ahead of training.
+
+        A step with a non-finite loss or gradient (its update was skipped in the step) is
+        reported; ``train.max_nonfinite_steps`` of them in a row raise :class:`NonFiniteError`."""
+        if record.get("nonfinite"):
+            self.nonfinite_run += 1
+            self.nonfinite_total += 1
+            self.note(
+                f"[jvarlen] step {step + 1}: loss or gradient not finite (loss {record['loss']}, grad norm "
+                f"{record['grad_norm']}); update skipped ({self.nonfinite_run} in a row)"
+            )
+        else:
+            self.nonfinite_run = 0
+        record["nonfinite_steps"] = self.nonfinite_total
+        if self.main:
+            self.logger.log(step + 1, record, postfix=postfix)
+        limit = self.config.train.max_nonfinite_steps
+        if self.nonfinite_run >= limit:
+            raise NonFiniteError(
+                f"{self.nonfinite_run} steps in a row (up to step {step + 1}) had a non-finite loss or gradient; "
+                f"their updates were skipped and no checkpoint holds them. Lower optimizer.learning_rate or check "
+                f"the data, then resume from the last checkpoint (train.max_nonfinite_steps={limit})"
+            )
+        stop = self.signals.received
+        if self.checkpointer.should_save(step + 1, self.end) or stop is not None:
+            data_state = self.pipeline.state() if data_state is None else data_state
+            self.checkpointer.save(step + 1, state, data_state, self.config.model)
+        if stop is not None:
+            self.checkpointer.wait()
+            raise Interrupted(stop, step + 1)
+
+    def close(self) -> None:
+        self.signals.restore()
+        self.checkpointer.close()
+        self.logger.close()
+
+
+def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
+    """Run directory, data pipeline, canonical FSDP state (resumed if asked), logger."""
+    distributed.initialize(config.parallel)
+    enable_persistent_cache(config.parallel.compilation_cache_dir)
+    main = jax.process_index() == 0
+    quiet = quiet or not main
+    run_dir = os.path.abspath(config.logging.run_dir)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as error:  # a file where a directory should be, no permission, ...
+        raise ConfigError(
+            f"logging.run_dir {run_dir!r} cannot be created ({error.strerror or error}); choose another directory"
+        ) from None
+    say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
+    say(f"[jvarlen] run directory: {run_dir}")
+    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
+    say(f"[jvarlen] corpus: {pipeline.summary()}")
+
+    graphdef, optimizer, host_state = create_train_state(config)
+    placement = Placement.for_state(host_state, optimizer)
+    state = place_global(host_state, placement.state_sharding)
+    del host_state
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
+
+    start = 0
+    if config.checkpoint.resume and checkpointer.latest_step() is not None:
+        start, state, data_state = checkpointer.restore(abstract_like(state), config.model)
+        pipeline.restore(data_state)
+        say(f"[jvarlen] resumed from step {start}")
+    elif config.checkpoint.resume:
+        say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
+    if main:
+        with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(to_dict(config), f, indent=2)
+
+    total = config.train.steps
+    end = total if stop_after is None else min(stop_after, total)
+    lr_at = learning_rate_schedule(config.optimizer, total)
+    logger = MetricsLogger(
+        run_dir, config.logging, total_steps=total, initial_step=start, show_progress=not quiet, write=main
+    )
+    note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
+    return Run(
+        config,
+        main,
+        say,
+        note,
+        run_dir,
+        pipeline,
+        graphdef,
+        optimizer,
+        placement,
+        state,
+        checkpointer,
+        logger,
+        start,
+        end,
+        lr_at,
+        signals=StopSignals().install(),
+    )
+
+
+def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float, state) -> TrainResult:
+    """The closing summary line and the result (call after the loop's ``finally``)."""
+    if losses:
+        k = max(1, min(10, len(losses) // 4))
+        elapsed = time.perf_counter() - t_start
+        run.say(
+            f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
+            f"last {k} avg {np.mean(losses[-k:]):.4f}; {tokens_seen / elapsed:.0f} tokens/s"
+        )
+    run.say(f"[jvarlen] done; run directory: {run.run_dir}")
+    return TrainResult(run_dir=run.run_dir, first_step=run.start, losses=losses, final_state=state)
+
+
+def step_record(metrics: dict, step_time_s: float, learning_rate: float) -> dict:
+    """The metrics every training path logs for a step, from the step's host metrics."""
+    real = float(metrics["real_tokens"])
+    return {
+        "loss": float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0)),
+        "target_tokens": float(metrics["target_tokens"]),
+        "real_tokens": real,
+        "grad_norm": float(metrics["grad_norm"]),
+        "nonfinite": int(metrics["nonfinite"]),
+        "learning_rate": learning_rate,
+        "step_time_s": step_time_s,
+        "tokens_per_s": real / step_time_s,
+    }

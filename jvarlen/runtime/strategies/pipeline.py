@@ -1,0 +1,158 @@
+"""The elastic pipeline strategy (``parallel.pp > 1``): per iteration, the sampled pieces are split
+into ``dp`` groups by row, each group is planned by :func:`jvarlen.plan.plan_iteration` (chunks
+that split long documents, 1F1B tables, recomputation tables) — ahead of time, in a background
+planning process — and the ``dp`` plans run through the pipeline executor
+(:mod:`jvarlen.parallel.pipeline`) as one optimizer update.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.config import Config, ConfigError
+from jvarlen.layout import Layout
+from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, prepare_plans, split_documents
+from jvarlen.parallel.pipeline.executor import DATA
+from jvarlen.parallel.pipeline.stage import residual_policy
+from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
+from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+from jvarlen.plan.service import PlanningService
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
+from jvarlen.runtime.feed import split_by_rows
+from jvarlen.runtime.step import CompiledStep
+from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
+
+
+def planner_options(config: Config) -> PlannerOptions:
+    """The planner settings of ``config.plan``; candidates are simulated in the executor's own
+    lock-step execution model ("ticks")."""
+    plan = config.plan
+    solver = SolverOptions(
+        time_limit_s=plan.solver_time_limit_s,
+        deterministic_time=plan.solver_deterministic_time,
+        workers=plan.solver_workers,
+        seed=plan.solver_seed,
+    )
+    return PlannerOptions(
+        min_slice_tokens=plan.min_slice_tokens, solver=solver, simulation="ticks", gpipe_units=plan.gpipe_units
+    )
+
+
+def cost_model(config: Config, layout: Layout, say) -> CostModel:
+    """The measured profile for this backend (``train.cost_profile``, see ``find_profile``) with this
+    model's shape, else the analytic a800 model (plans are still valid)."""
+    shape = ModelShape.from_config(config.model)
+    path = find_profile(config)
+    if path is None and config.train.cost_profile != "none":
+        backend = jax.default_backend()
+        shipped = [f for f in sorted(os.listdir(PACKAGE_PROFILES)) if f"__{backend}__" in f and f.endswith(".json")]
+        shipped = [f for f in shipped if not f.endswith(".report.json")]
+        if shipped:  # another shape's coefficients: plans are valid, predicted times are approximate
+            path = os.path.join(PACKAGE_PROFILES, shipped[0])
+            say(f"[jvarlen] planner: no profile for {shape.key()}; using the shipped {shipped[0]}")
+    if path is None:
+        say("[jvarlen] planner: analytic a800 cost model (no measured profile for this backend)")
+        return make_cost(shape, "a800", layout)
+    say(f"[jvarlen] planner cost model: {path}")
+    return CostModel(shape, layout, CostCoefficients.load(path))
+
+
+class PipelineStrategy(ExecutionStrategy):
+    """``dp`` pipelines of ``pp`` stages of ``sp`` devices; one EPP plan per pipeline and iteration."""
+
+    name = "pipeline"
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        layout: Layout,
+        cost: CostModel,
+        policy: str,
+        options: PlannerOptions,
+        rows_per_batch: int,
+        *,
+        ahead: int = 2,
+        wait: bool = False,
+        residual: Optional[str] = "dots_and_attention",
+        chunk_multiple: int = 4,
+        bucket: Optional[int] = None,
+    ):
+        if residual is not None and residual != "all":
+            try:
+                residual_policy(residual)
+            except ValueError as error:
+                raise ConfigError(f"parallel.residual_policy: {error}") from None
+        self.ctx, self.layout, self.cost, self.policy, self.options = ctx, layout, cost, policy, options
+        self.rows_per_batch, self.ahead, self.wait = rows_per_batch, ahead, wait
+        self.residual = None if residual == "all" else residual
+        self.chunk_multiple, self.bucket = chunk_multiple, bucket
+        self._service = None
+
+    def planner(self) -> Planner:
+        solve = functools.partial(plan_iteration, cost=self.cost, policy=self.policy, options=self.options)
+        if self.ahead > 0 and self._service is None:
+            self._service = PlanningService(self.cost, self.policy, self.options)
+        return Planner(split_by_rows(self.layout.dp, self.rows_per_batch), solve, self._service, self.wait)
+
+    def prepare(self, iteration, known=()) -> Prepared:
+        sig, batch = prepare_plans(
+            iteration.plans,
+            iteration.groups,
+            self.ctx.model.num_layers,
+            known,
+            chunk_multiple=self.chunk_multiple,
+            bucket=self.bucket,
+        )
+        info = {
+            "dp": self.layout.dp,
+            "pp": self.layout.pp,
+            "sp": self.layout.sp,
+            "chunks": sum(p.n_chunks for p in iteration.plans),
+            "split_documents": sum(split_documents(p) for p in iteration.plans),
+            "bucket": sig.bucket,
+            "longest_piece": max(len(p.tokens) for p in iteration.pieces),
+        }
+        for key in ("iteration_time_s", "bubble_ratio", "peak_memory_bytes"):
+            values = [p.stats[key] for p in iteration.plans if key in p.stats]
+            if values:
+                combined = float(np.mean(values)) if key == "bubble_ratio" else max(np.max(v) for v in values)
+                info[f"predicted_{key}"] = combined if np.ndim(combined) else float(combined)
+        return Prepared(sig, batch, info)
+
+    def compile(self, sig: PipelineSignature) -> CompiledStep:
+        ctx = self.ctx
+        mesh = ctx.placement.mesh(sig.layout)
+        grads = make_pipeline_grads(ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual)
+
+        def grads_fn(params, batch):
+            sums, g, layer_forwards = grads(params, batch)
+            return sums, g, {"layer_forwards": layer_forwards}
+
+        shapes = {k: jax.ShapeDtypeStruct(s, np.int32) for k, s in sig.input_shapes().items()}
+        sharding = NamedSharding(mesh, P(DATA))
+        return ctx.compile(grads_fn, shapes, {k: sharding for k in shapes})
+
+    def record(self, iteration, prepared: Prepared, metrics: dict) -> dict:
+        return {"layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist()}
+
+    def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
+        return {"pipeline_s": run_s, **check.observe_plans(iteration.plans, run_s)}
+
+    def describe(self) -> str:
+        return (
+            f"elastic pipeline: {self.layout}, policy {self.policy}, chunks padded to buckets in quarter steps "
+            "of a power of two"
+        )
+
+    def close(self) -> None:
+        if self._service is not None:
+            self._service.close()
+            self._service = None
