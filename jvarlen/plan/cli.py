@@ -30,11 +30,15 @@ SUMMARY_FIELDS = (
 
 @dataclasses.dataclass
 class PlanCli:
-    """Options of ``python -m jvarlen.plan`` (``--batch-size`` and ``--batch_size`` both work)."""
+    """Options of ``python -m jvarlen.plan`` (``--batch-size`` and ``--batch_size`` both work).
+
+    ``--policy`` is an elastic-pipeline policy (:data:`jvarlen.plan.api.POLICIES`, one layout from the
+    config) or a strategy policy (:func:`jvarlen.plan.strategy.strategy_policies`: ``hydraulis``,
+    ``homogeneous``, ...: device groups of different schemes on ``--devices`` devices)."""
 
     lengths: str  # file: one document length (tokens) per line
     config: str  # jvarlen YAML config: model shape and parallel.pp / parallel.sp / parallel.dp
-    policy: str = "epp"  # one of jvarlen.plan.api.POLICIES
+    policy: str = "epp"  # one of jvarlen.plan.api.POLICIES or a strategy policy
     json: Optional[str] = None  # write the summary + per-iteration records here
     plan: Optional[str] = None  # write the last plan (JSON) here
     gantt: Optional[str] = None  # PNG Gantt chart of the first iteration
@@ -46,15 +50,23 @@ class PlanCli:
     zero3_sp: bool = True  # shard stage parameters/gradients over the SP group (InfiniPipe's ZeRO-3)
     time_limit: float = 0.05  # seconds per checkpointing MILP
     n_slices: int = 0  # fix Alg. 1's N (0: tune)
-    simulation: str = "async"  # execution model: "async" (InfiniPipe's simulator) or "ticks" (jvarlen's executor)
+    # execution model: "async" (InfiniPipe's simulator) or "ticks" (jvarlen's executor); default: "async" for
+    # the elastic-pipeline policies, the policy's own default (lock-step "ticks") for strategy policies
+    simulation: Optional[str] = None
+    devices: int = 0  # strategy policies: devices of the run (0: the config's dp * pp * sp)
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise InputError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        from jvarlen.plan.strategy import strategy_policies
+
+        if self.policy not in POLICIES and self.policy not in strategy_policies():
+            names = ", ".join(list(POLICIES) + sorted(strategy_policies()))
+            raise InputError(f"--policy must be one of {names}, got {self.policy!r}")
         if self.iterations < 1:
             raise InputError(f"--iterations must be >= 1, got {self.iterations}")
-        if self.simulation not in SIMULATIONS:
+        if self.simulation is not None and self.simulation not in SIMULATIONS:
             raise InputError(f"--simulation must be one of {', '.join(SIMULATIONS)}, got {self.simulation!r}")
+        if self.devices < 0:
+            raise InputError(f"--devices must be >= 0, got {self.devices}")
         if self.batch_size is not None and self.batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.time_limit < 0 or self.n_slices < 0 or self.context < 0:
@@ -122,9 +134,13 @@ def cost_from_config(path: str, cluster: str, zero3_sp: bool):
 
 
 def run(cli: PlanCli) -> int:
+    if cli.policy not in POLICIES:
+        return run_strategy(cli)
     cost = cost_from_config(cli.config, cli.cluster, cli.zero3_sp)
     options = PlannerOptions(
-        n_slices=cli.n_slices or None, solver=SolverOptions(time_limit_s=cli.time_limit), simulation=cli.simulation
+        n_slices=cli.n_slices or None,
+        solver=SolverOptions(time_limit_s=cli.time_limit),
+        simulation=cli.simulation or "async",
     )
     records, last = [], None
     t_start = time.perf_counter()
@@ -208,5 +224,126 @@ def format_table(policy: str, records: list[dict], summary: dict) -> str:
             f"median solve {summary['solve_seconds']:.3f} s, iteration {summary['iteration_time_s']:.3f} s, "
             f"bubble {summary['bubble_ratio']:.1%}; budget {summary['memory_budget_bytes'] / 1e9:.1f} GB; "
             f"tokens {summary['tokens_planned']}/{summary['tokens_in']}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- strategy policies (device groups)
+
+STRATEGY_FIELDS = (
+    "policy",
+    "strategy",
+    "solve_seconds",
+    "iteration_time_s",
+    "propagation_s",
+    "overhead_s",
+    "bubble_ratio",
+    "imbalance",
+    "peak_memory_fraction",
+    "fits_memory",
+    "tokens_in",
+)
+
+
+def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
+    """:class:`~jvarlen.plan.strategy.SchemeCosts` of the config's model on ``devices`` devices of
+    ``cluster`` (0: the config's dp * pp * sp) with the analytic profile."""
+    from jvarlen.config import ConfigError, load_config
+    from jvarlen.layout import Layout, resolve_layout
+    from jvarlen.plan.hardware import CLUSTERS
+    from jvarlen.plan.strategy import SchemeCosts
+
+    if cluster not in CLUSTERS:
+        raise InputError(f"--cluster must be one of {', '.join(sorted(CLUSTERS))}, got {cluster!r}")
+    try:
+        cfg = load_config(path)
+        n = devices or resolve_layout(cfg).num_devices
+    except ConfigError as error:
+        raise InputError(f"--config {path}: {error}") from None
+    base = make_cost(cfg.model, cluster, Layout(n, 1, 1))  # n devices: the node count of the profile
+    return SchemeCosts(base, n)
+
+
+def strategy_options(cli: PlanCli, corpus: list[int], costs):
+    """The policy's default options with the CLI's seed and simulation; a policy whose options type has
+    ``for_corpus(corpus, costs)`` (hydraulis: the Eq. 4 proposal) prepares them on the lengths file."""
+    from jvarlen.plan.strategy import strategy_policies
+
+    _, options_type = strategy_policies()[cli.policy]
+    names = {f.name for f in dataclasses.fields(options_type)}
+    changes = {"seed": cli.seed} if "seed" in names else {}
+    if cli.simulation is not None and "simulation" in names:
+        changes["simulation"] = cli.simulation
+    options = options_type(**changes)
+    if hasattr(options, "for_corpus"):
+        options = options.for_corpus(corpus, costs)
+    return options
+
+
+def run_strategy(cli: PlanCli) -> int:
+    from jvarlen.plan.strategy import plan_strategy
+
+    costs = scheme_costs_from_config(cli.config, cli.cluster, cli.devices)
+    corpus = read_lengths(cli.lengths)
+    if cli.context > 0:
+        corpus = [min(x, cli.context) for x in corpus]
+    options = strategy_options(cli, corpus, costs)
+    records, last, first = [], None, None
+    for i, batch in enumerate(batches(corpus, cli.batch_size, cli.iterations, cli.seed, 0)):
+        try:
+            plan = plan_strategy(cli.policy, batch, costs, options)
+        except PlanningError as e:
+            records.append({"iteration": i, "policy": cli.policy, "error": str(e), "tokens_in": sum(batch)})
+            continue
+        rec = {"iteration": i, **{k: plan.stats.get(k) for k in STRATEGY_FIELDS}}
+        rec.update(n_groups=len(plan.groups), devices=costs.num_devices, events=plan.events)
+        records.append(rec)
+        first = first or plan
+        last = plan
+    summary = summarize_strategy(cli.policy, records)
+    print(format_strategy_table(cli.policy, records, summary))
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump({**summary, "iterations": records}, f, indent=1)
+            f.write("\n")
+    if cli.plan and last is not None:
+        last.save(cli.plan)
+    if cli.gantt and first is not None:
+        from jvarlen.plan.gantt import draw_strategy_gantt
+
+        draw_strategy_gantt(first, costs, cli.gantt)
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def summarize_strategy(policy: str, records: list[dict]) -> dict:
+    ok = [r for r in records if "error" not in r]
+    out = {"policy": policy, "iterations_planned": len(ok), "iterations_failed": len(records) - len(ok)}
+    if ok:
+        for key in ("solve_seconds", "iteration_time_s", "propagation_s", "bubble_ratio", "imbalance"):
+            out[key] = statistics.median(r[key] for r in ok)
+        out["peak_memory_fraction"] = max(r["peak_memory_fraction"] for r in ok)
+        out["fits_memory"] = all(r["fits_memory"] for r in ok)
+        out["tokens_in"] = sum(r["tokens_in"] for r in ok)
+        out["strategies"] = sorted({r["strategy"] for r in ok})
+    return out
+
+
+def format_strategy_table(policy: str, records: list[dict], summary: dict) -> str:
+    lines = [
+        f"policy {policy}",
+        f"{'iter':>4} {'solve s':>8} {'iter s':>9} {'prop s':>8} {'bubble':>7} {'mem':>5}  strategy",
+    ]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['iteration']:>4} error: {r['error']}")
+            continue
+        lines.append(
+            f"{r['iteration']:>4} {r['solve_seconds']:8.3f} {r['iteration_time_s']:9.3f} {r['propagation_s']:8.3f} "
+            f"{r['bubble_ratio']:7.1%} {r['peak_memory_fraction']:5.0%}  {r['strategy']}"
+        )
+    if "solve_seconds" in summary:
+        lines.append(
+            f"median solve {summary['solve_seconds']:.3f} s, iteration {summary['iteration_time_s']:.3f} s "
+            f"(propagation {summary['propagation_s']:.3f} s); {len(summary['strategies'])} distinct strategies"
         )
     return "\n".join(lines)

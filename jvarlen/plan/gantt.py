@@ -1,4 +1,5 @@
-"""Gantt chart of a simulated pipeline: one lane per stage, memory curves beneath (PNG, Agg).
+"""Gantt chart of a simulated pipeline: one lane per stage, memory curves beneath (PNG, Agg); and
+of a heterogeneous strategy: the groups side by side (:func:`draw_strategy_gantt`).
 
 Forward boxes are drawn solid, backward boxes hatched, both in the colour of the chunk's
 (first) document; recomputation is shaded grey, all-to-all dark, P2P a thin line under the
@@ -83,6 +84,83 @@ def draw_gantt(
     axm.set_ylabel("GB / device")
     axm.set_xlabel(f"time ({unit})")
     axm.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path)
+
+
+def draw_strategy_gantt(
+    plan,
+    costs,
+    path: str | os.PathLike,
+    title: Optional[str] = None,
+    mode: Optional[str] = None,
+    dpi: int = 110,
+) -> str:
+    """A heterogeneous strategy (:class:`~jvarlen.plan.strategy.StrategyPlan`) as one band per group,
+    side by side on one time axis: each band has one lane per pipeline stage, labelled with the
+    group's scheme and devices; boxes as in :func:`draw_gantt`, coloured by document (one colour
+    map over the iteration's documents). A dashed line marks the slowest group's end; the title
+    gives the predicted iteration time. Writes a PNG; returns the path."""
+    from jvarlen.plan.assemble import simulate
+
+    groups = list(plan.groups)
+    lanes = sum(g.scheme.pp for g in groups)
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(13, 1.2 + 0.32 * lanes + 0.25 * len(groups)))
+    sims = [simulate(g.plan, costs.cost(g.scheme), mode or g.plan.stats.get("simulation", "ticks")) for g in groups]
+    end = max((r.makespan for r in sims), default=0.0)
+    scale, unit = _time_unit(end)
+    y, ticks, labels = 0.0, [], []
+    for gi, (g, r) in enumerate(zip(groups, sims)):
+        docs = g.plan.schedule.docs()
+        t0 = min((e.start for e in r.events), default=0.0)
+        pp = g.scheme.pp
+        for e in r.events:
+            x, w = (e.start - t0) * scale, e.duration * scale
+            if e.kind in ("idle", "P2P") or w <= 0:
+                continue
+            yy = y + (pp - 1 - e.stage)
+            if e.kind in ("F", "B"):
+                colour = cmap(g.documents[docs[e.chunk][0]] % 20)
+                ax.barh(
+                    yy,
+                    w,
+                    left=x,
+                    height=0.8,
+                    color=colour,
+                    edgecolor="black",
+                    lw=0.3,
+                    hatch="///" if e.kind == "B" else None,
+                )
+            elif e.kind == "R":
+                ax.barh(yy, w, left=x, height=0.8, color="0.75", edgecolor="black", lw=0.3, hatch="..")
+            elif e.kind == "A2A":
+                ax.barh(yy, w, left=x, height=0.8, color="0.25", edgecolor="none")
+        for p in range(pp):
+            ticks.append(y + (pp - 1 - p))
+            head = f"G{gi} {g.scheme} dev {g.devices[0]}-{g.devices[-1]}"
+            labels.append(f"{head}: stage {p}" if pp > 1 else head)
+        ax.text(r.makespan * scale, y + (pp - 1) / 2, f" {r.makespan * scale:.3g} {unit}", va="center", fontsize=7)
+        y += pp + 0.6
+        if gi < len(groups) - 1:
+            ax.axhline(y - 0.8, color="0.6", lw=0.6)
+    ax.axvline(end * scale, color="red", ls="--", lw=1)
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_ylim(y - 0.4, -0.6)
+    ax.set_xlabel(f"time ({unit})")
+    legend = [Patch(color="0.75", label="recompute"), Patch(color="0.25", label="all-to-all")]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    total = plan.stats.get("iteration_time_s", float("nan"))
+    ax.set_title(
+        title
+        or f"{plan.policy}: {plan.describe()}; iteration {total:.3g} s (propagation {end:.3g} s, the rest "
+        "each group's step overhead: optimizer update, parameter pull and gradient push)",
+        fontsize=9,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)

@@ -331,7 +331,7 @@ def build_group_plan(
     under the scheme's cost model in ``simulation`` mode.
     """
     from jvarlen.plan.assemble import assemble, uniform_unit
-    from jvarlen.plan.checkpointing import SolverOptions, build_problem, make_solution
+    from jvarlen.plan.checkpointing import CkptSolution, SolverOptions
     from jvarlen.plan.grouping import Unit, solve_unit
     from jvarlen.plan.units import PlannedChunk, unit_schedule
 
@@ -360,23 +360,33 @@ def build_group_plan(
         if per.shape != (len(chunks),) or per.min(initial=0) < 0 or per.max(initial=0) > layers:
             raise ValueError(f"ckpt needs one value in [0, {layers}] per micro-batch, got {list(per)}")
         ids, schedule = unit_schedule(families, scheme.pp)
-        problem = build_problem([shapes[k] for k in ids], schedule, cost, layers)
-        # variable j of Eq. 15 covers the diagonal of backward rank j - (pp - 1 - p) on stage p;
-        # with singleton families and a uniform value per micro-batch, take the micro-batch of stage 0
-        c = np.zeros(problem.n_vars, dtype=np.int64)
-        for k in range(len(chunks)):
-            for p in range(scheme.pp):
-                c[problem.var_of[p, k]] = max(c[problem.var_of[p, k]], per[ids[k]])
-        source = "given" if problem.feasible(c) else "infeasible"
-        unit = Unit(
-            tuple(tuple(f) for f in families),
-            tuple(ids),
-            schedule,
-            make_solution(problem, c, source, "per micro-batch"),
-        )
+        # One value per micro-batch on every stage, as given. (Eq. 15's diagonal variables would tie
+        # micro-batch k on stage p to micro-batch k + p on stage 0 and spread one long micro-batch's
+        # recomputation over its pp - 1 neighbours.) Memory is checked window by window.
+        table = np.repeat(per[list(ids)][:, None], scheme.pp, axis=1).astype(np.int32)
+        fits = bool(np.all(_window_peaks([shapes[k] for k in ids], schedule, table, cost) <= cost.memory_budget))
+        source = "given" if fits else "infeasible"
+        values = per[list(ids)].astype(np.int64)
+        rec_s = sum(cost.recompute_time(shapes[k], int(per[k])) for k in ids) * scheme.pp
+        solution = CkptSolution(values, table, rec_s, source, "per micro-batch")
+        unit = Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, solution)
         if source == "infeasible":
-            events.append(f"{policy}: group {scheme} recomputation {list(per)} does not fit memory")
+            events.append(f"{policy}: group {scheme} recomputation {[int(x) for x in per]} does not fit memory")
     return assemble(policy, lengths, chunks, [unit], cost, stats, events, simulation=simulation)
+
+
+def _window_peaks(shapes: Sequence[ChunkShape], schedule, table: np.ndarray, cost: CostModel) -> np.ndarray:
+    """``[pp]`` peak bytes per device of each stage replaying its op order (a chunk is live from its
+    forward to its backward), recomputing ``table[k, p]`` layers."""
+    peaks = np.zeros(schedule.pp)
+    for p, prog in enumerate(schedule.stages):
+        cur = peak = cost.model_state_memory(p)
+        for op in prog:
+            m = cost.activation_memory(shapes[op.chunk], int(table[op.chunk, p]), p)
+            cur += m if op.kind == "F" else -m
+            peak = max(peak, cur)
+        peaks[p] = peak
+    return peaks
 
 
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:

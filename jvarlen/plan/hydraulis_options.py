@@ -1,0 +1,69 @@
+"""Knobs of the Hydraulis two-stage assignment and its scheme space ℙ (§5.1), shared by the
+``hydraulis`` and ``homogeneous`` policies (:mod:`jvarlen.plan.hydraulis`) and the strategy
+proposal (:mod:`jvarlen.plan.hydraulis_proposal`).
+
+Pure Python: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jvarlen.plan.hydraulis_pack import PackOptions
+from jvarlen.plan.strategy import Scheme, SchemeCosts, enumerate_schemes
+
+RECOMPUTE = ("auto", "none")
+SIMULATIONS = ("ticks", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignmentOptions:
+    """Knobs shared by ``hydraulis`` and ``homogeneous`` (the two-stage assignment).
+
+    ``schemes``: the scheme space ℙ (None: powers of two with ``pp ≤ max_pp`` dividing the layers,
+    ``sp ≤ max_sp`` dividing the heads; the default lets SP cross nodes, as Hydraulis' TP ranges up to
+    N (§5.1): the longest documents need it; ``max_sp = 0`` keeps SP inside a node). ``trials``:
+    Alg. 1 trials (the paper uses 100) for the ``pack_top`` candidates ranked best after a first
+    dispatch of every candidate with ``rank_trials`` trials. ``recompute``: ``"auto"`` lets a document above a scheme's
+    no-recomputation capacity run alone with the layers it must recompute (MaxLen with full
+    recomputation), ``"none"`` never recomputes. ``pack_top``: candidates packed after dispatch;
+    ``simulate_top``: of those, the best by Eq. 1 (within ``simulate_margin`` of the best estimate)
+    are planned and simulated, the fastest is returned (1: the paper's choice by estimate alone).
+    ``simulation``: the executor model the group plans are simulated in (lock-step ``"ticks"``).
+    """
+
+    schemes: Optional[tuple[Scheme, ...]] = None
+    max_pp: int = 8
+    max_sp: int = 64
+    trials: int = 32
+    rank_trials: int = 2
+    lpt_trial: bool = True
+    local_search: bool = True  # improve the best trial by moves/swaps off the slowest pipeline
+    seed: int = 0
+    recompute: str = "auto"
+    util_threshold: float = 0.85
+    pack: PackOptions = PackOptions()
+    pack_top: int = 3
+    simulate_top: int = 2
+    simulate_margin: float = 0.1
+    simulation: str = "ticks"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.simulation not in SIMULATIONS:
+            raise ValueError(f"simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
+        if min(self.trials, self.rank_trials, self.pack_top, self.simulate_top) < 1:
+            raise ValueError("trials, rank_trials, pack_top and simulate_top must be >= 1")
+        if not 0 < self.util_threshold < 1:
+            raise ValueError(f"util_threshold must be in (0, 1), got {self.util_threshold}")
+
+
+def scheme_space(costs: SchemeCosts, options: AssignmentOptions) -> list[Scheme]:
+    """ℙ (Hydraulis §5.1) for ``costs``: ``options.schemes`` or the enumerated powers of two."""
+    if options.schemes is not None:
+        return sorted(set(options.schemes), key=lambda s: (s.num_devices, s.pp))
+    max_sp = options.max_sp or costs.coeffs.gpus_per_node
+    m = costs.model
+    return enumerate_schemes(costs.num_devices, m.num_layers, m.num_heads, max_pp=options.max_pp, max_sp=max_sp)

@@ -1,0 +1,52 @@
+"""``python -m jvarlen.plan --policy hydraulis|homogeneous``: strategy plans from the planner CLI."""
+
+import json
+
+import pytest
+
+from jvarlen.plan.__main__ import main
+from jvarlen.plan.strategy import StrategyPlan, load_any
+
+CONFIG = """
+model:
+  vocab_size: 4096
+  d_model: 1024
+  num_layers: 8
+  num_heads: 8
+  num_kv_heads: 8
+  mlp_dim: 2816
+parallel:
+  pp: 2
+  sp: 4
+"""
+
+
+@pytest.mark.parametrize("policy", ["hydraulis", "homogeneous"])
+def test_cli_plans_strategies(tmp_path, capsys, policy):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [30_000, 9_000, 4_000, 1_500, 800, 300, 120, 64] * 8) + "\n")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(CONFIG)
+    out, plan_path, gantt = tmp_path / "out.json", tmp_path / "plan.json", tmp_path / "g.png"
+    args = ["--lengths", str(lengths), "--config", str(config), "--policy", policy, "--devices", "16"]
+    args += ["--json", str(out), "--plan", str(plan_path), "--gantt", str(gantt), "--batch-size", "24"]
+    assert main(args + ["--iterations", "2", "--cluster", "h100"]) == 0
+    printed = capsys.readouterr().out
+    assert f"policy {policy}" in printed and "median solve" in printed
+    data = json.loads(out.read_text())
+    assert data["policy"] == policy and data["iterations_planned"] == 2
+    for key in ("solve_seconds", "iteration_time_s", "propagation_s", "strategy", "fits_memory"):
+        assert key in data["iterations"][0], key
+    plan = load_any(plan_path)
+    assert isinstance(plan, StrategyPlan) and plan.num_devices == 16
+    plan.validate(list(plan.lengths))
+    assert gantt.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_rejects_unknown_policies():
+    from jvarlen.plan.cli import PlanCli
+
+    with pytest.raises(ValueError, match="epp.*homogeneous, hydraulis"):
+        PlanCli(lengths="x", config="y", policy="nope")
+    with pytest.raises(ValueError, match="--devices"):
+        PlanCli(lengths="x", config="y", policy="hydraulis", devices=-1)

@@ -1,0 +1,137 @@
+"""The hydraulis and homogeneous strategy policies end to end: valid, deterministic plans."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jvarlen.plan.api import PlanningError
+from jvarlen.plan.hydraulis import HomogeneousOptions, HydraulisOptions, homogeneous_strategies, scheme_space
+from jvarlen.plan.hydraulis_costs import scheme_tables
+from jvarlen.plan.strategy import (
+    Scheme,
+    SchemeCosts,
+    StrategyPlan,
+    build_group_plan,
+    plan_strategy,
+    predicted_time,
+    strategy_policies,
+)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    from conftest import small_cost
+
+    return SchemeCosts(small_cost(pp=1, sp=1, budget=6e9), 8)
+
+
+def batch(seed: int, n: int = 40, context: int = 16384) -> list[int]:
+    from jvarlen.plan.workloads import GITHUB
+
+    return [int(x) for x in np.minimum(GITHUB.sample(n, np.random.default_rng(seed)), context)]
+
+
+def test_policies_are_registered():
+    policies = strategy_policies()
+    assert policies["hydraulis"][1] is HydraulisOptions and policies["homogeneous"][1] is HomogeneousOptions
+
+
+@pytest.mark.parametrize("policy", ["hydraulis", "homogeneous"])
+def test_plan_is_valid_and_reports(costs, policy):
+    lengths = batch(1)
+    plan = plan_strategy(policy, lengths, costs)
+    plan.validate(lengths, costs)
+    s = plan.stats
+    for key in ("iteration_time_s", "solve_seconds", "policy", "strategy", "candidates", "propagation_s"):
+        assert key in s, key
+    assert s["policy"] == policy and s["strategy"] == plan.describe()
+    assert s["iteration_time_s"] == pytest.approx(predicted_time(plan.groups, costs))
+    assert all(set(c) >= {"strategy", "iteration_time_s"} for c in s["candidates"])
+    assert s["strategy"] in {c["strategy"] for c in s["candidates"]}
+    assert s["fits_memory"]
+    used = sum(g.scheme.num_devices for g in plan.groups)
+    assert used <= costs.num_devices
+    again = StrategyPlan.from_json(json.loads(plan.dumps()))
+    again.validate(lengths, costs)
+    assert again.describe() == plan.describe()
+
+
+def test_same_inputs_same_plan(costs):
+    from jvarlen.plan.hydraulis_proposal import propose_strategies
+
+    lengths = batch(2)
+    candidates = propose_strategies(batch(20, n=400), costs, 16384, HydraulisOptions())
+    options = HydraulisOptions(trials=8, candidates=candidates)
+    a, b = (plan_strategy("hydraulis", lengths, costs, options) for _ in range(2))
+    assert a.describe() == b.describe()
+    assert [g.documents for g in a.groups] == [g.documents for g in b.groups]
+    assert [g.plan.chunks for g in a.groups] == [g.plan.chunks for g in b.groups]
+    assert a.stats["iteration_time_s"] == b.stats["iteration_time_s"]
+    c = plan_strategy("hydraulis", lengths, costs, HydraulisOptions(trials=8, seed=5, candidates=candidates))
+    c.validate(lengths, costs)
+
+
+def test_given_candidates_are_used(costs):
+    lengths = batch(3)
+    schemes = scheme_space(costs, HydraulisOptions())
+    tables = scheme_tables(costs, schemes)
+    holder = max(schemes, key=lambda s: (tables[s].max_len, -s.num_devices))
+    cand = (holder,) + (Scheme(1, 1),) * (8 - holder.num_devices)
+    options = HydraulisOptions(candidates=(cand,), include_homogeneous=False)
+    plan = plan_strategy("hydraulis", lengths, costs, options)
+    plan.validate(lengths, costs)
+    assert len(plan.stats["candidates"]) == 1
+    assert sorted(plan.schemes) == sorted(cand[: len(plan.groups)]) or set(plan.schemes) <= set(cand)
+    # a candidate that cannot hold the longest document is replaced by the batch's own proposal
+    short = ((Scheme(1, 1),) * 8,)
+    long_batch = lengths + [tables[holder].max_len]
+    plan = plan_strategy("hydraulis", long_batch, costs, HydraulisOptions(candidates=short))
+    plan.validate(long_batch, costs)
+    assert any("proposing from the batch" in e for e in plan.events)
+
+
+def test_homogeneous_static_and_best(costs):
+    lengths = batch(4, context=4096)
+    best = plan_strategy("homogeneous", lengths, costs)
+    assert len(set(best.schemes)) == 1
+    assert len(best.stats["candidates"]) == len(
+        homogeneous_strategies(costs, scheme_space(costs, HomogeneousOptions()))
+    )
+    static = plan_strategy("homogeneous", lengths, costs, HomogeneousOptions(scheme=Scheme(2, 1)))
+    static.validate(lengths, costs)
+    assert set(static.schemes) == {Scheme(2, 1)}
+    with pytest.raises(PlanningError, match="fits no scheme"):
+        plan_strategy("homogeneous", [10**6], costs, HomogeneousOptions(scheme=Scheme(1, 1)))
+
+
+def test_fixed_packing_baseline(costs):
+    """Megatron-style: packed to a fixed length first, dealt to the pipelines in turn."""
+    lengths = batch(5, n=60, context=4096)
+    plan = plan_strategy("homogeneous", lengths, costs, HomogeneousOptions(scheme=Scheme(1, 1), packing="fixed"))
+    plan.validate(lengths, costs)
+    assert plan.policy == "homogeneous-fixed"
+    counts = [g.plan.n_chunks for g in plan.groups]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_nothing_fits_is_a_planning_error(costs):
+    with pytest.raises(PlanningError, match="largest MaxLen"):
+        plan_strategy("hydraulis", [50, 10**8], costs)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(1, 30000), min_size=1, max_size=24), st.sampled_from(["hydraulis", "homogeneous"]))
+def test_every_plan_validates(costs, lengths, policy):
+    plan = plan_strategy(policy, lengths, costs, HydraulisOptions(trials=4) if policy == "hydraulis" else None)
+    plan.validate(lengths, costs)
+    assert sorted(d for g in plan.groups for d in g.documents) == list(range(len(lengths)))
+
+
+def test_per_micro_batch_recomputation_as_given(costs):
+    scheme = Scheme(2, 1)
+    plan = build_group_plan("t", scheme, [1000, 2000, 500, 700], [[0], [1], [2], [3]], costs, ckpt=[0, 2, 0, 1])
+    assert plan.ckpt_layers.tolist() == [[0, 0], [2, 2], [0, 0], [1, 1]]
+    plan.validate(plan.lengths, costs.cost(scheme))
