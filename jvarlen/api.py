@@ -41,6 +41,7 @@ class Step:
 
     def __init__(self, strategy: ExecutionStrategy, cache: CompileCache):
         self.strategy, self.cache = strategy, cache
+        strategy.attach(cache)
 
     def compiled(self, prepared: Prepared):
         """The executable of ``prepared``'s signature (its ``batch_shardings``, ``compiled``)."""
@@ -79,6 +80,14 @@ class PlanStep(Step):
         groups = [as_pieces(docs) for docs in documents]
         pieces = [p for g in groups for p in g]
         it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=groups, plans=list(plans))
+        return self.strategy.prepare(it, self.cache.keys())
+
+
+class StrategyStep(Step):
+    def prepare(self, plan, documents: Sequence) -> Prepared:
+        """A :class:`~jvarlen.plan.strategy.StrategyPlan` over ``documents`` (its groups' plans index them)."""
+        pieces = as_pieces(documents)
+        it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
         return self.strategy.prepare(it, self.cache.keys())
 
 
@@ -138,9 +147,21 @@ class Session:
         )
         return PlanStep(strategy, self.cache)
 
+    def strategy_step(
+        self, *, residual_policy: Optional[str] = "dots_and_attention", chunk_multiple: int = 2
+    ) -> StrategyStep:
+        """The heterogeneous-groups step: ``step.prepare(strategy_plan, documents)`` runs each group of a
+        :class:`~jvarlen.plan.strategy.StrategyPlan` on its devices and updates the state once."""
+        from jvarlen.runtime.strategies.groups import GroupsStrategy
+
+        strategy = GroupsStrategy(
+            self.context, None, "", ahead=0, residual=residual_policy, chunk_multiple=chunk_multiple
+        )
+        return StrategyStep(strategy, self.cache)
+
     def put(self, tree, shardings):
         """Host values -> global arrays with ``shardings`` (each process fills its own shards)."""
         return place_global(tree, shardings)
 
 
-__all__ = ["LayoutStep", "PlanStep", "Session", "Step", "as_pieces"]
+__all__ = ["LayoutStep", "PlanStep", "Session", "Step", "StrategyStep", "as_pieces"]

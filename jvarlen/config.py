@@ -203,13 +203,36 @@ class ParallelConfig:
             )
 
 
+STRATEGY_POLICIES = ("hydraulis", "flexsp", "dcp", "dcp-inter", "homogeneous", "epp-pipelines", "auto")
+
+
 @dataclasses.dataclass
 class PlanConfig:
     """The per-iteration planner (jvarlen.plan) of the elastic pipeline path (parallel.pp > 1):
     every iteration's documents become chunks, schedule and recomputation tables. There,
     data.seq_len is the longest document piece (data.max_doc_tokens defaults to it)."""
 
-    policy: Literal["epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple"] = "epp"
+    # EPP and its baselines plan the elastic pipeline (parallel.pp > 1). The strategy policies plan
+    # heterogeneous device groups over all dp * pp * sp devices of the config (docs/design/
+    # heterogeneous.md): hydraulis, flexsp, dcp, dcp-inter, homogeneous (the best d x P per
+    # iteration), epp-pipelines, and auto (the fastest of them, per iteration).
+    policy: Literal[
+        "epp",
+        "epp-fast",
+        "wo-wbc",
+        "wo-ckpt",
+        "full-ckpt",
+        "seq1f1b",
+        "seq1f1b-tuned",
+        "dapple",
+        "hydraulis",
+        "flexsp",
+        "dcp",
+        "dcp-inter",
+        "homogeneous",
+        "epp-pipelines",
+        "auto",
+    ] = "epp"
     min_slice_tokens: int = 512  # the finest average slice of a split document
     # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
     # simulator says it is faster and it fits memory (more chunks in flight).
@@ -226,6 +249,11 @@ class PlanConfig:
     solver_time_limit_s: float = 30.0
     solver_workers: int = 1
     solver_seed: int = 0
+
+    @property
+    def uses_groups(self) -> bool:
+        """A strategy policy: heterogeneous device groups per iteration."""
+        return self.policy in STRATEGY_POLICIES
 
     def __post_init__(self):
         _positive(

@@ -72,6 +72,8 @@ def requested_devices(config) -> int:
     gets them as fake devices; the planner CLI plans for them): ``(dp or 1) · pp · sp``, with auto
     ``pp`` resolved for that count."""
     par = config.parallel
+    if config.plan.uses_groups:  # device groups over all of the config's devices
+        return (par.dp or 1) * (par.pp or 1) * par.sp
     pp = par.pp if par.pp is not None else _auto_stages(config, (par.dp or 1) * 2 * par.sp)
     return (par.dp or 1) * pp * par.sp
 
@@ -82,12 +84,15 @@ def resolve_layout(config, num_devices: int | None = None) -> Layout:
     Every entry point (training, the planner CLI, the research API) calls it.
 
     With a data-parallel layout policy (``parallel.tokens_per_device`` / ``sp_cycle``) this is
-    the nominal layout ``(devices / sp, 1, sp)``; the policy picks each step's layout.
+    the nominal layout ``(devices / sp, 1, sp)``; the policy picks each step's layout. With a
+    strategy policy (``plan.uses_groups``) it is ``(devices, 1, 1)``: the policy arranges them.
     Raises :class:`jvarlen.config.ConfigError` naming the constraint and the fix."""
     from jvarlen.config import ConfigError
 
     par, model = config.parallel, config.model
     n = requested_devices(config) if num_devices is None else int(num_devices)
+    if config.plan.uses_groups:  # a strategy policy plans the devices into groups every iteration
+        return Layout(dp=n, pp=1, sp=1)
     pp = par.pp if par.pp is not None else _auto_stages(config, n)
     if pp > 1 and par.chooses_dp_layouts:
         raise ConfigError(

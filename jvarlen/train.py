@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
-    if layout.pp > 1 and "jax" not in sys.modules:
-        # the pipeline path on a CPU-only host: give the host platform the devices the layout
-        # needs (no effect on GPU/TPU devices)
+    if layout.num_devices > 1 and (layout.pp > 1 or config.plan.uses_groups) and "jax" not in sys.modules:
+        # the pipeline and group paths on a CPU-only host: give the host platform the devices
+        # the layout needs (no effect on GPU/TPU devices)
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             count = requested_devices(config)

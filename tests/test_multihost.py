@@ -94,7 +94,49 @@ def interleave(first, second):
     return [d for pair in zip(first, second) for d in pair]
 
 
-def worker(process_id: int, port: int, out: str) -> None:
+def run_group_steps(devices):
+    """3 SGD steps of a heterogeneous strategy on ``devices``: group A (pp=2, sp=2) on session
+    devices 0-3 and group B (pp=1, sp=4) on 4-7, each spanning both processes when ``devices``
+    interleaves them. -> (mesh, [loss, grad norm] per step, params)."""
+    import jax
+    import optax
+    from jax.experimental import multihost_utils
+
+    from jvarlen.api import Session
+    from jvarlen.layout import Layout
+    from jvarlen.plan.api import make_cost
+    from jvarlen.plan.cost import ModelShape
+    from jvarlen.plan.strategy import GroupPlan, Scheme, SchemeCosts, StrategyPlan, build_group_plan
+    from jvarlen.runtime.state import create_train_state
+
+    config = tiny_config()
+    graphdef, _, state = create_train_state(config)
+    optimizer = optax.sgd(0.1)
+    state = state.replace(opt_state=optimizer.init(state.params))
+    session = Session(graphdef, config.model, optimizer, state, devices=devices)
+    costs = SchemeCosts(make_cost(ModelShape.from_config(config.model), "a800", Layout(8, 1, 1)), 8)
+    lengths = (40, 7, 25, 33, 12, 18, 9, 30)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, VOCAB, size=n).astype(np.int32) for n in lengths]
+    groups = []
+    for scheme, devs, ids, micro in (
+        (Scheme(2, 2), (0, 1, 2, 3), (0, 1, 2, 3), [[0, 1], [2, 3]]),
+        (Scheme(1, 4), (4, 5, 6, 7), (4, 5, 6, 7), [[0, 1], [2, 3]]),
+    ):
+        plan = build_group_plan("test", scheme, [lengths[i] for i in ids], micro, costs)
+        groups.append(GroupPlan(scheme, devs, ids, plan))
+    plan = StrategyPlan("test", 8, lengths, tuple(groups))
+    step = session.strategy_step(residual_policy="all")
+    state, losses = session.state, []
+    for _ in range(STEPS):
+        state, metrics = step(state, step.prepare(plan, docs))
+        metrics = jax.device_get({k: metrics[k] for k in ("loss_sum", "target_tokens", "grad_norm")})
+        losses += [float(metrics["loss_sum"] / metrics["target_tokens"]), float(metrics["grad_norm"])]
+    params = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(state.params)]
+    return session.placement.state_mesh, losses, params
+
+
+def worker(process_id: int, port: int, out: str, mode: str = "layout") -> None:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -108,7 +150,8 @@ def worker(process_id: int, port: int, out: str) -> None:
     )
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
-    mesh, losses, params = run_steps(interleave(*by_process))
+    run = run_group_steps if mode == "groups" else run_steps
+    mesh, losses, params = run(interleave(*by_process))
     assert all({d.process_index for d in group} == {0, 1} for group in mesh.devices.reshape(-1, 4))
     if process_id == 0:
         np.savez(out, *params, losses=np.asarray(losses))
@@ -176,8 +219,27 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
     print(f"two-process run: {elapsed:.1f} s")
 
 
+@pytest.mark.slow  # two fresh JAX processes compile three group programs each: ~2-3 min on 2 shared cores
+def test_heterogeneous_groups_spanning_two_processes_match_one_process(tmp_path):
+    """Groups of different schemes whose devices span both processes: the pull, the groups'
+    programs and the update are multi-controller programs; losses and parameters equal one process."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    out = str(tmp_path / "groups.npz")
+    port = _free_port()
+    _run_two_processes(lambda pid: [sys.executable, __file__, str(pid), str(port), out, "groups"])
+    local = sorted(jax.devices(), key=lambda d: d.id)
+    _, losses, params = run_group_steps(interleave(local[:4], local[4:]))
+    got = np.load(out)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    for i, ref in enumerate(params):
+        np.testing.assert_allclose(got[f"arr_{i}"], ref, rtol=1e-5, atol=1e-5)
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(sys.argv[4:5]))
 
 
 CLI_ARGS = [
@@ -230,6 +292,56 @@ def test_training_cli_on_two_processes_matches_one_process(tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2"]
     one = train(
         parse_config([*CLI_ARGS, f"--logging.run_dir={tmp_path / 'one'}", f"--data.cache_dir={tmp_path / 'cache0'}"]),
+        quiet=True,
+    )
+    np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
+
+
+@pytest.mark.slow  # the pipeline path of the training CLI in two processes: ~2-3 min on 2 shared cores
+def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
+    import json
+
+    import jax
+
+    from jvarlen.config import parse_config
+    from jvarlen.runtime.loop import train
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    args = [a for a in CLI_ARGS if not a.startswith("--parallel.sp_cycle")]
+    args += [
+        "--parallel.dp=2",
+        "--parallel.pp=2",
+        "--parallel.sp=2",
+        "--plan.min_slice_tokens=32",
+        "--data.seq_len=256",
+    ]
+    port = _free_port()
+    _run_two_processes(
+        lambda pid: [
+            sys.executable,
+            "-m",
+            "jvarlen.train",
+            *args,
+            f"--logging.run_dir={tmp_path / 'two'}",
+            f"--data.cache_dir={tmp_path / f'cache{pid}'}",
+            "--parallel.distributed=true",
+            f"--parallel.coordinator_address=127.0.0.1:{port}",
+            "--parallel.num_processes=2",
+            f"--parallel.process_id={pid}",
+        ]
+    )
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dp"], r["pp"], r["sp"]) for r in records] == [(1, 2, 2, 2), (2, 2, 2, 2)]
+    one = train(
+        parse_config(
+            [
+                *args,
+                "--plan.wait=true",
+                f"--logging.run_dir={tmp_path / 'one'}",
+                f"--data.cache_dir={tmp_path / 'cache0'}",
+            ]
+        ),
         quiet=True,
     )
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)

@@ -44,14 +44,16 @@ def test_a_non_finite_step_keeps_the_state_and_counts(bad):
     optimizer = optax.adam(1.0)
     state = _state(optimizer)
     grads = {"w": jnp.full((4,), jnp.nan if bad == "nan_grad" else 1.0)}
-    sums = {"loss_sum": jnp.float32(jnp.inf if bad == "inf_loss" else 2.0), "target_tokens": jnp.float32(3)}
+    sums = {
+        "loss_sum": jnp.float32(jnp.inf if bad == "inf_loss" else 2.0),
+        "target_tokens": jnp.float32(3),
+        "real_tokens": jnp.float32(3),
+    }
     if bad == "huge_update":
         optimizer = optax.sgd(3e38)
         state = _state(optimizer)
         grads = {"w": jnp.full((4,), 10.0)}
-    new, metrics = jax.jit(lambda s, g, m: apply_gradients(optimizer, s, g, m, jnp.ones((1, 3), jnp.int32)))(
-        state, grads, sums
-    )
+    new, metrics = jax.jit(lambda s, g, m: apply_gradients(optimizer, s, g, m))(state, grads, sums)
     assert float(metrics["nonfinite"]) == 1.0 and int(new.step) == 1
     np.testing.assert_array_equal(new.params["w"], state.params["w"])
     for a, b in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
@@ -61,8 +63,8 @@ def test_a_non_finite_step_keeps_the_state_and_counts(bad):
 def test_a_finite_step_updates():
     optimizer = optax.sgd(0.5)
     state = _state(optimizer)
-    sums = {"loss_sum": jnp.float32(2.0), "target_tokens": jnp.float32(3)}
-    new, metrics = apply_gradients(optimizer, state, {"w": jnp.ones(4)}, sums, jnp.ones((1, 3), jnp.int32))
+    sums = {"loss_sum": jnp.float32(2.0), "target_tokens": jnp.float32(3), "real_tokens": jnp.float32(3)}
+    new, metrics = apply_gradients(optimizer, state, {"w": jnp.ones(4)}, sums)
     assert float(metrics["nonfinite"]) == 0.0 and float(metrics["real_tokens"]) == 3.0
     np.testing.assert_allclose(new.params["w"], 0.5)
 

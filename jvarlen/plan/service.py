@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import os
 import threading
 import time
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
@@ -51,10 +52,10 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _solve(lengths: Sequence[int], cost, policy: str, options: PlannerOptions, delay_s: float) -> Plan:
+def _solve(lengths: Sequence[int], solve: Callable, delay_s: float):
     if delay_s > 0:  # test hook: a slow solver
         time.sleep(delay_s)
-    return plan_iteration(lengths, cost=cost, policy=policy, options=options)
+    return solve(lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +82,22 @@ class PlanningService:
         fallback_policy: str = "epp-fast",
         workers: int = 1,
         delay_s: float = 0.0,
+        *,
+        solve: Optional[Callable] = None,
+        fallback: Optional[Callable] = None,
     ):
+        """``cost``/``policy``/``options``: an EPP-family policy of :func:`plan_iteration`, with the
+        fast fallbacks ``fallback_policy``, ``epp-fast`` and ``seq1f1b-tuned``. Any other planner:
+        ``solve(lengths) -> plan`` (picklable: it runs in the worker) and ``fallback(lengths) ->
+        plan`` (runs here when the solver is late or failed)."""
         self.cost = cost
         self.policy = policy
         self.options = deterministic_options() if options is None else options
         self.fallback_policy = fallback_policy
         self.fallback_options = dataclasses.replace(self.options, solver=SolverOptions(time_limit_s=0.0))
         self.delay_s = delay_s
+        self.solve = solve or functools.partial(plan_iteration, cost=cost, policy=policy, options=self.options)
+        self.fallback = fallback
         self._pool = cf.ProcessPoolExecutor(
             max_workers=workers,
             mp_context=mp.get_context("spawn"),
@@ -101,7 +111,7 @@ class PlanningService:
     def submit(self, iteration: int, lengths: Sequence[int]) -> None:
         """Queues iteration ``iteration``'s batch for background solving (returns at once)."""
         lengths = [int(x) for x in lengths]
-        fut = self._pool.submit(_solve, lengths, self.cost, self.policy, self.options, self.delay_s)
+        fut = self._pool.submit(_solve, lengths, self.solve, self.delay_s)
         self._jobs[iteration] = (lengths, fut)
 
     # ---- consumer
@@ -125,6 +135,11 @@ class PlanningService:
         event = ServiceEvent(iteration, kind, detail, self.fallback_policy)
         self.events.append(event)
         log.warning("plan for iteration %d %s (%s); using %s", iteration, kind, detail, self.fallback_policy)
+        if self.fallback is not None:
+            plan = self.fallback(lengths)
+            plan.stats["service_source"] = f"fallback:{kind}"
+            plan.events.append(f"service: {kind} ({detail}); fallback plan")
+            return plan
         errors = []
         for policy in (self.fallback_policy, "epp-fast", "seq1f1b-tuned"):  # last resorts, in order
             try:

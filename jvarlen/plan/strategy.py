@@ -404,7 +404,7 @@ def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]
 
 StrategyPolicy = Callable[[Sequence[int], SchemeCosts, Any], StrategyPlan]
 _POLICIES: dict[str, tuple[StrategyPolicy, type]] = {}
-_POLICY_MODULES = ("jvarlen.plan.hydraulis", "jvarlen.plan.flexsp", "jvarlen.plan.dcp")
+_POLICY_MODULES = ("jvarlen.plan.hydraulis", "jvarlen.plan.flexsp", "jvarlen.plan.dcp", "jvarlen.plan.auto")
 
 
 def register_policy(name: str, options_type: type):

@@ -12,6 +12,7 @@ import jax
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout, resolve_layout
+from jvarlen.plan.strategy import SchemeCosts
 from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
@@ -34,6 +35,22 @@ def make_strategy(
 ) -> ExecutionStrategy:
     """The execution strategy of ``config``: the elastic pipeline when ``pp > 1``, else data-parallel layouts."""
     ctx = StepContext(run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state))
+    wait = config.plan.wait or jax.process_count() > 1
+    if config.plan.uses_groups:
+        from jvarlen.runtime.strategies.groups import GroupsStrategy, strategy_options
+        from jvarlen.runtime.strategies.pipeline import cost_model
+
+        costs = SchemeCosts(cost_model(config, layout, run.say), layout.num_devices)
+        options = strategy_options(config, run.pipeline, costs, run.say)
+        return GroupsStrategy(
+            ctx,
+            costs,
+            config.plan.policy,
+            options,
+            ahead=config.plan.ahead,
+            wait=wait,
+            residual=config.parallel.residual_policy,
+        )
     if layout.pp > 1:
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy, cost_model, planner_options
 
@@ -47,7 +64,7 @@ def make_strategy(
             planner_options(config),
             config.data.rows_per_batch,
             ahead=config.plan.ahead,
-            wait=config.plan.wait or jax.process_count() > 1,
+            wait=wait,
             residual=config.parallel.residual_policy,
         )
     from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
@@ -75,6 +92,7 @@ def train(
     strategy = make_strategy(config, run, layout, layout_for_step)
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
+    strategy.attach(cache)
     feed = IterationFeed(run.pipeline, strategy.planner(), run.start, run.end, ahead=config.plan.ahead, say=run.note)
     check = StepTimeCheck.from_config(config, run.note)
     state, run.state = run.state, None
@@ -86,10 +104,10 @@ def train(
             t0 = time.perf_counter()
             it = feed.next()
             prepared = strategy.prepare(it, cache.keys())
-            layout = tuple(prepared.info.get(k) for k in ("dp", "pp", "sp"))
-            if layout != last_layout:
-                run.note(f"[jvarlen] step {step + 1}: Layout(dp={layout[0]}, pp={layout[1]}, sp={layout[2]})")
-                last_layout = layout
+            arrangement = prepared.info.get("strategy") or "Layout(dp={dp}, pp={pp}, sp={sp})".format(**prepared.info)
+            if arrangement != last_layout:
+                run.note(f"[jvarlen] step {step + 1}: {arrangement}")
+                last_layout = arrangement
             ahead = feed.peek()  # compile the next iteration's signature while this one runs
             if ahead is not None:
                 cache.precompile(strategy.prepare(ahead, cache.keys()).key, strategy.compile)

@@ -68,7 +68,9 @@ def make_train_step(grads_fn: GradsFn, optimizer: optax.GradientTransformation) 
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         sums, grads, extra = grads_fn(state.params, batch)
-        state, metrics = apply_gradients(optimizer, state, grads, sums, batch["segment_ids"])
+        if "real_tokens" not in sums:
+            sums = {**sums, "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
+        state, metrics = apply_gradients(optimizer, state, grads, sums)
         return state, {**metrics, **extra}
 
     return train_step
@@ -85,7 +87,9 @@ class CompiledStep:
     def __call__(self, state, arrays: dict):
         from jvarlen.parallel.sharding import place_global
 
-        return self.compiled(state, place_global(arrays, {k: self.batch_shardings[k] for k in arrays}))
+        host = {k: v for k, v in arrays.items() if not isinstance(v, jax.Array)}
+        placed = place_global(host, {k: self.batch_shardings[k] for k in host})
+        return self.compiled(state, {k: placed.get(k, v) for k, v in arrays.items()})
 
     def memory_analysis(self):
         return self.compiled.memory_analysis()
@@ -125,14 +129,14 @@ def compile_train_step(*args, compiler_options: Optional[dict] = None, check_mem
     return CompiledStep(compiled, args[4])
 
 
-def apply_gradients(optimizer, state: TrainState, grads, sums: dict, segment_ids) -> tuple[TrainState, dict]:
+def apply_gradients(optimizer, state: TrainState, grads, sums: dict) -> tuple[TrainState, dict]:
     """One optimizer update from the iteration's gradients, skipped when anything is not finite.
 
     The update is applied only if the loss sum, the gradient norm and the update's norm are all
     finite; otherwise parameters and optimizer state stay as they were (the step counter still
     advances) and ``metrics["nonfinite"]`` is 1. The check rides on the metrics the loop already
-    fetches, so it costs no extra host sync. Metrics: the loss ``sums``, ``real_tokens``,
-    ``grad_norm``, ``nonfinite``.
+    fetches, so it costs no extra host sync. Metrics: the ``sums`` (loss sum, target and real
+    token counts), ``grad_norm``, ``nonfinite``.
     """
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -143,7 +147,6 @@ def apply_gradients(optimizer, state: TrainState, grads, sums: dict, segment_ids
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     metrics = {
         **sums,
-        "real_tokens": jnp.sum(segment_ids > 0).astype(jnp.float32),
         "grad_norm": grad_norm,
         "nonfinite": 1.0 - finite.astype(jnp.float32),
     }

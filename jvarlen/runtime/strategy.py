@@ -83,6 +83,10 @@ class ExecutionStrategy(abc.ABC):
 
     name: str = ""
 
+    def attach(self, cache) -> None:
+        """The run's one compile cache (a strategy whose step is several programs caches them there)."""
+        self.cache = cache
+
     def planner(self) -> Optional[Planner]:
         return None
 

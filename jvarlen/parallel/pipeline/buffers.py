@@ -92,12 +92,14 @@ def op_ticks(ticks: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     return tf, tb
 
 
-def fuse_single_stage(ticks: np.ndarray) -> np.ndarray:
+def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> np.ndarray:
     """The executor's tick table for a validated one-stage table ``[T, 1, 2]``: every F(k)
     directly followed by B(k) becomes one :data:`FUSED` op, and ticks left idle are dropped.
 
     With one stage nothing is sent between ticks, so fusing cannot delay another stage, and
     the fused chunk's residuals never leave the tick (no slot traffic, no recomputation).
+    ``keep [n]`` (bool): chunks left unfused — those whose recomputation the plan asks for (a
+    fused op keeps every activation of its chunk, so it would ignore the plan's memory choice).
     """
     ticks = np.asarray(ticks, np.int32)
     if ticks.shape[1] != 1:
@@ -105,7 +107,7 @@ def fuse_single_stage(ticks: np.ndarray) -> np.ndarray:
     rows = [r.copy() for r in ticks]
     for t in range(len(rows) - 1):
         (op, k), (op_next, k_next) = rows[t][0], rows[t + 1][0]
-        if op == FWD and op_next == BWD and k == k_next:
+        if op == FWD and op_next == BWD and k == k_next and (keep is None or not keep[k]):
             rows[t][0] = (IDLE, -1)
             rows[t + 1][0] = (FUSED, k)
     kept = [r for r in rows if r[0, 0] != IDLE]

@@ -46,7 +46,9 @@ def prepare_batch(
     ``signature``: run inside that compiled step's buffers (raises naming the stage, tick and
     chunks when the tables need more slots, ticks or context); else the smallest signature.
     ``fuse``: with one stage, run each F directly followed by its B as one fused op
-    (``pipeline_buffers.fuse_single_stage``); False keeps them in separate ticks.
+    (:func:`jvarlen.parallel.pipeline.buffers.fuse_single_stage`); ``"unrecomputed"`` fuses only
+    chunks that recompute no layer (a fused op stores every activation: the plan's recomputation
+    choice holds for the rest); False keeps them all in separate ticks.
     Returns (signature, ``{key: [dp, ...]}``).
     """
     if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
@@ -66,9 +68,9 @@ def prepare_batch(
             Schedule.from_ticks(ticks, pack.chunk_prev)
         if ticks.shape[1] != layout.pp:
             raise ScheduleError(f"tick table has {ticks.shape[1]} stages, layout has pp={layout.pp}")
-        if layout.pp == 1 and fuse:
-            ticks = fuse_single_stage(ticks)
         ckpt = np.asarray(ckpt, np.int32)
+        if layout.pp == 1 and fuse:
+            ticks = fuse_single_stage(ticks, keep=(ckpt[:, 0] > 0) if fuse == "unrecomputed" else None)
         if ckpt.shape != (pack.n_chunks, layout.pp):
             raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
         slots = assign_slots(ticks, pack.chunk_prev, ckpt, ls, uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
@@ -167,6 +169,7 @@ def prepare_plans(
     *,
     chunk_multiple: int = 2,
     bucket: Optional[int] = None,
+    fuse: bool | str = True,
 ) -> tuple[PipelineSignature, dict]:
     """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``);
     ``documents[i]``: pipeline i's documents (token arrays or :class:`jvarlen.data.packer.Piece`).
@@ -184,10 +187,11 @@ def prepare_plans(
     for size in chunk_buckets(plans, layout.sp, bucket):
         packs = [pack_chunks(chunks, docs, size) for (chunks, _, _), docs in zip(padded, documents)]
         args = (packs, [s for _, s, _ in padded], [c for _, _, c in padded], layout, num_layers)
-        need, _ = prepare_batch(*args)
+        need, _ = prepare_batch(*args, fuse=fuse)
         first = first or (args, need)
         fitting = [s for s in known if isinstance(s, PipelineSignature) and covers(s, need)]
         if fitting:
-            return prepare_batch(*args, signature=min(fitting, key=lambda s: sum(getattr(s, f) for f in GROWABLE)))
+            best = min(fitting, key=lambda s: sum(getattr(s, f) for f in GROWABLE))
+            return prepare_batch(*args, signature=best, fuse=fuse)
     args, need = first
-    return prepare_batch(*args, signature=round_signature(need))
+    return prepare_batch(*args, signature=round_signature(need), fuse=fuse)

@@ -1,0 +1,255 @@
+"""The heterogeneous-groups strategy: each iteration runs a :class:`~jvarlen.plan.strategy.StrategyPlan`
+— disjoint groups of devices, each with its own scheme ``(pp, sp)``, its own documents and its own
+executor plan (micro-batches, 1F1B or gradient accumulation, recomputation) — and ends with one
+update of the canonical state (Hydraulis §5.1-5.2; FlexSP and DCP groups are ``pp = 1``).
+
+One iteration is four kinds of compiled programs, all from the one compile cache:
+
+* ``pull``: all devices; the fp32 parameters all-gathered onto every device
+  (:func:`jvarlen.parallel.groups.pull`);
+* one program per group, on the group's devices: the pipeline executor's gradients of the group's
+  plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads`) turned into per-device partials
+  scaled by the group's share of the iteration's target tokens
+  (:func:`jvarlen.parallel.groups.device_partials`);
+* ``update``: all devices; the one train step of :mod:`jvarlen.runtime.step` whose "gradients"
+  are the sum of every device's partials, landing in the canonical sharding (a reduce-scatter).
+
+The groups' programs are dispatched one after the other without waiting (asynchronous dispatch on
+disjoint devices: they run concurrently); nothing syncs with the host until the loop reads the
+metrics. Executables are cached per (scheme, devices, pipeline signature), so a strategy that
+reuses known groups compiles nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.parallel.groups import GROUP_AXES, device_partials, for_group, gather_partials, group_mesh
+from jvarlen.parallel.layouts import FSDP
+from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_params
+from jvarlen.parallel.pipeline.executor import DATA
+from jvarlen.parallel.sharding import place_global, push
+from jvarlen.plan.strategy import StrategyPlan, plan_strategy
+from jvarlen.runtime.step import CompiledStep
+from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
+
+SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
+
+
+def strategy_options(config, pipeline, costs, say=lambda _: None):
+    """The policy's options for a run: Hydraulis' candidate strategies are proposed once from the
+    corpus' piece lengths (Eq. 4, §7) and cached with the corpus (``data.cache_dir``); ``auto``
+    plans Hydraulis with them too; the other policies use their defaults."""
+    import os
+    import time
+
+    from jvarlen.plan.auto import AutoOptions
+    from jvarlen.plan.hydraulis import HydraulisOptions
+    from jvarlen.plan.hydraulis_proposal import cached_proposal
+
+    policy = config.plan.policy
+    if policy not in ("hydraulis", "auto"):
+        return None
+    start = time.perf_counter()
+    cache = os.path.join(os.path.expanduser(config.data.cache_dir or "~/.cache/jvarlen"), "proposals")
+    lengths = [int(x) for x in pipeline.pieces.length]
+    candidates = cached_proposal(cache, lengths, costs, config.data.seq_len, HydraulisOptions())
+    say(
+        f"[jvarlen] hydraulis: {len(candidates)} candidate strategies proposed from {len(lengths):,} pieces "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    hydraulis = HydraulisOptions(candidates=candidates)
+    return hydraulis if policy == "hydraulis" else AutoOptions(options=(("hydraulis", hydraulis),))
+
+
+def all_documents(pieces, rows) -> list:
+    """The feed's split for strategy policies: one plan over all of the iteration's documents."""
+    return [list(pieces)]
+
+
+class GroupsStep:
+    """The executable of one strategy: pull, the groups' programs, update (see the module docstring)."""
+
+    def __init__(self, ctx: StepContext, pull, groups: Sequence, update: CompiledStep):
+        self.ctx, self.pull, self.groups, self.update = ctx, pull, list(groups), update
+
+    def __call__(self, state, arrays: dict):
+        pulled = self.pull(state.params)
+        outs = []
+        for g, (program, mesh, batch_shardings) in enumerate(self.groups):
+            params = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), pulled)
+            prefix = f"{g}/"
+            batch = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            weight = place_global(batch.pop("weight"), NamedSharding(mesh, P()))
+            outs.append(program(params, place_global(batch, batch_shardings), weight))
+        placement = self.ctx.placement
+        partials = {}
+        for i in range(len(outs[0][0])):
+            partials[f"g/{i}"] = gather_partials([o[0][i] for o in outs], placement.state_mesh, placement.devices)
+        for key in SUM_KEYS:
+            partials[f"s/{key}"] = gather_partials([o[1][key] for o in outs], placement.state_mesh, placement.devices)
+        state, metrics = self.update(state, partials)
+        return state, {**metrics, "group_layer_forwards": [o[2] for o in outs]}
+
+    def memory_analysis(self):
+        return self.update.memory_analysis()
+
+
+class GroupsStrategy(ExecutionStrategy):
+    """Device groups of different schemes per iteration, chosen by a strategy policy
+    (``hydraulis``, ``flexsp``, ``dcp``, ``homogeneous``, ``auto``; :mod:`jvarlen.plan.strategy`)."""
+
+    name = "groups"
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        costs,
+        policy: str,
+        options: Any = None,
+        *,
+        ahead: int = 2,
+        wait: bool = False,
+        residual: Optional[str] = "dots_and_attention",
+        chunk_multiple: int = 2,
+        fallback_policy: str = "homogeneous",
+    ):
+        self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
+        self.ahead, self.wait, self.chunk_multiple = ahead, wait, chunk_multiple
+        self.residual = None if residual == "all" else residual
+        self.fallback_policy = fallback_policy
+        self._service = None
+        self.cache = None
+
+    # ---- planning
+    def planner(self) -> Planner:
+        solve = functools.partial(plan_strategy, self.policy, costs=self.costs, options=self.options)
+        if self.ahead > 0 and self._service is None:
+            from jvarlen.plan.service import PlanningService
+
+            fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
+            self._service = PlanningService(None, solve=solve, fallback=fallback)
+        return Planner(all_documents, solve, self._service, self.wait)
+
+    # ---- host side
+    def prepare(self, iteration, known=()) -> Prepared:
+        plan: StrategyPlan = iteration.plans[0]
+        docs = iteration.groups[0]
+        num_layers = self.ctx.model.num_layers
+        keys, arrays, targets = [], {}, []
+        for g, group in enumerate(plan.groups):
+            ids = (group.scheme.pp, group.scheme.sp, tuple(group.devices))
+            same = [k[4] for k in known if isinstance(k, tuple) and k[:1] == ("group",) and k[1:4] == ids]
+            sig, batch = prepare_plans(
+                [group.plan],
+                [[docs[d] for d in group.documents]],
+                num_layers,
+                same,
+                chunk_multiple=self.chunk_multiple,
+                fuse="unrecomputed",
+            )
+            keys.append(("group", *ids, sig))
+            targets.append(float(batch["loss_mask"].sum()))
+            arrays.update({f"{g}/{k}": v for k, v in batch.items()})
+        total = max(sum(targets), 1.0)
+        for g, t in enumerate(targets):
+            arrays[f"{g}/weight"] = np.float32(t / total)
+        info = {
+            "strategy": plan.describe(),
+            "groups": len(plan.groups),
+            "chunks": sum(g.plan.n_chunks for g in plan.groups),
+            "predicted_iteration_time_s": float(plan.stats.get("iteration_time_s", float("nan"))),
+            "policy_chosen": str(plan.stats.get("policy_chosen", plan.policy)),
+        }
+        estimates = plan.stats.get("auto_estimates")
+        if estimates:  # auto: every policy's estimate of this iteration (or why it could not plan it)
+            info["policy_estimates_s"] = {k: v.get("iteration_time_s", v.get("error")) for k, v in estimates.items()}
+        return Prepared(("groups", tuple(keys)), arrays, info)
+
+    # ---- compiled programs
+    def compile(self, key) -> GroupsStep:
+        if self.cache is None:
+            raise RuntimeError("GroupsStrategy.attach(cache) first: its programs live in the one compile cache")
+        _, group_keys = key
+        groups = [self.cache.get(k, self._compile_group) for k in group_keys]
+        pull = self.cache.get(("pull",), self._compile_pull)
+        update = self.cache.get(("update",), self._compile_update)
+        return GroupsStep(self.ctx, pull, groups, update)
+
+    def _devices(self, indices) -> list:
+        return [self.ctx.placement.devices[i] for i in indices]
+
+    def _compile_pull(self, key):
+        placement = self.ctx.placement
+        replicated = jax.tree.map(lambda _: placement.replicated, self.ctx.abstract_state.params)
+        fn = jax.jit(lambda params: params, in_shardings=(placement.state_sharding.params,), out_shardings=replicated)
+        return fn.lower(self.ctx.abstract_state.params).compile(compiler_options=self.ctx.compiler_options)
+
+    def _compile_group(self, key):
+        _, pp, sp, devices, sig = key
+        ctx = self.ctx
+        mesh = group_mesh(sig.layout, self._devices(devices))
+        grads = make_pipeline_grads(ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual)
+        num_layers = ctx.model.num_layers
+
+        def program(params, batch, weight):
+            sums, g, layer_forwards = grads(params, batch)
+            sums = {**sums, "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
+            layers, rest = split_params(g)
+            p_layers, p_rest, p_sums = device_partials(mesh, layers, rest, sums, weight, num_layers)
+            partial_grads = nnx.merge_state(p_rest, nnx.State({"layers": p_layers}))
+            return jax.tree.leaves(partial_grads), p_sums, layer_forwards
+
+        replicated = NamedSharding(mesh, P())
+        batch_sharding = NamedSharding(mesh, P(DATA))
+        params = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), ctx.abstract_state.params
+        )
+        batch = {k: jax.ShapeDtypeStruct(s, np.int32, sharding=batch_sharding) for k, s in sig.input_shapes().items()}
+        weight = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
+        compiled = jax.jit(program).lower(params, batch, weight).compile(compiler_options=ctx.compiler_options)
+        return compiled, mesh, {k: batch_sharding for k in batch}
+
+    def _compile_update(self, key) -> CompiledStep:
+        ctx = self.ctx
+        placement = ctx.placement
+        n = len(placement.devices)
+        leaves = jax.tree.leaves(ctx.abstract_state.params)
+        treedef = jax.tree.structure(ctx.abstract_state.params)
+        canonical = placement.state_sharding.params
+
+        def sum_partials(params, batch):
+            summed = [batch[f"g/{i}"].sum(0) for i in range(len(leaves))]
+            grads = push(jax.tree.unflatten(treedef, summed), canonical, params)
+            return {k: batch[f"s/{k}"].sum(0) for k in SUM_KEYS}, grads, {}
+
+        rows = NamedSharding(placement.state_mesh, P(FSDP))
+        shapes = {f"g/{i}": jax.ShapeDtypeStruct((n, *a.shape), a.dtype) for i, a in enumerate(leaves)}
+        shapes.update({f"s/{k}": jax.ShapeDtypeStruct((n,), np.float32) for k in SUM_KEYS})
+        return ctx.compile(sum_partials, shapes, {k: rows for k in shapes})
+
+    # ---- records and the cost check
+    def record(self, iteration, prepared: Prepared, metrics: dict) -> dict:
+        return {"layer_forwards": [np.asarray(f).sum(0).tolist() for f in metrics.get("group_layer_forwards", [])]}
+
+    def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
+        return {"groups_s": run_s, **check.observe_plans([g.plan for g in iteration.plans[0].groups], run_s)}
+
+    def describe(self) -> str:
+        return f"heterogeneous device groups: policy {self.policy} on {len(self.ctx.placement.devices)} devices"
+
+    def close(self) -> None:
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+
+
+__all__ = ["GROUP_AXES", "GroupsStep", "GroupsStrategy"]

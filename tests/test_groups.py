@@ -1,0 +1,114 @@
+"""Heterogeneous device groups in one iteration: two groups of different (pp, sp) on 8 fake devices
+train their own documents and update the one canonical state once, equal to the single-device
+reference and to the homogeneous data-parallel step on the same documents."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference_batch, tiny_config, tiny_params
+
+from jvarlen.api import Session
+from jvarlen.layout import Layout
+from jvarlen.plan.api import make_cost
+from jvarlen.plan.cost import ModelShape
+from jvarlen.plan.strategy import GroupPlan, Scheme, SchemeCosts, StrategyPlan, build_group_plan
+from jvarlen.runtime.state import TrainState
+from jvarlen.runtime.step import make_train_step, single_program_grads
+
+LENGTHS = (40, 7, 25, 33, 12, 18, 9, 30, 21)
+# group A: pipeline of 2 stages x sp 2 (devices 0-3), documents 0-3 in 2 micro-batches (1F1B);
+# group B: one stage x sp 4 (devices 4-7), documents 4-8 in 3 micro-batches (gradient
+# accumulation), the second micro-batch recomputing one layer (as data, unfused)
+GROUPS = (
+    (Scheme(2, 2), (0, 1, 2, 3), (0, 1, 2, 3), [[0, 1], [2, 3]], "fit"),
+    (Scheme(1, 4), (4, 5, 6, 7), (4, 5, 6, 7, 8), [[0, 1], [2], [3, 4]], [0, 1, 0]),
+)
+
+
+def strategy_plan(cfg) -> StrategyPlan:
+    shape = ModelShape.from_config(cfg)
+    costs = SchemeCosts(make_cost(shape, "a800", Layout(8, 1, 1)), 8)
+    groups = []
+    for scheme, devices, docs, micro, ckpt in GROUPS:
+        plan = build_group_plan("test", scheme, [LENGTHS[d] for d in docs], micro, costs, ckpt=ckpt)
+        groups.append(GroupPlan(scheme, devices, docs, plan))
+    plan = StrategyPlan("test", 8, LENGTHS, tuple(groups))
+    plan.validate(LENGTHS)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def setup():
+    require_devices(8)
+    cfg = tiny_config(num_layers=4)
+    graphdef, params = tiny_params(cfg)
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(1, cfg.vocab_size, size=n).astype(np.int32) for n in LENGTHS]
+    return cfg, graphdef, params, docs
+
+
+def _state(params, optimizer):
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
+
+
+def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous_step(setup):
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg)
+    assert plan.groups[1].plan.ckpt_layers[:, 0].tolist() == [0, 1, 0]
+
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    prepared = step.prepare(plan, docs)
+    state, metrics = step(session.state, prepared)
+    for key in ("loss_sum", "target_tokens", "real_tokens"):
+        np.testing.assert_allclose(float(metrics[key]), float(ref_metrics[key]), rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+    assert_tree_close(state.params, expected.params)
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(session.state_sharding)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)  # the canonical sharding, unchanged
+    # recomputation is real data: group B's second micro-batch ran one extra layer forward (its 3
+    # micro-batches are padded to 4 chunks; the empty one runs its layers and recomputes them all)
+    forwards = [np.asarray(f).sum(0).tolist() for f in metrics["group_layer_forwards"]]
+    assert forwards[1] == [4 * 4 + 1 + 4]
+
+    # the homogeneous data-parallel step on the same documents (one per row, 8 rows)
+    homogeneous = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    layout_step = homogeneous.layout_step(Layout(dp=8), rows=len(docs) + 7 - (len(docs) - 1) % 8, seq_len=40)
+    batch = reference_batch(docs)
+    padded = {k: np.concatenate([v, np.zeros((16 - len(docs), v.shape[1]), v.dtype)]) for k, v in batch.items()}
+    hom_state, _ = layout_step(homogeneous.state, layout_step.from_arrays(padded))
+    assert_tree_close(state.params, hom_state.params)
+
+
+def test_known_groups_compile_nothing_and_groups_are_dispatched_without_a_host_sync(setup, monkeypatch):
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    state, _ = step(session.state, step.prepare(plan, docs))
+    compiled = len(session.cache)
+    # the same groups in another iteration (a new composite key from known group programs)
+    prepared = step.prepare(plan, docs)
+    program = step.compiled(prepared)
+    assert len(session.cache) == compiled  # nothing new compiled
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("the groups' dispatch waited on the host")
+
+    monkeypatch.setattr(jax, "block_until_ready", no_sync)
+    monkeypatch.setattr(jax, "device_get", no_sync)
+    monkeypatch.setattr(jax.Array, "__array__", no_sync, raising=False)
+    monkeypatch.setattr(jax.Array, "block_until_ready", no_sync, raising=False)
+    state, metrics = program(state, prepared.arrays)
+    monkeypatch.undo()
+    assert np.isfinite(float(metrics["loss_sum"]))
