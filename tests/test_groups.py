@@ -21,20 +21,27 @@ from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step, single_program_grads
 
 LENGTHS = (40, 7, 25, 33, 12, 18, 9, 30, 21)
-# group A: pipeline of 2 stages x sp 2 (devices 0-3), documents 0-3 in 2 micro-batches (1F1B);
-# group B: one stage x sp 4 (devices 4-7), documents 4-8 in 3 micro-batches (gradient
-# accumulation), the second micro-batch recomputing one layer (as data, unfused)
+# Hydraulis-like: group A a pipeline of 2 stages x sp 2 (devices 0-3), documents 0-3 in 2
+# micro-batches (1F1B); group B one stage x sp 4 (devices 4-7), documents 4-8 in 3 micro-batches
+# (gradient accumulation), the second recomputing one layer (as data, unfused)
 GROUPS = (
     (Scheme(2, 2), (0, 1, 2, 3), (0, 1, 2, 3), [[0, 1], [2, 3]], "fit"),
     (Scheme(1, 4), (4, 5, 6, 7), (4, 5, 6, 7, 8), [[0, 1], [2], [3, 4]], [0, 1, 0]),
 )
+# DCP-like: an sp = 4 group with one micro-batch, two sp = 2 groups with 2 and 3 accumulated
+# micro-batches and different recomputation
+MIXED = (
+    (Scheme(1, 4), (0, 1, 2, 3), (0, 3), [[0, 1]], [0]),
+    (Scheme(1, 2), (4, 5), (2, 7, 8), [[0], [1, 2]], [2, 0]),
+    (Scheme(1, 2), (6, 7), (1, 4, 5, 6), [[0, 1], [2], [3]], [0, 1, 3]),
+)
 
 
-def strategy_plan(cfg) -> StrategyPlan:
+def strategy_plan(cfg, layout=GROUPS) -> StrategyPlan:
     shape = ModelShape.from_config(cfg)
     costs = SchemeCosts(make_cost(shape, "a800", Layout(8, 1, 1)), 8)
     groups = []
-    for scheme, devices, docs, micro, ckpt in GROUPS:
+    for scheme, devices, docs, micro, ckpt in layout:
         plan = build_group_plan("test", scheme, [LENGTHS[d] for d in docs], micro, costs, ckpt=ckpt)
         groups.append(GroupPlan(scheme, devices, docs, plan))
     plan = StrategyPlan("test", 8, LENGTHS, tuple(groups))
@@ -112,3 +119,24 @@ def test_known_groups_compile_nothing_and_groups_are_dispatched_without_a_host_s
     state, metrics = program(state, prepared.arrays)
     monkeypatch.undo()
     assert np.isfinite(float(metrics["loss_sum"]))
+
+
+def test_a_mixed_iteration_of_accumulating_sp_groups_equals_the_reference(setup):
+    """DCP's shape of an iteration: groups of different SP degrees accumulate different numbers of
+    micro-batches with different recomputation; one update equals the single-device reference."""
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg, MIXED)
+    assert [g.plan.n_chunks for g in plan.groups] == [1, 2, 3]
+    assert [g.plan.ckpt_layers[:, 0].tolist() for g in plan.groups] == [[0], [2, 0], [0, 1, 3]]
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    state, metrics = step(session.state, step.prepare(plan, docs))
+    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+    assert_tree_close(state.params, expected.params)
+    # layer forwards per group: 4 layers per chunk (padded to an even count) plus the recomputed layers
+    forwards = [int(np.asarray(f).sum()) for f in metrics["group_layer_forwards"]]
+    assert forwards == [2 * 4 + 4, 2 * 4 + 2, 4 * 4 + 1 + 3 + 4]

@@ -31,10 +31,17 @@ from jvarlen.runtime.strategy import ExecutionStrategy, StepContext
 
 
 def make_strategy(
-    config: Config, run: Run, layout: Layout, layout_for_step: Optional[Callable] = None
+    config: Config,
+    run: Run,
+    layout: Layout,
+    layout_for_step: Optional[Callable] = None,
+    compiler_options: Optional[dict] = None,
 ) -> ExecutionStrategy:
-    """The execution strategy of ``config``: the elastic pipeline when ``pp > 1``, else data-parallel layouts."""
-    ctx = StepContext(run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state))
+    """The execution strategy of ``config``: device groups under a strategy policy, the elastic
+    pipeline when ``pp > 1``, else data-parallel layouts."""
+    ctx = StepContext(
+        run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state), compiler_options
+    )
     wait = config.plan.wait or jax.process_count() > 1
     if config.plan.uses_groups:
         from jvarlen.runtime.strategies.groups import GroupsStrategy, strategy_options
@@ -79,17 +86,19 @@ def train(
     quiet: bool = False,
     stop_after: Optional[int] = None,
     layout_for_step: Optional[Callable[[int, int, int], Layout]] = None,
+    compiler_options: Optional[dict] = None,
 ) -> TrainResult:
     """Trains up to ``config.train.steps`` (resuming first if asked) and returns the losses.
 
     ``stop_after`` ends the run early at that step, as a preemption would: the schedule still
     follows ``train.steps`` and the last step reached is checkpointed. ``layout_for_step(step,
-    rows, seq_len)`` overrides the data-parallel layout policy.
+    rows, seq_len)`` overrides the data-parallel layout policy. ``compiler_options`` go to every
+    step compile (XLA debug options, e.g. a lower optimisation level in tests).
     """
     distributed.initialize(config.parallel)  # before jax.devices() starts the backend
     layout = resolve_layout(config, len(jax.devices()))
     run = open_run(config, quiet, stop_after)
-    strategy = make_strategy(config, run, layout, layout_for_step)
+    strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
     strategy.attach(cache)
