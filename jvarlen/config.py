@@ -31,9 +31,65 @@ def _positive(owner: str, **values: int | float) -> None:
         _require(value > 0, f"{owner}.{name} must be > 0, got {value}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """A rule that rescales the rotary frequencies for a longer context (Hugging Face's
+    ``rope_scaling``): ``linear`` divides every frequency by ``factor`` (position
+    interpolation); ``llama3`` divides the low frequencies by ``factor``, keeps the high ones
+    and blends in between (``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` place the band; see docs/design/hf-interop.md)."""
+
+    rope_type: Literal["linear", "llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _positive(
+            "model.rope_scaling",
+            factor=self.factor,
+            low_freq_factor=self.low_freq_factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+        )
+        _require(
+            self.rope_type != "llama3" or self.high_freq_factor > self.low_freq_factor,
+            f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must be > low_freq_factor "
+            f"({self.low_freq_factor}) for the llama3 rule",
+        )
+
+
+# ModelConfig fields that a Hugging Face checkpoint (model.init_from) decides.
+CHECKPOINT_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "norm_eps",
+    "tie_embeddings",
+    "qkv_bias",
+    "rope_theta",
+    "rope_scaling",
+)
+# Of those, the ones a run may change on purpose (context extension): set to a value other than
+# the default, they override the checkpoint's.
+ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    """LLaMA-style decoder shape and numerics."""
+    """LLaMA-style decoder shape and numerics.
+
+    ``init_from``: a Hugging Face model directory (config.json + safetensors, see
+    :mod:`jvarlen.hf`) whose weights the run starts from. Its architecture fields
+    (:data:`CHECKPOINT_FIELDS`) are read from its config.json here; a field set to a value other
+    than both its default and the checkpoint's is an error, except ``rope_theta`` and
+    ``rope_scaling``, which then override the checkpoint's (continued pretraining with a longer
+    context). ``from_checkpoint`` lists, after that, what the checkpoint decided.
+    """
 
     vocab_size: int = 320  # byte tokenizer (256 + specials), rounded up to a multiple of 64
     d_model: int = 128
@@ -43,8 +99,11 @@ class ModelConfig:
     head_dim: Optional[int] = None  # default d_model // num_heads
     mlp_dim: int = 384
     rope_theta: float = 10_000.0
+    rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    init_from: Optional[str] = None  # a Hugging Face model directory to start from
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # "auto": bfloat16 on GPU/TPU, float32 on CPU (no bf16 matmul units; emulated bf16 is slower).
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -55,6 +114,10 @@ class ModelConfig:
     remat: bool = False
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from JSON (a checkpoint's saved model config)
+            self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        if self.init_from is not None:
+            self._take_from_checkpoint()
         _positive(
             "model",
             vocab_size=self.vocab_size,
@@ -78,6 +141,46 @@ class ModelConfig:
             self.head_dim = self.d_model // self.num_heads
         _positive("model", head_dim=self.head_dim)
         _require(self.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def from_checkpoint(self) -> dict:
+        """Fields ``init_from``'s config.json decided (name -> value); {} without ``init_from``."""
+        return dict(getattr(self, "_from_checkpoint", {}))
+
+    def _take_from_checkpoint(self) -> None:
+        from jvarlen.hf.hf_config import read_model_fields  # reads config.json only (no JAX)
+
+        fields = read_model_fields(self.init_from)
+        if fields["rope_scaling"] is not None:
+            fields["rope_scaling"] = RopeScalingConfig(**fields["rope_scaling"])
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+        conflicts, taken, overrides = [], {}, {}
+        for name in CHECKPOINT_FIELDS:
+            mine, theirs, default = getattr(self, name), fields[name], defaults[name]
+            if mine == theirs or mine == default:
+                setattr(self, name, theirs)
+                taken[name] = theirs
+            elif name in ROPE_OVERRIDES:
+                overrides[name] = theirs  # a deliberate override (context extension): kept
+            else:
+                conflicts.append(f"model.{name}={mine!r} (the checkpoint has {theirs!r})")
+        _require(
+            not conflicts,
+            f"model.init_from={self.init_from!r} fixes the model's architecture, but the config sets "
+            + ", ".join(conflicts)
+            + "; drop these settings (only model.rope_theta and model.rope_scaling may override the checkpoint)",
+        )
+        self._from_checkpoint, self._overridden = taken, overrides
+
+    def describe_checkpoint_fields(self) -> str:
+        """One line saying which fields ``init_from`` decided and which the config overrode."""
+        if self.init_from is None:
+            return ""
+        taken = ", ".join(f"{k}={v}" for k, v in self.from_checkpoint.items())
+        line = f"model from {self.init_from}: {taken}"
+        for name, theirs in getattr(self, "_overridden", {}).items():
+            line += f"; {name}={getattr(self, name)} overrides the checkpoint's {theirs}"
+        return line
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jvarlen.config import ModelConfig
 from jvarlen.model.attention import AttentionFn, AttentionInputs
+from jvarlen.model.rope import inverse_frequencies, rotary
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float) -> nnx.Param:
@@ -31,20 +32,8 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
 
 
-def rotary(x_bthd: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding by the per-document position of each token (rotate-half form)."""
-    head_dim = x_bthd.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    sin = jnp.sin(angles)[:, :, None, :]
-    cos = jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x_bthd.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_bthd.dtype)
-
-
 class Attention(nnx.Module):
-    """Grouped-query self-attention over packed documents."""
+    """Grouped-query self-attention over packed documents (optional q/k/v biases, as Qwen2 has)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype):
         d, h, k, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -52,13 +41,25 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype, d**-0.5)
         self.wv = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype, d**-0.5)
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dtype, (h * hd) ** -0.5)
+        if cfg.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, hd), dtype), axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((k, hd), dtype), axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((k, hd), dtype), axes=("kv_heads", "head_dim"))
+        self.qkv_bias = cfg.qkv_bias
+        self.head_dim = hd
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, compute_dtype):
         q = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(compute_dtype))
         k = jnp.einsum("btd,dhk->bthk", x_btd, self.wk[...].astype(compute_dtype))
         v = jnp.einsum("btd,dhk->bthk", x_btd, self.wv[...].astype(compute_dtype))
-        return rotary(q, positions_bt, self.rope_theta), rotary(k, positions_bt, self.rope_theta), v
+        if self.qkv_bias:
+            q = q + self.q_bias[...].astype(compute_dtype)
+            k = k + self.k_bias[...].astype(compute_dtype)
+            v = v + self.v_bias[...].astype(compute_dtype)
+        inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        return rotary(q, positions_bt, inv_freq), rotary(k, positions_bt, inv_freq), v
 
     def __call__(self, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype):
         q, k, v = self.qkv(x_btd, inputs.positions, compute_dtype)

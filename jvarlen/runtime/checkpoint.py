@@ -150,11 +150,14 @@ class Checkpointer:
 
 
 def _check_same_model(saved: dict, current: dict, directory: str) -> None:
-    shape_keys = [k for k in current if k not in ("attention", "remat", "compute_dtype")]
+    # init_from only says where the first weights came from; a key that older checkpoints lack
+    # (qkv_bias, rope_scaling) had its default value then
+    shape_keys = [k for k in current if k not in ("attention", "remat", "compute_dtype", "init_from")]
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     diffs = [
-        f"model.{key}: checkpoint has {saved.get(key)!r}, config has {current[key]!r}"
+        f"model.{key}: checkpoint has {saved.get(key, defaults[key])!r}, config has {current[key]!r}"
         for key in shape_keys
-        if saved.get(key) != current[key]
+        if saved.get(key, defaults[key]) != current[key]
     ]
     if diffs:
         raise CheckpointMismatchError(

@@ -26,7 +26,7 @@ from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
 from jvarlen.runtime.compile_cache import enable_persistent_cache
 from jvarlen.runtime.metrics import MetricsLogger
-from jvarlen.runtime.state import create_train_state, learning_rate_schedule
+from jvarlen.runtime.state import abstract_train_state, create_train_state, learning_rate_schedule, train_state_around
 
 
 class NonFiniteError(RuntimeError):
@@ -162,15 +162,21 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
 
-    graphdef, optimizer, host_state = create_train_state(config)
-    placement = Placement.for_state(host_state, optimizer)
-    state = place_global(host_state, placement.state_sharding)
-    del host_state
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
+    resuming = config.checkpoint.resume and checkpointer.latest_step() is not None
+    if config.model.init_from is None:
+        graphdef, optimizer, host_state = create_train_state(config)
+        placement = Placement.for_state(host_state, optimizer)
+        state = place_global(host_state, placement.state_sharding)
+        del host_state
+        target = abstract_like(state)
+    else:
+        say(f"[jvarlen] {config.model.describe_checkpoint_fields()}")
+        graphdef, optimizer, target, placement, state = _state_from_hf(config, resuming, say)
 
     start = 0
-    if config.checkpoint.resume and checkpointer.latest_step() is not None:
-        start, state, data_state = checkpointer.restore(abstract_like(state), config.model)
+    if resuming:  # a run's own checkpoint takes precedence over model.init_from
+        start, state, data_state = checkpointer.restore(target, config.model)
         pipeline.restore(data_state)
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
@@ -204,6 +210,28 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         lr_at,
         signals=StopSignals().install(),
     )
+
+
+def _state_from_hf(config: Config, resuming: bool, say):
+    """The canonical state whose parameters are model.init_from's weights, streamed into their
+    shardings (not loaded at all when a checkpoint of the run is about to replace them)."""
+    from jvarlen.hf.load import timed_load_params
+
+    graphdef, optimizer, abstract = abstract_train_state(config)
+    placement = Placement.for_state(abstract, optimizer)
+    target = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        abstract,
+        placement.state_sharding,
+    )
+    if resuming:
+        return graphdef, optimizer, target, placement, None
+    params, report = timed_load_params(
+        config.model.init_from, config.model, abstract.params, placement.state_sharding.params
+    )
+    say(f"[jvarlen] initial weights: {report}")
+    state = train_state_around(config, optimizer, params, placement.state_sharding)
+    return graphdef, optimizer, target, placement, state
 
 
 def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float, state) -> TrainResult:

@@ -10,7 +10,7 @@ import optax
 from flax import nnx, struct
 
 from jvarlen.config import Config, OptimizerConfig
-from jvarlen.model import Transformer, build_model
+from jvarlen.model import Transformer, abstract_model, build_model
 
 
 @struct.dataclass
@@ -35,10 +35,11 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only, not on norm scales (named ``*norm*``)."""
+    """Weight decay on matrices only, not on norm scales (named ``*norm*``) or biases (``*bias*``)."""
 
     def decays(path, _):
-        return not any("norm" in str(getattr(key, "key", "")) for key in path)
+        names = [str(getattr(key, "key", "")) for key in path]
+        return not any("norm" in name or "bias" in name for name in names)
 
     return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -75,3 +76,31 @@ def create_train_state(config: Config, model: Transformer | None = None):
         rng=jax.random.key_data(jax.random.key(config.train.seed)),
     )
     return graphdef, optimizer, state
+
+
+def abstract_train_state(config: Config):
+    """(graphdef, optimizer, state of ShapeDtypeStructs): the state's shapes without allocating it."""
+    graphdef, params = split_model(abstract_model(config.model))
+    optimizer = make_optimizer(config.optimizer, config.train.steps)
+
+    def make(params):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key_data(jax.random.key(config.train.seed)),
+        )
+
+    return graphdef, optimizer, jax.eval_shape(make, params)
+
+
+def train_state_around(config: Config, optimizer, params, state_sharding) -> TrainState:
+    """The initial state for given (placed) ``params``: fresh optimizer moments, step 0, the run's
+    rng, each created directly in ``state_sharding`` (a TrainState of shardings)."""
+
+    def rest(params):
+        return optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(config.train.seed))
+
+    out = (state_sharding.opt_state, state_sharding.step, state_sharding.rng)
+    opt_state, step, rng = jax.jit(rest, out_shardings=out)(params)
+    return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
