@@ -1,0 +1,160 @@
+"""jvarlen against transformers' own numbers: tiny Llama (llama3 RoPE, untied) and Qwen2 (q/k/v
+biases, linear RoPE, tied) saved by transformers (scripts/make_hf_fixtures.py), imported by
+jvarlen.hf, and their documents run packed in one row must give transformers' logits and loss
+computed one document at a time. Plus the config mapping, its refusals and the block reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hf_helpers import MODELS, fixture, forward, imported_params, model_config, packed_row, reference
+
+from jvarlen.config import ConfigError, ModelConfig, RopeScalingConfig
+from jvarlen.hf import HFCheckpointError
+from jvarlen.hf.hf_config import model_fields
+from jvarlen.hf.weights import TensorMap, tensor_maps
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_loss_match_transformers(name):
+    ref = reference(name)
+    cfg = model_config(fixture(name))
+    graphdef, params = imported_params(fixture(name), cfg)
+    logits, sums = forward(graphdef, params, packed_row(ref))
+    # f32 on both sides: relative 1e-4, with 1e-5 absolute for the logits that cross zero
+    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+    assert sums["target_tokens"] == ref["target_count"].sum()
+    assert sums["loss_sum"] / sums["target_tokens"] == pytest.approx(float(ref["loss"]), rel=1e-5)
+    # per document: transformers' own mean loss (labels=input_ids), each document alone
+    log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    nll = log_z - np.take_along_axis(logits, packed_row(ref)["targets"][0][:, None], -1)[:, 0]
+    for i, (a, b) in enumerate(zip(ref["offsets"][:-1], ref["offsets"][1:])):
+        assert nll[a : b - 1].mean() == pytest.approx(ref["hf_loss"][i], rel=1e-5)
+
+
+def test_model_fields_come_from_config_json():
+    llama, qwen = model_config(fixture("tiny-llama")), model_config(fixture("tiny-qwen2"))
+    assert (llama.vocab_size, llama.d_model, llama.num_layers, llama.num_heads, llama.num_kv_heads) == (
+        384,
+        64,
+        2,
+        4,
+        2,
+    )
+    assert (llama.head_dim, llama.mlp_dim, llama.norm_eps, llama.tie_embeddings, llama.qkv_bias) == (
+        16,
+        128,
+        1e-5,
+        False,
+        False,
+    )
+    assert llama.rope_scaling == RopeScalingConfig("llama3", 8.0, 1.0, 4.0, 64)
+    assert (qwen.tie_embeddings, qwen.qkv_bias, qwen.rope_theta, qwen.mlp_dim) == (True, True, 1e6, 160)
+    assert qwen.rope_scaling.rope_type == "linear" and qwen.rope_scaling.factor == 2.0
+    assert set(llama.from_checkpoint) >= {"vocab_size", "d_model", "rope_scaling", "qkv_bias"}
+    assert "rope_theta=10000.0" in llama.describe_checkpoint_fields()
+
+
+def test_rope_overrides_and_conflicts():
+    extended = model_config(fixture("tiny-llama"), rope_theta=500_000.0)
+    assert extended.rope_theta == 500_000.0 and "rope_theta" not in extended.from_checkpoint
+    assert "rope_theta=500000.0 overrides the checkpoint's 10000.0" in extended.describe_checkpoint_fields()
+    scaled = model_config(fixture("tiny-qwen2"), rope_scaling=RopeScalingConfig("llama3", 4.0, 1.0, 4.0, 512))
+    assert scaled.rope_scaling.rope_type == "llama3"
+    with pytest.raises(ConfigError, match=r"model.d_model=32 \(the checkpoint has 64\)"):
+        model_config(fixture("tiny-llama"), d_model=32)
+    with pytest.raises(HFCheckpointError, match="not a directory"):
+        ModelConfig(init_from="/no/such/model")
+
+
+def _config(**changes) -> dict:
+    with open(f"{fixture('tiny-llama')}/config.json") as f:
+        hf = json.load(f)
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "architecture 'GPT2LMHeadModel'"),
+        (dict(architectures=["MixtralForCausalLM"]), "architecture 'MixtralForCausalLM'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rule 'yarn'"),
+        (dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rule 'dynamic'"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding_window=4096"),
+        (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "use_sliding_window"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_by_name(changes, message):
+    with pytest.raises(HFCheckpointError, match=message):
+        model_fields(_config(**changes))
+
+
+def test_legacy_rope_spelling_and_mistral_without_window():
+    legacy = _config(rope_parameters=None, rope_theta=5e5, rope_scaling={"type": "linear", "factor": 4.0})
+    fields = model_fields(legacy)
+    assert fields["rope_theta"] == 5e5 and fields["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert model_fields(_config(architectures=["MistralForCausalLM"], sliding_window=None))["qkv_bias"] is False
+
+
+def test_weights_that_do_not_match_config_json_are_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "model"
+    shutil.copytree(fixture("tiny-llama"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, directory / "model.safetensors")
+    cfg = model_config(str(directory))
+    with pytest.raises(HFCheckpointError) as error:
+        imported_params(str(directory), cfg)
+    assert "missing 1 tensors (model.layers.1.mlp.up_proj.weight)" in str(error.value)
+    assert "k_proj.weight: (16, 64) (expected (32, 64))" in str(error.value)
+    assert "no parameter for (model.layers.0.self_attn.o_proj.bias)" in str(error.value)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_block_reads_equal_slices_of_the_whole_tensor(qkv_bias):
+    """TensorMap.read of any block (rank-coded values, every dimension sliced) equals the block of
+    the whole converted tensor, and to_hf inverts to_jvarlen."""
+    cfg = ModelConfig(
+        vocab_size=24,
+        d_model=12,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=6,
+        mlp_dim=20,
+        qkv_bias=qkv_bias,
+        tie_embeddings=False,
+    )
+    rng = np.random.default_rng(0)
+    for m in tensor_maps(cfg):
+        assert isinstance(m, TensorMap)
+        hf = np.arange(np.prod(m.hf_shape), dtype=np.float32).reshape(m.hf_shape)
+        whole = m.to_jvarlen(hf)
+        assert whole.shape == m.shape
+        np.testing.assert_array_equal(m.to_hf(whole), hf)
+        sizes = []
+
+        def read(name, index, hf=hf, sizes=sizes):
+            sizes.append(hf[index].size)
+            return hf[index]
+
+        for _ in range(5):
+            index = []
+            for n in m.shape:
+                a = int(rng.integers(0, n))
+                index.append(slice(a, int(rng.integers(a + 1, n + 1))))
+            np.testing.assert_array_equal(m.read(read, None, tuple(index)), whole[tuple(index)])
+        np.testing.assert_array_equal(m.read(read, None, tuple(slice(None) for _ in m.shape)), whole)
+        assert sizes[-1] == hf.size
+        # one slice of the first dimension (an FSDP shard) reads exactly that share of the tensor
+        m.read(read, None, (slice(0, 1),) + tuple(slice(None) for _ in m.shape[1:]))
+        assert sizes[-1] * m.shape[0] == hf.size
