@@ -94,9 +94,12 @@ class StrategyStep(Step):
 class Session:
     """The model, its optimizer and the train state in the canonical sharding over ``devices``."""
 
-    def __init__(self, graphdef, model: ModelConfig, optimizer, state, *, devices=None, compiler_options=None):
+    def __init__(
+        self, graphdef, model: ModelConfig, optimizer, state, *, devices=None, compiler_options=None, placed=False
+    ):
+        """``placed``: ``state`` is already in the canonical sharding over ``devices``."""
         self.placement = Placement.for_state(state, optimizer, devices)
-        self.state = place_global(state, self.placement.state_sharding)
+        self.state = state if placed else place_global(state, self.placement.state_sharding)
         self.context = StepContext(
             graphdef, model, optimizer, self.placement, abstract_like(self.state), compiler_options=compiler_options
         )
@@ -104,6 +107,12 @@ class Session:
 
     @classmethod
     def from_config(cls, config: Config, devices=None, **kwargs) -> "Session":
+        """A fresh model, or ``config.model.init_from``'s weights streamed into their shardings."""
+        if config.model.init_from is not None:
+            from jvarlen.hf.load import initial_state
+
+            graphdef, optimizer, _, state, _ = initial_state(config, devices)
+            return cls(graphdef, config.model, optimizer, state, devices=devices, placed=True, **kwargs)
         graphdef, optimizer, state = create_train_state(config)
         return cls(graphdef, config.model, optimizer, state, devices=devices, **kwargs)
 

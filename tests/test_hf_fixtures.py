@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from hf_helpers import MODELS, fixture, forward, imported_params, model_config, packed_row, reference
@@ -158,3 +159,17 @@ def test_block_reads_equal_slices_of_the_whole_tensor(qkv_bias):
         # one slice of the first dimension (an FSDP shard) reads exactly that share of the tensor
         m.read(read, None, (slice(0, 1),) + tuple(slice(None) for _ in m.shape[1:]))
         assert sizes[-1] * m.shape[0] == hf.size
+
+
+def test_research_session_starts_from_the_checkpoint():
+    from jvarlen.api import Session
+    from jvarlen.config import Config
+
+    cfg = model_config(fixture("tiny-qwen2"))
+    session = Session.from_config(Config(model=cfg))
+    _, params = imported_params(fixture("tiny-qwen2"), cfg)
+    for a, b in zip(jax.tree.leaves(session.state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding == b.sharding
+    assert int(session.state.step) == 0
+    assert all(not np.asarray(m).any() for m in jax.tree.leaves(session.state.opt_state) if np.ndim(m) > 0)

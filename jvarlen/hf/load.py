@@ -1,10 +1,10 @@
 """Import: a Hugging Face model directory's weights, streamed tensor block by tensor block from the
 memory-mapped safetensors files straight into given shardings (the run's canonical FSDP one).
 
-Each parameter becomes a global array with ``jax.make_array_from_callback``: every addressable
-device's shard is read from the mapped file (per layer, for the stacked ``[L, ...]`` parameters),
-converted to the parameter's dtype and placed. Nothing else is held: beyond the placed arrays and
-the file mappings, host memory holds one shard of one parameter at a time (docs/design/hf-interop.md,
+Each parameter becomes a global array shard by shard: every addressable device's shard is read
+from the mapped file (per layer, for the stacked ``[L, ...]`` parameters),
+converted to the parameter's dtype and placed on its device before the next is read. Beyond the
+placed arrays, host memory holds one shard of one parameter at a time (docs/design/hf-interop.md,
 "Memory"). With several processes each fills only its own devices' shards.
 """
 
@@ -88,8 +88,17 @@ def load_params(directory: str | os.PathLike, cfg, abstract_params: Any, shardin
         if tuple(leaf.shape) != expected:  # the table and the model disagree: a bug, not bad input
             raise AssertionError(f"{_parameter_key(path)}: model shape {leaf.shape}, table shape {expected}")
         fill = _shard_filler(m, files.read, tuple(leaf.shape), np.dtype(leaf.dtype))
-        out.append(jax.make_array_from_callback(tuple(leaf.shape), sharding, fill))
+        out.append(_place_shard_by_shard(tuple(leaf.shape), sharding, fill))
     return jax.tree.unflatten(treedef, out)
+
+
+def _place_shard_by_shard(shape: tuple[int, ...], sharding, fill: Callable) -> jax.Array:
+    """Like ``jax.make_array_from_callback``, but each device's shard is placed as soon as it is read
+    (that function first collects every shard of the array on the host: a whole parameter)."""
+    shards = [
+        jax.device_put(fill(index), device) for device, index in sharding.addressable_devices_indices_map(shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def load_report(directory: str | os.PathLike, seconds: float) -> str:
@@ -103,3 +112,28 @@ def timed_load_params(directory, cfg, abstract_params, shardings) -> tuple[Any, 
     params = load_params(directory, cfg, abstract_params, shardings)
     jax.block_until_ready(params)
     return params, load_report(directory, time.perf_counter() - start)
+
+
+def initial_state(config, devices=None, *, load: bool = True, say=lambda _: None):
+    """The run's initial train state with ``config.model.init_from``'s weights, created directly in
+    the canonical sharding over ``devices`` (default all): ``(graphdef, optimizer, placement, state,
+    target)``, where ``target`` is the state's ShapeDtypeStructs with shardings (a checkpoint restore
+    target) and ``state`` is None when ``load`` is False."""
+    from jvarlen.parallel.sharding import Placement
+    from jvarlen.runtime.state import abstract_train_state, train_state_around
+
+    graphdef, optimizer, abstract = abstract_train_state(config)
+    placement = Placement.for_state(abstract, optimizer, devices)
+    target = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        abstract,
+        placement.state_sharding,
+    )
+    if not load:
+        return graphdef, optimizer, placement, None, target
+    params, report = timed_load_params(
+        config.model.init_from, config.model, abstract.params, placement.state_sharding.params
+    )
+    say(f"[jvarlen] initial weights: {report}")
+    state = train_state_around(config, optimizer, params, placement.state_sharding)
+    return graphdef, optimizer, placement, state, target

@@ -26,7 +26,7 @@ from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
 from jvarlen.runtime.compile_cache import enable_persistent_cache
 from jvarlen.runtime.metrics import MetricsLogger
-from jvarlen.runtime.state import abstract_train_state, create_train_state, learning_rate_schedule, train_state_around
+from jvarlen.runtime.state import create_train_state, learning_rate_schedule
 
 
 class NonFiniteError(RuntimeError):
@@ -213,24 +213,11 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
 
 
 def _state_from_hf(config: Config, resuming: bool, say):
-    """The canonical state whose parameters are model.init_from's weights, streamed into their
-    shardings (not loaded at all when a checkpoint of the run is about to replace them)."""
-    from jvarlen.hf.load import timed_load_params
+    """The canonical state whose parameters are model.init_from's weights (not loaded at all when a
+    checkpoint of the run is about to replace them), and the restore target with its shardings."""
+    from jvarlen.hf.load import initial_state
 
-    graphdef, optimizer, abstract = abstract_train_state(config)
-    placement = Placement.for_state(abstract, optimizer)
-    target = jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        abstract,
-        placement.state_sharding,
-    )
-    if resuming:
-        return graphdef, optimizer, target, placement, None
-    params, report = timed_load_params(
-        config.model.init_from, config.model, abstract.params, placement.state_sharding.params
-    )
-    say(f"[jvarlen] initial weights: {report}")
-    state = train_state_around(config, optimizer, params, placement.state_sharding)
+    graphdef, optimizer, placement, state, target = initial_state(config, load=not resuming, say=say)
     return graphdef, optimizer, target, placement, state
 
 
