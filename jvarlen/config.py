@@ -148,9 +148,12 @@ class ModelConfig:
         return dict(getattr(self, "_from_checkpoint", {}))
 
     def _take_from_checkpoint(self) -> None:
-        from jvarlen.hf.hf_config import read_model_fields  # reads config.json only (no JAX)
+        from jvarlen.hf.hf_config import HFCheckpointError, read_model_fields  # config.json only (no JAX)
 
-        fields = read_model_fields(self.init_from)
+        try:
+            fields = read_model_fields(self.init_from)
+        except HFCheckpointError as error:
+            raise ConfigError(f"model.init_from: {error}") from None
         if fields["rope_scaling"] is not None:
             fields["rope_scaling"] = RopeScalingConfig(**fields["rope_scaling"])
         defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

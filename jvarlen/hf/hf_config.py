@@ -36,7 +36,7 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise HFCheckpointError(
-            f"model.init_from {directory!r} is not a directory; give a Hugging Face model directory "
+            f"{directory!r} is not a directory; give a Hugging Face model directory "
             "(config.json, *.safetensors, tokenizer.json)"
         )
     if not os.path.isfile(path):
