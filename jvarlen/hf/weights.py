@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-# (HF name, shape) -> the array of that tensor's block at the given HF slices
+# (HF tensor name, slices over its dimensions) -> that block of the tensor
 Reader = Callable[[str, tuple[slice, ...]], np.ndarray]
 
 
