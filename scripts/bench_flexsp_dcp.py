@@ -135,7 +135,7 @@ def settings(quick: bool) -> list[Setting]:
 
 def propagation(iteration: float, gc: GroupCosts) -> float:
     """Slowest group's micro-batches only: the iteration less the (scheme-independent) step overhead
-    and transition."""
+    (optimizer update, parameter pull and gradient push)."""
     return iteration - gc.base(gc.schemes[0])
 
 

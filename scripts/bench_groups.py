@@ -55,15 +55,17 @@ def build(devices):
     docs = [rng.integers(1, 320, size=n).astype(np.int32) for n in lengths]
     na = len(LENGTHS_A)
 
-    def group(device, ids):
-        plan = build_group_plan("bench", Scheme(1, 1), [lengths[i] for i in ids], [[j] for j in range(len(ids))], costs)
-        return GroupPlan(Scheme(1, 1), (device,), tuple(ids), plan)
+    def group(device, group_lengths, first):  # one micro-batch per document; documents first, first+1, ...
+        ids = tuple(range(first, first + len(group_lengths)))
+        micro = [[j] for j in range(len(ids))]
+        return GroupPlan(
+            Scheme(1, 1), (device,), ids, build_group_plan("bench", Scheme(1, 1), group_lengths, micro, costs)
+        )
 
-    a, b = group(0, range(na)), group(1, range(na, len(lengths)))
     plans = {
-        "A only": (StrategyPlan("bench", 2, tuple(LENGTHS_A), (a,)), docs[:na]),
-        "B only": (StrategyPlan("bench", 2, tuple(LENGTHS_B), (group(1, range(len(LENGTHS_B))),)), docs[na:]),
-        "A and B": (StrategyPlan("bench", 2, lengths, (a, b)), docs),
+        "A only": (StrategyPlan("bench", 2, LENGTHS_A, (group(0, LENGTHS_A, 0),)), docs[:na]),
+        "B only": (StrategyPlan("bench", 2, LENGTHS_B, (group(1, LENGTHS_B, 0),)), docs[na:]),
+        "A and B": (StrategyPlan("bench", 2, lengths, (group(0, LENGTHS_A, 0), group(1, LENGTHS_B, na))), docs),
     }
     step = session.strategy_step(residual_policy="all")
     prepared = {name: step.prepare(p, d) for name, (p, d) in plans.items()}
@@ -75,6 +77,12 @@ def measure(devices, repeats: int) -> dict:
 
     session, step, prepared, _ = build(devices)
     state = session.state
+    for p in prepared.values():  # compile first: a process still compiling would time out the
+        step.compiled(p)  # other's first collective (Gloo's connect timeout)
+    if jax.process_count() > 1:
+        from jax._src import distributed
+
+        distributed.global_state.client.wait_at_barrier("bench_groups_compiled", 1_800_000)
     for name in prepared:  # compile and warm up every plan
         state, m = step(state, prepared[name])
         jax.block_until_ready(m)

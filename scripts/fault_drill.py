@@ -3,6 +3,8 @@ an uninterrupted run of the same config, bit for bit.
 
     python scripts/fault_drill.py                                   # default config, 10 kills
     python scripts/fault_drill.py --config configs/epp-cpu.yaml --steps 24 --kills 10
+    python scripts/fault_drill.py --config configs/hydraulis-cpu.yaml --steps 12 \
+        --parallel.compilation_cache_dir=/tmp/drill-xla     # other flags go to the trainer
 
 Kill points are drawn (seeded) from three kinds: during a step (a random number of steps after the
 last (re)start), while a checkpoint is being written (an Orbax temporary directory exists), and
@@ -36,7 +38,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def command(config: str | None, run_dir: str, steps: int, every: int, resume: bool) -> list[str]:
+def command(config: str | None, run_dir: str, steps: int, every: int, resume: bool, extra=()) -> list[str]:
     cmd = [sys.executable, "-m", "jvarlen.train"]
     if config:
         cmd += ["--config", config]
@@ -51,7 +53,7 @@ def command(config: str | None, run_dir: str, steps: int, every: int, resume: bo
     ]
     if resume:
         cmd.append("--checkpoint.resume=true")
-    return cmd
+    return cmd + list(extra)
 
 
 def steps_logged(run_dir: str) -> list[int]:
@@ -115,7 +117,7 @@ def drill(args) -> dict:
     log = open(os.path.join(work, "drill.log"), "w")
     print(f"[drill] work directory {work}; reference run ...", flush=True)
     t0 = time.time()
-    ref = run_once(command(args.config, ref_dir, args.steps, args.every, False), env, log)
+    ref = run_once(command(args.config, ref_dir, args.steps, args.every, False, args.extra), env, log)
     if ref.wait() != 0:
         raise SystemExit(f"reference run failed (exit {ref.returncode}); see {log.name}")
     ref_s = time.time() - t0
@@ -125,7 +127,7 @@ def drill(args) -> dict:
     killed = {k: 0 for k in kinds}
     orphans, launches = 0, 0
     while True:
-        proc = run_once(command(args.config, run_dir, args.steps, args.every, launches > 0), env, log)
+        proc = run_once(command(args.config, run_dir, args.steps, args.every, launches > 0, args.extra), env, log)
         launches += 1
         if launches > 4 * args.kills + 10:
             raise SystemExit("the drill did not finish; see " + log.name)
@@ -222,7 +224,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work_dir", default=None)
     parser.add_argument("--json", default=None, help="write the result here")
-    args = parser.parse_args()
+    args, args.extra = parser.parse_known_args()  # the rest goes to both trainers, e.g. --parallel.*
     if args.steps is None:
         sys.path.insert(0, ROOT)
         from jvarlen.config import parse_config

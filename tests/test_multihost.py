@@ -150,9 +150,12 @@ def worker(process_id: int, port: int, out: str, mode: str = "layout") -> None:
     )
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
-    run = run_group_steps if mode == "groups" else run_steps
-    mesh, losses, params = run(interleave(*by_process))
-    assert all({d.process_index for d in group} == {0, 1} for group in mesh.devices.reshape(-1, 4))
+    run = run_group_steps if mode.startswith("groups") else run_steps
+    if mode == "groups-per-process":  # group A on process 0's devices, group B on process 1's
+        mesh, losses, params = run(by_process[0] + by_process[1])
+    else:  # every group (or the layout's sp groups) spans both processes
+        mesh, losses, params = run(interleave(*by_process))
+        assert all({d.process_index for d in group} == {0, 1} for group in mesh.devices.reshape(-1, 4))
     if process_id == 0:
         np.savez(out, *params, losses=np.asarray(losses))
     jax.distributed.shutdown()
@@ -220,16 +223,19 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
 
 
 @pytest.mark.slow  # two fresh JAX processes compile three group programs each: ~2-3 min on 2 shared cores
-def test_heterogeneous_groups_spanning_two_processes_match_one_process(tmp_path):
-    """Groups of different schemes whose devices span both processes: the pull, the groups'
-    programs and the update are multi-controller programs; losses and parameters equal one process."""
+@pytest.mark.parametrize("mode", ["groups", "groups-per-process"])
+def test_heterogeneous_groups_on_two_processes_match_one_process(tmp_path, mode):
+    """Groups of different schemes whose devices span both processes ("groups"), or each on one
+    process's devices ("groups-per-process": a process dispatches only its own groups): the pull,
+    the groups' programs and the update are multi-controller programs; losses and parameters
+    equal one process."""
     import jax
 
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     out = str(tmp_path / "groups.npz")
     port = _free_port()
-    _run_two_processes(lambda pid: [sys.executable, __file__, str(pid), str(port), out, "groups"])
+    _run_two_processes(lambda pid: [sys.executable, __file__, str(pid), str(port), out, mode])
     local = sorted(jax.devices(), key=lambda d: d.id)
     _, losses, params = run_group_steps(interleave(local[:4], local[4:]))
     got = np.load(out)

@@ -54,20 +54,21 @@ def for_group(array: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, NamedSharding(mesh, P()), shards)
 
 
-def gather_partials(arrays: Sequence[jax.Array], state_mesh: Mesh, order: Sequence[jax.Device]) -> jax.Array:
-    """Per-device partials ``[n_g, ...]`` of the groups (each sharded one row per device) as one
-    ``[N, ...]`` array sharded over the ``fsdp`` axis of ``state_mesh`` (row i on ``order[i]``, the
-    state mesh's device order); devices that are in no group contribute zeros."""
+def gather_partials(
+    arrays: Sequence[jax.Array], state_mesh: Mesh, order: Sequence[jax.Device], shape: tuple, dtype
+) -> jax.Array:
+    """This process's groups' per-device partials ``[n_g, ...]`` (each sharded one row per device)
+    as one ``[N, ...]`` = ``shape`` array sharded over the ``fsdp`` axis of ``state_mesh`` (row i on
+    ``order[i]``, the state mesh's device order); this process's devices that are in none of its
+    groups contribute zeros (a process may run no group at all)."""
     rows = {}
     for a in arrays:
         for s in a.addressable_shards:
             rows[s.device] = s.data
-    like = arrays[0]
-    shape = (len(order), *like.shape[1:])
     local = [d for d in order if d.process_index == jax.process_index()]
     missing = [d for d in local if d not in rows]
     if missing:  # idle devices (a strategy that leaves some out): zero rows on them
-        zero = np.zeros((1, *like.shape[1:]), like.dtype)
+        zero = np.zeros((1, *shape[1:]), dtype)
         for d in missing:
             rows[d] = jax.device_put(zero, d)
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(state_mesh, P(FSDP)), [rows[d] for d in local])

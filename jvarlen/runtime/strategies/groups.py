@@ -84,19 +84,28 @@ class GroupsStep:
     def __call__(self, state, arrays: dict):
         pulled = self.pull(state.params)
         outs = []
+        here = jax.process_index()
         for g, (program, mesh, batch_shardings) in enumerate(self.groups):
+            if all(d.process_index != here for d in mesh.devices.flat):
+                continue  # another process's group: that process dispatches it
             params = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), pulled)
             prefix = f"{g}/"
             batch = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
             weight = place_global(batch.pop("weight"), NamedSharding(mesh, P()))
             outs.append(program(params, place_global(batch, batch_shardings), weight))
         placement = self.ctx.placement
+        n = len(placement.devices)
         partials = {}
-        for i in range(len(outs[0][0])):
-            partials[f"g/{i}"] = gather_partials([o[0][i] for o in outs], placement.state_mesh, placement.devices)
+        for i, leaf in enumerate(jax.tree.leaves(self.ctx.abstract_state.params)):
+            partials[f"g/{i}"] = gather_partials(
+                [o[0][i] for o in outs], placement.state_mesh, placement.devices, (n, *leaf.shape), leaf.dtype
+            )
         for key in SUM_KEYS:
-            partials[f"s/{key}"] = gather_partials([o[1][key] for o in outs], placement.state_mesh, placement.devices)
+            partials[f"s/{key}"] = gather_partials(
+                [o[1][key] for o in outs], placement.state_mesh, placement.devices, (n,), np.float32
+            )
         state, metrics = self.update(state, partials)
+        # layer forwards of this process's groups (all of them in a single-process run)
         return state, {**metrics, "group_layer_forwards": [o[2] for o in outs]}
 
     def memory_analysis(self):
