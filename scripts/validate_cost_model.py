@@ -8,9 +8,10 @@ drawn from {0, L/2, L} layers. None of these chunk shapes is a profiling shape.
 
 Each plan is run by :func:`jvarlen.profile.harness.run_plan` (real decoder, every chunk
 forward + backward with its recomputation, gradients accumulated, AdamW update; pp = 1,
-Ulysses degree ``--sp``) and timed (min of ``--repeats``; on CPU process CPU time of
-single-threaded XLA, divided by sp for sp > 1 because the fake devices are threads of this
-process (:func:`jvarlen.profile.harness.per_device_divisor`); wall time is recorded too); the
+Ulysses degree ``--sp``) and timed (min of ``--repeats``; on CPU process CPU time of this process pinned to one core (``--core``,
+:mod:`jvarlen.profile.clock`, the profiler's clock), divided by sp for sp > 1 because the fake
+devices are threads of this process (:func:`jvarlen.profile.harness.per_device_divisor`); wall
+time is recorded too); the
 prediction is the simulator's iteration time (InfiniPipe Eq. 4-11 via the cost model) with the
 profile's coefficients for that sp. Chunk shapes that the profile's report timed are counted and
 reported (``profiled_shapes_in_plans``; 0 means every plan is held out).
@@ -83,7 +84,7 @@ def make_plan(rng, pool, capacity: int, max_doc: int, budget: int, num_layers: i
 def measure_plans(args, model_cfg, shape) -> list[dict]:
     """Generates ``args.plans`` plans (deterministic in ``args.seed``) and times each one."""
     from jvarlen.plan.workloads import stdlib_lengths
-    from jvarlen.profile.harness import ChunkHarness, per_device_divisor, run_plan
+    from jvarlen.profile.harness import ChunkHarness, clock_name, per_device_divisor, run_plan
     from jvarlen.profile.measure import ProfileGrid
 
     grid = ProfileGrid()
@@ -115,6 +116,7 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
                 "clock_divisor": per_device_divisor(args.sp),
                 "measured_cpu_s": times["cpu"],
                 "measured_wall_s": times["wall"],
+                "clock": clock_name(),
             }
         )
         print(
@@ -171,7 +173,9 @@ def main(argv=None):
     ap.add_argument("--measure_only", action="store_true", help="time the plans and stop (no profile needed)")
     ap.add_argument("--out", default="runs/validate_cost_model.json")
     ap.add_argument("--gantt", help="write the Gantt chart of the first plan here (PNG)")
-    ap.add_argument("--multi_thread", action="store_true", help="do not force single-threaded XLA CPU")
+    ap.add_argument("--single_thread_flag", action="store_true", help="also pass XLA's single-thread flag")
+    ap.add_argument("--no_pin", action="store_true", help="do not pin the process to one core (old clock)")
+    ap.add_argument("--core", type=int, help="core to pin to (default: $JVARLEN_CPU_CORE or the first allowed)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree of the measured plans (fake CPU devices)")
     ap.add_argument("--also_measurements", nargs="*", default=[], help="measured-plan JSONs of earlier runs to include")
     ap.add_argument(
@@ -183,10 +187,14 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = (
             f"--xla_force_host_platform_device_count={args.sp} " + os.environ.get("XLA_FLAGS", "")
         ).strip()
-    if not args.multi_thread:  # same setting as the profiler, before JAX starts
+    if args.single_thread_flag:
         from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS
 
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
+    from jvarlen.profile.clock import cpu_backend_expected, pin_one_core
+
+    if not args.no_pin and cpu_backend_expected():  # the profiler's clock, before JAX starts
+        pin_one_core(args.core)
 
     import jax
 
@@ -259,7 +267,8 @@ def main(argv=None):
         "profile": args.profile,
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
-        "clock": "process CPU time, single-threaded XLA, / sp (fake devices are threads)" if cpu else "wall",
+        "clock": (sorted({r.get("clock", "process CPU time (old, unpinned)") for r in rows}) if cpu else "wall"),
+        "median_cpu_over_wall": float(np.median([r["measured_cpu_s"] / r["measured_wall_s"] for r in rows])),
         **error_summary(rows),
         "per_sp": {
             str(sp): error_summary([r for r in rows if r["sp"] == sp]) for sp in sorted({r["sp"] for r in rows})

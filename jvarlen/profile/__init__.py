@@ -8,7 +8,9 @@ kind; :mod:`.memory` checks the cost model's memory terms against XLA's ``memory
 Importing this package does not start JAX: the command line sets XLA flags first.
 """
 
-# XLA's CPU backend on one thread: profile times are then process CPU times of that thread
+# Asks XLA's CPU backend for one Eigen thread. JAX 0.10.2 still runs a program over every core the
+# process may use, so the one-core clock is the pinned process (:mod:`jvarlen.profile.clock`); the
+# flag is kept for older reports and `--cpu_single_thread true`.
 SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 

@@ -27,7 +27,11 @@ class ProfileConfig:
     force: bool = False  # re-profile even if a profile for this key exists
     compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
     refit_from: Optional[str] = None  # a saved *.report.json: fit again without measuring
-    cpu_single_thread: bool = True  # XLA CPU on one thread, timed by process CPU time (see profiler)
+    # CPU clock (jvarlen.profile.clock): the process pinned to one core (``cpu_core``, default the first
+    # allowed one) and timed by process CPU time; XLA's own single-thread flag does not give one core
+    cpu_pin: bool = True
+    cpu_core: Optional[int] = None
+    cpu_single_thread: bool = False  # also pass --xla_cpu_multi_thread_eigen=false (old profiles did)
     # Ulysses degrees to profile; degrees > 1 use the reduced grid profiler.SP_GRID and need that
     # many devices (on CPU, fake devices are added before JAX starts).
     sp: list[int] = dataclasses.field(default_factory=lambda: [1])
@@ -56,6 +60,10 @@ def main(args: Optional[list[str]] = None) -> str:
         ).strip()
     if cfg.cpu_single_thread:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()
+    from jvarlen.profile.clock import cpu_backend_expected, pin_one_core
+
+    if cfg.cpu_pin and cpu_backend_expected():
+        pin_one_core(cfg.cpu_core)
     from jvarlen.profile.fit import run_profiler
 
     return run_profiler(cfg)

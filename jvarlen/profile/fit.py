@@ -123,7 +123,7 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
 
 
 def enable_compilation_cache(path: Optional[str]) -> None:
-    from jvarlen.runtime.step_cache import enable_persistent_cache
+    from jvarlen.runtime.compile_cache import enable_persistent_cache
 
     enable_persistent_cache(path)
 

@@ -18,9 +18,10 @@ plans (gradient accumulation over the plan's chunks + optimizer update, pp = 1).
 with context ``C`` attends to ``C`` cached K/V entries of its document (random values of
 the right shape; the time does not depend on the values) and produces their gradients.
 
-On the CPU backend times are process CPU times of a single-threaded XLA
-(:data:`SINGLE_THREAD_XLA_FLAGS`, set by the entry points before JAX starts): on a machine
-shared with other jobs wall time varies several-fold, CPU time of one thread does not.
+On the CPU backend times are process CPU times of a process pinned to one core
+(:mod:`jvarlen.profile.clock`, done by the entry points before JAX starts): the time that core
+spent on the program, which is its wall time on a core nobody else uses; on a machine shared
+with other jobs wall time varies several-fold, this clock does not.
 
 Ulysses sp > 1 (``ChunkHarness(sp=…)``, ``ProfileConfig.sp``): the same programs run with the
 tokens split over ``sp`` devices and attention through the Ulysses all-to-alls, on the reduced
@@ -51,9 +52,17 @@ from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS  # noqa: F401 (re-exported)
 
 
 def default_clock() -> Callable[[], float]:
-    """Process CPU time on the CPU backend (robust when other processes share the cores; run XLA
-    single-threaded so that it equals the step's compute time), wall time elsewhere."""
+    """Process CPU time on the CPU backend (one core's time when the process is pinned to one core,
+    :func:`jvarlen.profile.clock.pin_one_core`; robust when other processes share the core), wall
+    time elsewhere."""
     return time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+
+
+def clock_name() -> str:
+    """What :func:`default_clock` measures in this process (recorded in reports)."""
+    from jvarlen.profile import clock
+
+    return clock.describe() if jax.default_backend() == "cpu" else "wall"
 
 
 def per_device_divisor(sp: int) -> int:

@@ -16,6 +16,7 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost_fit import fit_memory
 from jvarlen.profile.harness import (
     ChunkHarness,
+    clock_name,
     default_clock,
     per_device_divisor,
     time_call,
@@ -270,4 +271,5 @@ def measure_profile(
         "context_buckets": list(harness.context_buckets),
         "sp": harness.sp,
         "clock_divisor": per_device_divisor(harness.sp),
+        "clock": clock_name(),
     }

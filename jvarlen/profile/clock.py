@@ -1,0 +1,74 @@
+"""The cost model's clock on the CPU backend: the process pinned to one core.
+
+JAX 0.10.2's CPU runtime runs a program over every core the process may use, whatever
+``--xla_cpu_multi_thread_eigen`` says; process CPU time then counts the helper threads too (it
+was 1.48× wall time on a quiet 2-core machine, ~1.0× under load), so neither clock meant "one
+core". Pinned to one core before JAX starts (:func:`pin_one_core`), XLA sizes its thread pools
+from the affinity mask and every thread of the process shares that core: process CPU time is then
+the time the core spent on this process, which equals wall time on a core nobody else uses and
+stays put when other jobs share the core (they delay the wall clock, not the CPU clock).
+
+One pinned core per device is also how the multi-process pipeline benchmark emulates devices with
+their own compute (``scripts/bench_pipeline.py --parts processes``), so profile, validation and
+benchmark time the same thing. On GPU the clock is wall time. No JAX import here: the entry points
+pin before JAX starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+CORE_ENV = "JVARLEN_CPU_CORE"  # which core the profiler / validation pin to (default: the first allowed)
+CLOCK_NAME = "process CPU time, process pinned to one core"
+
+
+def cpu_backend_expected() -> bool:
+    """Whether JAX will run on the CPU backend (``JAX_PLATFORMS=cpu`` or no GPU/TPU plugin
+    installed): only then is the process pinned."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+    return not any(importlib.util.find_spec(name) for name in plugins)
+
+
+def jax_started() -> bool:
+    """Whether JAX has created its backends (after that, the thread pools' size is fixed)."""
+    xb = sys.modules.get("jax._src.xla_bridge")
+    return bool(xb is not None and xb.backends_are_initialized())
+
+
+def pin_one_core(core: Optional[int] = None) -> int:
+    """Restricts this process to one core (``core``, else ``$JVARLEN_CPU_CORE``, else the first core
+    it may use) and returns it. Must run before JAX starts; raises otherwise (the thread pools
+    would keep the size they were created with)."""
+    if jax_started():
+        raise RuntimeError("pin_one_core must run before JAX starts (XLA sizes its thread pools once)")
+    allowed = sorted(os.sched_getaffinity(0))
+    if core is None:
+        core = int(os.environ.get(CORE_ENV, allowed[0]))
+    if core not in allowed:
+        raise ValueError(f"core {core} is not one this process may use ({allowed})")
+    os.sched_setaffinity(0, {core})
+    os.environ[CORE_ENV] = str(core)  # child processes (planner workers) inherit the mask anyway
+    return core
+
+
+def pinned() -> bool:
+    """Whether this process may use exactly one core."""
+    return len(os.sched_getaffinity(0)) == 1
+
+
+def cpu_clock() -> Callable[[], float]:
+    """The CPU backend's clock: process CPU time. Meaningful as one core's time when :func:`pinned`."""
+    return time.process_time
+
+
+def describe() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    return CLOCK_NAME if len(cores) == 1 else f"process CPU time over {len(cores)} cores (NOT a one-core clock)"
