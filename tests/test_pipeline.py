@@ -47,7 +47,9 @@ def _cases(layout: Layout, num_layers: int):
                 ckpts = [rng.integers(0, ls + 1, size=(n, pp)).astype(np.int32) for _ in pipes]
             else:
                 ckpts = [np.full((n, pp), 0 if recompute == "none" else ls, np.int32) for _ in pipes]
-            cases.append((f"{kind}/{recompute}", pipes, [build(pk) for _, pk in pipes], ckpts))
+            cases.append((f"{kind}/{recompute}", pipes, [build(pk) for _, pk in pipes], ckpts, True))
+        # the single-op table (one op per stage and tick) in the same executable
+        cases.append((f"{kind}/mixed/one-op", *cases[-1][1:4], False))
     return cases
 
 
@@ -60,14 +62,17 @@ LAYOUTS = [
 ]
 
 
-def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int) -> np.ndarray:
+def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int, paired: bool = True) -> np.ndarray:
     """Layer forwards per stage the table asks for: one per chunk and layer, plus the
-    recomputed layers — except chunks whose F and B are fused (pp = 1), which recompute nothing."""
+    recomputed layers — except chunks whose F and B are fused (the last stage's adjacent F and B
+    in the paired table; with one op per tick only with one stage), which recompute nothing."""
     ckpt = np.array(ckpt)
-    if layout.pp == 1:
-        ticks = fuse_single_stage(sched.to_ticks())
-        tf, tb = op_ticks(ticks, pack.n_chunks)
-        ckpt[tf == tb] = 0
+    if paired:
+        ticks = sch.paired_ticks(sched)
+    else:
+        ticks = fuse_single_stage(sched.to_ticks()) if layout.pp == 1 else sched.to_ticks()
+    tf, tb = op_ticks(ticks, pack.n_chunks)
+    ckpt[tf == tb] = 0
     return pack.n_chunks * ls + ckpt.sum(axis=0)
 
 
@@ -80,15 +85,17 @@ def test_matches_reference_under_every_table(layout):
     cases = _cases(layout, cfg.num_layers)
     sig = cover(
         *[
-            pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)[0]
-            for _, pipes, scheds, ckpts in cases
+            pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers, paired=paired)[0]
+            for _, pipes, scheds, ckpts, paired in cases
         ]
     )
     assert sig.context > 0 and sig.n_res > 0
     grads_of = PipelineGrads(graphdef, cfg, sig, params, compiler_options=FAST_COMPILE)  # new tables: same executable
     refs = {}
-    for name, pipes, scheds, ckpts in cases:
-        _, batch = pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers, signature=sig)
+    for name, pipes, scheds, ckpts, paired in cases:
+        _, batch = pl.prepare_batch(
+            [pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers, signature=sig, paired=paired
+        )
         sums, grads, forwards = grads_of(params, batch)
         key = id(pipes)
         if key not in refs:
@@ -99,6 +106,6 @@ def test_matches_reference_under_every_table(layout):
         assert_tree_close(grads, ref_grads)
         # recomputation is real: forwards + recomputed layers, per pipeline and stage
         expected = np.stack(
-            [expected_forwards(pk, sc, ck, layout, ls) for (_, pk), sc, ck in zip(pipes, scheds, ckpts)]
+            [expected_forwards(pk, sc, ck, layout, ls, paired) for (_, pk), sc, ck in zip(pipes, scheds, ckpts)]
         )
         np.testing.assert_array_equal(np.asarray(forwards), expected, err_msg=name)

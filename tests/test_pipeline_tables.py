@@ -178,3 +178,31 @@ def test_rejects_window_overflow_naming_stage_tick_and_chunks():
         _prepare(gpipe, pack, signature=small)
     with pytest.raises(ValueError, match="n_chunks"):
         _prepare(gpipe, pack, signature=dataclasses.replace(sig, n_chunks=7))
+
+
+def test_paired_ticks_pair_a_backward_with_a_forward_and_fuse_the_last_stage():
+    ticks = sch.paired_ticks(sch.one_f_one_b(6, 2))
+    # stage 0: F0 | F1 | B0 F2 | B1 F3 | ... | B5;  stage 1: - | X0 | X1 | ... | X5 | -
+    assert ticks.shape == (8, 2, 2, 2)
+    stage0 = [tuple(map(int, ticks[t, 0, :, 0])) for t in range(8)]
+    assert stage0 == [(IDLE, FWD), (IDLE, FWD)] + [(BWD, FWD)] * 4 + [(BWD, IDLE)] * 2
+    assert [int(k) for k in ticks[1:7, 1, 0, 1]] == list(range(6)) and (ticks[1:7, 1, 0, 0] == FUSED).all()
+    sch.check_paired_table(ticks, sch.one_f_one_b(6, 2))
+    bad = ticks.copy()
+    bad[[2, 3], 0] = bad[[3, 2], 0]  # B1 before B0's cotangent arrived... and F3 before F2
+    with pytest.raises(ScheduleError, match="runs before"):
+        sch.check_paired_table(bad, sch.one_f_one_b(6, 2))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_paired_ticks_keep_the_slot_counts(pp):
+    """A backward frees its slots before its tick's forward takes one, and a forward never runs
+    before a backward that precedes it: no buffer needs more slots than with one op per tick."""
+    prev = [-1, 0, 1, 2, -1, -1, 5, -1]
+    ckpt = np.zeros((8, pp), np.int32)
+    for sched in (sch.one_f_one_b(8, pp), sch.gpipe(8, pp, prev), sch.token_level_1f1b(prev, pp)):
+        one = assign_slots(sched.to_ticks(), sched.chunk_prev, ckpt, 1)
+        two = assign_slots(sch.paired_ticks(sched), sched.chunk_prev, ckpt, 1)
+        for name in ("n_stash", "n_grad", "n_ctx", "n_res"):
+            assert getattr(two, name) <= getattr(one, name), name
+        assert sch.paired_ticks(sched).shape[0] < sched.to_ticks().shape[0]

@@ -41,3 +41,16 @@ class ChunkShape:
         """Σ of squared terms in Eq. 1: (C+s0)² − C² for the first slice, s² for the rest."""
         s0, *rest = self.slices
         return (self.context + s0) ** 2 - self.context**2 + sum(s * s for s in rest)
+
+
+def executor_buckets(longest: int, sp: int = 1) -> list[int]:
+    """Token buckets the pipeline executor may pad a plan's chunks to, smallest first: every chunk of
+    a step is padded to one bucket that holds the plan's longest chunk (``longest`` tokens), a
+    multiple of a quarter of the next power of two p (at least 16 tokens, divisible by ``sp``) up to p
+    itself, so padding stays under a quarter of p."""
+    top = max(16, sp, 1 << max(0, (max(longest, 1) - 1).bit_length()))
+    step = max(16, top // 4)
+    if step % sp:
+        return [top]
+    first = -(-max(longest, 1) // step) * step
+    return list(range(first, top + 1, step))

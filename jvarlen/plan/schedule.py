@@ -10,9 +10,11 @@ Dependencies (InfiniPipe §3.1.1, docs/architecture.md, "Token-level order"):
 * ``B(k)`` on stage ``p`` needs ``F(k)`` on ``p``, ``B(k)`` on ``p+1`` (cotangent) and ``B(j)`` on ``p``
   for the chunk ``j`` with ``chunk_prev[j] == k`` (dK/dV of the later slice).
 
-The tick form used by the pipeline executor is an int32 array ``[ticks, stages, 2]`` of
-``(op, chunk)`` with ``op`` in {IDLE=0, F=1, B=2} and ``chunk = -1`` when idle; a message sent
-at tick ``t`` is usable at tick ``t + 1``.
+The single-op tick form is an int32 array ``[ticks, stages, 2]`` of ``(op, chunk)`` with ``op``
+in {IDLE=0, F=1, B=2} and ``chunk = -1`` when idle; a message sent at tick ``t`` is usable at
+tick ``t + 1``. The pipeline executor runs the *paired* form ``[ticks, stages, 2 lanes, 2]``
+(:func:`paired_ticks`): in one tick a stage runs lane 0 (a B, or on the last stage a FUSED
+forward + backward of one chunk) and then lane 1 (an F), as in steady-state 1F1B.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 IDLE, FWD, BWD = 0, 1, 2
+FUSED = 3  # paired ticks only: F(k) and B(k) of one stage in one op (lane 0)
+LANE_B, LANE_F = 0, 1  # lanes of a paired tick, run in this order
 _CODE = {"F": FWD, "B": BWD}
 _KIND = {FWD: "F", BWD: "B"}
 
@@ -253,6 +257,126 @@ def _ticks(sched: Schedule) -> np.ndarray:
         rows.append(row)
         t += 1
     return np.stack(rows) if rows else np.zeros((0, pp, 2), np.int32)
+
+
+def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequence[bool]] = None) -> np.ndarray:
+    """The executor's paired tick table ``[ticks, pp, 2, 2]`` int32 of ``(op, chunk)`` per lane.
+
+    ASAP, one tick at a time; a stage takes in one tick at most one backward (lane 0, run first)
+    and one forward (lane 1). Backwards keep their program order and so do forwards; a backward
+    whose dependencies are met may run before forwards that precede it in the stage's program,
+    but a forward never runs before a backward that precedes it, so a stage never holds more
+    chunks in flight than its program does (the memory bound and the slot count are kept).
+    ``fuse_last``: on the last stage an F(k) directly followed by B(k) in its program runs as one
+    ``FUSED`` op in lane 0 (the stage needs nothing from another stage in between; such a chunk
+    never continues into a later slice, so it stores no K/V context and no residuals).
+    ``keep [n]`` (bool): chunks never fused (e.g. those the plan recomputes on the last stage: a
+    fused op holds every activation of its chunk, which would ignore the plan's memory choice).
+    A dependency met at tick ``t`` allows the op at ``t + 1`` (messages are filed at the end of a
+    tick), as in :meth:`Schedule.to_ticks`.
+    """
+    pp = sched.pp
+    progs = [list(p) for p in sched.stages]
+    index = [{op: i for i, op in enumerate(prog)} for prog in progs]
+    f_queue = [[op for op in prog if op.kind == "F"] for prog in progs]
+    b_queue = [[op for op in prog if op.kind == "B"] for prog in progs]
+    fi, bi = [0] * pp, [0] * pp
+    done: dict[tuple[int, Op], int] = {}
+    total = sum(len(p) for p in progs)
+    rows = []
+    t = 0
+
+    def ready(p: int, op: Op) -> bool:
+        return all(done.get(d, t) < t for d in dependencies(sched, p, op))
+
+    while len(done) < total:
+        row = np.zeros((pp, 2, 2), np.int32)
+        row[..., 1] = -1
+        ran = []
+        for p in range(pp):
+            nf = f_queue[p][fi[p]] if fi[p] < len(f_queue[p]) else None
+            nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
+            if (
+                fuse_last
+                and p == pp - 1
+                and nf is not None
+                and nb is not None
+                and nb.chunk == nf.chunk
+                and index[p][nb] == index[p][nf] + 1
+                and (keep is None or not keep[nf.chunk])
+                and ready(p, nf)
+            ):
+                row[p, LANE_B] = (FUSED, nf.chunk)
+                ran += [(p, nf), (p, nb)]
+                fi[p] += 1
+                bi[p] += 1
+                nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
+                nf = f_queue[p][fi[p]] if fi[p] < len(f_queue[p]) else None
+            elif nb is not None and ready(p, nb):
+                row[p, LANE_B] = (BWD, nb.chunk)
+                ran.append((p, nb))
+                bi[p] += 1
+                nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
+            if nf is not None and (nb is None or index[p][nb] > index[p][nf]) and ready(p, nf):
+                row[p, LANE_F] = (FWD, nf.chunk)
+                ran.append((p, nf))
+                fi[p] += 1
+        if not ran:
+            raise ScheduleError(f"deadlock at paired tick {t}")  # to_ticks() (validate) names the ops
+        for p, op in ran:
+            done[(p, op)] = t
+        rows.append(row)
+        t += 1
+    return np.stack(rows) if rows else np.zeros((0, pp, 2, 2), np.int32)
+
+
+def lanes(table: np.ndarray) -> np.ndarray:
+    """A single-op tick table ``[ticks, pp, 2]`` (codes IDLE/F/B/FUSED) in paired form
+    ``[ticks, pp, 2, 2]``: B and FUSED in lane 0, F in lane 1, one op per stage and tick."""
+    table = np.asarray(table, np.int32)
+    out = np.zeros(table.shape[:2] + (2, 2), np.int32)
+    out[..., 1] = -1
+    is_f = table[..., 0] == FWD
+    out[..., LANE_F, :] = np.where(is_f[..., None], table, out[..., LANE_F, :])
+    out[..., LANE_B, :] = np.where((table[..., 0] != IDLE)[..., None] & ~is_f[..., None], table, out[..., LANE_B, :])
+    return out
+
+
+def check_paired_table(table: np.ndarray, sched: Schedule) -> None:
+    """Raises :class:`ScheduleError` unless the paired table runs exactly ``sched``'s ops, lane 0
+    holding B/FUSED and lane 1 F, each after its dependencies (FUSED: F before B inside the op)."""
+    table = np.asarray(table)
+    if table.ndim != 4 or table.shape[2:] != (2, 2) or table.shape[1] != sched.pp:
+        raise ScheduleError(f"paired tick table must be [ticks, {sched.pp}, 2, 2], got {table.shape}")
+    when: dict[tuple[int, Op], tuple[int, int]] = {}  # (tick, phase): lane 0 before lane 1
+    for t in range(table.shape[0]):
+        for p in range(table.shape[1]):
+            for lane in (LANE_B, LANE_F):
+                code, k = int(table[t, p, lane, 0]), int(table[t, p, lane, 1])
+                if code == IDLE:
+                    continue
+                allowed = (FWD,) if lane == LANE_F else (BWD, FUSED)
+                if code not in allowed:
+                    raise ScheduleError(f"tick {t}, stage {p}: op code {code} in lane {lane}")
+                if code == FUSED and p != sched.pp - 1:
+                    raise ScheduleError(f"tick {t}, stage {p}: FUSED only runs on the last stage")
+                ops = [Op("F", k), Op("B", k)] if code == FUSED else [Op(_KIND[code], k)]
+                for op in ops:
+                    if (p, op) in when:
+                        raise ScheduleError(f"tick {t}, stage {p}: {op} runs twice")
+                    when[(p, op)] = (t, lane)
+    for p, prog in enumerate(sched.stages):
+        for op in prog:
+            if (p, op) not in when:
+                raise ScheduleError(f"stage {p}: {op} (chunk {op.chunk}) is missing from the paired table")
+    for (p, op), (t, _lane) in when.items():
+        for q, dep in dependencies(sched, p, op):
+            dt, _ = when[(q, dep)]
+            fused_pair = q == p and dep.chunk == op.chunk and int(table[t, p, LANE_B, 0]) == FUSED
+            if dt >= t and not fused_pair:
+                raise ScheduleError(
+                    f"tick {t}, stage {p}: {op} (chunk {op.chunk}) runs before {dep} on stage {q} finished"
+                )
 
 
 def _check_tick_table(table: np.ndarray, sched: Schedule) -> None:

@@ -7,12 +7,16 @@ the tick table, so their number follows the pipeline window (InfiniPipe Eq. 7)
 rather than the number of chunks. Slot index ``count`` (one past the last) is the
 *dummy* slot: writing to it means "store nothing".
 
-Phases inside a tick: ``2t`` is the op (reads/writes of the running op), ``2t+1``
-is the filing of what the two ppermutes delivered.
+Tables are paired (``[ticks, pp, 2 lanes, 2]``, :func:`jvarlen.plan.schedule.paired_ticks`;
+a single-op table ``[ticks, pp, 2]`` is read as one op per tick). Phases inside a tick: ``3t``
+is lane 0 (a backward or fused op), ``3t+1`` lane 1 (a forward), ``3t+2`` the filing of what
+the two ppermutes delivered. A backward frees its slots before the forward of the same tick
+takes one, so pairing a forward with a backward needs no extra slot.
 
-With one stage (``pp = 1``) a chunk whose backward directly follows its forward runs both
-as one *fused* op (:data:`FUSED`, plain autodiff inside the tick): it needs no stash,
-inbox or residual slot, whatever the recomputation table says (see :func:`fuse_single_stage`).
+On the last stage a chunk whose backward directly follows its forward runs both as one
+*fused* op (:data:`FUSED`, plain autodiff inside the tick): it needs no inbox or residual
+slot, whatever the recomputation table says, and with one stage no stash slot either (its
+input is the embedding); on a later stage it still needs the stash slot its input arrives in.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.schedule import BWD, FWD, IDLE
+from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 
-FUSED = 3  # executor-only op code: forward and backward of one chunk in one tick
+__all__ = ["FUSED", "SlotTables", "assign_slots", "as_paired", "fuse_single_stage", "op_ticks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,19 +77,25 @@ class SlotTables:
         )
 
 
+def as_paired(ticks: np.ndarray) -> np.ndarray:
+    """A tick table in paired form ``[ticks, pp, 2, 2]`` (a single-op table: one op per tick)."""
+    ticks = np.asarray(ticks, np.int32)
+    return lanes(ticks) if ticks.ndim == 3 else ticks
+
+
 def op_ticks(ticks: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tf, tb): ``[n, pp]`` tick of F(k) and B(k) on each stage; raises if one is missing."""
-    ticks = np.asarray(ticks)
+    """(tf, tb): ``[n, pp]`` tick of F(k) and B(k) on each stage (equal for a fused op), from a
+    single-op or paired table; raises if one is missing."""
+    ticks = as_paired(ticks)
     pp = ticks.shape[1]
     tf = np.full((n_chunks, pp), -1, np.int64)
     tb = np.full((n_chunks, pp), -1, np.int64)
-    for t in range(ticks.shape[0]):
-        for p in range(pp):
-            op, k = int(ticks[t, p, 0]), int(ticks[t, p, 1])
-            if op in (FWD, FUSED):
-                tf[k, p] = t
-            if op in (BWD, FUSED):
-                tb[k, p] = t
+    for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
+        op, k = int(ticks[t, p, lane, 0]), int(ticks[t, p, lane, 1])
+        if op in (FWD, FUSED):
+            tf[k, p] = t
+        if op in (BWD, FUSED):
+            tb[k, p] = t
     if (tf < 0).any() or (tb < 0).any():
         k, p = np.argwhere((tf < 0) | (tb < 0))[0]
         raise ValueError(f"tick table lacks F or B of chunk {k} on stage {p}")
@@ -140,12 +150,12 @@ def assign_slots(
 ) -> SlotTables:
     """Slots for one pipeline.
 
-    ticks ``[T, pp, 2]`` (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
+    ticks ``[T, pp, 2, 2]`` (paired) or ``[T, pp, 2]`` (one op per tick) of (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
     ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of stage p are recomputed for chunk k,
     the others keep their residuals. ``uses_context[k]``: chunk k reads or writes KV context
     (default: it is linked to another chunk).
     """
-    ticks = np.asarray(ticks)
+    ticks = as_paired(ticks)
     n = len(chunk_prev)
     pp = ticks.shape[1]
     ls = layers_per_stage
@@ -153,7 +163,10 @@ def assign_slots(
     if (ckpt < 0).any() or (ckpt > ls).any():
         raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
     tf, tb = op_ticks(ticks, n)
-    fused = tf == tb  # [n, pp]: F and B in one tick, nothing kept between ticks
+    fused = tf == tb  # [n, pp]: F and B in one op, nothing kept between ticks
+    # phases: lane 0 (B, FUSED) at 3t, lane 1 (F) at 3t + 1, filing of received messages at 3t + 2
+    f_phase = 3 * tf + np.where(fused, 0, 1)
+    b_phase = 3 * tb
     nxt = [-1] * n
     for k, j in enumerate(chunk_prev):
         if j >= 0:
@@ -176,11 +189,12 @@ def assign_slots(
     per_stage = []
     for p in range(pp):
         staged = [k for k in range(n) if not fused[k, p]]
-        iv_stash = [((2 * tf[k, p - 1] + 1) if p else 2 * tf[k, p], 2 * tb[k, p], k) for k in staged]
-        iv_grad = [((2 * tb[k, p + 1] + 1) if p < pp - 1 else 2 * tf[k, p], 2 * tb[k, p], k) for k in staged]
+        inputs = staged if p == 0 else list(range(n))  # a fused op on a later stage reads its input
+        iv_stash = [((3 * tf[k, p - 1] + 2) if p else f_phase[k, p], b_phase[k, p], k) for k in inputs]
+        iv_grad = [((3 * tb[k, p + 1] + 2) if p < pp - 1 else f_phase[k, p], b_phase[k, p], k) for k in staged]
         roots = sorted({root[k] for k in range(n) if uses_context[k]})
-        iv_ctx = [(2 * tf[r, p], 2 * tb[r, p], r) for r in roots]
-        iv_res = [(2 * tf[k, p], 2 * tb[k, p], (k, l)) for k in staged for l in range(int(ckpt[k, p]), ls)]
+        iv_ctx = [(f_phase[r, p], b_phase[r, p], r) for r in roots]
+        iv_res = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in staged for l in range(int(ckpt[k, p]), ls)]
         col = {}
         for name, iv in (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res)):
             col[name], c = colour(iv)
@@ -197,13 +211,12 @@ def assign_slots(
                 res[k, p, l] = col["res"].get((k, l), counts["res"])
     recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
     recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
-    for t in range(ticks.shape[0]):
-        for p in range(pp):
-            op, k = int(ticks[t, p, 0]), int(ticks[t, p, 1])
-            if op == FWD and p + 1 < pp:
-                recv_act[t, p + 1] = stash[k, p + 1]
-            if op == BWD and p > 0:
-                recv_grad[t, p - 1] = grad[k, p - 1]
+    for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
+        op, k = int(ticks[t, p, lane, 0]), int(ticks[t, p, lane, 1])
+        if op == FWD and p + 1 < pp:
+            recv_act[t, p + 1] = stash[k, p + 1]
+        if op in (BWD, FUSED) and p > 0:
+            recv_grad[t, p - 1] = grad[k, p - 1]
     return SlotTables(
         stash_slot=stash,
         grad_slot=grad,
@@ -225,5 +238,5 @@ def _peak(intervals) -> tuple[int, list]:
     for start, _, _ in intervals:
         live = [key for s, e, key in intervals if s <= start <= e]
         if len(live) > best:
-            best, when, who = len(live), start // 2, sorted(live)
+            best, when, who = len(live), start // 3, sorted(live)
     return when, who

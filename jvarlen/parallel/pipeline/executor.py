@@ -9,16 +9,17 @@ the host by :mod:`jvarlen.parallel.pipeline.prepare`. Mesh axes ``(dp, pp, sp)``
 :mod:`jvarlen.parallel.layouts`; every pipeline (``dp`` index) has its own chunks and tables;
 Ulysses runs inside each stage over ``sp``.
 
-Inside ``shard_map`` one device runs a ``lax.scan`` over ticks (:class:`StageProgram`): each
-tick gathers what its op reads from the stage's buffers, runs ``lax.switch(op, [idle, forward,
-backward, fused])`` on those values, scatters what the op wrote, adds its gradients and passes
-activations / cotangents to the neighbouring stages with two ``ppermute``.
+Inside ``shard_map`` one device runs a ``lax.scan`` over paired ticks (:class:`StageProgram`):
+in each tick lane 0 (``lax.switch`` over [idle, backward, fused]) and then lane 1 (``lax.cond``
+over [idle, forward]) gather what their op reads from the stage's buffers, run it on those
+values, scatter what it wrote and add its gradients; then two ``ppermute`` pass activations /
+cotangents to the neighbouring stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,9 @@ from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
 from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
 from jvarlen.parallel import ulysses
 from jvarlen.parallel.layouts import DP, PP, SP
-from jvarlen.parallel.pipeline.buffers import FUSED
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
 from jvarlen.parallel.pipeline.stage import StageFns, maybe, residual_shapes
+from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
 
@@ -208,41 +209,49 @@ class StageProgram:
         return dict(self.out, send_grad=dx, d_layers=dlayers, dck=dck, dcv=dcv, d_rest=d_rest, count=n)
 
     def fused(self, r, k):
-        """pp = 1: F and B of chunk k in one tick (plain autodiff, nothing stored across ticks)."""
+        """F and B of chunk k in one op (the last stage; plain autodiff, nothing stored across
+        ticks). With one stage its input is the embedding, else the received activation, whose
+        gradient is sent back like a backward's."""
         s, c = self.s, self.chunk(k)
 
-        def stage_loss(layers_, rest_, ck, cv):
-            x = self.embed(rest_, c["local_tokens"])
+        def stage_loss(layers_, rest_, x_in, ck, cv):
+            x = self.embed(rest_, c["local_tokens"]) if s.pp == 1 else x_in
             y, *_ = s.fns.forward(layers_, x, ck, cv, c["inputs"], c["local_positions"], None)
             return self.head_loss(rest_, y, c["local_targets"], c["local_loss_mask"])
 
-        loss, vjp_fn = jax.vjp(stage_loss, self.layers, self.rest, r["ck"], r["cv"])
-        d_layers, d_rest, dck, dcv = vjp_fn(self.scale.astype(loss.dtype))
-        return dict(self.out, d_layers=d_layers, d_rest=d_rest, dck=dck, dcv=dcv, loss=loss, count=jnp.int32(s.ls))
+        loss, vjp_fn = jax.vjp(stage_loss, self.layers, self.rest, r["x"], r["ck"], r["cv"])
+        d_layers, d_rest, dx, dck, dcv = vjp_fn(self.scale.astype(loss.dtype))
+        return dict(
+            self.out,
+            send_grad=dx,
+            d_layers=d_layers,
+            d_rest=d_rest,
+            dck=dck,
+            dcv=dcv,
+            loss=loss,
+            count=jnp.int32(s.ls),
+        )
 
     def idle(self, r, k):
         return self.out
 
-    @property
-    def branches(self) -> list[Callable]:
-        return [self.idle, self.fwd, self.bwd] + ([self.fused] if self.s.pp == 1 else [])
-
-    # ---- one tick
-    def reads(self, carry, c, is_b) -> dict:
-        """What the tick's op may read: its chunk's slots of every buffer (stored residuals only on B)."""
+    # ---- one tick: lane 0 (B or FUSED), then lane 1 (F), then the two ppermutes
+    def reads(self, carry, c, kinds: tuple) -> dict:
+        """What an op of the lane may read from its chunk's slots: ``kinds`` of ``x`` (stash),
+        ``dy`` (cotangent inbox), ``ctx`` (context K/V), ``dctx`` (context dK/dV), ``res`` (stored
+        residuals, read only where ``c["is_b"]``)."""
         s, sl = self.s, c["slots"]
-        reads = dict(
-            x=_get(carry["stash"], sl["stash"]),
-            dy=_get(carry["grad_in"], sl["grad"]),
-            ck=self.roll_ctx(_get(carry["ck"], sl["ctx"]), c),
-            cv=self.roll_ctx(_get(carry["cv"], sl["ctx"]), c),
-            dck=_get(carry["dck"], sl["ctx"]),
-            dcv=_get(carry["dcv"], sl["ctx"]),
-            res=[],
-        )
-        if s.stores:
+        reads = dict(x=_get(carry["stash"], sl["stash"]), res=[])
+        if "dy" in kinds:
+            reads["dy"] = _get(carry["grad_in"], sl["grad"])
+        reads["ck"] = self.roll_ctx(_get(carry["ck"], sl["ctx"]), c)
+        reads["cv"] = self.roll_ctx(_get(carry["cv"], sl["ctx"]), c)
+        if "dctx" in kinds:
+            reads["dck"] = _get(carry["dck"], sl["ctx"])
+            reads["dcv"] = _get(carry["dcv"], sl["ctx"])
+        if "res" in kinds and s.stores:
             reads["res"] = jax.lax.cond(
-                is_b,
+                c["is_b"],
                 # recomputed layers (slot n_res) read a clipped slot they never use
                 lambda bufs: [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in bufs],
                 lambda bufs: [jnp.zeros((s.ls,) + buf.shape[1:], buf.dtype) for buf in bufs],
@@ -250,31 +259,42 @@ class StageProgram:
             )
         return reads
 
-    def write_context(self, carry, o, c, k, is_f, takes_dctx, reads) -> None:
-        """Own K/V into the context slot (forward); context dK/dV accumulated (backward)."""
-        s, sl, cdt = self.s, c["slots"], self.s.compute_dtype
-        ctx_f = jnp.where(is_f, sl["ctx"], s.dummy("ctx"))
-        carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
-        carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), (ctx_f, 0, c["C"], 0, 0))
-        # a document's first slice clears its dK/dV accumulator; a backward adds to it
-        start = is_f & (self.b["has_next"][k] > 0) & (c["C"] == 0)
-        ctx_b = jnp.where(takes_dctx | start, sl["ctx"], s.dummy("ctx"))
-        keep = takes_dctx.astype(cdt)
-        carry["dck"] = _put(carry["dck"], ctx_b, keep * reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
-        carry["dcv"] = _put(carry["dcv"], ctx_b, keep * reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
-
-    def tick(self, carry, t):
-        s, b = self.s, self.b
-        branches = self.branches
-        row = b["ops"][t, self.stage]
-        op, k = jnp.clip(row[0], 0, len(branches) - 1), jnp.maximum(row[1], 0)
-        is_f, is_b = op == 1, op == 2
-        takes_dctx = is_b | (op == FUSED)  # ops that add to the context dK/dV accumulator
+    def lane_op(self, t, lane):
+        """(op code, chunk, chunk view) of this stage's op in ``lane`` of tick ``t``."""
+        row = self.b["ops"][t, self.stage, lane]
+        op, k = row[0], jnp.maximum(row[1], 0)
         c = self.chunk(k)
+        return op, k, c
+
+    def backward_lane(self, carry, t):
+        """Lane 0: a backward or fused op (or nothing). Adds its gradients and its context dK/dV;
+        returns the cotangent it sends to the previous stage."""
+        s = self.s
+        op, k, c = self.lane_op(t, LANE_B)
+        c["is_b"] = op == BWD
+        takes_dctx = (op == BWD) | (op == FUSED)
+        reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
+        branches = [self.idle, self.bwd, self.fused]
+        o = jax.lax.switch(jnp.clip(op - 1, 0, 2), branches, reads, k)
+        if s.Sc:
+            ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
+            carry["dck"] = _put(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
+            carry["dcv"] = _put(carry["dcv"], ctx_b, reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
+        carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
+        carry["loss"] = carry["loss"] + o["loss"]
+        carry["count"] = carry["count"] + o["count"]
+        return o["send_grad"]
+
+    def forward_lane(self, carry, t):
+        """Lane 1: a forward (or nothing). Files its input (first stage) and its loss cotangent
+        (last stage), stores its residuals and K/V; returns the activation it sends on."""
+        s, cdt = self.s, self.s.compute_dtype
+        op, k, c = self.lane_op(t, LANE_F)
+        is_f = op == FWD
         sl = c["slots"]
-        reads = self.reads(carry, c, is_b)
-        o = jax.lax.switch(op, branches, reads, k)
-        carry = dict(carry)
+        reads = self.reads(carry, c, ())
+        o = jax.lax.cond(is_f, self.fwd, self.idle, reads, k)
         carry["stash"] = _put(carry["stash"], jnp.where(is_f & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"])
         carry["grad_in"] = _put(
             carry["grad_in"], jnp.where(is_f & self.is_last, sl["grad"], s.dummy("grad")), o["dy_last"]
@@ -289,18 +309,31 @@ class StageProgram:
                 carry["res"],
                 o["res"],
             )
-        else:
-            carry["res"] = []
         if s.Sc:
-            self.write_context(carry, o, c, k, is_f, takes_dctx, reads)
-        carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
-        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
+            # own K/V into the context slot; a document's first slice clears its dK/dV accumulator
+            ctx_f = jnp.where(is_f, sl["ctx"], s.dummy("ctx"))
+            at = (ctx_f, 0, c["C"], 0, 0)
+            carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), at)
+            carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), at)
+            start = is_f & (self.b["has_next"][k] > 0) & (c["C"] == 0)
+            ctx_z = jnp.where(start, sl["ctx"], s.dummy("ctx"))
+            zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
+            carry["dck"] = _put(carry["dck"], ctx_z, zero)
+            carry["dcv"] = _put(carry["dcv"], ctx_z, zero)
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
+        return o["send_act"]
+
+    def tick(self, carry, t):
+        s, b = self.s, self.b
+        carry = dict(carry)
+        send_grad = self.backward_lane(carry, t)
+        send_act = self.forward_lane(carry, t)
         if s.pp > 1:
             cdt = s.compute_dtype
-            recv_act = jax.lax.ppermute(o["send_act"].astype(cdt), PP, [(i, i + 1) for i in range(s.pp - 1)])
-            recv_grad = jax.lax.ppermute(o["send_grad"].astype(cdt), PP, [(i + 1, i) for i in range(s.pp - 1)])
+            recv_act = jax.lax.ppermute(send_act.astype(cdt), PP, [(i, i + 1) for i in range(s.pp - 1)])
+            recv_grad = jax.lax.ppermute(send_grad.astype(cdt), PP, [(i + 1, i) for i in range(s.pp - 1)])
             carry["stash"] = _put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
             carry["grad_in"] = _put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
         return carry, None

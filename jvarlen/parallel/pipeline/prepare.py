@@ -24,6 +24,7 @@ from jvarlen.parallel.pipeline.signature import (
     round_signature,
 )
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.chunk import executor_buckets
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.schedule import Schedule, ScheduleError
 
@@ -36,7 +37,8 @@ def prepare_batch(
     num_layers: int,
     *,
     signature: Optional[PipelineSignature] = None,
-    fuse: bool = True,
+    fuse: bool | str = True,
+    paired: bool = True,
 ) -> tuple[PipelineSignature, dict]:
     """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
 
@@ -45,11 +47,15 @@ def prepare_batch(
     ``ckpt_layers[i] [n, pp]``: layers recomputed per chunk and stage (InfiniPipe Eq. 15-16).
     ``signature``: run inside that compiled step's buffers (raises naming the stage, tick and
     chunks when the tables need more slots, ticks or context); else the smallest signature.
-    ``fuse``: with one stage, run each F directly followed by its B as one fused op
-    (:func:`jvarlen.parallel.pipeline.buffers.fuse_single_stage`); ``"unrecomputed"`` fuses only
-    chunks that recompute no layer (a fused op stores every activation: the plan's recomputation
-    choice holds for the rest); False keeps them all in separate ticks.
-    Returns (signature, ``{key: [dp, ...]}``).
+    ``paired``: run the paired tick table of the schedule (:func:`jvarlen.plan.schedule.paired_ticks`:
+    a backward and a forward per stage and tick, the last stage's adjacent F and B fused), the
+    default; False runs one op per stage and tick as given (a Schedule as its ASAP table
+    ``to_ticks()``; with one stage adjacent F and B are still fused,
+    :func:`jvarlen.parallel.pipeline.buffers.fuse_single_stage`).
+    ``fuse``: True fuses every such F and B; ``"unrecomputed"`` fuses only chunks that recompute
+    no layer on the last stage (a fused op stores every activation: the plan's recomputation
+    choice holds for the rest); False keeps every F and B apart.
+    Returns (signature, ``{key: [dp, ...]}``; ``ops`` is ``[dp, ticks, pp, 2, 2]``).
     """
     if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
         raise ValueError(f"need one pack, schedule and ckpt table per pipeline (dp={layout.dp})")
@@ -62,17 +68,23 @@ def prepare_batch(
             if tuple(sched.chunk_prev) != tuple(pack.chunk_prev):
                 raise ScheduleError(f"schedule links {sched.chunk_prev} differ from the chunks' {pack.chunk_prev}")
             sched.validate()
-            ticks = sched.to_ticks()
+            base, ticks = sched, None
         else:
             ticks = np.asarray(sched, np.int32)
-            Schedule.from_ticks(ticks, pack.chunk_prev)
-        if ticks.shape[1] != layout.pp:
-            raise ScheduleError(f"tick table has {ticks.shape[1]} stages, layout has pp={layout.pp}")
+            base = Schedule.from_ticks(ticks, pack.chunk_prev)
+        if base.pp != layout.pp:
+            raise ScheduleError(f"tick table has {base.pp} stages, layout has pp={layout.pp}")
         ckpt = np.asarray(ckpt, np.int32)
-        if layout.pp == 1 and fuse:
-            ticks = fuse_single_stage(ticks, keep=(ckpt[:, 0] > 0) if fuse == "unrecomputed" else None)
         if ckpt.shape != (pack.n_chunks, layout.pp):
             raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
+        keep = (ckpt[:, -1] > 0) if fuse == "unrecomputed" else None
+        if paired:
+            ticks = sch.paired_ticks(base, fuse_last=bool(fuse), keep=keep)
+        else:
+            ticks = base.to_ticks() if ticks is None else ticks
+            if layout.pp == 1 and fuse:
+                ticks = fuse_single_stage(ticks, keep=keep)
+            ticks = sch.lanes(ticks)
         slots = assign_slots(ticks, pack.chunk_prev, ckpt, ls, uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
         tables.append((ticks, slots))
     bucket = packs[0].bucket
@@ -93,7 +105,7 @@ def prepare_batch(
     for ticks, slots in tables:
         slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res)
         pad = sig.n_ticks - ticks.shape[0]
-        idle = np.zeros((pad, layout.pp, 2), np.int32)
+        idle = np.zeros((pad, layout.pp, 2, 2), np.int32)
         idle[..., 1] = -1
         per["ops"].append(np.concatenate([ticks, idle]))
         per["recv_act"].append(np.concatenate([slots.recv_act, np.full((pad, layout.pp), sig.n_stash, np.int32)]))
@@ -153,12 +165,7 @@ def chunk_buckets(plans: Sequence[Plan], sp: int, fixed: Optional[int] = None) -
     under a quarter of p instead of up to half of it. ``fixed``: that bucket only."""
     if fixed is not None:
         return [fixed]
-    longest = max(sum(p[2] for p in c) for plan in plans for c in plan.chunks)
-    top = max(16, sp, 1 << int(np.ceil(np.log2(max(longest, 1)))))
-    step = max(16, top // 4)
-    if step % sp:
-        return [top]
-    return list(range(_round_up(max(longest, 1), step), top + 1, step))
+    return executor_buckets(max(sum(p[2] for p in c) for plan in plans for c in plan.chunks), sp)
 
 
 def prepare_plans(

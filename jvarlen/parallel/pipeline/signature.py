@@ -45,7 +45,7 @@ class PipelineSignature:
         shapes.update(
             ctx_len=(dp, n),
             has_next=(dp, n),
-            ops=(dp, self.n_ticks, pp, 2),
+            ops=(dp, self.n_ticks, pp, 2, 2),  # paired ticks: (op, chunk) of lane 0 (B/FUSED), lane 1 (F)
             stash_slot=(dp, n, pp),
             grad_slot=(dp, n, pp),
             ctx_slot=(dp, n, pp),

@@ -1,0 +1,115 @@
+"""Properties of the executor's paired tick table (:func:`jvarlen.plan.schedule.paired_ticks`) on
+random valid schedules: every op runs exactly once, after its dependencies, in the right lane;
+no stage holds more chunks in flight than its own program (the single-op table's memory bound);
+no buffer needs more slots than the program's window allows; never more ticks than one op per tick."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jvarlen.parallel.pipeline.buffers import assign_slots
+from jvarlen.plan import schedule as sch
+from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, ScheduleError
+
+
+@st.composite
+def chunk_links(draw, max_chunks=9):
+    """chunk_prev of random documents split into consecutive slices (chunk_prev[k] < k)."""
+    n = draw(st.integers(1, max_chunks))
+    prev, k = [], 0
+    while k < n:
+        slices = draw(st.integers(1, n - k))
+        prev += [-1] + [k + i for i in range(slices - 1)]
+        k += slices
+    return prev
+
+
+@st.composite
+def schedules(draw):
+    """A valid schedule: GPipe, token-level 1F1B or either with random adjacent swaps of one
+    stage's program that keep it valid (arbitrary warm-ups, backwards overtaking forwards...)."""
+    prev = draw(chunk_links())
+    pp = draw(st.integers(1, 4))
+    base = sch.gpipe(len(prev), pp, prev) if draw(st.booleans()) else sch.token_level_1f1b(prev, pp)
+    stages = [list(p) for p in base.stages]
+    for _ in range(draw(st.integers(0, 30))):
+        p = draw(st.integers(0, pp - 1))
+        i = draw(st.integers(0, len(stages[p]) - 2))
+        stages[p][i], stages[p][i + 1] = stages[p][i + 1], stages[p][i]
+        cand = Schedule(tuple(map(tuple, stages)), tuple(prev))
+        try:
+            cand.validate()
+        except ScheduleError:
+            stages[p][i], stages[p][i + 1] = stages[p][i + 1], stages[p][i]  # undo
+    sched = Schedule(tuple(map(tuple, stages)), tuple(prev))
+    sched.validate()
+    return sched
+
+
+def program_window(sched: Schedule, p: int) -> int:
+    """Most chunks stage p holds between their F and B when it runs its program in order."""
+    live = best = 0
+    for op in sched.stages[p]:
+        live += 1 if op.kind == "F" else -1
+        best = max(best, live)
+    return best
+
+
+def in_flight_peaks(table: np.ndarray, pp: int) -> list[int]:
+    """Per stage, the most chunks with F done and B not done at any lane of any tick."""
+    peaks = []
+    for p in range(pp):
+        live = best = 0
+        for t in range(table.shape[0]):
+            for lane in (LANE_B, LANE_F):  # lane 0 runs first
+                code = int(table[t, p, lane, 0])
+                if code == FWD:
+                    live += 1
+                elif code == BWD:
+                    live -= 1
+                best = max(best, live + (code == FUSED))  # a fused op holds its chunk while it runs
+        assert live == 0
+        peaks.append(best)
+    return peaks
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(), st.booleans())
+def test_paired_ticks_run_every_op_once_after_its_dependencies_within_the_window(sched, fuse):
+    table = sch.paired_ticks(sched, fuse_last=fuse)
+    sch.check_paired_table(table, sched)  # every op once, lanes right, dependencies respected
+    assert not (table[..., 0] == IDLE).all(axis=(1, 2)).any()  # no empty tick
+    if not fuse:
+        assert not (table[..., 0] == FUSED).any()
+    assert (table[:, : sched.pp - 1, :, 0] != FUSED).all()  # fused ops only on the last stage
+    # memory: no stage holds more chunks in flight than its program does
+    for p, peak in enumerate(in_flight_peaks(table, sched.pp)):
+        assert peak <= program_window(sched, p), (p, peak)
+    # never slower in ticks than one op per stage and tick
+    assert table.shape[0] <= sched.to_ticks().shape[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1))
+def test_paired_slots_stay_within_the_program_window(sched, seed):
+    """Slots follow the window: residual slots per stage never exceed what the program holds in
+    flight times the stored layers, stash and cotangent inboxes never exceed the number of chunks
+    in flight on the stage or its neighbour."""
+    n, pp, ls = sched.n_chunks, sched.pp, 2
+    ckpt = np.random.default_rng(seed).integers(0, ls + 1, size=(n, pp)).astype(np.int32)
+    slots = assign_slots(sch.paired_ticks(sched), sched.chunk_prev, ckpt, ls)
+    window = max(program_window(sched, p) for p in range(pp))
+    assert slots.n_res <= window * ls
+    assert slots.n_stash <= window and slots.n_grad <= window
+
+
+@settings(max_examples=100, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1))
+def test_kept_chunks_are_never_fused(sched, seed):
+    keep = np.random.default_rng(seed).random(sched.n_chunks) < 0.5
+    table = sch.paired_ticks(sched, keep=keep)
+    sch.check_paired_table(table, sched)
+    fused = table[:, -1, LANE_B, 1][table[:, -1, LANE_B, 0] == FUSED]
+    assert not keep[fused].any()
