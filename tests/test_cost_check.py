@@ -41,7 +41,7 @@ def test_refit_turns_a_mis_scaled_profile_into_accurate_predictions():
 
 
 def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
-    """The EPP path: the slowest replica's plan through the lock-step simulator is the prediction;
+    """The EPP path: the slowest replica's plan through the executor's simulator (paired ticks) is the prediction;
     a machine 1.8x slower than the profile is learnt at the first refit."""
     from jvarlen.plan.api import plan_iteration
     from jvarlen.plan.simulator import simulate
@@ -56,7 +56,7 @@ def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
     for _ in range(10):
         plans = [plan_iteration(list(rng.integers(100, 3000, size=4)), cost=cost, policy="epp-fast") for _ in range(2)]
         ticks = [
-            simulate(p.schedule, p.chunk_shapes(), np.asarray(p.ckpt_layers), cost, "ticks").iteration_time
+            simulate(p.schedule, p.chunk_shapes(), np.asarray(p.ckpt_layers), cost, "paired").iteration_time
             for p in plans
         ]
         record = check.observe_plans(plans, 1.8 * max(ticks))

@@ -82,6 +82,32 @@ def test_tick_mode_is_lock_step():
     assert r2.makespan == 14 + 0.25 * 5
 
 
+def test_paired_mode_runs_one_backward_and_one_forward_per_tick():
+    n = 6
+    unpadded = cost().padded(1)  # 1-token chunks; the executor's smallest bucket is 16 tokens
+    r = simulate(one_f_one_b(n, 2), one(n), None, unpadded, mode="paired")
+    # ticks: F0|-  F1|X0  B0 F2|X1 ... B3 F5|X4  B4|X5  B5|-  (X: the last stage's fused F+B)
+    #        1     3    3      3          3      3     2     -> the async optimum (n + pp - 1)(F + B)
+    assert r.makespan == (n + 2 - 1) * 3 == simulate(one_f_one_b(n, 2), one(n), None, cost()).makespan
+    assert r.makespan < simulate(one_f_one_b(n, 2), one(n), None, cost(), mode="ticks").makespan
+    # the fused op recomputes nothing: a recomputation table only costs on stage 0
+    ckpt = np.ones((n, 2), np.int64)
+    assert simulate(one_f_one_b(n, 2), one(n), ckpt, unpadded, mode="paired").stage_recompute.tolist() == [n, 0]
+    # memory: 1F1B's window (stage 0 holds at most 2 chunks), not GPipe's
+    assert r.peak_memory.tolist() == [100 + 2 * 10, 100 + 10]
+    # executor overheads: one per tick and one per op on the tick's busiest stage (a fused op counts
+    # as its F and its B): ticks 0 and 7 run one op, ticks 1-6 two
+    c = CostModel(MODEL, Layout(1, 2, 1), unpadded.coeffs.replace(tick_overhead=0.5, op_overhead=0.25), pad_to=1)
+    over = simulate(one_f_one_b(n, 2), one(n), None, c, mode="paired")
+    assert over.makespan == pytest.approx(r.makespan + 0.5 * 8 + 0.25 * (1 + 2 * 6 + 1))
+    # every chunk's matmuls run over the step's one bucket: 16 tokens here (the smallest)
+    assert simulate(one_f_one_b(n, 2), one(n), None, cost(), mode="paired").makespan == 16 * r.makespan
+    mixed = [ChunkShape(0, (20,)), ChunkShape(0, (100,))]  # bucket 112: a quarter step of 128
+    assert simulate(one_f_one_b(2, 2), mixed, None, cost(), mode="paired").makespan == pytest.approx(
+        simulate(one_f_one_b(2, 2), [ChunkShape(0, (112,))] * 2, None, cost(), mode="paired").makespan
+    )
+
+
 def test_recomputation_lengthens_backward():
     ckpt = np.array([[1, 0], [0, 0]])
     r = simulate(gpipe(2, 2), one(2), ckpt, cost())

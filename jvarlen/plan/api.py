@@ -37,7 +37,10 @@ from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import chunk_batch, cut, longest_slice, split_mesh
 from jvarlen.plan.units import PlannedChunk, families_of
 
-SIMULATIONS = ("async", "ticks")  # execution models of PlannerOptions.simulation
+# execution models of PlannerOptions.simulation: InfiniPipe's async events, lock-step ticks with one
+# op per stage, the executor's paired ticks (a backward and a forward per stage and tick)
+SIMULATIONS = ("async", "ticks", "paired")
+LOCKSTEP = ("ticks", "paired")
 POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple")
 
 
@@ -57,9 +60,10 @@ class PlannerOptions:
     sized for (InfiniPipe §5.1: "checkpointing configurations optimized for 96K").
     ``simulation``: the execution model candidates are simulated in and the plan's
     ``iteration_time_s`` is reported for: ``"async"`` (InfiniPipe's simulator: a stage starts an
-    op as soon as its inputs are ready) or ``"ticks"`` (jvarlen's pipeline executor: every stage
-    runs one op per tick in lock-step, a tick lasts as long as its slowest op).
-    ``gpipe_units`` (EPP policies, with ``simulation="ticks"`` only): a unit runs in GPipe order
+    op as soon as its inputs are ready), ``"ticks"`` (lock-step, every stage runs one op per tick,
+    a tick lasts as long as its slowest op) or ``"paired"`` (jvarlen's pipeline executor: lock-step
+    ticks in which a stage runs a backward and a forward, the last stage's adjacent F and B fused).
+    ``gpipe_units`` (EPP policies, with a lock-step ``simulation`` only): a unit runs in GPipe order
     where the lock-step simulation says that is faster and it fits memory
     (:func:`jvarlen.plan.grouping.lockstep_order`); the baselines keep their schedules.
     """
@@ -322,11 +326,11 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
 
 def _ordered(units, shapes, cost, options: PlannerOptions) -> dict:
     """``{id(unit): unit as the executor will run it}`` in unit order: planned for the lock-step
-    executor (``simulation="ticks"``), a unit runs in GPipe order where that is faster and fits
+    executor (``simulation`` "ticks" or "paired"), a unit runs in GPipe order where that is faster and fits
     (:func:`jvarlen.plan.grouping.lockstep_order`); InfiniPipe's async model keeps 1F1B."""
-    if options.simulation != "ticks" or not options.gpipe_units or cost.layout.pp == 1:
+    if options.simulation not in LOCKSTEP or not options.gpipe_units or cost.layout.pp == 1:
         return {id(u): u for u in units}
-    return {id(u): lockstep_order(u, shapes, cost) for u in units}
+    return {id(u): lockstep_order(u, shapes, cost, options.simulation) for u in units}
 
 
 # --------------------------------------------------------------------------- fixed-size chunking

@@ -23,7 +23,7 @@ from jvarlen.plan.units import PlannedChunk, unit_schedule
 
 def simulate(plan: Plan, cost, mode: str = "async") -> SimResult:
     """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost``; ``mode``:
-    the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: jvarlen's lock-step executor)."""
+    the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: lock-step, one op per tick; ``"paired"``: jvarlen's executor)."""
     return simulate_schedule(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
 
 

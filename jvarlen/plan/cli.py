@@ -50,7 +50,8 @@ class PlanCli:
     zero3_sp: bool = True  # shard stage parameters/gradients over the SP group (InfiniPipe's ZeRO-3)
     time_limit: float = 0.05  # seconds per checkpointing MILP
     n_slices: int = 0  # fix Alg. 1's N (0: tune)
-    # execution model: "async" (InfiniPipe's simulator) or "ticks" (jvarlen's executor); default: "async" for
+    # execution model: "async" (InfiniPipe's simulator), "ticks" (one op per stage and tick) or "paired"
+    # (jvarlen's pipeline executor: a backward and a forward per tick); default: "async" for
     # the elastic-pipeline policies, the policy's own default (lock-step "ticks") for strategy policies
     simulation: Optional[str] = None
     devices: int = 0  # strategy policies: devices of the run (0: the config's dp * pp * sp)

@@ -244,6 +244,8 @@ class CostCoefficients:
     token_buckets: tuple[int, ...] = ()
     bucket_token_scale: Mapping[int, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     attention_block: int = 0
+    tick_overhead: float = 0.0
+    op_overhead: float = 0.0
     meta: ProfileMeta = ProfileMeta()
 
     def layer_times(self, sp: int) -> tuple[LayerTime, LayerTime]:
@@ -326,6 +328,8 @@ class CostCoefficients:
             "step_overhead",
             "attention_block",
             "sync_bytes_per_param",
+            "tick_overhead",
+            "op_overhead",
         ):
             out[name] = getattr(self, name)
         return out

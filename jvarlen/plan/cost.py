@@ -66,11 +66,18 @@ class CostModel:
     """
 
     def __init__(
-        self, model: ModelShape, layout: Layout, coeffs: CostCoefficients, state_devices: Optional[int] = None
+        self,
+        model: ModelShape,
+        layout: Layout,
+        coeffs: CostCoefficients,
+        state_devices: Optional[int] = None,
+        pad_to: Optional[int] = None,
     ):
         """``state_devices``: the devices the fp32 master parameters and optimizer moments are sharded
         over (the canonical state of the whole run); default the layout's. A device group of a
-        heterogeneous strategy runs on fewer devices than hold the state."""
+        heterogeneous strategy runs on fewer devices than hold the state. ``pad_to``: every chunk's
+        matmuls run over this many tokens (the pipeline executor pads all chunks of a step to one
+        bucket, :meth:`padded`); None: each chunk's own bucket (``token_buckets``)."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -79,6 +86,7 @@ class CostModel:
         self.layout = layout
         self.coeffs = coeffs
         self.state_devices = layout.num_devices if state_devices is None else int(state_devices)
+        self.pad_to = pad_to
         if self.state_devices < layout.num_devices:
             raise ValueError(
                 f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices} devices"
@@ -92,6 +100,10 @@ class CostModel:
     def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
         return CostModel(self.model, layout, self.coeffs, state_devices)
 
+    def padded(self, bucket: Optional[int]) -> "CostModel":
+        """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded)."""
+        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, bucket)
+
     def _is_last(self, stage: Optional[int]) -> bool:
         return stage is not None and stage == self.layout.pp - 1
 
@@ -102,8 +114,11 @@ class CostModel:
         return chunk.attention_pairs if b <= 0 else tile_pairs(chunk, b)
 
     def linear_tokens(self, chunk: ChunkShape) -> int:
-        """Tokens the matmuls run over: the chunk padded to its bucket (``token_buckets``)."""
+        """Tokens the matmuls run over: the chunk padded to its bucket (``token_buckets``), or to the
+        step's one bucket (``pad_to``)."""
         t = chunk.tokens
+        if self.pad_to is not None:
+            return max(int(self.pad_to), t)
         for b in sorted(self.coeffs.token_buckets):
             if b >= t:
                 return b
@@ -189,6 +204,14 @@ class CostModel:
         intra = all(f // g == (f + 2 * sp - 1) // g for f in firsts)  # worst replica decides
         link = self.coeffs.p2p_intra if intra else self.coeffs.p2p_inter
         return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / sp)
+
+    def tick_overhead(self) -> float:
+        """The lock-step executor's own seconds per tick (0 unless fitted on executor steps)."""
+        return self.coeffs.tick_overhead
+
+    def op_overhead(self) -> float:
+        """The lock-step executor's own seconds per op beyond the chunk's compute."""
+        return self.coeffs.op_overhead
 
     def step_overhead(self) -> float:
         """Seconds per iteration outside the pipeline: ``step_overhead`` + gradient/parameter sync of

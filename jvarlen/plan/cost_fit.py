@@ -110,6 +110,8 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
         sync_link=ln(c.sync_link),
         step_overhead=c.step_overhead * s.get("overhead", 1.0),
         step_overhead_per_sp={d: v * s.get("overhead", 1.0) for d, v in c.step_overhead_per_sp.items()},
+        tick_overhead=c.tick_overhead * s.get("overhead", 1.0),
+        op_overhead=c.op_overhead * s.get("overhead", 1.0),
     )
 
 
@@ -121,6 +123,7 @@ class Observation:
     schedule: Schedule
     ckpt_layers: Optional[np.ndarray]
     predicted_s: float
+    mode: str = "paired"
 
 
 class OnlineRefit:
@@ -137,7 +140,9 @@ class OnlineRefit:
 
     ``observe`` returns the prediction made with the current coefficients *before* this
     observation is used (an honest, held-out number). Without ``schedule``, 1F1B over the chunks
-    in order is assumed. ``refit`` fits one non-negative scale factor per group in
+    in order is assumed. ``mode``: the simulator's execution model (default the pipeline executor's
+    paired ticks); ``observe(..., mode=)`` overrides it per observation (the data-parallel step,
+    which is not the tick executor, is predicted with ``"async"``, i.e. without tick overheads). ``refit`` fits one non-negative scale factor per group in
     :data:`GROUPS` over the last ``window`` observations (Gauss-Newton on the simulated
     makespan, ``iterations`` steps, ridge ``prior`` towards the current coefficients) and
     returns the rescaled coefficients, which later predictions use.
@@ -149,7 +154,7 @@ class OnlineRefit:
         coeffs: CostCoefficients,
         every: int = 50,
         window: int = 64,
-        mode: str = "ticks",
+        mode: str = "paired",
         prior: float = 1e-3,
         iterations: int = 3,
     ):
@@ -170,13 +175,14 @@ class OnlineRefit:
         schedule: Optional[Schedule] = None,
         ckpt_layers: Optional[np.ndarray] = None,
         coeffs: Optional[CostCoefficients] = None,
+        mode: Optional[str] = None,
     ) -> float:
         from jvarlen.plan.simulator import simulate
 
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
         return simulate(
-            sched, list(chunk_shapes), ckpt_layers, cost, self.mode, validate=schedule is None
+            sched, list(chunk_shapes), ckpt_layers, cost, mode or self.mode, validate=schedule is None
         ).iteration_time
 
     def observe(
@@ -187,14 +193,20 @@ class OnlineRefit:
         schedule: Optional[Schedule] = None,
         ckpt_layers: Optional[np.ndarray] = None,
         predicted_s: Optional[float] = None,
+        mode: Optional[str] = None,
     ) -> float:
         """Records a measured step; returns its prediction with the current coefficients
         (``predicted_s`` when the caller already has it, from :meth:`predict` on a valid schedule)."""
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
+        mode = mode or self.mode
         if predicted_s is None:
             sched.validate()
-        pred = self.predict(chunk_shapes, layout, sched, ckpt_layers) if predicted_s is None else float(predicted_s)
-        self.history.append(Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred))
+        pred = (
+            self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode)
+            if predicted_s is None
+            else float(predicted_s)
+        )
+        self.history.append(Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode))
         self._since_refit += 1
         return pred
 
@@ -215,12 +227,14 @@ class OnlineRefit:
             cur = scale_coefficients(base, s)
             rows, ys = [], []
             for o in obs:
-                t0 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, cur)
+                t0 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, cur, o.mode)
                 row = []
                 for g in GROUPS:  # ∂T/∂s_g by a forward difference of 1 %
                     s2 = dict(s)
                     s2[g] = s[g] * 1.01 if s[g] > 0 else 0.01
-                    t1 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, scale_coefficients(base, s2))
+                    t1 = self.predict(
+                        o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, scale_coefficients(base, s2), o.mode
+                    )
                     row.append((t1 - t0) / (s2[g] - s[g]))
                 rows.append(row)
                 ys.append(o.measured_s - t0 + sum(r * s[g] for r, g in zip(row, GROUPS)))

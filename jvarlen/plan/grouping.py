@@ -182,7 +182,7 @@ def group(
     return Grouping(tuple(units), dp[levels], solves, tuple(u.ckpt.source for u in units))
 
 
-def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
+def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost, mode: str = "ticks") -> Unit:
     """The unit in GPipe order (every stage runs all its forwards, then all its backwards, later
     slices first) when that runs faster in the lock-step executor and still fits memory with the
     unit's checkpointing; else the unit unchanged.
@@ -191,7 +191,9 @@ def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
     stage's forward shares a tick with its neighbour's backward, runs every tick at backward
     speed; GPipe order pairs forwards with forwards and backwards with backwards. It keeps every
     chunk of the unit in flight, which only fits when memory is not binding (Eq. 10 per chunk,
-    replayed in schedule order by the simulator)."""
+    replayed in schedule order by the simulator). ``mode``: the lock-step model, ``"ticks"`` (one op
+    per stage and tick) or ``"paired"`` (the executor's: a backward and a forward per tick, where
+    1F1B's steady state wastes nothing, so GPipe order rarely wins)."""
     from jvarlen.plan.schedule import gpipe
     from jvarlen.plan.simulator import simulate
 
@@ -200,8 +202,8 @@ def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost) -> Unit:
     alt = gpipe(sched.n_chunks, sched.pp, sched.chunk_prev, sched.chunk_docs)
     if alt.stages == sched.stages:  # e.g. the slices of one document: 1F1B's window is all of them
         return unit
-    now = simulate(sched, local, unit.ckpt.table, cost, "ticks", validate=False)
-    new = simulate(alt, local, unit.ckpt.table, cost, "ticks", validate=False)
+    now = simulate(sched, local, unit.ckpt.table, cost, mode, validate=False)
+    new = simulate(alt, local, unit.ckpt.table, cost, mode, validate=False)
     if new.fits and new.iteration_time < now.iteration_time:
         return dataclasses.replace(unit, schedule=alt)
     return unit

@@ -6,9 +6,18 @@ Two execution models:
   as soon as the stage is free and its dependencies (:func:`jvarlen.plan.schedule.dependencies`)
   have finished, plus the P2P time (Eq. 2) for a dependency on a neighbouring stage. P2P does
   not occupy the sending stage (it overlaps with the next op).
-* ``mode="ticks"``: the lock-step executor of jvarlen (one ``lax.scan`` over the tick table, two
-  ``ppermute`` per tick): a tick lasts as long as its slowest op, followed by the slowest P2P
-  sent in that tick.
+* ``mode="ticks"``: a lock-step executor with one op per stage and tick (the single-op table of
+  :meth:`Schedule.to_ticks`, two ``ppermute`` per tick): a tick lasts as long as its slowest op,
+  followed by the slowest P2P sent in that tick.
+* ``mode="paired"``: jvarlen's executor (:func:`jvarlen.plan.schedule.paired_ticks`): in one tick
+  a stage runs a backward (or, on the last stage, a fused forward + backward of one chunk, which
+  recomputes nothing) and then a forward; a tick lasts as long as its busiest stage, plus the
+  slowest P2P sent in it. Every chunk's matmuls run over the step's one token bucket
+  (:func:`jvarlen.plan.chunk.executor_buckets` of the longest chunk), as the executor pads them.
+
+In both lock-step modes every tick also costs ``CostModel.tick_overhead()`` (the executor's own
+per-tick work: slot gathers and scatters, the ``ppermute`` pair, the switch), and every op
+``CostModel.op_overhead()``; both are fitted on executor steps (0 for the async model).
 
 Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-all (Eq. 4);
 ``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all.
@@ -25,9 +34,9 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, executor_buckets
 from jvarlen.plan.cost import CostModel
-from jvarlen.plan.schedule import Op, Schedule, dependencies
+from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Op, Schedule, dependencies, paired_ticks
 
 EVENT_KINDS = ("F", "B", "R", "A2A", "P2P", "idle")
 
@@ -82,11 +91,13 @@ class MultiSimResult:
         return all(r.fits for r in self.results)
 
 
-def _durations(cost: CostModel, chunk: ChunkShape, stage: int, op: Op, ckpt: int) -> list[tuple[str, float]]:
+def _durations(
+    cost: CostModel, chunk: ChunkShape, stage: int, op: Op, ckpt: int, extra: float = 0.0
+) -> list[tuple[str, float]]:
     a2a = cost.alltoall_time(chunk)
     if op.kind == "F":
-        return [("F", cost.fwd_compute_time(chunk, stage)), ("A2A", a2a)]
-    return [("R", cost.recompute_time(chunk, ckpt)), ("B", cost.bwd_compute_time(chunk, stage)), ("A2A", a2a)]
+        return [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+    return [("R", cost.recompute_time(chunk, ckpt)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
 
 
 def simulate(
@@ -94,7 +105,7 @@ def simulate(
     chunk_shapes: Sequence[ChunkShape],
     ckpt_layers: Optional[np.ndarray],
     cost: CostModel,
-    mode: Literal["async", "ticks"] = "async",
+    mode: Literal["async", "ticks", "paired"] = "async",
     validate: bool = True,
 ) -> SimResult:
     """Simulates one pipeline. ``ckpt_layers``: int array ``[n_chunks, pp]`` of recomputed layers
@@ -112,13 +123,19 @@ def simulate(
         raise ValueError(f"ckpt_layers must be in [0, {cost.layers_per_stage}]")
     if validate:
         schedule.validate()
+    if mode == "paired" and cost.pad_to is None:
+        cost = cost.padded(executor_buckets(max(c.tokens for c in chunk_shapes), cost.layout.sp)[0])
 
     spans: dict[tuple[int, Op], tuple[float, float]] = {}
     events: list[Event] = []
 
-    def emit(stage: int, op: Op, start: float) -> float:
+    op_extra = cost.op_overhead() if mode != "async" else 0.0
+    tick_extra = cost.tick_overhead() if mode != "async" else 0.0
+
+    def emit(stage: int, op: Op, start: float, recompute: bool = True) -> float:
         t = start
-        for kind, d in _durations(cost, chunk_shapes[op.chunk], stage, op, int(ckpt[op.chunk, stage])):
+        layers = int(ckpt[op.chunk, stage]) if recompute else 0
+        for kind, d in _durations(cost, chunk_shapes[op.chunk], stage, op, layers, op_extra):
             if d > 0:
                 events.append(Event(stage, kind, op.chunk, t, t + d))
             t += d
@@ -157,6 +174,7 @@ def simulate(
         table = schedule.to_ticks()
         t0 = 0.0
         for row in table:
+            t0 += tick_extra  # the executor's own work of the tick (slot gathers, switches, ...)
             ends, sends = [], [0.0]
             for p in range(pp):
                 code, k = int(row[p, 0]), int(row[p, 1])
@@ -170,10 +188,34 @@ def simulate(
                     end = spans[(p, op)][1]
                     events.append(Event(p, "P2P", k, end, end + sends[-1]))
             t0 = max(ends, default=t0) + max(sends)
+    elif mode == "paired":
+        table = paired_ticks(schedule)
+        t0 = 0.0
+        for row in table:
+            t0 += tick_extra
+            ends, sends = [], [0.0]
+            for p in range(pp):
+                t = t0
+                for lane in (LANE_B, LANE_F):
+                    code, k = int(row[p, lane, 0]), int(row[p, lane, 1])
+                    if code == IDLE:
+                        continue
+                    if code == FUSED:  # F then B of one chunk, nothing recomputed
+                        t = emit(p, Op("B", k), emit(p, Op("F", k), t), recompute=False)
+                        kind = "B"
+                    else:
+                        kind = "F" if code == FWD else "B"
+                        t = emit(p, Op(kind, k), t)
+                    dst = p + 1 if kind == "F" else p - 1
+                    if 0 <= dst < pp:
+                        sends.append(p2p(p, dst, k))
+                        events.append(Event(p, "P2P", k, t, t + sends[-1]))
+                ends.append(t)
+            t0 = max(ends, default=t0) + max(sends)
     else:
-        raise ValueError(f"mode must be 'async' or 'ticks', got {mode!r}")
+        raise ValueError(f"mode must be 'async', 'ticks' or 'paired', got {mode!r}")
 
-    start = min(s for s, _ in spans.values())
+    start = 0.0 if mode != "async" else min(s for s, _ in spans.values())  # lock-step: from the first tick
     makespan = max(e for _, e in spans.values()) - start
     busy = np.zeros(pp)
     recompute = np.zeros(pp)
@@ -235,7 +277,7 @@ def simulate(
 def simulate_pipelines(
     pipelines: Sequence[tuple[Schedule, Sequence[ChunkShape], Optional[np.ndarray]]],
     cost: CostModel,
-    mode: Literal["async", "ticks"] = "async",
+    mode: Literal["async", "ticks", "paired"] = "async",
 ) -> MultiSimResult:
     """Simulates pipelines that run concurrently (dp replicas, each ``(schedule, chunks, ckpt)``);
     the iteration ends with the slowest. Sequential 1F1B units of one pipeline are one schedule

@@ -8,8 +8,8 @@ measurement is used (so the logged error is held out). Every ``every`` observed 
 Steps that compiled are not observed: compile time is not step time.
 
 The elastic pipeline path (:meth:`StepTimeCheck.observe_plans`) predicts each step from its plans
-instead: every replica's chunks, schedule and recomputation table through the lock-step
-("ticks") simulator, the executor's execution model; the slowest replica is the step. The refitted
+instead: every replica's chunks, schedule and recomputation table through the executor's
+execution model (the simulator's ``"paired"`` lock-step ticks, with the profile's tick overheads); the slowest replica is the step. The refitted
 coefficients serve these predictions only; the planner keeps the coefficients it started with,
 so plans stay a function of the data (resume and multi-process runs need the same plans).
 """
@@ -85,17 +85,20 @@ class StepTimeCheck:
         """Predicts the step from its packed layout, records the measurement, refits when due."""
         pp1 = Layout(dp=layout.dp, pp=1, sp=layout.sp)
         chunks = replica_chunks(segment_ids, layout.dp)
-        slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1))
-        return self._record(self.refit.observe([slowest], pp1, measured_s), measured_s)
+        slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1, mode="async"))
+        return self._record(self.refit.observe([slowest], pp1, measured_s, mode="async"), measured_s)
 
     def observe_plans(self, plans: Sequence, measured_s: float) -> dict:
         """Elastic pipeline step: predicts the slowest of the replicas' :class:`jvarlen.plan.Plan`
-        (lock-step ticks, current coefficients), records it against ``measured_s``, refits when due."""
+        (the executor's paired ticks, current coefficients), records it against ``measured_s``, refits
+        when due."""
         views = [(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
-        predicted = [self.refit.predict(*view) for view in views]
+        predicted = [self.refit.predict(*view, mode="paired") for view in views]
         i = int(np.argmax(predicted))
         shapes, layout, schedule, ckpt = views[i]
-        self.refit.observe(shapes, layout, measured_s, schedule=schedule, ckpt_layers=ckpt, predicted_s=predicted[i])
+        self.refit.observe(
+            shapes, layout, measured_s, schedule=schedule, ckpt_layers=ckpt, predicted_s=predicted[i], mode="paired"
+        )
         return self._record(predicted[i], measured_s)
 
     def _record(self, predicted_s: float, measured_s: float) -> dict:

@@ -33,7 +33,7 @@ from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepC
 
 def planner_options(config: Config) -> PlannerOptions:
     """The planner settings of ``config.plan``; candidates are simulated in the executor's own
-    lock-step execution model ("ticks")."""
+    execution model (``"paired"`` lock-step ticks)."""
     plan = config.plan
     solver = SolverOptions(
         time_limit_s=plan.solver_time_limit_s,
@@ -42,7 +42,7 @@ def planner_options(config: Config) -> PlannerOptions:
         seed=plan.solver_seed,
     )
     return PlannerOptions(
-        min_slice_tokens=plan.min_slice_tokens, solver=solver, simulation="ticks", gpipe_units=plan.gpipe_units
+        min_slice_tokens=plan.min_slice_tokens, solver=solver, simulation="paired", gpipe_units=plan.gpipe_units
     )
 
 
