@@ -1,11 +1,20 @@
-"""Pipeline executor benchmark on CPU (fake host devices).
+"""Pipeline executor benchmark on CPU.
 
-1. Overhead of the executor (pp = 1, one chunk) over the plain jitted loss+grad step.
-2. Per-tick time and compile time versus the number of chunks (pp = 2, 1F1B).
-3. Step time versus the number of recomputed layers per stage (table as data, one compile).
-4. 1F1B versus GPipe op order in the lock-step executor (pp = 2, same chunks, interleaved).
+1. ``overhead``: the executor (pp = 1, one chunk) over the plain jitted loss+grad step.
+2. ``ticks``: per-tick time and compile time versus the number of chunks (pp = 2, 1F1B).
+3. ``recompute``: step time versus the number of recomputed layers per stage (one compile).
+4. ``order``: 1F1B versus GPipe op order, paired ticks (the executor's) and one op per tick
+   (same executable, interleaved).
+5. ``policies``: EPP, Seq1F1B, DAPPLE (1F1B) and GPipe plans of the same long-tailed batches
+   (document lengths from a shipped workload, scaled to CPU size) through the real executor,
+   train step included: measured against predicted step time, peak activations. ``--processes``
+   runs one process per stage, each pinned to its own core (jax.distributed on CPU), so a stage's
+   idle time is real idle time; without it, one process with pp fake devices, whose programs share
+   one thread pool (bubbles then cost almost nothing: that measures compute volume and executor
+   overhead, not the schedule).
 
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
+    python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -13,10 +22,30 @@ Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipel
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import socket
+import subprocess
+import sys
 import time
+from typing import Optional
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+def _worker_setup() -> None:
+    """A ``--worker RANK`` process of ``--parts policies --processes``: pinned to core RANK with one
+    CPU device, before JAX starts (XLA sizes its thread pool from the affinity mask)."""
+    if "--worker" not in sys.argv:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        return
+    rank = int(sys.argv[sys.argv.index("--worker") + 1])
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_worker_setup()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,17 +72,20 @@ def timed(fn, *args, repeats: int) -> float:
     return best
 
 
-def interleaved(runs: dict, params, repeats: int) -> dict:
-    """Best-of-``repeats`` seconds of each run, the runs taking turns (fairer on a loaded machine)."""
+def interleaved(runs: dict, params, repeats: int, samples: Optional[dict] = None) -> dict:
+    """Best-of-``repeats`` seconds of each run, the runs taking turns (fairer on a loaded machine);
+    ``samples``: filled with every timing per run."""
     for fn, batch in runs.values():
         jax.block_until_ready(fn(params, batch))
-    best = {name: float("inf") for name in runs}
+    times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (fn, batch) in runs.items():
             start = time.perf_counter()
             jax.block_until_ready(fn(params, batch))
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times[name].append(time.perf_counter() - start)
+    if samples is not None:
+        samples.update(times)
+    return {name: min(t) for name, t in times.items()}
 
 
 def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
@@ -157,27 +189,326 @@ def recompute(graphdef, cfg, params, tokens, repeats, n=4):
             print(f"| {policy or 'all'} | {r} | {forwards} | {best[r] * 1e3:.1f} |")
 
 
-def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8)):
-    """The executor runs ticks in lock-step: 1F1B pairs a forward with a backward in most ticks
-    (each such tick at backward speed), GPipe order pairs like with like but keeps every chunk
-    in flight."""
+def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8), profile=None):
+    """1F1B and GPipe op order, each as the executor's paired ticks (a backward and a forward per
+    stage and tick, the last stage's F and B fused) and as the single-op table (one op per stage and
+    tick, run by the same executable with one lane idle): only the tables differ, runs interleaved.
+    Median and range of ``repeats`` interleaved timings; ``predicted``: the simulator's time of the
+    same table ("paired" / "ticks" mode) with the shipped CPU profile of the model (one core per
+    stage); ``predicted, one core``: the stages' summed busy time plus the step overhead, what the
+    profile predicts when both fake devices share one core (``taskset -c N``: idle time is free)."""
+    from jvarlen.plan.chunk import ChunkShape
+    from jvarlen.plan.simulator import simulate
+
     layout = Layout(1, 2, 1)
-    print(f"\n| chunks (pp=2, {tokens} tokens each) | 1F1B ticks | 1F1B ms | GPipe ticks | GPipe ms | GPipe / 1F1B |")
-    print("|---|---|---|---|---|---|")
+    cost = _profile_cost(cfg, layout, profile)
+    print(
+        f"\n| chunks (pp=2, {tokens} tokens each) | order | table | ticks | measured ms median (min-max) "
+        "| predicted ms | predicted ms, one core | measured / predicted one core |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for n in counts:
         docs, chunks = documents(n, tokens, cfg.vocab_size, seed=7 + n)
         pack = pack_chunks(chunks, docs, tokens)
-        runs, ticks = {}, {}
-        for name, sched in (("1f1b", sch.one_f_one_b(n, 2)), ("gpipe", sch.gpipe(n, 2))):
-            sig, batch, step, _ = compile_step(
-                graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], "dots_and_attention"
-            )
-            runs[name], ticks[name] = (step, batch), sig.n_ticks
-        best = interleaved(runs, params, repeats)
-        print(
-            f"| {n} | {ticks['1f1b']} | {best['1f1b'] * 1e3:.1f} | {ticks['gpipe']} | {best['gpipe'] * 1e3:.1f} "
-            f"| {best['gpipe'] / best['1f1b']:.2f} |"
+        shapes = [ChunkShape(0, tuple(p[2] for p in c)) for c in chunks]
+        scheds = {"1F1B": sch.one_f_one_b(n, 2), "GPipe": sch.gpipe(n, 2)}
+        zero = [np.zeros((n, 2), np.int32)]
+        needs = [
+            pl.prepare_batch([pack], [sc], zero, layout, cfg.num_layers, paired=pr)[0]
+            for sc in scheds.values()
+            for pr in (True, False)
+        ]
+        sig = dataclasses.replace(
+            needs[0], **{f: max(getattr(x, f) for x in needs) for f in ("n_ticks", "n_stash", "n_grad", "n_res")}
         )
+        step = jax.jit(
+            pl.make_pipeline_grads(
+                graphdef, cfg, sig, layout_mesh(layout, jax.devices()[:2]), residual_policy="dots_and_attention"
+            )
+        )
+        runs, ticks = {}, {}
+        for name, sc in scheds.items():
+            for pr in (True, False):
+                _, batch = pl.prepare_batch([pack], [sc], zero, layout, cfg.num_layers, signature=sig, paired=pr)
+                runs[(name, pr)] = (step, batch)
+                ticks[(name, pr)] = int((np.asarray(batch["ops"])[0, :, :, :, 0] != 0).any(axis=(1, 2)).sum())
+        samples: dict = {}
+        interleaved(runs, params, repeats, samples)
+        for (name, pr), t in samples.items():
+            mode = "paired" if pr else "ticks"
+            pred = one = float("nan")
+            if cost is not None:
+                sim = simulate(scheds[name], shapes, zero[0], cost, mode)
+                pred = sim.iteration_time
+                one = float(sim.stage_busy.sum()) + sim.iteration_time - sim.makespan
+            med = float(np.median(t))
+            print(
+                f"| {n} | {name} | {'paired' if pr else 'one op per tick'} | {ticks[(name, pr)]} "
+                f"| {med * 1e3:.1f} ({min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}) | {pred * 1e3:.1f} | {one * 1e3:.1f} "
+                f"| {med / one:.2f} |"
+            )
+
+
+def _profile_cost(cfg, layout, path=None):
+    """The shipped CPU profile of ``cfg``'s shape on ``layout`` (None if there is none)."""
+    import glob
+
+    from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
+
+    shape = ModelShape.from_config(cfg)
+    found = [path] if path else sorted(glob.glob(f"{PACKAGE_PROFILES}/{shape.key()}__cpu__*[!t].json"))
+    return CostModel(shape, layout, CostCoefficients.load(found[0])) if found else None
+
+
+# --------------------------------------------------------------------------- policies, real executor
+
+POLICIES_RUN = ("epp", "seq1f1b", "dapple", "gpipe", "epp-ticks")
+POLICY_LABEL = {
+    "epp": "EPP (paired-tick planner)",
+    "seq1f1b": "Seq1F1B (fixed chunks, uniform recomputation for the reference context)",
+    "dapple": "DAPPLE (whole documents, 1F1B)",
+    "gpipe": "GPipe (DAPPLE's micro-batches, all forwards first)",
+    "epp-ticks": "EPP planned for one op per tick (GPipe order where that looked faster)",
+}
+
+
+def long_tailed_batch(seed: int, workload: str, tokens: int, context: int, scale: int) -> list[int]:
+    """Document lengths of one batch: a shipped workload's lengths divided by ``scale`` (8K -> 512
+    tokens at 16) and truncated to ``context``, drawn until ``tokens`` tokens."""
+    from jvarlen.plan.workloads import MIXTURES
+
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < tokens:
+        n = int(np.clip(MIXTURES[workload].sample(1, rng)[0] // scale, 8, context))
+        out.append(n)
+        total += n
+    return out
+
+
+def policy_cost(args, cfg):
+    """The shipped CPU profile of ``cfg``'s shape on Layout(1, pp, 1), with ``--budget-mb``."""
+    import glob
+
+    from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
+
+    shape = ModelShape.from_config(cfg)
+    path = args.profile or sorted(glob.glob(f"{PACKAGE_PROFILES}/{shape.key()}__cpu__*.json"))[0]
+    coeffs = CostCoefficients.load(path)
+    if args.budget_mb:
+        coeffs = coeffs.replace(memory_budget=args.budget_mb * 1e6)
+    return CostModel(shape, Layout(1, args.pp, 1), coeffs), path
+
+
+def plan_policies(lengths, cost, args, policies) -> dict:
+    """{policy: Plan}, every plan's prediction in the executor's model (paired ticks)."""
+    from jvarlen.plan.api import PlannerOptions, plan_iteration
+    from jvarlen.plan.assemble import record_simulation, simulate
+
+    options = PlannerOptions(
+        min_slice_tokens=args.min_slice,
+        simulation="paired",
+        seq1f1b_chunk_tokens=args.seq1f1b_chunk,
+        seq1f1b_reference_context=args.reference_context,
+    )
+    plans = {}
+    for policy in policies:
+        if policy == "gpipe":  # DAPPLE's micro-batches in GPipe order, least uniform recomputation that fits
+            d = plans.get("dapple") or plan_iteration(lengths, cost=cost, policy="dapple", options=options)
+            order = sch.gpipe(d.n_chunks, cost.layout.pp, d.schedule.chunk_prev, d.schedule.chunk_docs)
+            for layers in range(cost.layers_per_stage + 1):
+                ckpt = np.full_like(np.asarray(d.ckpt_layers), layers)
+                plan = dataclasses.replace(d, policy="gpipe", schedule=order, ckpt_layers=ckpt, stats=dict(d.stats))
+                if simulate(plan, cost, "paired").fits:
+                    break
+        elif policy == "epp-ticks":
+            plan = plan_iteration(
+                lengths, cost=cost, policy="epp", options=dataclasses.replace(options, simulation="ticks")
+            )
+            plan = dataclasses.replace(plan, policy="epp-ticks", stats=dict(plan.stats))
+        else:
+            plan = plan_iteration(lengths, cost=cost, policy=policy, options=options)
+        record_simulation(plan, cost, "paired")
+        plans[policy] = plan
+    return plans
+
+
+def batch_documents(lengths, vocab: int, seed: int) -> list:
+    rng = np.random.default_rng(10_000 + seed)
+    return [rng.integers(1, vocab, size=n).astype(np.int32) for n in lengths]
+
+
+def run_policies(spec: dict, devices, say) -> dict:
+    """Times every (batch, policy) of ``spec`` as one train step on ``devices`` (one per stage),
+    interleaved round by round; -> {key: {"times": [...], "compile_s", "temp_bytes", ...}}."""
+    from jvarlen.api import Session
+    from jvarlen.config import Config, OptimizerConfig
+    from jvarlen.plan.plan import Plan
+    from jvarlen.runtime.feed import Iteration
+
+    cfg = ModelConfig(**spec["model"])
+    session = Session.from_config(Config(model=cfg, optimizer=OptimizerConfig(warmup_steps=0)), devices=devices)
+    layout = Layout(1, spec["pp"], 1)
+    step = session.plan_step(layout, chunk_multiple=1, residual_policy=spec["residual_policy"])
+    entries, out = {}, {}
+    for b in spec["batches"]:
+        docs = batch_documents(b["lengths"], cfg.vocab_size, b["seed"])
+        pieces = [p for p in __import__("jvarlen.api", fromlist=["as_pieces"]).as_pieces(docs)]
+        for policy, plan_json in b["plans"].items():
+            plan = Plan.from_json(plan_json)
+            it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
+            prepared = step.strategy.prepare(it, ())  # the plan's own (rounded) signature
+            key = f"{b['seed']}/{policy}"
+            t0 = time.perf_counter()
+            compiled = step.compiled(prepared)
+            mem = compiled.memory_analysis()
+            out[key] = {
+                "compile_s": time.perf_counter() - t0,
+                "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
+                "signature": {k: getattr(prepared.key, k) for k in ("bucket", "n_chunks", "n_ticks", "context")}
+                | {k: getattr(prepared.key, k) for k in ("n_stash", "n_grad", "n_ctx", "n_res")},
+                "times": [],
+            }
+            entries[key] = prepared
+            say(f"compiled {key}: {out[key]['compile_s']:.1f} s")
+    state = session.state
+    for prepared in entries.values():  # warm-up
+        state, metrics = step(state, prepared)
+        jax.block_until_ready(metrics)
+    keys = list(entries)
+    for r in range(spec["repeats"]):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # rotate the order every round
+            t0 = time.perf_counter()
+            state, metrics = step(state, entries[key])
+            jax.block_until_ready(metrics)
+            out[key]["times"].append(time.perf_counter() - t0)
+        say(f"round {r + 1}/{spec['repeats']}")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def policy_worker(args) -> None:
+    """One stage's process (``--worker RANK``, pinned by :func:`_worker_setup`)."""
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.pp, process_id=args.worker)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)
+    say = (lambda m: print(f"[worker 0] {m}", flush=True)) if args.worker == 0 else (lambda m: None)
+    out = run_policies(spec, devices, say)
+    if args.worker == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(out, f)
+    jax.distributed.shutdown()
+
+
+def policies(cfg, args) -> None:
+    """Plans every policy on the same batches, runs them on the executor, prints the table."""
+    cost, profile = policy_cost(args, cfg)
+    names = [p for p in args.policies.split(",") if p]
+    spec = {
+        "model": dataclasses.asdict(cfg),
+        "pp": args.pp,
+        "repeats": args.repeats,
+        "residual_policy": "dots_and_attention",
+        "batches": [],
+        "profile": profile,
+        "processes": args.processes,
+    }
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        lengths = long_tailed_batch(seed, args.workload, args.batch_tokens, args.context, args.scale)
+        plans = plan_policies(lengths, cost, args, names)
+        spec["batches"].append({"seed": seed, "lengths": lengths, "plans": {k: p.to_json() for k, p in plans.items()}})
+        print(f"seed {seed}: {len(lengths)} documents, {sum(lengths)} tokens, longest {max(lengths)}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    spec["result"] = args.out.replace(".json", ".times.json")
+    spec_path = args.out.replace(".json", ".spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    if args.processes:
+        port = _free_port()
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--spec",
+            spec_path,
+            "--port",
+            str(port),
+            "--pp",
+            str(args.pp),
+        ]
+        procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(args.pp)]
+        if any(p.wait() for p in procs):
+            raise SystemExit("a worker failed")
+        with open(spec["result"]) as f:
+            times = json.load(f)
+    else:
+        times = run_policies(spec, jax.devices()[: args.pp], lambda m: print(m, flush=True))
+    report_policies(spec, times, args.out)
+
+
+def report_policies(spec: dict, times: dict, out: str) -> None:
+    """Markdown table + JSON: per batch and policy, measured (min, median) vs predicted step time."""
+    from jvarlen.plan.plan import Plan
+
+    rows = []
+    for b in spec["batches"]:
+        for policy, plan_json in b["plans"].items():
+            plan = Plan.from_json(plan_json)
+            t = np.asarray(times[f"{b['seed']}/{policy}"]["times"])
+            st = plan.stats
+            rows.append(
+                dict(
+                    seed=b["seed"],
+                    policy=policy,
+                    chunks=plan.n_chunks,
+                    recomputed=int(np.asarray(plan.ckpt_layers).sum()),
+                    measured_min_s=float(t.min()),
+                    measured_median_s=float(np.median(t)),
+                    measured_max_s=float(t.max()),
+                    predicted_s=float(st["iteration_time_s"]),
+                    bubble=float(st["bubble_ratio"]),
+                    predicted_peak_mb=float(max(st["peak_memory_bytes"])) / 1e6,
+                    fits=bool(st.get("fits_memory", True)),
+                    executor_temp_mb=(times[f"{b['seed']}/{policy}"]["temp_bytes"] or 0) / 1e6,
+                    signature=times[f"{b['seed']}/{policy}"]["signature"],
+                )
+            )
+    mode = "one process per stage, each pinned to its own core" if spec["processes"] else "one process, fake devices"
+    print(f"\n{mode}; profile {os.path.basename(spec['profile'])}; {spec['repeats']} interleaved rounds")
+    print(
+        "| seed | policy | chunks | recomputed layers | measured s (min / median / max) | predicted s | "
+        "measured / predicted | predicted bubble | predicted peak MB | executor temp MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['seed']} | {r['policy']} | {r['chunks']} | {r['recomputed']} | {r['measured_min_s']:.3f} / "
+            f"{r['measured_median_s']:.3f} / {r['measured_max_s']:.3f} | {r['predicted_s']:.3f} | "
+            f"{r['measured_median_s'] / r['predicted_s']:.2f} | {r['bubble']:.2f} | {r['predicted_peak_mb']:.0f}"
+            f"{'' if r['fits'] else ' (over budget)'} | {r['executor_temp_mb']:.0f} |"
+        )
+    by = {}
+    for r in rows:
+        by.setdefault(r["policy"], []).append(r)
+    print("\n| policy | mean measured s (median per batch) | mean predicted s | epp speedup (measured / predicted) |")
+    print("|---|---|---|---|")
+    epp = np.mean([r["measured_median_s"] for r in by.get("epp", [])]) if "epp" in by else None
+    epp_p = np.mean([r["predicted_s"] for r in by.get("epp", [])]) if "epp" in by else None
+    for policy, rs in by.items():
+        m, p = np.mean([r["measured_median_s"] for r in rs]), np.mean([r["predicted_s"] for r in rs])
+        speed = f"{m / epp:.2f}x / {p / epp_p:.2f}x" if epp else ""
+        print(f"| {policy} | {m:.3f} | {p:.3f} | {speed} |")
+    errs = [abs(r["measured_median_s"] - r["predicted_s"]) / r["measured_median_s"] for r in rows]
+    print(f"\nmedian |measured - predicted| / measured: {100 * np.median(errs):.1f} % over {len(errs)} runs")
+    with open(out, "w") as f:
+        json.dump({"mode": mode, "profile": spec["profile"], "rows": rows}, f, indent=1)
 
 
 def main():
@@ -188,7 +519,27 @@ def main():
     parser.add_argument("--attention", default="xla")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--parts", default="overhead,ticks,recompute,order")
+    # --parts policies
+    parser.add_argument("--processes", action="store_true", help="one process per stage, pinned to its own core")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--policies", default=",".join(POLICIES_RUN))
+    parser.add_argument("--workload", default="github")
+    parser.add_argument("--scale", type=int, default=16, help="workload lengths are divided by this")
+    parser.add_argument("--context", type=int, default=4096, help="documents are truncated to this")
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument("--min-slice", type=int, default=256)
+    parser.add_argument("--seq1f1b-chunk", type=int, default=512)
+    parser.add_argument("--reference-context", type=int, default=6144)
+    parser.add_argument("--budget-mb", type=float, default=0.0, help="memory budget per device (0: the profile's)")
+    parser.add_argument("--profile", help="cost profile (default: the shipped CPU profile of the model)")
+    parser.add_argument("--out", default="runs/bench_policies.json")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None:
+        return policy_worker(args)
     cfg = ModelConfig(
         d_model=args.d_model,
         num_layers=args.layers,
@@ -211,7 +562,9 @@ def main():
     if "recompute" in parts:
         recompute(graphdef, cfg, params, args.tokens, args.repeats)
     if "order" in parts:
-        order(graphdef, cfg, params, args.tokens, args.repeats)
+        order(graphdef, cfg, params, args.tokens, args.repeats, profile=args.profile)
+    if "policies" in parts:
+        policies(cfg, args)
 
 
 if __name__ == "__main__":
