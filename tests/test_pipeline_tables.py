@@ -206,3 +206,23 @@ def test_paired_ticks_keep_the_slot_counts(pp):
         for name in ("n_stash", "n_grad", "n_ctx", "n_res"):
             assert getattr(two, name) <= getattr(one, name), name
         assert sch.paired_ticks(sched).shape[0] < sched.to_ticks().shape[0]
+
+
+def test_unrecomputed_fusion_leaves_chunks_the_plan_recomputes_on_the_last_stage_apart():
+    """``fuse="unrecomputed"`` (the groups strategy): a fused op keeps every activation of its
+    chunk, so only chunks the plan does not recompute on the last stage are fused."""
+    _, pack = _plan_a()
+    n = pack.n_chunks
+    ckpt = np.zeros((n, 2), np.int32)
+    ckpt[4, 1] = 2  # the tail slice 4 recomputes both layers of the last stage
+    ckpt[0, 0] = 2  # chunk 0 only on the first stage
+    sched = sch.token_level_1f1b(pack.chunk_prev, 2)
+    fused = {}
+    for fuse in (True, "unrecomputed", False):
+        _, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, 4, fuse=fuse)
+        ops = batch["ops"][0]
+        fused[fuse] = set(ops[:, 1, 0, 1][ops[:, 1, 0, 0] == FUSED].tolist())
+        sch.check_paired_table(ops, sched)
+    assert fused[False] == set()
+    assert fused[True] == {0, 4}  # the last stage's adjacent F and B under token-level 1F1B
+    assert fused["unrecomputed"] == {0}
