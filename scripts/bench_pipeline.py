@@ -73,19 +73,20 @@ def timed(fn, *args, repeats: int) -> float:
 
 
 def interleaved(runs: dict, params, repeats: int, samples: Optional[dict] = None) -> dict:
-    """Best-of-``repeats`` seconds of each run, the runs taking turns (fairer on a loaded machine);
-    ``samples``: filled with every timing per run."""
+    """Best-of-``repeats`` wall seconds of each run, the runs taking turns (fairer on a loaded
+    machine); ``samples``: filled with every timing per run, ``{name: [(wall s, process CPU s)]}``
+    (the CPU time of the whole process, every XLA thread: on one pinned core, time on that core)."""
     for fn, batch in runs.values():
         jax.block_until_ready(fn(params, batch))
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (fn, batch) in runs.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(params, batch))
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
     if samples is not None:
         samples.update(times)
-    return {name: min(t) for name, t in times.items()}
+    return {name: min(w for w, _ in t) for name, t in times.items()}
 
 
 def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
@@ -203,10 +204,10 @@ def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8), profile=None):
     layout = Layout(1, 2, 1)
     cost = _profile_cost(cfg, layout, profile)
     print(
-        f"\n| chunks (pp=2, {tokens} tokens each) | order | table | ticks | measured ms median (min-max) "
-        "| predicted ms | predicted ms, one core | measured / predicted one core |"
+        f"\n| chunks (pp=2, {tokens} tokens each) | order | table | ticks | wall ms median (min-max) "
+        "| process CPU ms median (min-max) | predicted ms | predicted ms, one core | CPU / predicted one core |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in counts:
         docs, chunks = documents(n, tokens, cfg.vocab_size, seed=7 + n)
         pack = pack_chunks(chunks, docs, tokens)
@@ -241,11 +242,13 @@ def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8), profile=None):
                 sim = simulate(scheds[name], shapes, zero[0], cost, mode)
                 pred = sim.iteration_time
                 one = float(sim.stage_busy.sum()) + sim.iteration_time - sim.makespan
-            med = float(np.median(t))
+            wall, cpu = np.asarray(t).T * 1e3
             print(
                 f"| {n} | {name} | {'paired' if pr else 'one op per tick'} | {ticks[(name, pr)]} "
-                f"| {med * 1e3:.1f} ({min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}) | {pred * 1e3:.1f} | {one * 1e3:.1f} "
-                f"| {med / one:.2f} |"
+                f"| {np.median(wall):.1f} ({wall.min():.1f}-{wall.max():.1f}) "
+                f"| {np.median(cpu):.1f} ({cpu.min():.1f}-{cpu.max():.1f}) | {pred * 1e3:.1f} | {one * 1e3:.1f} "
+                f"| {np.median(cpu) / (one * 1e3):.2f} |",
+                flush=True,
             )
 
 
