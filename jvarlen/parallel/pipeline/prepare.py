@@ -177,13 +177,15 @@ def prepare_plans(
     chunk_multiple: int = 2,
     bucket: Optional[int] = None,
     fuse: bool | str = True,
+    paired: bool = True,
 ) -> tuple[PipelineSignature, dict]:
     """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``);
     ``documents[i]``: pipeline i's documents (token arrays or :class:`jvarlen.data.packer.Piece`).
 
     Chunk counts are padded to a multiple of ``chunk_multiple``. Reuses a ``known`` signature
     that covers the plans in any of the candidate buckets (the smallest such); otherwise the
-    smallest bucket's rounded signature (compiled on first use)."""
+    smallest bucket's rounded signature (compiled on first use). ``fuse``, ``paired``: as in
+    :func:`prepare_batch`."""
     layout: Layout = plans[0].layout
     if any(p.layout != layout for p in plans):
         raise ValueError("all pipelines of one iteration need the same layout")
@@ -194,11 +196,11 @@ def prepare_plans(
     for size in chunk_buckets(plans, layout.sp, bucket):
         packs = [pack_chunks(chunks, docs, size) for (chunks, _, _), docs in zip(padded, documents)]
         args = (packs, [s for _, s, _ in padded], [c for _, _, c in padded], layout, num_layers)
-        need, _ = prepare_batch(*args, fuse=fuse)
+        need, _ = prepare_batch(*args, fuse=fuse, paired=paired)
         first = first or (args, need)
         fitting = [s for s in known if isinstance(s, PipelineSignature) and covers(s, need)]
         if fitting:
             best = min(fitting, key=lambda s: sum(getattr(s, f) for f in GROWABLE))
-            return prepare_batch(*args, signature=best, fuse=fuse)
+            return prepare_batch(*args, signature=best, fuse=fuse, paired=paired)
     args, need = first
-    return prepare_batch(*args, signature=round_signature(need), fuse=fuse)
+    return prepare_batch(*args, signature=round_signature(need), fuse=fuse, paired=paired)

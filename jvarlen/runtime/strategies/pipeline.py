@@ -84,7 +84,10 @@ class PipelineStrategy(ExecutionStrategy):
         residual: Optional[str] = "dots_and_attention",
         chunk_multiple: int = 4,
         bucket: Optional[int] = None,
+        paired: bool = True,
     ):
+        """``paired``: run the executor's paired tick tables (False: one op per stage and tick, for
+        comparisons; the planner's simulation stays as ``options`` says)."""
         if residual is not None and residual != "all":
             try:
                 residual_policy(residual)
@@ -93,7 +96,7 @@ class PipelineStrategy(ExecutionStrategy):
         self.ctx, self.layout, self.cost, self.policy, self.options = ctx, layout, cost, policy, options
         self.rows_per_batch, self.ahead, self.wait = rows_per_batch, ahead, wait
         self.residual = None if residual == "all" else residual
-        self.chunk_multiple, self.bucket = chunk_multiple, bucket
+        self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
         self._service = None
 
     def planner(self) -> Planner:
@@ -110,6 +113,7 @@ class PipelineStrategy(ExecutionStrategy):
             known,
             chunk_multiple=self.chunk_multiple,
             bucket=self.bucket,
+            paired=self.paired,
         )
         info = {
             "dp": self.layout.dp,
