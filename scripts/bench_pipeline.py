@@ -359,11 +359,12 @@ def run_policies(spec: dict, devices, say) -> dict:
     for b in spec["batches"]:
         docs = batch_documents(b["lengths"], cfg.vocab_size, b["seed"])
         pieces = [p for p in __import__("jvarlen.api", fromlist=["as_pieces"]).as_pieces(docs)]
-        for policy, plan_json in b["plans"].items():
+        for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
             plan = Plan.from_json(plan_json)
             it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
+            step.strategy.paired = table == "paired"
             prepared = step.strategy.prepare(it, ())  # the plan's own (rounded) signature
-            key = f"{b['seed']}/{policy}"
+            key = f"{b['seed']}/{policy}/{table}"
             t0 = time.perf_counter()
             compiled = step.compiled(prepared)
             mem = compiled.memory_analysis()
@@ -423,6 +424,7 @@ def policies(cfg, args) -> None:
         "batches": [],
         "profile": profile,
         "processes": args.processes,
+        "tables": [t for t in args.tables.split(",") if t],
     }
     for seed in [int(x) for x in args.seeds.split(",")]:
         lengths = long_tailed_batch(seed, args.workload, args.batch_tokens, args.context, args.scale)
@@ -462,14 +464,22 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
 
     rows = []
     for b in spec["batches"]:
-        for policy, plan_json in b["plans"].items():
+        for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
             plan = Plan.from_json(plan_json)
-            t = np.asarray(times[f"{b['seed']}/{policy}"]["times"])
+            key = f"{b['seed']}/{policy}/{table}"
+            t = np.asarray(times[key]["times"])
             st = plan.stats
+            if table != "paired":  # the plan's prediction is for paired ticks: the single-op table's
+                from jvarlen.plan.assemble import simulate
+
+                ns = argparse.Namespace(profile=spec["profile"], budget_mb=0, pp=spec["pp"])
+                cost, _ = policy_cost(ns, ModelConfig(**spec["model"]))
+                st = dict(st, iteration_time_s=simulate(plan, cost, "ticks").iteration_time)
             rows.append(
                 dict(
                     seed=b["seed"],
                     policy=policy,
+                    table=table,
                     chunks=plan.n_chunks,
                     recomputed=int(np.asarray(plan.ckpt_layers).sum()),
                     measured_min_s=float(t.min()),
@@ -479,27 +489,27 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
                     bubble=float(st["bubble_ratio"]),
                     predicted_peak_mb=float(max(st["peak_memory_bytes"])) / 1e6,
                     fits=bool(st.get("fits_memory", True)),
-                    executor_temp_mb=(times[f"{b['seed']}/{policy}"]["temp_bytes"] or 0) / 1e6,
-                    signature=times[f"{b['seed']}/{policy}"]["signature"],
+                    executor_temp_mb=(times[key]["temp_bytes"] or 0) / 1e6,
+                    signature=times[key]["signature"],
                 )
             )
     mode = "one process per stage, each pinned to its own core" if spec["processes"] else "one process, fake devices"
     print(f"\n{mode}; profile {os.path.basename(spec['profile'])}; {spec['repeats']} interleaved rounds")
     print(
-        "| seed | policy | chunks | recomputed layers | measured s (min / median / max) | predicted s | "
+        "| seed | policy | tick table | chunks | recomputed layers | measured s (min / median / max) | predicted s | "
         "measured / predicted | predicted bubble | predicted peak MB | executor temp MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['seed']} | {r['policy']} | {r['chunks']} | {r['recomputed']} | {r['measured_min_s']:.3f} / "
+            f"| {r['seed']} | {r['policy']} | {r['table']} | {r['chunks']} | {r['recomputed']} | {r['measured_min_s']:.3f} / "
             f"{r['measured_median_s']:.3f} / {r['measured_max_s']:.3f} | {r['predicted_s']:.3f} | "
             f"{r['measured_median_s'] / r['predicted_s']:.2f} | {r['bubble']:.2f} | {r['predicted_peak_mb']:.0f}"
             f"{'' if r['fits'] else ' (over budget)'} | {r['executor_temp_mb']:.0f} |"
         )
     by = {}
     for r in rows:
-        by.setdefault(r["policy"], []).append(r)
+        by.setdefault(r["policy"] if r["table"] == "paired" else f"{r['policy']} ({r['table']})", []).append(r)
     print("\n| policy | mean measured s (median per batch) | mean predicted s | epp speedup (measured / predicted) |")
     print("|---|---|---|---|")
     epp = np.mean([r["measured_median_s"] for r in by.get("epp", [])]) if "epp" in by else None
@@ -525,6 +535,7 @@ def main():
     # --parts policies
     parser.add_argument("--processes", action="store_true", help="one process per stage, pinned to its own core")
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tables", default="paired", help="tick tables to run each plan in: paired,single")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--policies", default=",".join(POLICIES_RUN))
     parser.add_argument("--workload", default="github")
