@@ -325,6 +325,52 @@ def gap_table(g) -> str:
     return "\n".join(lines)
 
 
+def auto_part(iterations: int, quick: bool) -> list[dict]:
+    """``auto`` against every policy it plans with, per batch, on the 64-device settings with
+    pull/push overlapped: its estimate must be the best of theirs, and its planning time (all of
+    them, one after another) is the planning service's per-iteration cost."""
+    from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions
+    from jvarlen.plan.hydraulis import HydraulisOptions
+
+    out = []
+    for setting in [s for s in settings(False) if s.overlap and s.devices == 64][: 2 if quick else None]:
+        costs = costs_for(setting)
+        pool = corpus(setting.workload, setting.context)
+        hydraulis = HydraulisOptions().for_corpus(pool, costs, setting.context)
+        given = {"hydraulis": hydraulis}
+        auto = AutoOptions(options=tuple(given.items()))
+        rows = []
+        for i in range(iterations):
+            batch = token_batch(pool, setting.tokens, 3000 + i)
+            singles = {p: run_plan(p, batch, costs, given.get(p)) for p in AUTO_POLICIES}
+            rows.append({"auto": run_plan("auto", batch, costs, auto), "singles": singles})
+        out.append({"setting": setting.name, "batches": rows})
+        print(setting.name, [(r["auto"].get("iter_s"), r["auto"].get("cpu_s")) for r in rows], flush=True)
+    return out
+
+
+def auto_table(records) -> str:
+    lines = [
+        "| setting | auto iter s | best single policy iter s | auto / best single, worst batch | chosen "
+        "| auto plan CPU s (median / max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rec in records:
+        autos, bests, ratios, chosen = [], [], [], []
+        for b in rec["batches"]:
+            ok = [r["iter_s"] for r in b["singles"].values() if "error" not in r]
+            autos.append(b["auto"]["iter_s"])
+            bests.append(min(ok))
+            ratios.append(b["auto"]["iter_s"] / min(ok))
+            chosen.append(b["auto"]["strategy"])
+        cpu = [b["auto"]["cpu_s"] for b in rec["batches"]]
+        lines.append(
+            f"| {rec['setting']} | {statistics.mean(autos):.3f} | {statistics.mean(bests):.3f} | {max(ratios):.4f} "
+            f"| {len(set(chosen))} strategies | {statistics.median(cpu):.2f} / {max(cpu):.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def settings(quick: bool) -> list[Setting]:
     out = []
     for overlap in (False, True):  # the issue's 64 devices / 200K tokens on the shipped workloads
@@ -393,6 +439,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--parts", default="compare,timing,gap")
     ap.add_argument("--gap_instances", type=int, default=100)
+    ap.add_argument("--auto_iterations", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench_strategies.json"))
     ap.add_argument("--no_write", action="store_true", help="print the section instead of writing docs/benchmarks.md")
@@ -406,6 +453,8 @@ def main() -> int:
         record["timing"] = [timing(10, cl) for cl in ("h100", "a800")]
         for t in record["timing"]:
             print(t, flush=True)
+    if "auto" in parts:
+        record["auto"] = auto_part(args.auto_iterations, args.quick)
     if "gap" in parts:
         record["gap"] = gap(args.gap_instances)
         print(record["gap"], flush=True)
@@ -457,6 +506,15 @@ def section(record, args) -> str:
             "`paper-32`: 32 random orders only; `+ls`: then the local search of "
             "`hydraulis_dispatch.local_search` (moves and swaps off the slowest pipeline; the planner's default).\n\n"
             + gap_table(g)
+        )
+    if "auto" in record:
+        out.append(
+            "### `auto` against the policies it chooses from\n\n"
+            "Per batch, `auto` plans with every policy of `jvarlen.plan.auto.AUTO_POLICIES` (Hydraulis with its "
+            "corpus proposal) and keeps the fastest estimate; each policy is also planned on its own. "
+            f"`python scripts/bench_strategies.py --parts auto --auto_iterations {args.auto_iterations}`; "
+            "CPU s: process time of the whole `auto` call (every policy, one after another).\n\n"
+            + auto_table(record["auto"])
         )
     if "compare" in record:
         out.append(

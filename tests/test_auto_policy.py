@@ -1,0 +1,68 @@
+"""The two policies on top of the others: ``epp-pipelines`` (EPP per pipeline of one scheme) and
+``auto`` (the fastest of every policy's estimate). Pure planner: no JAX."""
+
+from __future__ import annotations
+
+import pytest
+
+from jvarlen.config import ModelConfig
+from jvarlen.layout import Layout
+from jvarlen.plan.api import make_cost
+from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions, EPPPipelinesOptions
+from jvarlen.plan.cost import ModelShape
+from jvarlen.plan.strategy import SchemeCosts, plan_strategy
+
+LENGTHS = [6144, 3072, 1536, 900, 700, 512, 512, 300, 256, 200, 128, 100, 64, 40]
+
+
+@pytest.fixture(scope="module")
+def costs():
+    model = ModelConfig(vocab_size=320, d_model=256, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=768)
+    return SchemeCosts(make_cost(ModelShape.from_config(model), "a800", Layout(8, 1, 1)), 8)
+
+
+def _check_partition(plan, n_docs, devices=8):
+    docs = sorted(d for g in plan.groups for d in g.documents)
+    assert docs == list(range(n_docs))  # every document in exactly one group
+    used = [d for g in plan.groups for d in g.devices]
+    assert len(used) == len(set(used)) and all(0 <= d < devices for d in used)
+
+
+def test_epp_pipelines_screening_plans_the_shortlisted_schemes_exactly_as_without_it(costs):
+    full = plan_strategy("epp-pipelines", LENGTHS, costs, EPPPipelinesOptions(screen=0))
+    screened = plan_strategy("epp-pipelines", LENGTHS, costs, EPPPipelinesOptions(screen=2))
+    every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
+    kept = {c["strategy"]: c["iteration_time_s"] for c in screened.stats["candidates"]}
+    assert len(every) > 2 and len(kept) == 2
+    assert all(every[s] == t for s, t in kept.items())  # the same plans for the schemes it keeps
+    assert screened.stats["iteration_time_s"] == min(kept.values()) >= full.stats["iteration_time_s"]
+    # the shortlist is the schemes with the smallest largest pipeline load
+    loads = screened.stats["screened_load_s"]
+    shortlisted = sorted(loads, key=loads.get)[:2]
+    assert set(kept) == set(shortlisted) and len(loads) == len(every)
+    assert all(g.scheme.pp >= 2 for g in screened.groups)
+    _check_partition(screened, len(LENGTHS))
+
+
+def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):
+    plan = plan_strategy("auto", LENGTHS, costs, AutoOptions())
+    estimates = plan.stats["auto_estimates"]
+    assert set(estimates) == set(AUTO_POLICIES)
+    times = {k: v["iteration_time_s"] for k, v in estimates.items() if "iteration_time_s" in v}
+    assert times, estimates
+    chosen = plan.stats["policy_chosen"]
+    assert times[chosen] == min(times.values()) == plan.stats["iteration_time_s"]
+    # each estimate is that policy's own plan of the batch
+    for name in ("homogeneous", "dcp"):
+        alone = plan_strategy(name, LENGTHS, costs)
+        assert alone.stats["iteration_time_s"] == pytest.approx(times[name], rel=1e-12)
+    _check_partition(plan, len(LENGTHS))
+
+
+def test_auto_skips_a_policy_that_cannot_plan_and_says_why(costs):
+    options = AutoOptions(
+        policies=("homogeneous", "epp-pipelines"), options=(("epp-pipelines", EPPPipelinesOptions(max_pp=1)),)
+    )
+    plan = plan_strategy("auto", LENGTHS, costs, options)
+    assert "error" in plan.stats["auto_estimates"]["epp-pipelines"]
+    assert plan.stats["policy_chosen"] == "homogeneous"
