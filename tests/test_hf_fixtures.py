@@ -177,3 +177,19 @@ def test_research_session_starts_from_the_checkpoint():
         assert a.sharding == b.sharding
     assert int(session.state.step) == 0
     assert all(not np.asarray(m).any() for m in jax.tree.leaves(session.state.opt_state) if np.ndim(m) > 0)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_packed_row_is_the_fixture_documents_back_to_back(name):
+    """The row the logits test compares with transformers: each document's tokens in order, its own
+    segment, positions from 0, and exactly len - 1 targets per document (none across a boundary)."""
+    ref = reference(name)
+    row = {k: v[0] for k, v in packed_row(ref).items()}
+    offsets = ref["offsets"]
+    np.testing.assert_array_equal(row["tokens"], ref["tokens"])
+    for d, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        assert (row["segment_ids"][a:b] == d + 1).all()
+        np.testing.assert_array_equal(row["positions"][a:b], np.arange(b - a))
+        np.testing.assert_array_equal(row["targets"][a : b - 1], ref["tokens"][a + 1 : b])
+        assert row["loss_mask"][a : b - 1].all() and row["loss_mask"][b - 1] == 0
+    assert row["loss_mask"].sum() == len(ref["tokens"]) - (len(offsets) - 1)

@@ -267,24 +267,18 @@ CLI_ARGS = [
 ]
 
 
-@pytest.mark.slow  # the training CLI in two processes: ~1-2 min on 2 shared cores
-def test_training_cli_on_two_processes_matches_one_process(tmp_path):
+def _train_on_two_processes(tmp_path, args) -> list[dict]:
+    """``python -m jvarlen.train args`` as two processes of one distributed run (run dir
+    tmp_path/two, a corpus cache per process); the metrics records process 0 wrote."""
     import json
 
-    import jax
-
-    from jvarlen.config import parse_config
-    from jvarlen.runtime.loop import train
-
-    if jax.device_count() < 8:
-        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     port = _free_port()
     _run_two_processes(
         lambda pid: [
             sys.executable,
             "-m",
             "jvarlen.train",
-            *CLI_ARGS,
+            *args,
             f"--logging.run_dir={tmp_path / 'two'}",
             f"--data.cache_dir={tmp_path / f'cache{pid}'}",
             "--parallel.distributed=true",
@@ -293,7 +287,20 @@ def test_training_cli_on_two_processes_matches_one_process(tmp_path):
             f"--parallel.process_id={pid}",
         ]
     )
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # the training CLI in two processes: ~1-2 min on 2 shared cores
+def test_training_cli_on_two_processes_matches_one_process(tmp_path):
+
+    import jax
+
+    from jvarlen.config import parse_config
+    from jvarlen.runtime.loop import train
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    records = _train_on_two_processes(tmp_path, CLI_ARGS)
     assert [(r["step"], r["dp"], r["sp"]) for r in records] == [(1, 2, 4), (2, 4, 2)]  # only process 0 logs
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2"]
     one = train(
@@ -305,7 +312,6 @@ def test_training_cli_on_two_processes_matches_one_process(tmp_path):
 
 @pytest.mark.slow  # the pipeline path of the training CLI in two processes: ~2-3 min on 2 shared cores
 def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
-    import json
 
     import jax
 
@@ -322,22 +328,7 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         "--plan.min_slice_tokens=32",
         "--data.seq_len=256",
     ]
-    port = _free_port()
-    _run_two_processes(
-        lambda pid: [
-            sys.executable,
-            "-m",
-            "jvarlen.train",
-            *args,
-            f"--logging.run_dir={tmp_path / 'two'}",
-            f"--data.cache_dir={tmp_path / f'cache{pid}'}",
-            "--parallel.distributed=true",
-            f"--parallel.coordinator_address=127.0.0.1:{port}",
-            "--parallel.num_processes=2",
-            f"--parallel.process_id={pid}",
-        ]
-    )
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    records = _train_on_two_processes(tmp_path, args)
     assert [(r["step"], r["dp"], r["pp"], r["sp"]) for r in records] == [(1, 2, 2, 2), (2, 2, 2, 2)]
     one = train(
         parse_config(

@@ -181,6 +181,12 @@ def run(cli: PlanCli) -> int:
         last = plan
     summary = summarize(cli.policy, records)
     print(format_table(cli.policy, records, summary))
+    return _save(cli, summary, records, last)
+
+
+def _save(cli, summary: dict, records: list[dict], last) -> int:
+    """Writes ``--json`` (summary and every iteration's record) and ``--plan`` (the last plan);
+    the exit code: 1 when an iteration could not be planned."""
     if cli.json:
         with open(cli.json, "w") as f:
             json.dump({**summary, "iterations": records}, f, indent=1)
@@ -303,12 +309,7 @@ def run_strategy(cli: PlanCli) -> int:
         last = plan
     summary = summarize_strategy(cli.policy, records)
     print(format_strategy_table(cli.policy, records, summary))
-    if cli.json:
-        with open(cli.json, "w") as f:
-            json.dump({**summary, "iterations": records}, f, indent=1)
-            f.write("\n")
-    if cli.plan and last is not None:
-        last.save(cli.plan)
+    _save(cli, summary, records, last)
     if cli.gantt and first is not None:
         from jvarlen.plan.gantt import draw_strategy_gantt
 

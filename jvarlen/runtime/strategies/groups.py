@@ -80,13 +80,17 @@ class GroupsStep:
 
     def __init__(self, ctx: StepContext, pull, groups: Sequence, update: CompiledStep):
         self.ctx, self.pull, self.groups, self.update = ctx, pull, list(groups), update
+        here = jax.process_index()  # a process dispatches only the groups with devices of its own
+        self.local = [any(d.process_index == here for d in mesh.devices.flat) for _, mesh, _ in self.groups]
+        n = len(ctx.placement.devices)  # the update's per-device partials: [N, *param] and [N] sums
+        self.partial_shapes = [((n, *a.shape), a.dtype) for a in jax.tree.leaves(ctx.abstract_state.params)]
+        self.partial_shapes += [((n,), np.float32)] * len(SUM_KEYS)
 
     def __call__(self, state, arrays: dict):
         pulled = self.pull(state.params)
         outs = []
-        here = jax.process_index()
         for g, (program, mesh, batch_shardings) in enumerate(self.groups):
-            if all(d.process_index != here for d in mesh.devices.flat):
+            if not self.local[g]:
                 continue  # another process's group: that process dispatches it
             params = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), pulled)
             prefix = f"{g}/"
@@ -94,16 +98,13 @@ class GroupsStep:
             weight = place_global(batch.pop("weight"), NamedSharding(mesh, P()))
             outs.append(program(params, place_global(batch, batch_shardings), weight))
         placement = self.ctx.placement
-        n = len(placement.devices)
-        partials = {}
-        for i, leaf in enumerate(jax.tree.leaves(self.ctx.abstract_state.params)):
-            partials[f"g/{i}"] = gather_partials(
-                [o[0][i] for o in outs], placement.state_mesh, placement.devices, (n, *leaf.shape), leaf.dtype
-            )
-        for key in SUM_KEYS:
-            partials[f"s/{key}"] = gather_partials(
-                [o[1][key] for o in outs], placement.state_mesh, placement.devices, (n,), np.float32
-            )
+        columns = [[o[0][i] for o in outs] for i in range(len(self.partial_shapes) - len(SUM_KEYS))]
+        columns += [[o[1][key] for o in outs] for key in SUM_KEYS]
+        names = [f"g/{i}" for i in range(len(columns) - len(SUM_KEYS))] + [f"s/{key}" for key in SUM_KEYS]
+        partials = {
+            name: gather_partials(column, placement.state_mesh, placement.devices, shape, dtype)
+            for name, column, (shape, dtype) in zip(names, columns, self.partial_shapes)
+        }
         state, metrics = self.update(state, partials)
         # layer forwards of this process's groups (all of them in a single-process run)
         return state, {**metrics, "group_layer_forwards": [o[2] for o in outs]}
