@@ -343,8 +343,12 @@ class PlanConfig:
     # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
     # simulator says it is faster and it fits memory (more chunks in flight).
     gpipe_units: bool = True
-    # Iterations sampled and solved ahead in a background planning process (0: plan inline).
+    # Iterations sampled and solved ahead in background planning processes (0: plan inline).
     ahead: int = 2
+    # Planning processes. Up to ahead + 1 iterations are solved at once, so keep ahead >= workers;
+    # a policy whose plan takes longer than a step (auto on 64 devices: docs/benchmarks.md) needs
+    # about plan seconds / step seconds of them to stay ahead.
+    workers: int = 1
     # Wait for the solver instead of taking a fast fallback plan when it is late: plans (and so
     # a resumed run) are then reproducible whatever the machine load. Always on with several
     # processes, which must all run the same plans.
@@ -367,8 +371,14 @@ class PlanConfig:
             min_slice_tokens=self.min_slice_tokens,
             solver_time_limit_s=self.solver_time_limit_s,
             solver_workers=self.solver_workers,
+            workers=self.workers,
         )
         _require(self.ahead >= 0, f"plan.ahead must be >= 0, got {self.ahead}")
+        _require(
+            self.workers == 1 or self.ahead + 1 >= self.workers,
+            f"plan.workers={self.workers} needs plan.ahead >= {self.workers - 1} (at most ahead + 1 "
+            f"iterations are planned at once), got plan.ahead={self.ahead}",
+        )
         _require(
             self.solver_deterministic_time >= 0,
             f"plan.solver_deterministic_time must be >= 0, got {self.solver_deterministic_time}",

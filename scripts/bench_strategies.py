@@ -349,6 +349,46 @@ def auto_part(iterations: int, quick: bool) -> list[dict]:
     return out
 
 
+def service_part(iterations: int, workers: tuple[int, ...] = (1, 2)) -> list[dict]:
+    """``auto`` in the planning service (``plan.workers``): wall seconds per planned iteration when
+    ``iterations`` batches are queued at once (the loop keeps ``plan.ahead + 1`` queued), on the
+    first 64-device overlapped setting. Run it on an otherwise idle machine: throughput scales with
+    free cores, at most ``workers``."""
+    import functools
+
+    from jvarlen.plan.auto import AutoOptions
+    from jvarlen.plan.hydraulis import HydraulisOptions
+    from jvarlen.plan.service import PlanningService
+
+    setting = next(s for s in settings(False) if s.overlap and s.devices == 64)
+    costs = costs_for(setting)
+    pool = corpus(setting.workload, setting.context)
+    options = AutoOptions(options=(("hydraulis", HydraulisOptions().for_corpus(pool, costs, setting.context)),))
+    solve = functools.partial(plan_strategy, "auto", costs=costs, options=options)
+    batches = [token_batch(pool, setting.tokens, 4000 + i) for i in range(iterations)]
+    out = []
+    for w in workers:
+        with PlanningService(None, workers=w, solve=solve, fallback=solve) as service:
+            service.submit(-1, batches[0])  # start the workers (spawn + imports) before timing
+            service.get(-1, wait=True)
+            t0 = time.perf_counter()
+            for i, batch in enumerate(batches):
+                service.submit(i, batch)
+            plans = [service.get(i, wait=True) for i in range(iterations)]
+            wall = time.perf_counter() - t0
+        out.append(
+            {
+                "setting": setting.name,
+                "workers": w,
+                "iterations": iterations,
+                "wall_per_iteration_s": wall / iterations,
+                "chosen": [p.stats["policy_chosen"] for p in plans],
+            }
+        )
+        print(out[-1], flush=True)
+    return out
+
+
 def auto_table(records) -> str:
     lines = [
         "| setting | auto iter s | best single policy iter s | auto / best single, worst batch | chosen "
@@ -455,6 +495,8 @@ def main() -> int:
             print(t, flush=True)
     if "auto" in parts:
         record["auto"] = auto_part(args.auto_iterations, args.quick)
+    if "service" in parts:
+        record["service"] = service_part(args.auto_iterations)
     if "gap" in parts:
         record["gap"] = gap(args.gap_instances)
         print(record["gap"], flush=True)
@@ -516,6 +558,16 @@ def section(record, args) -> str:
             "CPU s: process time of the whole `auto` call (every policy, one after another).\n\n"
             + auto_table(record["auto"])
         )
+    if "service" in record:
+        rows = [
+            "`auto` in the planning service, all batches queued at once (`python scripts/bench_strategies.py "
+            "--parts service`; wall seconds per planned iteration):\n",
+            "| setting | plan.workers | iterations | wall s per iteration |",
+            "|---|---|---|---|",
+        ]
+        for r in record["service"]:
+            rows.append(f"| {r['setting']} | {r['workers']} | {r['iterations']} | {r['wall_per_iteration_s']:.2f} |")
+        out.append("\n".join(rows))
     if "compare" in record:
         out.append(
             "### Simulated iteration time against the best homogeneous layout\n\n"

@@ -43,6 +43,14 @@ def test_batch_must_be_whole_rows():
         parse_config(["--data.seq_len=1000", "--data.tokens_per_batch=1500"])
 
 
+def test_planning_workers_need_iterations_ahead():
+    with pytest.raises(ConfigError, match=r"plan.workers=4 needs plan.ahead >= 3"):
+        parse_config(["--plan.workers=4", "--plan.ahead=2"])
+    with pytest.raises(ConfigError, match="plan.workers"):
+        parse_config(["--plan.workers=0"])
+    assert parse_config(["--plan.workers=3", "--plan.ahead=2"]).plan.workers == 3
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(["--config", "/nonexistent/x.yaml"])

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import small_cost, tight_budget
 
 from jvarlen.plan.api import PlannerOptions, plan_iteration
@@ -25,11 +26,12 @@ def _strip(plan) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-def test_service_solves_in_background_and_matches_direct_planning():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_service_solves_in_background_and_matches_direct_planning(workers):
     cost = _cost()
     batches = [sample_batch("github", 32, 24 * K, seed=s) for s in range(3)]
-    with PlanningService(cost, options=OPTS, workers=1) as svc:
-        plans = list(svc.stream(iter(batches), ahead=1, wait=True))  # fed like a sampler
+    with PlanningService(cost, options=OPTS, workers=workers) as svc:
+        plans = list(svc.stream(iter(batches), ahead=2, wait=True))  # fed like a sampler
         assert svc.events == [] and svc.pending() == []
     for b, plan in zip(batches, plans):
         assert plan.stats["service_source"] == "solver"

@@ -55,6 +55,7 @@ def make_strategy(
             config.plan.policy,
             options,
             ahead=config.plan.ahead,
+            workers=config.plan.workers,
             wait=wait,
             residual=config.parallel.residual_policy,
         )
@@ -71,6 +72,7 @@ def make_strategy(
             planner_options(config),
             config.data.rows_per_batch,
             ahead=config.plan.ahead,
+            workers=config.plan.workers,
             wait=wait,
             residual=config.parallel.residual_policy,
         )

@@ -127,13 +127,14 @@ class GroupsStrategy(ExecutionStrategy):
         options: Any = None,
         *,
         ahead: int = 2,
+        workers: int = 1,
         wait: bool = False,
         residual: Optional[str] = "dots_and_attention",
         chunk_multiple: int = 2,
         fallback_policy: str = "homogeneous",
     ):
         self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
-        self.ahead, self.wait, self.chunk_multiple = ahead, wait, chunk_multiple
+        self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
         self.residual = None if residual == "all" else residual
         self.fallback_policy = fallback_policy
         self._service = None
@@ -146,7 +147,7 @@ class GroupsStrategy(ExecutionStrategy):
             from jvarlen.plan.service import PlanningService
 
             fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
-            self._service = PlanningService(None, solve=solve, fallback=fallback)
+            self._service = PlanningService(None, workers=self.workers, solve=solve, fallback=fallback)
         return Planner(all_documents, solve, self._service, self.wait)
 
     # ---- host side

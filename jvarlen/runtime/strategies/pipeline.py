@@ -80,6 +80,7 @@ class PipelineStrategy(ExecutionStrategy):
         rows_per_batch: int,
         *,
         ahead: int = 2,
+        workers: int = 1,
         wait: bool = False,
         residual: Optional[str] = "dots_and_attention",
         chunk_multiple: int = 4,
@@ -94,7 +95,7 @@ class PipelineStrategy(ExecutionStrategy):
             except ValueError as error:
                 raise ConfigError(f"parallel.residual_policy: {error}") from None
         self.ctx, self.layout, self.cost, self.policy, self.options = ctx, layout, cost, policy, options
-        self.rows_per_batch, self.ahead, self.wait = rows_per_batch, ahead, wait
+        self.rows_per_batch, self.ahead, self.workers, self.wait = rows_per_batch, ahead, workers, wait
         self.residual = None if residual == "all" else residual
         self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
         self._service = None
@@ -102,7 +103,7 @@ class PipelineStrategy(ExecutionStrategy):
     def planner(self) -> Planner:
         solve = functools.partial(plan_iteration, cost=self.cost, policy=self.policy, options=self.options)
         if self.ahead > 0 and self._service is None:
-            self._service = PlanningService(self.cost, self.policy, self.options)
+            self._service = PlanningService(self.cost, self.policy, self.options, workers=self.workers)
         return Planner(split_by_rows(self.layout.dp, self.rows_per_batch), solve, self._service, self.wait)
 
     def prepare(self, iteration, known=()) -> Prepared:
