@@ -2,10 +2,30 @@
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
+from typing import Optional
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite compiles hundreds of small CPU programs; LLVM's optimisations of the generated code
+# cost ~40 % of a loop test's time and buy nothing at these sizes (HLO passes, and so the
+# programs' structure, are unchanged). Inherited by the CLI subprocesses; set the flag yourself
+# to test at another level.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def cli_env(host_devices: Optional[int] = None, **extra: str) -> dict:
+    """The environment of a CLI subprocess: the suite's XLA flags with ``host_devices`` host
+    devices (None: no count, the entry point gives the host what the run needs)."""
+    flags = _DEVICE_COUNT.sub("", os.environ["XLA_FLAGS"]).strip()
+    if host_devices is not None:
+        flags = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Lets an installed CUDA plugin register without cuDNN or a driver, for the deviceless
 # compile tests (marker gpu_aot); without the plugin it does nothing.

@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import cli_env
 from hf_helpers import fixture, reference
 
 from jvarlen import export
@@ -44,7 +45,7 @@ def _run(tmp_path, name, steps, *extra) -> str:
         f"--train.steps={steps}", "--logging.tensorboard=false", "--logging.progress_bar=false",
         "--model.compute_dtype=float32", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = cli_env(2)
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

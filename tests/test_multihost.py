@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import cli_env
 
 STEPS = 3
 ROWS, SEQ, VOCAB = 4, 64, 64
@@ -181,7 +182,7 @@ def test_distributed_config_is_all_or_nothing():
 def _run_two_processes(command) -> None:
     """Runs ``command(pid)`` for pids 0 and 1 (4 host CPU devices each) to completion; fails
     with the log of a process that did not exit cleanly."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = cli_env(4, JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in (0, 1)

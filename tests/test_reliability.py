@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import cli_env
 from test_train import TINY_ARGS, _config
 
 from jvarlen.config import ConfigError, parse_config
@@ -175,7 +176,7 @@ def test_truncate_records_drops_later_steps_and_a_torn_line(tmp_path):
 
 def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONUNBUFFERED": "1"}
+    env = cli_env(1, PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable,
         "-m",

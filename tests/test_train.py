@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import cli_env
 
 from jvarlen.config import parse_config
 from jvarlen.runtime.checkpoint import CheckpointMismatchError
@@ -51,7 +52,7 @@ def _config(run_dir, cache_dir, *extra):
 
 def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = cli_env(2)
     proc = subprocess.run(
         [
             sys.executable,
