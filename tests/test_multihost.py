@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import cli_env
 
 STEPS = 3
 ROWS, SEQ, VOCAB = 4, 64, 64
@@ -182,6 +181,8 @@ def test_distributed_config_is_all_or_nothing():
 def _run_two_processes(command) -> None:
     """Runs ``command(pid)`` for pids 0 and 1 (4 host CPU devices each) to completion; fails
     with the log of a process that did not exit cleanly."""
+    from conftest import cli_env  # here: the workers import this module, and conftest sets 8 devices
+
     env = cli_env(4, JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
