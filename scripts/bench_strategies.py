@@ -325,19 +325,29 @@ def gap_table(g) -> str:
     return "\n".join(lines)
 
 
+def auto_settings() -> list[Setting]:
+    """The 64-device settings with pull/push overlapped, where ``auto`` is measured."""
+    return [s for s in settings(False) if s.overlap and s.devices == 64]
+
+
+def auto_setup(setting: Setting):
+    """(costs, corpus, per-policy options) of ``setting``: Hydraulis with its corpus proposal."""
+    from jvarlen.plan.hydraulis import HydraulisOptions
+
+    costs = costs_for(setting)
+    pool = corpus(setting.workload, setting.context)
+    return costs, pool, {"hydraulis": HydraulisOptions().for_corpus(pool, costs, setting.context)}
+
+
 def auto_part(iterations: int, quick: bool) -> list[dict]:
     """``auto`` against every policy it plans with, per batch, on the 64-device settings with
     pull/push overlapped: its estimate must be the best of theirs, and its planning time (all of
     them, one after another) is the planning service's per-iteration cost."""
     from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions
-    from jvarlen.plan.hydraulis import HydraulisOptions
 
     out = []
-    for setting in [s for s in settings(False) if s.overlap and s.devices == 64][: 2 if quick else None]:
-        costs = costs_for(setting)
-        pool = corpus(setting.workload, setting.context)
-        hydraulis = HydraulisOptions().for_corpus(pool, costs, setting.context)
-        given = {"hydraulis": hydraulis}
+    for setting in auto_settings()[: 2 if quick else None]:
+        costs, pool, given = auto_setup(setting)
         auto = AutoOptions(options=tuple(given.items()))
         rows = []
         for i in range(iterations):
@@ -357,13 +367,11 @@ def service_part(iterations: int, workers: tuple[int, ...] = (1, 2)) -> list[dic
     import functools
 
     from jvarlen.plan.auto import AutoOptions
-    from jvarlen.plan.hydraulis import HydraulisOptions
     from jvarlen.plan.service import PlanningService
 
-    setting = next(s for s in settings(False) if s.overlap and s.devices == 64)
-    costs = costs_for(setting)
-    pool = corpus(setting.workload, setting.context)
-    options = AutoOptions(options=(("hydraulis", HydraulisOptions().for_corpus(pool, costs, setting.context)),))
+    setting = auto_settings()[0]
+    costs, pool, given = auto_setup(setting)
+    options = AutoOptions(options=tuple(given.items()))
     solve = functools.partial(plan_strategy, "auto", costs=costs, options=options)
     batches = [token_batch(pool, setting.tokens, 4000 + i) for i in range(iterations)]
     out = []

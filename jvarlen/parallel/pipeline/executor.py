@@ -328,15 +328,16 @@ class StageProgram:
     def tick(self, carry, t):
         s, b = self.s, self.b
         carry = dict(carry)
+        ordered = s.sig.layout.sp > 1
         send_grad = self.backward_lane(carry, t)
-        if s.sig.layout.sp > 1:
+        if ordered:
             # Ulysses all-to-alls run inside the lanes' conditionals, and XLA:CPU (jax 0.12) may start
             # independent conditionals and collectives in a different order on each device: two
             # devices of a stage then wait in different collectives for ever. The barriers order
             # lane 0, lane 1, then the ppermutes (collectives outside conditionals keep program order).
             send_grad, carry = jax.lax.optimization_barrier((send_grad, carry))
         send_act = self.forward_lane(carry, t)
-        if s.sig.layout.sp > 1:
+        if ordered:
             send_act, send_grad = jax.lax.optimization_barrier((send_act, send_grad))
         if s.pp > 1:
             cdt = s.compute_dtype
