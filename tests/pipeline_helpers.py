@@ -144,10 +144,23 @@ class PipelineGrads:
     """``grads(params, batch) -> (sums, grads, layer_forwards)`` of one signature, compiled once ahead of
     time (every schedule and recomputation table of that signature runs on this one executable)."""
 
-    def __init__(self, graphdef, cfg, sig: PipelineSignature, params, *, residual_policy=None, compiler_options=None):
+    def __init__(
+        self,
+        graphdef,
+        cfg,
+        sig: PipelineSignature,
+        params,
+        *,
+        residual_policy=None,
+        stage_weights="replicated",
+        compiler_options=None,
+    ):
         mesh = pipeline_mesh(sig.layout)
         self.sharding = NamedSharding(mesh, P("dp"))
-        fn = jax.jit(make_pipeline_grads(graphdef, cfg, sig, mesh, residual_policy=residual_policy))
+        grads = make_pipeline_grads(
+            graphdef, cfg, sig, mesh, residual_policy=residual_policy, stage_weights=stage_weights
+        )
+        fn = jax.jit(grads)
         shapes = {k: jax.ShapeDtypeStruct(v, np.int32, sharding=self.sharding) for k, v in sig.input_shapes().items()}
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.compiled = fn.lower(abstract, shapes).compile(compiler_options)

@@ -85,7 +85,7 @@ def _moments_like_params(optimizer, opt_state, param_sharding_tree, replicated):
     )
 
 
-def _castable(axes: tuple) -> bool:
+def is_compute_weight(axes: tuple) -> bool:
     """Weight matrices are cast for compute; vectors (norm scales) stay in fp32."""
     return len([a for a in axes if a not in (None, "layers")]) >= 2
 
@@ -96,7 +96,7 @@ def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES)
     leaves = jax.tree.leaves(params)
     out = []
     for axes, x, sharding in zip(param_axes(params), leaves, compute):
-        if _castable(axes) and jnp.issubdtype(x.dtype, jnp.floating):
+        if is_compute_weight(axes) and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
         out.append(jax.lax.with_sharding_constraint(x, sharding))
     return _param_tree(params, out)

@@ -33,6 +33,8 @@ from jvarlen.parallel import ulysses
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
 from jvarlen.parallel.pipeline.stage import StageFns, maybe, residual_shapes
+from jvarlen.parallel.pipeline.weights import StageWeights
+from jvarlen.parallel.sharding import param_axes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
@@ -280,7 +282,7 @@ class StageProgram:
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
             carry["dck"] = _put(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
             carry["dcv"] = _put(carry["dcv"], ctx_b, reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
-        carry["g_layers"] = jax.tree.map(jnp.add, carry["g_layers"], o["d_layers"])
+        carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
@@ -385,17 +387,18 @@ class StageProgram:
             dcv=zeros_ctx,
             # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
             res=[jnp.zeros((sig.n_res,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
-            g_layers=jax.tree.map(jnp.zeros_like, layers),
+            g_layers=s.fns.weights.accumulators(layers),
             g_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.int32),
         )
 
     def run(self):
-        """-> (grads of the stage's layers, of the rest, loss sum, layer forwards [1, 1])."""
+        """-> (grads of the layers (this device's canonical chunks), of the rest, loss sum, layer
+        forwards [1, 1])."""
         carry = self.init()
         carry, _ = jax.lax.scan(self.tick, carry, jnp.arange(self.s.sig.n_ticks))
-        g_layers = jax.lax.psum(carry["g_layers"], (DATA, SP))
+        g_layers = self.s.fns.weights.push(carry["g_layers"])  # summed, in the canonical placement
         g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP, SP))
         loss = jax.lax.psum(carry["loss"], (DATA, PP, SP))
         return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
@@ -409,14 +412,21 @@ def _get(buf, i):
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
 
-def stage_shapes(graphdef, cfg: ModelConfig, sig: PipelineSignature, attention_fn=None, residual_policy=None):
+def stage_shapes(
+    graphdef,
+    cfg: ModelConfig,
+    sig: PipelineSignature,
+    attention_fn=None,
+    residual_policy=None,
+    stage_weights: str = "replicated",
+):
     """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`)."""
     sp = sig.layout.sp
     if sig.bucket % sp or cfg.num_heads % sp:
         raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
     repeats = ulysses.kv_repeats(cfg.num_kv_heads, sp)
     cdt = resolve_compute_dtype(cfg.compute_dtype)
-    layer_graphdef, _ = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    layer_graphdef, layer_state = nnx.split(abstract_model(cfg).layers, nnx.Param)
     fns = StageFns(
         layer_graphdef,
         attention_fn or make_attention_fn(cfg.attention),
@@ -425,6 +435,7 @@ def stage_shapes(graphdef, cfg: ModelConfig, sig: PipelineSignature, attention_f
         sp=sp,
         kv_repeats=repeats,
         residual_policy=residual_policy,
+        weights=StageWeights(layer_state, param_axes(layer_state), sig.layout, stage_weights, cdt),
     )
     return StageShapes(
         sig,
@@ -438,24 +449,33 @@ def stage_shapes(graphdef, cfg: ModelConfig, sig: PipelineSignature, attention_f
 
 
 def make_pipeline_grads(
-    graphdef, cfg: ModelConfig, sig: PipelineSignature, mesh, attention_fn=None, residual_policy: Optional[str] = None
+    graphdef,
+    cfg: ModelConfig,
+    sig: PipelineSignature,
+    mesh,
+    attention_fn=None,
+    residual_policy: Optional[str] = None,
+    stage_weights: str = "replicated",
 ):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
     ``grads`` are of the mean loss over every real target of all pipelines (like
     :func:`jvarlen.runtime.step.loss_and_grads`), accumulated over chunks and pipelines.
     ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
+    ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
+    ``"sharded"`` (ZeRO-3 over the stage's sp group: a device holds 1/sp of each layer and its
+    gradient accumulator, and gathers one layer at a time where an op uses it).
     """
-    shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy)
+    shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy, stage_weights)
 
     def device_fn(layers, rest, b, scale):
-        return StageProgram(shapes, layers, rest, b, scale).run()
+        return StageProgram(shapes, shapes.fns.weights.pull(layers), rest, b, scale).run()
 
     def grads(params, batch):
         layers, rest = split_params(params)
         targets = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
         scale = 1.0 / jnp.maximum(targets, 1.0)
-        layer_spec = jax.tree.map(lambda _: P(PP), layers)
+        layer_spec = shapes.fns.weights.specs()
         rest_spec = jax.tree.map(lambda _: P(), rest)
         batch_spec = {key: P(DATA) for key in batch}
         g_layers, g_rest, loss, count = jax.shard_map(

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jvarlen.kernels.api import ATTENTION_RESIDUALS
@@ -66,14 +67,24 @@ class StageFns:
     # (e.g. "dots_with_no_batch_dims_saveable") keeps only what the policy saves and
     # recomputes the rest inside the backward (selective recomputation).
     residual_policy: Optional[str] = None
+    # where the stage's weights live (jvarlen.parallel.pipeline.weights.StageWeights); sharded over
+    # sp, a layer is gathered where it is used. None: replicated.
+    weights: Any = None
     recipe: ResidualRecipe = dataclasses.field(default_factory=ResidualRecipe)
 
     def layer(self, inputs: AttentionInputs, rotary_positions):
         """f(layer_params, x [T/sp, d], ck [Sc,K',D], cv) -> (y [T/sp, d], k [T,K',D], v [T,K',D]).
 
         ``inputs`` describe all T tokens of the chunk (and its Sc context keys);
-        K' = K * kv_repeats / sp kv heads per device (K' = K without sp).
+        K' = K * kv_repeats / sp kv heads per device (K' = K without sp). With sharded stage
+        weights ``layer_params`` are this device's shards (:meth:`sharded_layer`).
         """
+        if self.sharded:
+            return self.sharded_layer(inputs, rotary_positions)
+        return self.full_layer(inputs, rotary_positions)
+
+    def full_layer(self, inputs: AttentionInputs, rotary_positions):
+        """The layer on whole parameters, under the residual policy."""
         hooks = {}
         if self.sp > 1:
 
@@ -92,6 +103,38 @@ class StageFns:
         if self.residual_policy:
             return jax.checkpoint(f, policy=residual_policy(self.residual_policy))
         return f
+
+    @property
+    def sharded(self) -> bool:
+        return self.weights is not None and self.weights.sharded
+
+    def sharded_layer(self, inputs: AttentionInputs, rotary_positions):
+        """The layer on this device's weight shards (ZeRO-3 over sp): the forward gathers the layer,
+        runs :meth:`full_layer` and keeps its residuals, the backward gathers it again and
+        reduce-scatters its gradient. A custom VJP, so that no residual (stored across ticks, or of
+        the fused op's scan over layers) is a gathered weight, whatever the residual policy."""
+        recipe, gather = ResidualRecipe(), self.weights.gather_layer
+        aux = (inputs.segment_ids, inputs.positions, inputs.kv_segment_ids, inputs.kv_positions, rotary_positions)
+
+        def full(aux):
+            return self.full_layer(AttentionInputs(*aux[:4]), aux[4])
+
+        @jax.custom_vjp
+        def f(lp, x, ck, cv, aux):
+            return full(aux)(gather(lp), x, ck, cv)
+
+        def f_fwd(lp, x, ck, cv, aux):
+            whole = gather(lp)
+            out, vjp_fn = jax.vjp(full(aux), whole, x, ck, cv)
+            return out, (lp, ck, cv, aux, split_vjp(vjp_fn, _shared(whole, ck, cv), recipe))
+
+        def f_bwd(saved, cotangents):
+            lp, ck, cv, aux, res = saved
+            d_whole, dx, dck, dcv = join_vjp(recipe, res, _shared(gather(lp), ck, cv))(cotangents)
+            return self.weights.scatter_layer_grad(d_whole), dx, dck, dcv, jax.tree.map(_no_cotangent, aux)
+
+        f.defvjp(f_fwd, f_bwd)
+        return lambda lp, x, ck, cv: f(lp, x, ck, cv, aux)
 
     def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions, recompute):
         """Scan over the stage's layers, keeping the residuals of layers not in ``recompute [Ls]``
@@ -194,6 +237,11 @@ def residual_policy(name: str):
             f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a jax.checkpoint_policies name"
         )
     return getattr(cp, name)
+
+
+def _no_cotangent(x):
+    """The zero cotangent of an integer input of a custom VJP."""
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _shared(lp, ck, cv) -> list:
