@@ -136,10 +136,11 @@ class Session:
         bucket: Optional[int] = None,
         chunk_multiple: int = 2,
         residual_policy: Optional[str] = "dots_and_attention",
+        stage_weights: str = "replicated",
     ) -> PlanStep:
         """The elastic pipeline step on ``layout`` for plans of that layout (chunks padded to
         ``bucket`` tokens, or to quarter steps of a power of two; chunk counts to a multiple of
-        ``chunk_multiple``)."""
+        ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp group)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
         strategy = PipelineStrategy(
@@ -151,20 +152,31 @@ class Session:
             rows_per_batch=1,
             ahead=0,
             residual=residual_policy,
+            stage_weights=stage_weights,
             chunk_multiple=chunk_multiple,
             bucket=bucket,
         )
         return PlanStep(strategy, self.cache)
 
     def strategy_step(
-        self, *, residual_policy: Optional[str] = "dots_and_attention", chunk_multiple: int = 2
+        self,
+        *,
+        residual_policy: Optional[str] = "dots_and_attention",
+        stage_weights: str = "replicated",
+        chunk_multiple: int = 2,
     ) -> StrategyStep:
         """The heterogeneous-groups step: ``step.prepare(strategy_plan, documents)`` runs each group of a
         :class:`~jvarlen.plan.strategy.StrategyPlan` on its devices and updates the state once."""
         from jvarlen.runtime.strategies.groups import GroupsStrategy
 
         strategy = GroupsStrategy(
-            self.context, None, "", ahead=0, residual=residual_policy, chunk_multiple=chunk_multiple
+            self.context,
+            None,
+            "",
+            ahead=0,
+            residual=residual_policy,
+            stage_weights=stage_weights,
+            chunk_multiple=chunk_multiple,
         )
         return StrategyStep(strategy, self.cache)
 

@@ -77,6 +77,7 @@ CHECKPOINT_FIELDS = (
 # Of those, the ones a run may change on purpose (context extension): set to a value other than
 # the default, they override the checkpoint's.
 ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
+STAGE_WEIGHTS = ("replicated", "sharded")  # parallel.stage_weights
 
 
 @dataclasses.dataclass
@@ -277,6 +278,10 @@ class ParallelConfig:
     # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
     # the backward), "all" (every residual), or a jax.checkpoint_policies name.
     residual_policy: str = "dots_and_attention"
+    # A pipeline stage's layers (and their gradient accumulator) on its sp devices: "replicated"
+    # (every device holds the stage) or "sharded" (ZeRO-3 over the sp group: 1/sp each, one layer
+    # gathered at a time where an op uses it; the planner's memory model follows).
+    stage_weights: str = "replicated"
 
     @property
     def chooses_dp_layouts(self) -> bool:
@@ -299,6 +304,10 @@ class ParallelConfig:
         _require(
             self.tokens_per_device is None or self.sp_cycle is None,
             "parallel.tokens_per_device and parallel.sp_cycle both choose the layout per step; set only one",
+        )
+        _require(
+            self.stage_weights in STAGE_WEIGHTS,
+            f"parallel.stage_weights must be one of {STAGE_WEIGHTS}, got {self.stage_weights!r}",
         )
         if self.num_processes is not None:
             _positive("parallel", num_processes=self.num_processes)

@@ -51,6 +51,13 @@ def test_planning_workers_need_iterations_ahead():
     assert parse_config(["--plan.workers=3", "--plan.ahead=2"]).plan.workers == 3
 
 
+def test_stage_weights_are_replicated_or_sharded():
+    assert parse_config([]).parallel.stage_weights == "replicated"
+    assert parse_config(["--parallel.stage_weights=sharded"]).parallel.stage_weights == "sharded"
+    with pytest.raises(ConfigError, match="parallel.stage_weights"):
+        parse_config(["--parallel.stage_weights=zero3"])
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(["--config", "/nonexistent/x.yaml"])

@@ -93,9 +93,10 @@ def make_cost(model, cluster="a800", layout: Layout = Layout(1, 4, 8), zero3_sp:
     accumulators are sharded over its SP group (``stage_bytes_per_param / sp`` per
     device; the gathered layer lives in the profile's workspace), and the end-of-step
     gradient/parameter sync of a stage stays inside that group: over NVLink when the
-    group fits in a node (with dp = 1 no parameter or gradient crosses nodes). Default
-    off: the cost model's own assumption (full stage copy, sync over the slowest link,
-    which is what jvarlen's executor does).
+    group fits in a node (with dp = 1 no parameter or gradient crosses nodes). This shards
+    embedding and head too, as InfiniPipe's testbed does; jvarlen's executor shards only the
+    decoder layers (``parallel.stage_weights="sharded"``, ``CostModel(stage_weights_sharded=True)``
+    models it). Default off: a full stage copy, sync over the slowest link.
     """
     from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
 

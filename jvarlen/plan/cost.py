@@ -72,12 +72,17 @@ class CostModel:
         coeffs: CostCoefficients,
         state_devices: Optional[int] = None,
         pad_to: Optional[int] = None,
+        stage_weights_sharded: bool = False,
     ):
         """``state_devices``: the devices the fp32 master parameters and optimizer moments are sharded
         over (the canonical state of the whole run); default the layout's. A device group of a
         heterogeneous strategy runs on fewer devices than hold the state. ``pad_to``: every chunk's
         matmuls run over this many tokens (the pipeline executor pads all chunks of a step to one
-        bucket, :meth:`padded`); None: each chunk's own bucket (``token_buckets``)."""
+        bucket, :meth:`padded`); None: each chunk's own bucket (``token_buckets``).
+        ``stage_weights_sharded``: the compute copy and gradient accumulator of the stage's decoder
+        layers are sharded over its sp group (ZeRO-3, the executor's ``stage_weights="sharded"``),
+        so a device holds ``stage_bytes_per_param / sp`` per layer parameter (embedding and head:
+        ``stage_bytes_per_param``)."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -87,6 +92,7 @@ class CostModel:
         self.coeffs = coeffs
         self.state_devices = layout.num_devices if state_devices is None else int(state_devices)
         self.pad_to = pad_to
+        self.stage_weights_sharded = bool(stage_weights_sharded)
         if self.state_devices < layout.num_devices:
             raise ValueError(
                 f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices} devices"
@@ -98,11 +104,13 @@ class CostModel:
         self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
 
     def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
-        return CostModel(self.model, layout, self.coeffs, state_devices)
+        return CostModel(
+            self.model, layout, self.coeffs, state_devices, stage_weights_sharded=self.stage_weights_sharded
+        )
 
     def padded(self, bucket: Optional[int]) -> "CostModel":
         """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded)."""
-        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, bucket)
+        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, bucket, self.stage_weights_sharded)
 
     def _is_last(self, stage: Optional[int]) -> bool:
         return stage is not None and stage == self.layout.pp - 1
@@ -273,7 +281,11 @@ class CostModel:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
         sharded = c.master_bytes_per_param * m.param_count / self.state_devices
-        local = c.stage_bytes_per_param * m.stage_params(stage, self.layout.pp)
+        params = m.stage_params(stage, self.layout.pp)
+        if self.stage_weights_sharded:  # the decoder layers; embedding and head stay whole
+            layers = m.num_layers // self.layout.pp * m.layer_params
+            params += layers / self.layout.sp - layers
+        local = c.stage_bytes_per_param * params
         return sharded + local + c.workspace_bytes
 
     @property

@@ -274,7 +274,7 @@ class SchemeCosts:
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (a few schemes per run; the object lives as long as the run)
     def cost(self, scheme: Scheme) -> CostModel:
-        return CostModel(self.model, scheme.layout, self.coeffs, state_devices=self.num_devices)
+        return self.base.with_layout(scheme.layout, state_devices=self.num_devices)
 
     def T(self, length: int, scheme: Scheme) -> float:
         """Hydraulis ``T(l, P)``: forward + backward of one stage for a micro-batch holding one whole

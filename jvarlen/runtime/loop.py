@@ -58,6 +58,7 @@ def make_strategy(
             workers=config.plan.workers,
             wait=wait,
             residual=config.parallel.residual_policy,
+            stage_weights=config.parallel.stage_weights,
         )
     if layout.pp > 1:
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy, cost_model, planner_options
@@ -75,6 +76,7 @@ def make_strategy(
             workers=config.plan.workers,
             wait=wait,
             residual=config.parallel.residual_policy,
+            stage_weights=config.parallel.stage_weights,
         )
     from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
 

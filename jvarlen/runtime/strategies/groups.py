@@ -130,12 +130,14 @@ class GroupsStrategy(ExecutionStrategy):
         workers: int = 1,
         wait: bool = False,
         residual: Optional[str] = "dots_and_attention",
+        stage_weights: str = "replicated",
         chunk_multiple: int = 2,
         fallback_policy: str = "homogeneous",
     ):
         self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
         self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
         self.residual = None if residual == "all" else residual
+        self.stage_weights = stage_weights
         self.fallback_policy = fallback_policy
         self._service = None
         self.cache = None
@@ -208,7 +210,9 @@ class GroupsStrategy(ExecutionStrategy):
         _, pp, sp, devices, sig = key
         ctx = self.ctx
         mesh = group_mesh(sig.layout, self._devices(devices))
-        grads = make_pipeline_grads(ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual)
+        grads = make_pipeline_grads(
+            ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual, stage_weights=self.stage_weights
+        )
         num_layers = ctx.model.num_layers
 
         def program(params, batch, weight):

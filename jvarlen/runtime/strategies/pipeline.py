@@ -48,8 +48,10 @@ def planner_options(config: Config) -> PlannerOptions:
 
 def cost_model(config: Config, layout: Layout, say) -> CostModel:
     """The measured profile for this backend (``train.cost_profile``, see ``find_profile``) with this
-    model's shape, else the analytic a800 model (plans are still valid)."""
+    model's shape, else the analytic a800 model (plans are still valid); its memory model holds 1/sp
+    of a stage's weights per device under ``parallel.stage_weights="sharded"``."""
     shape = ModelShape.from_config(config.model)
+    sharded = config.parallel.stage_weights == "sharded"
     path = find_profile(config)
     if path is None and config.train.cost_profile != "none":
         backend = jax.default_backend()
@@ -60,9 +62,11 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
             say(f"[jvarlen] planner: no profile for {shape.key()}; using the shipped {shipped[0]}")
     if path is None:
         say("[jvarlen] planner: analytic a800 cost model (no measured profile for this backend)")
-        return make_cost(shape, "a800", layout)
-    say(f"[jvarlen] planner cost model: {path}")
-    return CostModel(shape, layout, CostCoefficients.load(path))
+        coeffs = make_cost(shape, "a800", layout).coeffs
+    else:
+        say(f"[jvarlen] planner cost model: {path}")
+        coeffs = CostCoefficients.load(path)
+    return CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
 
 
 class PipelineStrategy(ExecutionStrategy):
@@ -83,12 +87,14 @@ class PipelineStrategy(ExecutionStrategy):
         workers: int = 1,
         wait: bool = False,
         residual: Optional[str] = "dots_and_attention",
+        stage_weights: str = "replicated",
         chunk_multiple: int = 4,
         bucket: Optional[int] = None,
         paired: bool = True,
     ):
         """``paired``: run the executor's paired tick tables (False: one op per stage and tick, for
-        comparisons; the planner's simulation stays as ``options`` says)."""
+        comparisons; the planner's simulation stays as ``options`` says). ``stage_weights``: see
+        ``make_pipeline_grads``."""
         if residual is not None and residual != "all":
             try:
                 residual_policy(residual)
@@ -97,6 +103,7 @@ class PipelineStrategy(ExecutionStrategy):
         self.ctx, self.layout, self.cost, self.policy, self.options = ctx, layout, cost, policy, options
         self.rows_per_batch, self.ahead, self.workers, self.wait = rows_per_batch, ahead, workers, wait
         self.residual = None if residual == "all" else residual
+        self.stage_weights = stage_weights
         self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
         self._service = None
 
@@ -132,10 +139,14 @@ class PipelineStrategy(ExecutionStrategy):
                 info[f"predicted_{key}"] = combined if np.ndim(combined) else float(combined)
         return Prepared(sig, batch, info)
 
-    def compile(self, sig: PipelineSignature) -> CompiledStep:
+    def step_inputs(self, sig: PipelineSignature) -> tuple:
+        """(grads_fn, batch shapes, batch shardings) of signature ``sig`` (each pipeline's arrays
+        over dp)."""
         ctx = self.ctx
         mesh = ctx.placement.mesh(sig.layout)
-        grads = make_pipeline_grads(ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual)
+        grads = make_pipeline_grads(
+            ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual, stage_weights=self.stage_weights
+        )
 
         def grads_fn(params, batch):
             sums, g, layer_forwards = grads(params, batch)
@@ -143,7 +154,10 @@ class PipelineStrategy(ExecutionStrategy):
 
         shapes = {k: jax.ShapeDtypeStruct(s, np.int32) for k, s in sig.input_shapes().items()}
         sharding = NamedSharding(mesh, P(DATA))
-        return ctx.compile(grads_fn, shapes, {k: sharding for k in shapes})
+        return grads_fn, shapes, {k: sharding for k in shapes}
+
+    def compile(self, sig: PipelineSignature) -> CompiledStep:
+        return self.ctx.compile(*self.step_inputs(sig))
 
     def record(self, iteration, prepared: Prepared, metrics: dict) -> dict:
         return {"layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist()}
