@@ -190,26 +190,16 @@ def compile_report(lowered, *, kernel_prefix: str = KERNEL_PREFIX, ptxas: bool =
     )
 
 
-def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None, seq_len: Optional[int] = None):
-    """The data-parallel train step of ``config`` lowered for ``devices`` (abstract GPUs).
-
-    Nothing is allocated: the state is abstract (``jax.eval_shape``), the batch is
-    ``rows x seq_len`` tokens (default: the config's ``data.tokens_per_batch`` as rows of
-    ``data.seq_len``). Call inside ``kernels.compile_for(target)`` so that attention and the
-    compute dtype resolve as on the GPU. ``layout`` defaults to pure data parallelism.
-    """
+def abstract_step_context(config, devices):
+    """The run's :class:`~jvarlen.runtime.strategy.StepContext` with an abstract train state
+    (``jax.eval_shape``, nothing allocated) in its canonical sharding over ``devices``."""
     import jax
-    import numpy as np
 
-    from jvarlen.layout import Layout
     from jvarlen.model import abstract_model
     from jvarlen.parallel.sharding import Placement
     from jvarlen.runtime.state import TrainState, make_optimizer, split_model
-    from jvarlen.runtime.step import BATCH_KEYS
-    from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, shape_bucket
     from jvarlen.runtime.strategy import StepContext
 
-    layout = layout or Layout(dp=len(devices))
     graphdef, params = split_model(abstract_model(config.model))
     optimizer = make_optimizer(config.optimizer, config.train.steps)
     state = jax.eval_shape(
@@ -225,13 +215,65 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, placement.state_sharding
     )
-    ctx = StepContext(graphdef, config.model, optimizer, placement, abstract)
+    return StepContext(graphdef, config.model, optimizer, placement, abstract)
+
+
+def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None, seq_len: Optional[int] = None):
+    """The data-parallel train step of ``config`` lowered for ``devices`` (abstract GPUs).
+
+    Nothing is allocated: the state is abstract (``jax.eval_shape``), the batch is
+    ``rows x seq_len`` tokens (default: the config's ``data.tokens_per_batch`` as rows of
+    ``data.seq_len``). Call inside ``kernels.compile_for(target)`` so that attention and the
+    compute dtype resolve as on the GPU. ``layout`` defaults to pure data parallelism.
+    """
+    import numpy as np
+
+    from jvarlen.layout import Layout
+    from jvarlen.runtime.step import BATCH_KEYS
+    from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, shape_bucket
+
+    layout = layout or Layout(dp=len(devices))
+    ctx = abstract_step_context(config, devices)
     seq_len = seq_len or config.data.seq_len
     rows = rows or max(layout.dp, config.data.tokens_per_batch // seq_len)
     strategy = LayoutStrategy(ctx, LayoutPolicy(len(devices), config.model.num_heads, 1, layout), rows, seq_len)
     batch = {k: np.zeros((rows, seq_len), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
     with lowering_device(devices[0]):
         return ctx.lower(*strategy.step_inputs(("layout", layout, shape_bucket(batch))))
+
+
+def lower_pipeline_step(config, devices, layout, *, chunks: int, bucket: int, stage_weights: str = "replicated"):
+    """The elastic pipeline's train step of ``config`` on ``layout`` lowered for ``devices``
+    (abstract GPUs): every pipeline runs ``chunks`` one-document chunks of ``bucket`` tokens in
+    1F1B order with no recomputation (the signature of such a plan). Call inside
+    ``kernels.compile_for(target)``."""
+    import numpy as np
+
+    from jvarlen.parallel import pipeline as pl
+    from jvarlen.plan import schedule
+    from jvarlen.runtime.strategies.pipeline import PipelineStrategy
+
+    ctx = abstract_step_context(config, devices)
+    docs = [np.ones(bucket, np.int32)] * chunks
+    pack = pl.pack_chunks([[(i, 0, bucket)] for i in range(chunks)], docs, bucket)
+    sched = schedule.one_f_one_b(chunks, layout.pp)
+    ckpt = np.zeros((chunks, layout.pp), np.int32)
+    sig, _ = pl.prepare_batch(
+        [pack] * layout.dp, [sched] * layout.dp, [ckpt] * layout.dp, layout, config.model.num_layers
+    )
+    strategy = PipelineStrategy(
+        ctx,
+        layout,
+        None,
+        "epp",
+        None,
+        rows_per_batch=1,
+        ahead=0,
+        residual=config.parallel.residual_policy,
+        stage_weights=stage_weights,
+    )
+    with lowering_device(devices[0]):
+        return ctx.lower(*strategy.step_inputs(sig))
 
 
 # Attention cases of the compile matrix: (q heads, kv heads, query tokens, key tokens).

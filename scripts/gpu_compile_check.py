@@ -2,12 +2,13 @@
 for an H100 / A100, and what does it need?
 
     pip install -e '.[gpu-aot]'          # the CUDA plugin + ptxas; no GPU, no cuDNN needed
-    python scripts/gpu_compile_check.py --target h100 --target a100 [--part attention|steps]
+    python scripts/gpu_compile_check.py --target h100 --target a100 [--part attention|steps|pipeline]
 
 Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64, 80, 96,
 128, 256} x {gqa, context} (``jvarlen.gpu_aot.ATTENTION_CASES``). Train steps: the
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
-(real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Every row either
+(real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
+pipeline step on 8 GPUs, stage weights replicated and sharded over sp. Every row either
 compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
 XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
 status, largest shared memory of the Pallas kernels, register spill bytes (ptxas), peak
@@ -42,6 +43,10 @@ STEPS = {
     "epp-cpu": ("configs/epp-cpu.yaml", 8, {"model.attention": "auto"}),
     "llama-7b": ("configs/llama-7b.yaml", 8, {}),
 }
+# the elastic pipeline's step of llama-7b on 8 GPUs, (dp, pp, sp), both stage-weight placements:
+# 4 one-document chunks of 8K tokens per pipeline, 1F1B, nothing recomputed
+PIPELINE_LAYOUTS = ((1, 2, 4), (2, 2, 2))
+PIPELINE_CHUNKS, PIPELINE_BUCKET = 4, 8192
 GiB = 2**30
 
 
@@ -125,6 +130,51 @@ def step_rows(target: str, names):
                     f"{m['temp_size_in_bytes'] / GiB:.1f} GiB; planner budget {pred['budget'] / GiB:.1f} GiB"
                 )
         yield row
+
+
+def pipeline_rows(target: str):
+    """llama-7b's pipeline step per layout of :data:`PIPELINE_LAYOUTS`, stage weights replicated and
+    sharded over sp (ZeRO-3): compiled memory per device, and the stage layers' copy (compute
+    dtype) + gradient accumulator (parameter dtype) one device holds by design."""
+    from jvarlen.layout import Layout
+    from jvarlen.plan.cost import ModelShape
+
+    tgt = gpu_aot.gpu_target(target)
+    config = load_config("configs/llama-7b.yaml")
+    shape = ModelShape.from_config(config.model)
+    for dp, pp, sp in PIPELINE_LAYOUTS:
+        layout = Layout(dp=dp, pp=pp, sp=sp)
+        devices = gpu_aot.abstract_devices(target, layout.num_devices)
+        for mode in ("replicated", "sharded"):
+
+            def lower(layout=layout, devices=devices, mode=mode):
+                with kernels.compile_for(tgt):
+                    return gpu_aot.lower_pipeline_step(
+                        config, devices, layout, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, stage_weights=mode
+                    )
+
+            what = (
+                f"pipeline llama-7b (dp, pp, sp) = ({dp}, {pp}, {sp}), stage weights {mode} "
+                f"({PIPELINE_CHUNKS} x {PIPELINE_BUCKET // 1024}K tokens per pipeline)"
+            )
+            row, report = _run(target, what, lower)
+            if report is not None:
+                m = report.memory
+                layers = shape.num_layers // pp * shape.layer_params
+                # the stage's copy (compute dtype) and gradient accumulator (parameter dtype)
+                per_param = (
+                    jnp.dtype(config.model.compute_dtype).itemsize + jnp.dtype(config.model.param_dtype).itemsize
+                )
+                stage = per_param * layers / (sp if mode == "sharded" else 1)
+                fwd = report.count("varlen_flash_fwd")
+                row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
+                row.detail = (
+                    f"arguments {m['argument_size_in_bytes'] / GiB:.2f} GiB, temporaries "
+                    f"{m['temp_size_in_bytes'] / GiB:.2f} GiB; the stage layers' copy + gradients "
+                    f"{stage / GiB:.2f} GiB per device; {report.hlo.count('all-gather-start')} async all-gathers, "
+                    f"{report.hlo.count('reduce-scatter')} reduce-scatters in the HLO"
+                )
+            yield row
 
 
 def cost_model_memory(config, devices: int, target: str) -> dict:
@@ -217,7 +267,7 @@ def search(target: str, dtype_names, head_dims):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", action="append", choices=sorted(gpu_aot.TARGETS), help="repeatable; default both")
-    ap.add_argument("--part", choices=("all", "attention", "steps"), default="all")
+    ap.add_argument("--part", choices=("all", "attention", "steps", "pipeline"), default="all")
     ap.add_argument("--dtype", action="append", choices=sorted(DTYPES))
     ap.add_argument("--head_dim", action="append", type=int)
     ap.add_argument("--case", action="append", choices=sorted(gpu_aot.ATTENTION_CASES))
@@ -245,6 +295,10 @@ def main(argv=None) -> int:
             for row in step_rows(target, args.step or list(STEPS)):
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
+        if args.part in ("all", "pipeline"):
+            for row in pipeline_rows(target):
+                rows.append(row)
+                print(f"{row.target} {row.what}: {row.status} {row.detail[:300]} ({row.seconds:.0f} s)", flush=True)
     print()
     print(markdown(rows))
     counts = {s: sum(r.status == s for r in rows) for s in ("compiled", "refused", "FAILED")}
