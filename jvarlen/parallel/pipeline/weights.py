@@ -71,7 +71,9 @@ class StageWeights:
             if self.sharded:
                 shard = canon if canon is not None else _first_divided(leaf.shape, layout.sp)
             interleave = layout.dp * layout.pp if shard is not None and shard == canon else 1
-            cast = compute_dtype is not None and is_compute_weight(leaf_axes) and jnp.issubdtype(leaf.dtype, jnp.floating)
+            cast = (
+                compute_dtype is not None and is_compute_weight(leaf_axes) and jnp.issubdtype(leaf.dtype, jnp.floating)
+            )
             leaves.append(LeafLayout(canon, shard, interleave, leaf.dtype, compute_dtype if cast else leaf.dtype))
         self.leaves = tuple(leaves)
         self.treedef = jax.tree.structure(layer_state)
