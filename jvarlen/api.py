@@ -143,14 +143,9 @@ class Session:
         ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp group)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
-        strategy = PipelineStrategy(
+        strategy = PipelineStrategy.for_given_plans(
             self.context,
             layout,
-            None,
-            "epp",
-            None,
-            rows_per_batch=1,
-            ahead=0,
             residual=residual_policy,
             stage_weights=stage_weights,
             chunk_multiple=chunk_multiple,

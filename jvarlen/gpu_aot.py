@@ -261,16 +261,8 @@ def lower_pipeline_step(config, devices, layout, *, chunks: int, bucket: int, st
     sig, _ = pl.prepare_batch(
         [pack] * layout.dp, [sched] * layout.dp, [ckpt] * layout.dp, layout, config.model.num_layers
     )
-    strategy = PipelineStrategy(
-        ctx,
-        layout,
-        None,
-        "epp",
-        None,
-        rows_per_batch=1,
-        ahead=0,
-        residual=config.parallel.residual_policy,
-        stage_weights=stage_weights,
+    strategy = PipelineStrategy.for_given_plans(
+        ctx, layout, residual=config.parallel.residual_policy, stage_weights=stage_weights
     )
     with lowering_device(devices[0]):
         return ctx.lower(*strategy.step_inputs(sig))

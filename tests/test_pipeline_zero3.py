@@ -143,16 +143,23 @@ def test_sharded_stage_weights_match_reference(layout):
         assert_tree_close(grads, ref_grads)
 
 
+def _token_1f1b_batch(cfg, layout, recompute: int):
+    """(pipelines, signature, batch) of plans A/B under token-level 1F1B, ``recompute`` layers per
+    stage and chunk."""
+    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
+    packs = [pk for _, pk in pipes]
+    scheds = [sch.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
+    ckpts = [np.full((pk.n_chunks, layout.pp), recompute, np.int32) for pk in packs]
+    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+    return pipes, sig, batch
+
+
 def _temp_bytes(layout, stage_weights, residual_policy):
     """(compiled temp bytes of the pipeline step, parameter bytes of one stage's layers), the
     parameters given in their canonical placement (as the train step holds them)."""
     cfg = tiny_config(num_layers=4)
     graphdef, params = tiny_params(cfg)
-    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
-    packs = [pk for _, pk in pipes]
-    scheds = [sch.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
-    ckpts = [np.zeros((pk.n_chunks, layout.pp), np.int32) for pk in packs]
-    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+    _, sig, batch = _token_1f1b_batch(cfg, layout, 0)
     mesh = pipeline_mesh(layout)
     grads = pl.make_pipeline_grads(
         graphdef, cfg, sig, mesh, residual_policy=residual_policy, stage_weights=stage_weights
@@ -190,11 +197,7 @@ def test_bf16_stage_copy_matches_reference(mode):
     require_devices(layout.num_devices)
     cfg = dataclasses.replace(tiny_config(num_layers=4), compute_dtype="bfloat16")
     graphdef, params = tiny_params(cfg)
-    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
-    packs = [pk for _, pk in pipes]
-    scheds = [sch.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
-    ckpts = [np.ones((pk.n_chunks, layout.pp), np.int32) for pk in packs]
-    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+    pipes, sig, batch = _token_1f1b_batch(cfg, layout, 1)
     grads_of = PipelineGrads(
         graphdef, cfg, sig, params, residual_policy="dots_and_attention", stage_weights=mode,
         compiler_options=FAST_COMPILE,

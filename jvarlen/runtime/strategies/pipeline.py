@@ -107,6 +107,12 @@ class PipelineStrategy(ExecutionStrategy):
         self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
         self._service = None
 
+    @classmethod
+    def for_given_plans(cls, ctx: StepContext, layout: Layout, **options) -> "PipelineStrategy":
+        """A strategy whose caller brings the plans (no cost model, no planner): research steps and
+        compile checks. ``options``: the constructor's keywords (residual, stage_weights, ...)."""
+        return cls(ctx, layout, None, "epp", None, rows_per_batch=1, ahead=0, **options)
+
     def planner(self) -> Planner:
         solve = functools.partial(plan_iteration, cost=self.cost, policy=self.policy, options=self.options)
         if self.ahead > 0 and self._service is None:
