@@ -113,6 +113,9 @@ def prepare_batch(
         for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot"):
             per[key].append(getattr(slots, key))
     out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
+    # ticks the executor runs: the longest pipeline's table, not the signature's rounded count (every
+    # pipeline runs as many, so that collectives match); the idle padding ticks are skipped
+    out["live_ticks"] = np.full((layout.dp,), max(t.shape[0] for t, _ in tables), np.int32)
     return sig, out
 
 

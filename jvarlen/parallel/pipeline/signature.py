@@ -52,6 +52,7 @@ class PipelineSignature:
             res_slot=(dp, n, pp, self.layers_per_stage),
             recv_act=(dp, self.n_ticks, pp),
             recv_grad=(dp, self.n_ticks, pp),
+            live_ticks=(dp,),  # ticks actually run (≤ n_ticks), the same for every pipeline
         )
         return shapes
 
