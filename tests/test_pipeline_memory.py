@@ -5,6 +5,7 @@ signature with fewer residual slots (more recomputation) compiles to less."""
 from __future__ import annotations
 
 import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
