@@ -12,9 +12,12 @@
    idle time is real idle time; without it, one process with pp fake devices, whose programs share
    one thread pool (bubbles then cost almost nothing: that measures compute volume and executor
    overhead, not the schedule).
+6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
+   fitted on them (``CostCoefficients.tick_overhead``), written into a copy of the profile.
 
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
     python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
+    python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -414,6 +417,57 @@ def policy_worker(args) -> None:
 
 def policies(cfg, args) -> None:
     """Plans every policy on the same batches, runs them on the executor, prints the table."""
+    spec, times = measure_policies(cfg, args)
+    report_policies(spec, times, args.out)
+
+
+def overheads(cfg, args) -> None:
+    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead``) on the steps of
+    calibration batches (``--seeds``: keep them apart from the seeds you validate on) and writes
+    the profile with it to ``--profile-out``. Validate with ``--parts policies --profile <it>``."""
+    import datetime
+
+    from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
+    from jvarlen.plan.plan import Plan
+
+    spec, times = measure_policies(cfg, args)
+    cost, path = policy_cost(args, cfg)
+    rows = []
+    for b in spec["batches"]:
+        for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
+            plan = Plan.from_json(plan_json)
+            mode = "paired" if table == "paired" else "ticks"
+            terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
+            rows.append(
+                (
+                    f"{b['seed']}/{policy}/{table}",
+                    terms,
+                    float(np.median(times[f"{b['seed']}/{policy}/{table}"]["times"])),
+                )
+            )
+    tick = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    print(f"\ntick overhead {tick * 1e3:.2f} ms, fitted on {len(rows)} steps; profile {os.path.basename(path)}")
+    print("| step | ticks on the critical path | measured s | predicted s before | after | error before | after |")
+    print("|---|---|---|---|---|---|---|")
+    for key, (base, ticks), m in rows:
+        after = base + tick * ticks
+        print(
+            f"| {key} | {ticks:.0f} | {m:.3f} | {base:.3f} | {after:.3f} | {100 * (base / m - 1):+.1f} % | {100 * (after / m - 1):+.1f} % |"
+        )
+    mode = "one process per stage, each pinned to its own core" if args.processes else "one process"
+    meta = dataclasses.replace(
+        cost.coeffs.meta,
+        source=f"{cost.coeffs.meta.source}; tick_overhead fitted by scripts/bench_pipeline.py --parts overheads "
+        f"(seeds {args.seeds}, {len(rows)} steps, {mode})",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    cost.coeffs.replace(tick_overhead=tick, meta=meta).save(args.profile_out)
+    print(f"wrote {args.profile_out}")
+
+
+def measure_policies(cfg, args) -> tuple[dict, dict]:
+    """Plans ``--policies`` on the batches of ``--seeds`` and times every plan on the executor:
+    (spec, times) as :func:`run_policies` returns them."""
     cost, profile = policy_cost(args, cfg)
     names = [p for p in args.policies.split(",") if p]
     spec = {
@@ -455,7 +509,7 @@ def policies(cfg, args) -> None:
             times = json.load(f)
     else:
         times = run_policies(spec, jax.devices()[: args.pp], lambda m: print(m, flush=True))
-    report_policies(spec, times, args.out)
+    return spec, times
 
 
 def report_policies(spec: dict, times: dict, out: str) -> None:
@@ -548,6 +602,7 @@ def main():
     parser.add_argument("--budget-mb", type=float, default=0.0, help="memory budget per device (0: the profile's)")
     parser.add_argument("--profile", help="cost profile (default: the shipped CPU profile of the model)")
     parser.add_argument("--out", default="runs/bench_policies.json")
+    parser.add_argument("--profile-out", default="runs/profile_tick_overhead.json", help="--parts overheads: output")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -579,6 +634,8 @@ def main():
         order(graphdef, cfg, params, args.tokens, args.repeats, profile=args.profile)
     if "policies" in parts:
         policies(cfg, args)
+    if "overheads" in parts:
+        overheads(cfg, args)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,17 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape, profile_filename
-from jvarlen.plan.cost_fit import OnlineRefit, fit_layer_time, fit_linear, fit_link, scale_coefficients
+from jvarlen.plan.cost_fit import (
+    OnlineRefit,
+    fit_layer_time,
+    fit_linear,
+    fit_link,
+    fit_tick_overhead,
+    scale_coefficients,
+    tick_overhead_terms,
+)
 from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
-from jvarlen.plan.schedule import one_f_one_b, token_level_1f1b
+from jvarlen.plan.schedule import gpipe, one_f_one_b, token_level_1f1b
 
 MHA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=128, vocab_size=100)
 GQA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=100)
@@ -285,6 +293,32 @@ def test_online_refit_recovers_scaled_truth():
     assert before > 0.1
     assert after < 0.01
     assert not refit.due()
+
+
+def test_tick_overhead_recovered_from_simulated_steps():
+    """Steps 'measured' by the simulator with a known tick overhead (plus ±1 % noise) give it back;
+    the critical path's tick count is what the paired simulator charges."""
+    from jvarlen.plan.simulator import simulate
+
+    layout = Layout(1, 2, 1)
+    fast = dict(fwd=LayerTime(1e-7, 1e-4, 0.01), bwd=LayerTime(3e-7, 2e-4, 0.02))
+    rng = np.random.default_rng(5)
+    terms, measured = [], []
+    for i in range(10):
+        n = int(rng.integers(2, 9))
+        shapes = [ChunkShape(0, (int(rng.integers(100, 600)),)) for _ in range(n)]
+        sched = gpipe(n, 2) if i % 2 else one_f_one_b(n, 2)
+        truth = CostModel(GQA, layout, coeffs(tick_overhead=0.03, **fast))
+        true_t = simulate(sched, shapes, None, truth, "paired").iteration_time
+        base, ticks = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
+        assert base + 0.03 * ticks == pytest.approx(true_t, rel=1e-9)  # linear in the overhead
+        assert ticks == pytest.approx(round(ticks)) and ticks >= n + 1  # every tick of the table
+        terms.append((base, ticks))
+        measured.append(true_t * (1 + rng.uniform(-0.01, 0.01)))
+    assert fit_tick_overhead(terms, measured) == pytest.approx(0.03, rel=0.15)
+    assert fit_tick_overhead(terms, [b for b, _ in terms]) == pytest.approx(0.0, abs=1e-12)  # nothing unexplained
+    with pytest.raises(ValueError):
+        fit_tick_overhead(terms[:1], measured[:1])
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,38 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(slope), float(intercept)
 
 
+def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mode: str = "paired"):
+    """(simulated s without tick overhead, ticks on the critical path) of one plan: the second by a
+    finite difference of the simulator itself, so it counts exactly what the simulator charges."""
+    from jvarlen.plan.simulator import simulate
+
+    def time(tick: float) -> float:
+        coeffs = cost.coeffs.replace(tick_overhead=tick)
+        model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
+        return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False).iteration_time
+
+    base, h = time(0.0), 1e-3
+    return base, (time(h) - base) / h
+
+
+def fit_tick_overhead(terms: Sequence[tuple[float, float]], measured: Sequence[float]) -> float:
+    """``CostCoefficients.tick_overhead`` (s) from timed executor steps: the non-negative least
+    squares fit, relative to each measured step, of ``measured − simulated`` on the ticks of the
+    critical path (``terms``: :func:`tick_overhead_terms` of each step's plan). It is the
+    executor's own work that the layer coefficients do not see: the ``ppermute`` pair, slot
+    gathers and scatters and the branch dispatch of every tick. (A per-op overhead is not fitted:
+    ops on the critical path grow with its ticks, and a fixed cost per layer call is already
+    the layer coefficients' intercept.)"""
+    t = np.asarray(terms, float).reshape(-1, 2)
+    y = np.asarray(measured, float)
+    if len(y) != len(t) or len(y) < 2:
+        raise ValueError(f"need at least two steps with one terms row each, got {len(y)} and {len(t)}")
+    if np.any(y <= 0):
+        raise ValueError("measured step times must be positive")
+    w2 = 1.0 / y**2
+    return max(0.0, float(np.sum(w2 * t[:, 1] * (y - t[:, 0])) / np.sum(w2 * t[:, 1] ** 2)))
+
+
 # --------------------------------------------------------------------------- online refit
 
 # Scale groups of the time coefficients refitted online. Scaling every group by λ scales the
