@@ -119,11 +119,12 @@ def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=Non
     return sig, batch, compiled, time.perf_counter() - start
 
 
-def overhead(graphdef, cfg, params, tokens, repeats):
-    """pp = 1, one chunk: the executor as it runs such a plan (F and B fused into one tick),
+def overhead(graphdef, cfg, params, tokens, repeats, n: int = 1):
+    """pp = 1, ``n`` chunks: the executor as it runs such a plan (F and B fused into one tick),
     and with F and B kept in separate ticks — the stored-residual / recompute path every
-    stage but the last takes when pp > 1."""
-    docs, chunks = documents(1, tokens, cfg.vocab_size)
+    stage but the last takes when pp > 1 — against the plain jitted loss+grads of the same
+    documents as ``n`` rows of one batch (the data-parallel step)."""
+    docs, chunks = documents(n, tokens, cfg.vocab_size)
     pack = pack_chunks(chunks, docs, tokens)
     layout = Layout(1, 1, 1)
     plain_batch = {k: pack.arrays[k] for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
@@ -141,12 +142,12 @@ def overhead(graphdef, cfg, params, tokens, repeats):
             )
     for name, policy, r, fuse in variants:
         _, batch, step, _ = compile_step(
-            graphdef, cfg, params, layout, [pack], [sch.gpipe(1, 1)], [np.full((1, 1), r, np.int32)], policy, fuse
+            graphdef, cfg, params, layout, [pack], [sch.one_f_one_b(n, 1)], [np.full((n, 1), r, np.int32)], policy, fuse
         )
         runs[name] = (step, batch)
     best = interleaved(runs, params, repeats)
     plain = best["plain jitted loss+grads"]
-    print("\n| step (pp=1, one chunk of %d tokens) | ms | overhead |" % tokens)
+    print(f"\n| step (pp=1, {n} chunk(s) of {tokens} tokens) | ms | overhead |")
     print("|---|---|---|")
     for name, t in best.items():
         print(f"| {name} | {t * 1e3:.2f} | {'' if t == plain else f'{100 * (t / plain - 1):+.1f} %'} |")
@@ -436,8 +437,8 @@ def overheads(cfg, args) -> None:
     for b in spec["batches"]:
         for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
             plan = Plan.from_json(plan_json)
-            mode = "paired" if table == "paired" else "ticks"
-            terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
+            sim = "paired" if table == "paired" else "ticks"
+            terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
             rows.append(
                 (
                     f"{b['seed']}/{policy}/{table}",
@@ -585,6 +586,7 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--attention", default="xla")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--chunks", type=int, default=1, help="--parts overhead: chunks (rows of the plain step)")
     parser.add_argument("--parts", default="overhead,ticks,recompute,order")
     # --parts policies
     parser.add_argument("--processes", action="store_true", help="one process per stage, pinned to its own core")
@@ -625,7 +627,7 @@ def main():
     )
     parts = args.parts.split(",")
     if "overhead" in parts:
-        overhead(graphdef, cfg, params, args.tokens, args.repeats)
+        overhead(graphdef, cfg, params, args.tokens, args.repeats, args.chunks)
     if "ticks" in parts:
         per_tick(graphdef, cfg, params, args.tokens, args.repeats)
     if "recompute" in parts:
