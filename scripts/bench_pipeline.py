@@ -15,6 +15,10 @@
 6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
    fitted on them (``CostCoefficients.tick_overhead``), written into a copy of the profile.
 
+In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
+worker 0 times the reference probe before every round and the measured steps are converted to
+the profile's clock (the machine's speed changes by 20-30 % within an hour here).
+
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
     python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
     python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
@@ -381,12 +385,20 @@ def run_policies(spec: dict, devices, say) -> dict:
             }
             entries[key] = prepared
             say(f"compiled {key}: {out[key]['compile_s']:.1f} s")
+    probe = None
+    if spec.get("reference_s"):  # the profile's reference probe, before every round (jvarlen.profile.clock)
+        from jvarlen.profile.harness import ChunkHarness, reference_probe
+
+        probe = reference_probe(ChunkHarness(cfg))
+        out[REFERENCE_KEY] = []
     state = session.state
     for prepared in entries.values():  # warm-up
         state, metrics = step(state, prepared)
         jax.block_until_ready(metrics)
     keys = list(entries)
     for r in range(spec["repeats"]):
+        if probe is not None:
+            out[REFERENCE_KEY].append(probe())
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # rotate the order every round
             t0 = time.perf_counter()
             state, metrics = step(state, entries[key])
@@ -394,6 +406,28 @@ def run_policies(spec: dict, devices, say) -> dict:
             out[key]["times"].append(time.perf_counter() - t0)
         say(f"round {r + 1}/{spec['repeats']}")
     return out
+
+
+REFERENCE_KEY = "_reference_probe_s"  # in the times JSON: worker 0's probe readings, one list per round
+
+
+def reference_matches(cost) -> bool:
+    """Whether this process's reference probe is the one whose reading ``cost``'s profile holds."""
+    from jvarlen.profile.harness import REFERENCE_PROBE
+
+    meta = cost.coeffs.meta
+    return bool(meta.reference_s) and meta.model_key == cost.model.key() and meta.reference_probe == REFERENCE_PROBE
+
+
+def profile_clock_scale(spec: dict, times: dict) -> float:
+    """Factor that converts this run's measured seconds to the profile's (reference units,
+    :func:`jvarlen.profile.clock.to_profile_clock`); 1.0 when the profile or the run has no reading."""
+    from jvarlen.profile.clock import to_profile_clock
+    from jvarlen.profile.harness import reference_seconds
+
+    if not (spec.get("reference_s") and times.get(REFERENCE_KEY)):
+        return 1.0
+    return to_profile_clock(1.0, reference_seconds(times[REFERENCE_KEY]), spec["reference_s"])
 
 
 def _free_port() -> int:
@@ -433,6 +467,7 @@ def overheads(cfg, args) -> None:
 
     spec, times = measure_policies(cfg, args)
     cost, path = policy_cost(args, cfg)
+    scale = profile_clock_scale(spec, times)
     rows = []
     for b in spec["batches"]:
         for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
@@ -443,11 +478,14 @@ def overheads(cfg, args) -> None:
                 (
                     f"{b['seed']}/{policy}/{table}",
                     terms,
-                    float(np.median(times[f"{b['seed']}/{policy}/{table}"]["times"])),
+                    float(np.median(times[f"{b['seed']}/{policy}/{table}"]["times"])) * scale,
                 )
             )
     tick = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
-    print(f"\ntick overhead {tick * 1e3:.2f} ms, fitted on {len(rows)} steps; profile {os.path.basename(path)}")
+    print(
+        f"\ntick overhead {tick * 1e3:.2f} ms, fitted on {len(rows)} steps; profile {os.path.basename(path)}; "
+        f"measured x {scale:.3f} (reference probe)"
+    )
     print("| step | ticks on the critical path | measured s | predicted s before | after | error before | after |")
     print("|---|---|---|---|---|---|---|")
     for key, (base, ticks), m in rows:
@@ -480,6 +518,8 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
         "profile": profile,
         "processes": args.processes,
         "tables": [t for t in args.tables.split(",") if t],
+        # the probe only means something for the profile's own model and probe
+        "reference_s": cost.coeffs.meta.reference_s if reference_matches(cost) else 0.0,
     }
     for seed in [int(x) for x in args.seeds.split(",")]:
         lengths = long_tailed_batch(seed, args.workload, args.batch_tokens, args.context, args.scale)
@@ -518,11 +558,12 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
     from jvarlen.plan.plan import Plan
 
     rows = []
+    scale = profile_clock_scale(spec, times)
     for b in spec["batches"]:
         for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
             plan = Plan.from_json(plan_json)
             key = f"{b['seed']}/{policy}/{table}"
-            t = np.asarray(times[key]["times"])
+            t = np.asarray(times[key]["times"]) * scale
             st = plan.stats
             if table != "paired":  # the plan's prediction is for paired ticks: the single-op table's
                 from jvarlen.plan.assemble import simulate
@@ -549,7 +590,8 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
                 )
             )
     mode = "one process per stage, each pinned to its own core" if spec["processes"] else "one process, fake devices"
-    print(f"\n{mode}; profile {os.path.basename(spec['profile'])}; {spec['repeats']} interleaved rounds")
+    units = f"profile seconds (reference probe: measured x {scale:.3f})" if scale != 1.0 else "seconds"
+    print(f"\n{mode}; profile {os.path.basename(spec['profile'])}; {spec['repeats']} interleaved rounds; {units}")
     print(
         "| seed | policy | tick table | chunks | recomputed layers | measured s (min / median / max) | predicted s | "
         "measured / predicted | predicted bubble | predicted peak MB | executor temp MB |"
@@ -576,7 +618,7 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
     errs = [abs(r["measured_median_s"] - r["predicted_s"]) / r["measured_median_s"] for r in rows]
     print(f"\nmedian |measured - predicted| / measured: {100 * np.median(errs):.1f} % over {len(errs)} runs")
     with open(out, "w") as f:
-        json.dump({"mode": mode, "profile": spec["profile"], "rows": rows}, f, indent=1)
+        json.dump({"mode": mode, "profile": spec["profile"], "profile_clock_scale": scale, "rows": rows}, f, indent=1)
 
 
 def main():

@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=PROFILE, help="cost profile the policies plan with (default: the shipped one)")
     ap.add_argument(
         "--parts",
         default="policies,groups",
@@ -66,7 +67,9 @@ def main() -> int:
     model = ModelConfig(
         vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=384, compute_dtype="float32"
     )
-    costs = SchemeCosts(CostModel(ModelShape.from_config(model), Layout(8, 1, 1), CostCoefficients.load(PROFILE)), 8)
+    costs = SchemeCosts(
+        CostModel(ModelShape.from_config(model), Layout(8, 1, 1), CostCoefficients.load(args.profile)), 8
+    )
     graphdef, _, state = create_train_state(Config(model=model))
     optimizer = optax.sgd(1e-3)
     state = state.replace(opt_state=optimizer.init(state.params))

@@ -11,7 +11,10 @@ forward + backward with its recomputation, gradients accumulated, AdamW update; 
 Ulysses degree ``--sp``) and timed (min of ``--repeats``; on CPU process CPU time of this process pinned to one core (``--core``,
 :mod:`jvarlen.profile.clock`, the profiler's clock), divided by sp for sp > 1 because the fake
 devices are threads of this process (:func:`jvarlen.profile.harness.per_device_divisor`); wall
-time is recorded too); the
+time is recorded too). On CPU the reference probe (:func:`jvarlen.profile.harness.reference_probe`)
+runs before every repeat, and the measurement is converted to the profile's clock with the probe
+readings of both (:func:`jvarlen.profile.clock.to_profile_clock`; this machine's speed drifts by
+20-30 % within an hour); the raw error is reported beside it (``--no_reference``: no probe). The
 prediction is the simulator's iteration time (InfiniPipe Eq. 4-11 via the cost model) with the
 profile's coefficients for that sp. Chunk shapes that the profile's report timed are counted and
 reported (``profiled_shapes_in_plans``; 0 means every plan is held out).
@@ -33,6 +36,8 @@ import os
 import time
 
 import numpy as np
+
+MIN_MED_MAX = (("min", 0), ("median", 50), ("max", 100))
 
 
 def make_plan(rng, pool, capacity: int, max_doc: int, budget: int, num_layers: int):
@@ -83,14 +88,25 @@ def make_plan(rng, pool, capacity: int, max_doc: int, budget: int, num_layers: i
 
 def measure_plans(args, model_cfg, shape) -> list[dict]:
     """Generates ``args.plans`` plans (deterministic in ``args.seed``) and times each one."""
+    import jax
+
     from jvarlen.plan.workloads import stdlib_lengths
-    from jvarlen.profile.harness import ChunkHarness, clock_name, per_device_divisor, run_plan
+    from jvarlen.profile.harness import (
+        REFERENCE_PROBE,
+        ChunkHarness,
+        clock_name,
+        per_device_divisor,
+        reference_probe,
+        run_plan,
+    )
     from jvarlen.profile.measure import ProfileGrid
 
     grid = ProfileGrid()
-    harness = ChunkHarness(
-        model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=args.sp
-    )
+    buckets = dict(token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
+    harness = ChunkHarness(model_cfg, sp=args.sp, **buckets)
+    probe = None
+    if not args.no_reference and jax.default_backend() == "cpu":
+        probe = reference_probe(harness if args.sp == 1 else ChunkHarness(model_cfg, sp=1, **buckets))
     capacities = [c for c in (512, 768, 1024, 1536, 2048) if c <= max(grid.token_buckets)]
     pool = np.asarray(stdlib_lengths())
     rng = np.random.default_rng(args.seed)
@@ -100,7 +116,7 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
         cap_doc = min(args.max_doc, args.max_context + capacity)
         budget = int(rng.integers(args.min_tokens, args.max_tokens))
         shapes, prev, ckpt, owners = make_plan(rng, pool, capacity, cap_doc, budget, shape.num_layers)
-        times = run_plan(harness, shapes, ckpt, repeats=args.repeats)
+        times = run_plan(harness, shapes, ckpt, repeats=args.repeats, probe=probe)
         kinds = sorted({"split" if not s.tail else ("hybrid" if s.context else "batched") for s in shapes})
         rows.append(
             {
@@ -117,25 +133,31 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
                 "measured_cpu_s": times["cpu"],
                 "measured_wall_s": times["wall"],
                 "clock": clock_name(),
+                "reference_cpu_s": times.get("reference"),
+                "reference_probe": REFERENCE_PROBE if probe else None,
+                "reference_runs": times.get("reference_runs"),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
+        ref = f"  probe {times['reference'] * 1e3:6.1f} ms" if probe else ""
         print(
             f"plan {i:2d}: {len(shapes):2d} chunks {rows[-1]['tokens']:5d} tok cap {capacity:4d} {'/'.join(kinds):20s} "
-            f"cpu {times['cpu'] * 1e3:8.1f} ms  wall {times['wall'] * 1e3:8.1f} ms  [{time.time() - t_start:5.0f}s]",
+            f"cpu {times['cpu'] * 1e3:8.1f} ms  wall {times['wall'] * 1e3:8.1f} ms{ref}  [{time.time() - t_start:5.0f}s]",
             flush=True,
         )
     return rows
 
 
-def error_summary(rows: list[dict]) -> dict:
-    """|predicted − measured| / measured over ``rows``: median, p90, max, mean signed, bar met."""
-    errs = np.abs([r["rel_err"] for r in rows])
+def error_summary(rows: list[dict], key: str = "rel_err") -> dict:
+    """|predicted − measured| / measured (``r[key]``) over ``rows``: median, p90, max, mean signed,
+    bar met."""
+    errs = np.abs([r[key] for r in rows])
     return {
         "plans": len(rows),
         "median_abs_rel_err": float(np.median(errs)),
         "p90_abs_rel_err": float(np.percentile(errs, 90)),
         "max_abs_rel_err": float(errs.max()),
-        "mean_signed_rel_err": float(np.mean([r["rel_err"] for r in rows])),
+        "mean_signed_rel_err": float(np.mean([r[key] for r in rows])),
         "passes": bool(np.median(errs) <= 0.05 and np.percentile(errs, 90) <= 0.10),
     }
 
@@ -176,6 +198,7 @@ def main(argv=None):
     ap.add_argument("--single_thread_flag", action="store_true", help="also pass XLA's single-thread flag")
     ap.add_argument("--no_pin", action="store_true", help="do not pin the process to one core (old clock)")
     ap.add_argument("--core", type=int, help="core to pin to (default: $JVARLEN_CPU_CORE or the first allowed)")
+    ap.add_argument("--no_reference", action="store_true", help="CPU: no reference probe (plain seconds)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree of the measured plans (fake CPU devices)")
     ap.add_argument("--also_measurements", nargs="*", default=[], help="measured-plan JSONs of earlier runs to include")
     ap.add_argument(
@@ -204,6 +227,7 @@ def main(argv=None):
     from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
     from jvarlen.plan.schedule import one_f_one_b
     from jvarlen.plan.simulator import simulate
+    from jvarlen.profile.clock import to_profile_clock
     from jvarlen.runtime.compile_cache import enable_persistent_cache as enable_compilation_cache
 
     enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla"))
@@ -243,28 +267,49 @@ def main(argv=None):
         )
     cpu = jax.default_backend() == "cpu"
     profiled = profiled_shapes(args.profile)
+    ref_profile, probe_name = coeffs.meta.reference_s, coeffs.meta.reference_probe
     for r in rows:
         sp = int(r.get("sp", 1))
         cost = CostModel(shape, Layout(1, 1, sp), coeffs)
         shapes = [ChunkShape(c, tuple(s), bool(t)) for c, s, t in r["chunks"]]
         sched = one_f_one_b(len(shapes), 1, chunk_docs=r["chunk_docs"])
         result = simulate(sched, shapes, np.asarray(r["ckpt"])[:, None], cost)
-        measured = r["measured_cpu_s"] / r.get("clock_divisor", 1) if cpu else r["measured_wall_s"]
+        raw = r["measured_cpu_s"] / r.get("clock_divisor", 1) if cpu else r["measured_wall_s"]
+        measured = raw
+        if cpu and ref_profile > 0 and r.get("reference_cpu_s") and r.get("reference_probe") == probe_name:
+            measured = to_profile_clock(raw, r["reference_cpu_s"], ref_profile)
+            r["speed_vs_profile"] = ref_profile / r["reference_cpu_s"]
         r["sp"] = sp
         r["profiled_shapes"] = sum(str(c) in profiled.get(sp, set()) for c in shapes)
         r["predicted_s"] = result.iteration_time
+        r["measured_raw_s"] = raw
         r["measured_s"] = measured
         r["rel_err"] = (result.iteration_time - measured) / measured
+        r["rel_err_raw"] = (result.iteration_time - raw) / raw
         print(
             f"sp {sp} plan {r['plan']:2d}: {len(shapes):2d} chunks {r['tokens']:5d} tok {'/'.join(r['kinds']):20s} "
             f"pred {r['predicted_s'] * 1e3:8.1f} ms  meas {measured * 1e3:8.1f} ms  err {100 * r['rel_err']:+6.1f}%"
+            f"  (raw {raw * 1e3:8.1f} ms, {100 * r['rel_err_raw']:+6.1f}%)"
         )
         if r["plan"] == 0 and args.gantt and sp == args.sp:
             from jvarlen.plan.gantt import draw_gantt
 
             draw_gantt(result, sched, args.gantt)
+    normalized = [r for r in rows if "speed_vs_profile" in r]
     summary = {
         "profile": args.profile,
+        "reference": (
+            f"{len(normalized)} of {len(rows)} plans converted to the profile's clock by the reference probe "
+            f"(profile reading {ref_profile * 1e3:.1f} ms; probe {probe_name})"
+            if normalized
+            else "none (plain seconds)"
+        ),
+        "speed_vs_profile": (
+            {q: float(np.percentile([r["speed_vs_profile"] for r in normalized], p)) for q, p in MIN_MED_MAX}
+            if normalized
+            else None
+        ),
+        "raw": error_summary(rows, "rel_err_raw"),
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "clock": (sorted({r.get("clock", "process CPU time (old, unpinned)") for r in rows}) if cpu else "wall"),

@@ -161,6 +161,10 @@ class ProfileMeta:
     analytic: bool = True  # True: derived from hardware figures, not measured
     source: str = ""  # free text: profiler grid, hardware profile name, refit count
     created: str = ""
+    # CPU profiles: the clock reading of the reference probe (jvarlen.profile.clock, "Reference
+    # units") when the calibration was timed, and the probe's chunks; 0.0 = none (plain seconds)
+    reference_s: float = 0.0
+    reference_probe: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

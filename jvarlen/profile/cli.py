@@ -3,7 +3,9 @@
 Example: ``python -m jvarlen.profile --config configs/default.yaml --out_dir runs/profiles``;
 add Ulysses sp = 2 coefficients to a saved profile with ``--sp '[1,2]' --extend_report
 PATH.report.json``; re-measure only its whole-model calibration chunks with ``--extend_report
-PATH.report.json --recalibrate true``.
+PATH.report.json --recalibrate true`` (every degree of the report, ``--calibration_rounds`` rounds).
+On CPU the process is pinned to one core and the sp = 1 calibration's reading of the reference
+probe is saved with the profile (:mod:`jvarlen.profile.clock`, "Reference units").
 The file name is keyed by model shape, backend and device kind
 (:func:`jvarlen.plan.cost.profile_filename`); an existing file is reused unless ``--force``.
 """
@@ -24,6 +26,8 @@ class ProfileConfig:
     config: Optional[str] = None  # run YAML whose model section is profiled (default: ModelConfig())
     out_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "profiles")
     repeats: int = 5  # timings per measurement; the minimum is kept
+    # rounds of the whole-model calibration steps (the profile's scale and reference reading)
+    calibration_rounds: int = 20
     force: bool = False  # re-profile even if a profile for this key exists
     compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
     refit_from: Optional[str] = None  # a saved *.report.json: fit again without measuring
@@ -41,8 +45,10 @@ class ProfileConfig:
     recalibrate: bool = False
 
     def __post_init__(self):
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.repeats < 1 or self.calibration_rounds < 1:
+            raise ValueError(
+                f"repeats and calibration_rounds must be >= 1, got {self.repeats}, {self.calibration_rounds}"
+            )
         if any(d < 1 for d in self.sp):
             raise ValueError(f"sp degrees must be >= 1, got {self.sp}")
         if 1 not in self.sp and not self.extend_report:
@@ -53,10 +59,16 @@ class ProfileConfig:
 
 def main(args: Optional[list[str]] = None) -> str:
     cfg = draccus.parse(ProfileConfig, args=args)
-    # must happen before JAX initialises its CPU client
-    if max(cfg.sp) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # must happen before JAX initialises its CPU client; a recalibration runs every degree of its report
+    degrees = list(cfg.sp)
+    if cfg.extend_report and cfg.recalibrate:
+        import json
+
+        with open(cfg.extend_report) as f:
+            degrees += [int(k) for k in json.load(f).get("sp_reports", {})]
+    if max(degrees) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
-            f"--xla_force_host_platform_device_count={max(cfg.sp)} " + os.environ.get("XLA_FLAGS", "")
+            f"--xla_force_host_platform_device_count={max(degrees)} " + os.environ.get("XLA_FLAGS", "")
         ).strip()
     if cfg.cpu_single_thread:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA_FLAGS).strip()

@@ -12,6 +12,17 @@ One pinned core per device is also how the multi-process pipeline benchmark emul
 their own compute (``scripts/bench_pipeline.py --parts processes``), so profile, validation and
 benchmark time the same thing. On GPU the clock is wall time. No JAX import here: the entry points
 pin before JAX starts.
+
+Reference units. A pinned core of this kind of VM does not keep its speed: the same plan took
+20-30 % longer an hour later (docs/benchmarks.md, "The one-core clock"), so seconds measured in one
+hour do not predict seconds measured in another. The profiler therefore records, with its
+calibration, the reading of a reference probe (the whole-model steps of three fixed chunks of
+different size and context, :data:`jvarlen.profile.harness.REFERENCE_CHUNKS`), and the validation
+times the same probe beside every plan; :func:`to_profile_clock` converts a measurement to the
+seconds it would have taken at the profile's speed. Readings are minima on both sides (a probe
+chunk's and a plan's least disturbed run). The drift is not uniform over programs, so the probe
+is a mix: a single 512-token step once got 17 % faster within minutes while the plans beside it
+kept their speed.
 """
 
 from __future__ import annotations
@@ -72,3 +83,12 @@ def cpu_clock() -> Callable[[], float]:
 def describe() -> str:
     cores = sorted(os.sched_getaffinity(0))
     return CLOCK_NAME if len(cores) == 1 else f"process CPU time over {len(cores)} cores (NOT a one-core clock)"
+
+
+def to_profile_clock(measured_s: float, reference_now_s: float, reference_profile_s: float) -> float:
+    """``measured_s``, timed while the reference probe read ``reference_now_s``, in the seconds of a
+    profile whose calibration saw the probe at ``reference_profile_s``: the machine's speed change
+    between the two is taken out (both readings on the same clock, the same probe)."""
+    if not (reference_now_s > 0 and reference_profile_s > 0):
+        raise ValueError(f"reference readings must be > 0, got {reference_now_s} and {reference_profile_s}")
+    return measured_s * reference_profile_s / reference_now_s

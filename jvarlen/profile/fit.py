@@ -10,9 +10,10 @@ from typing import Optional
 import jax
 
 from jvarlen.config import ModelConfig
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, LayerTime, ModelShape, ProfileMeta
 from jvarlen.plan.cost_fit import fit_memory, fit_time_terms
-from jvarlen.profile.harness import ChunkHarness
+from jvarlen.profile.harness import REFERENCE_CHUNKS, REFERENCE_PROBE, ChunkHarness
 from jvarlen.profile.measure import SP_GRID, ProfileGrid, measure_calibration, measure_profile
 
 
@@ -66,6 +67,7 @@ def _in_situ_text(report: dict) -> str:
 
 def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
     dev = jax.devices()[0]
+    reference = reference_reading(report)
     return ProfileMeta(
         model_key=shape.key(),
         backend=jax.default_backend(),
@@ -79,7 +81,21 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
         )
         + f"jax {jax.__version__}",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        reference_s=reference,
+        reference_probe=REFERENCE_PROBE if reference else "",
     )
+
+
+def reference_reading(report: dict) -> float:
+    """The sp = 1 calibration's reading of the reference probe: the sum of its chunks' readings
+    (raw clock seconds, each the minimum over the rounds; the sp = 1 clock divisor is 1), 0.0 when
+    the report did not time all of them."""
+    timed = {
+        ChunkShape(ctx, tuple(slices), bool(tail)): sec for (ctx, slices, tail), sec in report.get("calibration", [])
+    }
+    if not all(c in timed for c in REFERENCE_CHUNKS):
+        return 0.0
+    return float(sum(timed[c] for c in REFERENCE_CHUNKS))
 
 
 def _attention_block() -> int:
@@ -169,16 +185,18 @@ def run_profiler(cfg) -> str:
                 harness = ChunkHarness(
                     model_cfg, token_buckets=sub["token_buckets"], context_buckets=sub["context_buckets"], sp=sp
                 )
-                with tqdm(total=cfg.repeats, desc=f"calibrating sp={sp}", unit="round") as bar:
+                rounds = cfg.calibration_rounds
+                with tqdm(total=rounds, desc=f"calibrating sp={sp}", unit="round") as bar:
                     sub["calibration"] = measure_calibration(
-                        harness, ProfileGrid().calibration, cfg.repeats, progress=lambda done, total: bar.update(1)
+                        harness, ProfileGrid().calibration, rounds, progress=lambda done, total: bar.update(1)
                     )
+                sub["calibration_rounds"] = rounds
     else:
-        report = measure(1, ProfileGrid(repeats=cfg.repeats))
+        report = measure(1, ProfileGrid(repeats=cfg.repeats, calibration_rounds=cfg.calibration_rounds))
     for sp in sorted(set(cfg.sp) - {1}):
         if str(sp) not in report.get("sp_reports", {}):
             report.setdefault("sp_reports", {})[str(sp)] = measure(
-                sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats)
+                sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats, calibration_rounds=cfg.calibration_rounds)
             )
     _fit_and_save(report, model_cfg, path)
     with open(path.replace(".json", ".report.json"), "w") as f:

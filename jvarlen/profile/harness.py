@@ -89,6 +89,13 @@ def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1, clock: Opt
 
 TOKEN_BUCKETS = (256, 512, 1024, 2048)
 CONTEXT_BUCKETS = (0, 2048, 6144)
+# The reference probe's chunks (jvarlen.profile.clock, "Reference units"): three of the profiler's
+# calibration chunks (a small packed step, a long-context split step, a full 2,048-token step), so
+# every profile's calibration carries their readings. One chunk is not enough: between two days the
+# small steps here got 13-16 % faster and the long-context and 2,048-token ones 21-28 %.
+REFERENCE_CHUNKS = (ChunkShape(0, (512,)), ChunkShape(1500, (900,), tail=False), ChunkShape(0, (2048,)))
+# names the probe wherever a reading is stored: readings of different probes are not comparable
+REFERENCE_PROBE = ";".join(map(str, REFERENCE_CHUNKS))
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -335,12 +342,55 @@ class ChunkHarness:
         return jax.tree.map(lambda a: jnp.zeros_like(a, device=a.sharding), self.params)
 
 
-def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence[int], repeats: int = 3) -> dict:
+def reference_probe(harness: ChunkHarness) -> Callable[[], list[float]]:
+    """Per call, one clock reading (:func:`default_clock`) of the whole-model step of each of
+    :data:`REFERENCE_CHUNKS`: the programs and inputs the profiler's calibration times for those
+    chunks (sp = 1 harness only: the probe must be the same programs in the profile and beside a
+    plan). :func:`reference_seconds` turns a series of calls into one reading."""
+    if harness.sp != 1:
+        raise ValueError(f"the reference probe runs on an sp = 1 harness, got sp = {harness.sp}")
+    prog = harness.chunk_step_program(0)
+    batches = [harness.chunk_inputs(c) for c in REFERENCE_CHUNKS]
+    clock = default_clock()
+    acc = harness.zeros_like_params()
+
+    def once() -> list[float]:
+        nonlocal acc
+        out = []
+        for batch in batches:
+            t0 = clock()
+            acc, v = prog(harness.params, acc, batch)
+            jax.block_until_ready(v)
+            out.append(clock() - t0)
+        return out
+
+    once()  # compile
+    return once
+
+
+def reference_seconds(readings: Sequence[Sequence[float]]) -> float:
+    """One reference reading from probe calls (each a reading per reference chunk): the sum over
+    the chunks of each chunk's minimum, the same statistic as the profile's calibration
+    (:func:`jvarlen.profile.fit.reference_reading`)."""
+    if not readings:
+        raise ValueError("no probe readings")
+    return float(np.sum(np.min(np.asarray(readings, dtype=float), axis=0)))
+
+
+def run_plan(
+    harness: ChunkHarness,
+    chunks: Sequence[ChunkShape],
+    ckpt: Sequence[int],
+    repeats: int = 3,
+    probe: Optional[Callable[[], list[float]]] = None,
+) -> dict:
     """Time of one pp = 1 plan: every chunk forward + backward with its recomputed layers,
     gradients accumulated, then the optimizer update. Programs are compiled (and run once)
     before timing. Returns ``{"cpu": s, "wall": s}``, each the minimum over ``repeats``; raw
     clock readings (divide ``cpu`` by :func:`per_device_divisor` for per-device seconds when
-    ``harness.sp > 1``)."""
+    ``harness.sp > 1``). With ``probe`` (:func:`reference_probe`) the probe runs before every
+    repeat; ``"reference"`` is :func:`reference_seconds` of its calls, ``"reference_runs"`` the
+    calls' readings."""
     init, update = harness.optimizer_program()
     batches = [harness.chunk_inputs(c, seed=i) for i, c in enumerate(chunks)]
     programs = [harness.chunk_step_program(int(k)) for k in ckpt]
@@ -358,8 +408,15 @@ def run_plan(harness: ChunkHarness, chunks: Sequence[ChunkShape], ckpt: Sequence
         return time.process_time() - c0, time.perf_counter() - w0
 
     once()  # compile
-    runs = [once() for _ in range(repeats)]
-    return {"cpu": min(r[0] for r in runs), "wall": min(r[1] for r in runs)}
+    runs, readings = [], []
+    for _ in range(repeats):
+        if probe is not None:
+            readings.append(probe())
+        runs.append(once())
+    out = {"cpu": min(r[0] for r in runs), "wall": min(r[1] for r in runs)}
+    if probe is not None:
+        out.update(reference=reference_seconds(readings), reference_runs=readings)
+    return out
 
 
 # --------------------------------------------------------------------------- profiling

@@ -34,6 +34,9 @@ class ProfileGrid:
     context_buckets: tuple[int, ...] = (0, 2048, 6144)
     remat_pairs: tuple[tuple[int, int], ...] = ((512, 0), (1024, 0), (2048, 0), (1024, 2048))
     repeats: int = 5
+    # Rounds of the whole-model calibration steps. They set the profile's scale and its reference
+    # reading (jvarlen.profile.clock); a 512-token step varies ~10 % between rounds
+    calibration_rounds: int = 20
     # Whole-model chunk steps that correct the layer and head fit in situ (an attention factor and
     # one token factor per bucket, :func:`jvarlen.plan.cost_fit.fit_in_situ_scales`): every token
     # bucket, packed, split and hybrid chunks, contexts up to 2048 (the sp > 1 grid's largest).
@@ -257,7 +260,7 @@ def measure_profile(
         return params
 
     optimizer_s = time_call(opt_once, repeats=grid.repeats)
-    calibration = measure_calibration(harness, grid.calibration, grid.repeats)
+    calibration = measure_calibration(harness, grid.calibration, grid.calibration_rounds)
     return {
         "raw": samples.raw,
         "dual_layers": list(dual_layers(harness.cfg.num_layers)),
@@ -267,6 +270,7 @@ def measure_profile(
         "optimizer_s": optimizer_s,
         "calibration": calibration,
         "repeats": grid.repeats,
+        "calibration_rounds": grid.calibration_rounds,
         "token_buckets": list(harness.token_buckets),
         "context_buckets": list(harness.context_buckets),
         "sp": harness.sp,
