@@ -1,5 +1,6 @@
 """Cost model (InfiniPipe Eq. 1-11), fitting and analytic profiles: hand-computed expectations."""
 
+import json
 import math
 import pathlib
 
@@ -371,6 +372,14 @@ def test_shipped_measured_profile_is_labelled():
     c = CostCoefficients.load(f)
     assert c.meta.analytic is False and c.meta.backend == "cpu"
     assert c.token_buckets and c.attention_block == 128 and c.fwd.alpha1 > 0 and c.bwd.alpha1 > 0
+    # timed on the one-core clock, in reference units: the reading is its own report's calibration
+    from jvarlen.profile.fit import reference_reading
+    from jvarlen.profile.harness import REFERENCE_PROBE
+
+    report = json.loads(f.with_suffix(".report.json").read_text())
+    assert "pinned to one core" in report["clock"]
+    assert c.meta.reference_s > 0 and c.meta.reference_s == reference_reading(report)
+    assert c.meta.reference_probe == REFERENCE_PROBE
 
 
 def test_step_overhead_syncs_the_largest_stage():

@@ -45,6 +45,9 @@ def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path)
             "--train.steps=2",
             "--checkpoint.every_steps=2",
             "--logging.tensorboard=false",
+            # pieces of 2,048 tokens: one per pipeline, which its plan splits to fill the pipeline whatever the
+            # profile's tick overhead (with one, the config's 1,024-token pieces mostly stay whole)
+            "--data.seq_len=2048",
         ],
         capture_output=True,
         text=True,
