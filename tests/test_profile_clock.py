@@ -1,4 +1,4 @@
-"""The cost model's CPU clock in reference units: the reference probe is one of the profiler's
+"""The cost model's CPU clock in reference units: the reference probe's chunks are profiler
 calibration chunks, its reading travels with the profile, and a plan timed beside the probe is
 converted to the profile's speed."""
 
