@@ -342,15 +342,13 @@ class ChunkHarness:
         return jax.tree.map(lambda a: jnp.zeros_like(a, device=a.sharding), self.params)
 
 
-def reference_probe(harness: ChunkHarness) -> Callable[[], list[float]]:
-    """Per call, one clock reading (:func:`default_clock`) of the whole-model step of each of
-    :data:`REFERENCE_CHUNKS`: the programs and inputs the profiler's calibration times for those
-    chunks (sp = 1 harness only: the probe must be the same programs in the profile and beside a
-    plan). :func:`reference_seconds` turns a series of calls into one reading."""
-    if harness.sp != 1:
-        raise ValueError(f"the reference probe runs on an sp = 1 harness, got sp = {harness.sp}")
+def chunk_step_timer(harness: ChunkHarness, chunks: Sequence[ChunkShape]) -> Callable[[], list[float]]:
+    """Per call, one clock reading (:func:`default_clock`) of the whole-model step (no
+    recomputation, gradients into one accumulator) of each of ``chunks``, in order. Every bucket
+    pair is compiled and run once before the first call. The profiler's calibration and the
+    reference probe both time chunks with it, so their readings are of the same programs."""
     prog = harness.chunk_step_program(0)
-    batches = [harness.chunk_inputs(c) for c in REFERENCE_CHUNKS]
+    batches = [harness.chunk_inputs(c) for c in chunks]
     clock = default_clock()
     acc = harness.zeros_like_params()
 
@@ -366,6 +364,16 @@ def reference_probe(harness: ChunkHarness) -> Callable[[], list[float]]:
 
     once()  # compile
     return once
+
+
+def reference_probe(harness: ChunkHarness) -> Callable[[], list[float]]:
+    """Per call, one clock reading of the whole-model step of each of :data:`REFERENCE_CHUNKS`
+    (:func:`chunk_step_timer`, as the profiler's calibration times them; sp = 1 harness only: the
+    probe must be the same programs in the profile and beside a plan). :func:`reference_seconds`
+    turns a series of calls into one reading."""
+    if harness.sp != 1:
+        raise ValueError(f"the reference probe runs on an sp = 1 harness, got sp = {harness.sp}")
+    return chunk_step_timer(harness, REFERENCE_CHUNKS)
 
 
 def reference_seconds(readings: Sequence[Sequence[float]]) -> float:

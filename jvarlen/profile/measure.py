@@ -16,8 +16,8 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost_fit import fit_memory
 from jvarlen.profile.harness import (
     ChunkHarness,
+    chunk_step_timer,
     clock_name,
-    default_clock,
     per_device_divisor,
     time_call,
 )
@@ -207,24 +207,10 @@ def measure_calibration(
     minimum over ``repeats`` rounds. Each round times every chunk once, so the repeats of one chunk
     are spread over the whole measurement and a slow spell of the machine cannot spoil all of
     them."""
-    prog = harness.chunk_step_program(0)
-    acc = harness.zeros_like_params()
-    batches = [harness.chunk_inputs(c) for c in chunks]
-    clock = default_clock()
-
-    def once(batch) -> float:
-        nonlocal acc
-        t0 = clock()
-        acc, v = prog(harness.params, acc, batch)
-        jax.block_until_ready(v)
-        return clock() - t0
-
-    for batch in batches:  # warm-up: compile every bucket pair
-        once(batch)
+    round_of_steps = chunk_step_timer(harness, chunks)  # compiles every bucket pair first
     best = [float("inf")] * len(chunks)
     for r in range(repeats):
-        for i, batch in enumerate(batches):
-            best[i] = min(best[i], once(batch))
+        best = [min(b, t) for b, t in zip(best, round_of_steps())]
         if progress:
             progress(r + 1, repeats)
     return [[[c.context, list(c.slices), c.tail], t] for c, t in zip(chunks, best)]
