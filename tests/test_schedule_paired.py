@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jvarlen.parallel.pipeline.buffers import assign_slots
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, ScheduleError
+from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, LANE_B, LANE_F, Op, Schedule, ScheduleError
 
 
 @st.composite
@@ -84,6 +84,11 @@ def test_paired_ticks_run_every_op_once_after_its_dependencies_within_the_window
     if not fuse:
         assert not (table[..., 0] == FUSED).any()
     assert (table[:, : sched.pp - 1, :, 0] != FUSED).all()  # fused ops only on the last stage
+    if fuse:  # every last-stage F directly followed by its B is fused, none run alone
+        last = sched.stages[-1]
+        fusable = {f.chunk for f, b in zip(last, last[1:]) if f.kind == "F" and b == Op("B", f.chunk)}
+        fused = set(table[:, -1, LANE_B, 1][table[:, -1, LANE_B, 0] == FUSED].tolist())
+        assert fused == fusable
     # memory: no stage holds more chunks in flight than its program does
     for p, peak in enumerate(in_flight_peaks(table, sched.pp)):
         assert peak <= program_window(sched, p), (p, peak)

@@ -269,7 +269,10 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     chunks in flight than its program does (the memory bound and the slot count are kept).
     ``fuse_last``: on the last stage an F(k) directly followed by B(k) in its program runs as one
     ``FUSED`` op in lane 0 (the stage needs nothing from another stage in between; such a chunk
-    never continues into a later slice, so it stores no K/V context and no residuals).
+    never continues into a later slice, so it stores no K/V context and no residuals). Every such
+    chunk is fused: its forward is never started alone in lane 1 (its backward could not run
+    before the next tick, where the fused op ends at the same time), so the table has as many
+    ticks as without the rule.
     ``keep [n]`` (bool): chunks never fused (e.g. those the plan recomputes on the last stage: a
     fused op holds every activation of its chunk, which would ignore the plan's memory choice).
     A dependency met at tick ``t`` allows the op at ``t + 1`` (messages are filed at the end of a
@@ -289,6 +292,13 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     def ready(p: int, op: Op) -> bool:
         return all(done.get(d, t) < t for d in dependencies(sched, p, op))
 
+    def fusable(p: int, op: Optional[Op]) -> bool:
+        """``op`` is a forward on the last stage directly followed by its backward (and not kept)."""
+        if not fuse_last or p != pp - 1 or op is None or (keep is not None and keep[op.chunk]):
+            return False
+        i = index[p][op] + 1
+        return i < len(progs[p]) and progs[p][i] == Op("B", op.chunk)
+
     while len(done) < total:
         row = np.zeros((pp, 2, 2), np.int32)
         row[..., 1] = -1
@@ -296,16 +306,7 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
         for p in range(pp):
             nf = f_queue[p][fi[p]] if fi[p] < len(f_queue[p]) else None
             nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
-            if (
-                fuse_last
-                and p == pp - 1
-                and nf is not None
-                and nb is not None
-                and nb.chunk == nf.chunk
-                and index[p][nb] == index[p][nf] + 1
-                and (keep is None or not keep[nf.chunk])
-                and ready(p, nf)
-            ):
+            if fusable(p, nf) and nb == Op("B", nf.chunk) and ready(p, nf):
                 row[p, LANE_B] = (FUSED, nf.chunk)
                 ran += [(p, nf), (p, nb)]
                 fi[p] += 1
@@ -317,7 +318,10 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
                 ran.append((p, nb))
                 bi[p] += 1
                 nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
-            if nf is not None and (nb is None or index[p][nb] > index[p][nf]) and ready(p, nf):
+            # a fusable forward waits for lane 0 of a later tick: its backward could not run before
+            # then anyway, and fused it stores no residuals (with several forwards ready, e.g. one
+            # stage, running them in lane 1 left every chunk after the first unfused)
+            if nf is not None and (nb is None or index[p][nb] > index[p][nf]) and ready(p, nf) and not fusable(p, nf):
                 row[p, LANE_F] = (FWD, nf.chunk)
                 ran.append((p, nf))
                 fi[p] += 1
