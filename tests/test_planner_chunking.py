@@ -5,7 +5,7 @@ import pytest
 from conftest import small_cost
 
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.sequence_processor import Mesh, chunk_batch, split_document, split_mesh
+from jvarlen.plan.sequence_processor import Mesh, bucket_mesh, chunk_batch, split_document, split_mesh
 from jvarlen.plan.units import families_of
 from jvarlen.plan.workloads import sample_batch
 
@@ -82,6 +82,36 @@ def test_alg1_invariants_on_random_batches(seed, max_perturbation):
             doc, start, length = c.pieces[0]
             if not c.shape(lengths).tail:
                 assert length in result.mesh.slices
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tokens", [1024, 3000, 8192])
+def test_bucket_mesh_fills_its_slices_and_chunks_stay_within_them(seed, tokens):
+    """The bucket mesh (for an executor that pads chunks to one bucket): the longest document in
+    slices of exactly ``tokens`` and a shorter rest; Alg. 1's invariants hold and no chunk, split
+    or packed, has more tokens than a slice."""
+    cost = small_cost()
+    lengths = sample_batch("github", 96, 32 * K, seed=seed)
+    mesh = bucket_mesh(cost, max(lengths), tokens)
+    assert sum(mesh.slices) == max(lengths) and mesh.token_threshold == tokens
+    assert set(mesh.slices[:-1]) <= {tokens} and 0 < mesh.slices[-1] <= tokens
+    times, ctx = [], 0
+    for i, s in enumerate(mesh.slices):
+        times.append(cost.bwd_time(ChunkShape(ctx, (s,), tail=i == len(mesh.slices) - 1)))
+        ctx += s
+    assert mesh.time_threshold == pytest.approx(max(times))
+    result = chunk_batch(lengths, cost, 1, slice_tokens=tokens)
+    assert result.mesh == mesh
+    _check_invariants(lengths, result, cost, 0.05)
+    assert max(c.tokens for c in result.chunks) <= tokens
+    for c in result.chunks:  # split documents are cut into whole slices
+        if not c.shape(lengths).tail:
+            assert c.tokens == tokens
+
+
+def test_bucket_mesh_rejects_slices_over_the_capacity():
+    with pytest.raises(ValueError, match="slices of 4096 tokens.*use shorter slices"):
+        chunk_batch([30_000, 500], small_cost(), 1, token_capacity=2_000, slice_tokens=4096)
 
 
 def test_token_capacity_caps_the_token_threshold_and_rejects_too_coarse_meshes():

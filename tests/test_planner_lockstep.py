@@ -61,3 +61,26 @@ def test_units_stay_1f1b_when_gpipe_order_does_not_fit():
 def test_the_async_model_keeps_infinipipes_1f1b():
     p, _ = plan(BATCHED)
     assert p.stats["simulation"] == "async" and not forwards_first(p.schedule)
+
+
+def test_paired_planning_also_cuts_bucket_sized_slices():
+    """For the executor (one token bucket per step) EPP also tries bucket-sized slices
+    (sequence_processor.bucket_mesh): here they beat Alg. 1's equal-time slices, whose later,
+    shorter slices would be padded to the first one; the plan is the fastest candidate simulated,
+    its chunks fit the slice size, and the 512-token candidate is at least as fast as Seq1F1B's
+    fixed 512-token chunks. InfiniPipe's asynchronous model keeps Alg. 1's mesh alone."""
+    p, cost = plan(SPLIT, simulation="paired")
+    tuned = p.stats["tuned_iteration_times"]
+    by_mesh = {k: v for k, v in tuned.items() if k.startswith("b")}
+    assert by_mesh and p.stats["iteration_time_s"] == pytest.approx(min(tuned.values()))
+    assert min(by_mesh.values()) < min(v for k, v in tuned.items() if not k.startswith("b"))
+    size = p.stats["slice_tokens"]
+    assert f"b{size}" in tuned and max(sum(piece[2] for piece in c) for c in p.chunks) <= size
+    opts = PlannerOptions(
+        min_slice_tokens=256, simulation="paired", seq1f1b_chunk_tokens=512, seq1f1b_reference_context=6144
+    )
+    seq1f1b = plan_iteration(SPLIT, cost=cost, policy="seq1f1b", options=opts)
+    assert tuned["b512"] <= seq1f1b.stats["iteration_time_s"] * (1 + 1e-9)
+    asynchronous, _ = plan(SPLIT, simulation="async")
+    assert asynchronous.stats["slice_tokens"] is None
+    assert not any(k.startswith("b") for k in asynchronous.stats["tuned_iteration_times"])

@@ -202,10 +202,10 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
     return n
 
 
-def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int):
+def _epp_units(lengths, cost, options: PlannerOptions, mode: str, n: int, slice_tokens: Optional[int] = None):
     cap = cost.max_tokens(in_flight=1, tail=n == 1)  # N = 1 splits nothing: all chunks are tails
     pack = cost.max_tokens(in_flight=cost.layout.pp, tail=True)  # a full window of batched chunks
-    res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack)
+    res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack, slice_tokens=slice_tokens)
     chunks = list(res.chunks)
     shapes = [c.shape(lengths) for c in chunks]
     return res, chunks, shapes, _group(chunks, lengths, cost, options, mode, shapes)
@@ -234,6 +234,18 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
     return sorted(out or [n0], reverse=True)
 
 
+def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
+    """Slice sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest first: the
+    executor's token buckets (``2^k`` and ``3·2^(k-2)``, :func:`jvarlen.plan.chunk.executor_buckets`,
+    divisible by sp) from ``min_slice_tokens`` up to below the longest document."""
+    lo, longest, sp = max(16, options.min_slice_tokens), max(lengths), cost.layout.sp
+    out, p = [], 16
+    while p < longest:
+        out += [v for v in (p, 3 * p // 2) if lo <= v < longest and v % sp == 0]
+        p *= 2
+    return sorted(set(out), reverse=True)
+
+
 def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int) -> int | None:
     """One refinement step of the N search: the geometric midpoint ``best·ratio^±1/2``
     towards the faster of best's two coarse neighbours ``best·ratio^±1`` (a neighbour
@@ -258,55 +270,108 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     ``n_candidates``), then refined once: the geometric midpoint between the best N and
     its faster coarse neighbour (an untried neighbour counts as faster) is simulated too
     (:func:`refine_candidate`). During tuning the DP prices ranges with greedy
-    checkpointing, and the MILP then re-solves the chosen units."""
+    checkpointing, and the MILP then re-solves the chosen units.
+
+    Under a lock-step ``simulation`` (jvarlen's executor, which pads every chunk of a step to one
+    token bucket) ``epp`` also cuts along bucket-sized slices
+    (:func:`jvarlen.plan.sequence_processor.bucket_mesh`): the sizes of :func:`bucket_candidates`
+    that are powers of two, largest first, until one is slower than the best, then the two
+    ``3·2^k`` sizes beside the best; the faster of the two meshes' plans wins. Tuned times are
+    keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket mesh)."""
     events: list[str] = []
     candidates = slice_candidates(lengths, cost, options, policy)
     tune_mode = "greedy" if mode == "milp" else mode
-    best = None
-    tried: dict[int, float] = {}
-    queue = list(candidates)
     finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
+    tuned: dict[str, float] = {}
 
-    def evaluate(n: int):
-        res, chunks, shapes, grouping = _epp_units(lengths, cost, options, tune_mode, n)
+    def evaluate(n: int, slice_tokens: Optional[int] = None):
+        res, chunks, shapes, grouping = _epp_units(lengths, cost, options, tune_mode, n, slice_tokens)
         ordered = _ordered(grouping.units, shapes, cost, options)
         plan = assemble(policy, lengths, chunks, list(ordered.values()), cost, simulation=options.simulation)
-        tried[n] = plan.stats["iteration_time_s"]
+        t = plan.stats["iteration_time_s"]
+        key = str(n) if slice_tokens is None else f"b{slice_tokens}"
+        tuned[key] = t
         if progress is not None:
-            progress(f"N={n}: {len(chunks)} chunks, {tried[n]:.4g} s simulated")
-        return (n, res, chunks, shapes, grouping, ordered, tried[n])
+            what = f"N={n}" if slice_tokens is None else f"{slice_tokens}-token slices"
+            progress(f"{what}: {len(chunks)} chunks, {t:.4g} s simulated")
+        n_slices = n if slice_tokens is None else len(res.mesh.slices)
+        return (n_slices, slice_tokens, res, chunks, shapes, grouping, ordered, t)
 
-    while queue and len(tried) < options.n_candidates:
-        n = queue.pop(0)
-        try:
-            found = evaluate(n)
-        except (ValueError, PlanningError) as e:
-            events.append(f"N={n}: infeasible ({e})")
-            # Finer slicing shrinks the chunk windows: if even the largest candidate does not
-            # fit, try a finer one before the coarser ones.
-            bigger = int(round(n * max(options.n_ratio, 1.5)))
-            bumps = len(candidates) - len(slice_candidates(lengths, cost, options, policy))
-            if best is None and options.n_slices is None and n == max(candidates) and bigger <= finest and bumps < 2:
-                candidates.append(bigger)
-                queue.insert(0, bigger)
-            continue
-        if best is not None and found[-1] > best[-1]:
-            break  # unimodal in N: further (smaller) candidates only get worse
-        if best is None or found[-1] < best[-1]:
-            best = found
-    if best is not None and options.n_slices is None and policy != "epp-fast":
-        n_hi = max(max(candidates), max(lengths) // max(1, options.min_slice_tokens))
-        mid = refine_candidate(best[0], tried, options.n_ratio, min(candidates), n_hi)
-        if mid is not None:
+    def search_time():
+        """Alg. 1's mesh: the best N (None if none fits)."""
+        best, tried = None, {}
+        cands = list(candidates)
+        queue = list(cands)
+        while queue and len(tried) < options.n_candidates:
+            n = queue.pop(0)
             try:
-                found = evaluate(mid)
-                if found[-1] < best[-1]:
-                    best = found
+                found = evaluate(n)
+                tried[n] = found[-1]
             except (ValueError, PlanningError) as e:
-                events.append(f"N={mid}: infeasible ({e})")
+                events.append(f"N={n}: infeasible ({e})")
+                # Finer slicing shrinks the chunk windows: if even the largest candidate does not
+                # fit, try a finer one before the coarser ones.
+                bigger = int(round(n * max(options.n_ratio, 1.5)))
+                bumps = len(cands) - len(candidates)
+                if best is None and options.n_slices is None and n == max(cands) and bigger <= finest and bumps < 2:
+                    cands.append(bigger)
+                    queue.insert(0, bigger)
+                continue
+            if best is not None and found[-1] > best[-1]:
+                break  # unimodal in N: further (smaller) candidates only get worse
+            if best is None or found[-1] < best[-1]:
+                best = found
+        if best is not None and options.n_slices is None and policy != "epp-fast":
+            n_hi = max(max(cands), max(lengths) // max(1, options.min_slice_tokens))
+            mid = refine_candidate(best[0], tried, options.n_ratio, min(cands), n_hi)
+            if mid is not None:
+                try:
+                    found = evaluate(mid)
+                    if found[-1] < best[-1]:
+                        best = found
+                except (ValueError, PlanningError) as e:
+                    events.append(f"N={mid}: infeasible ({e})")
+        return best
+
+    def search_bucket(best):
+        """Bucket-sized slices: powers of two largest first while they improve on ``best`` (the
+        equal-time mesh's plan), then the 3·2^k sizes beside the best one."""
+        sizes = bucket_candidates(lengths, cost, options)
+        tried: dict[int, Optional[float]] = {}
+
+        def attempt(b: int):
+            nonlocal best
+            try:
+                found = evaluate(0, b)
+            except (ValueError, PlanningError) as e:
+                events.append(f"{b}-token slices: infeasible ({e})")
+                tried[b] = None
+                return None
+            tried[b] = found[-1]
+            if best is None or found[-1] < best[-1]:
+                best = found
+            return found[-1]
+
+        prev = None
+        for b in [b for b in sizes if b & (b - 1) == 0]:
+            t = attempt(b)
+            if t is not None and prev is not None and t > prev:
+                break  # unimodal in the slice size
+            prev = t if t is not None else prev
+        timed = {b: t for b, t in tried.items() if t is not None}
+        if timed:
+            top = min(timed, key=timed.get)
+            for b in (3 * top // 4, 3 * top // 2):
+                if b in sizes and b not in tried:
+                    attempt(b)
+        return best
+
+    best = search_time()
+    if options.simulation in LOCKSTEP and options.n_slices is None and policy != "epp-fast":
+        best = search_bucket(best)
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
-    n, res, chunks, shapes, grouping, ordered, _ = best
+    n, slice_tokens, res, chunks, shapes, grouping, ordered, _ = best
     planned = list(grouping.units)
     if mode == "milp":
         planned = [resolve_unit(u, shapes, cost, cost.layers_per_stage, options.solver) for u in planned]
@@ -314,7 +379,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     units = [ordered[id(u)] if id(u) in ordered else _ordered([u], shapes, cost, options)[id(u)] for u in planned]
     stats = dict(
         n_slices=n,
-        tuned_iteration_times={str(k): v for k, v in tried.items()},
+        slice_tokens=slice_tokens,  # None: Alg. 1's equal-time mesh
+        tuned_iteration_times=tuned,
         time_threshold_s=res.time_threshold,
         token_threshold=res.token_threshold,
         mesh=list(res.mesh.slices),

@@ -5,7 +5,8 @@ slices of equal backward time, so later slices are shorter); their non-final
 slices become split chunks, their tail slices seed buckets, and short documents
 are packed best-fit-decreasing into the buckets under a time threshold T_t and a
 token threshold T_m, preferring buckets with low time/token, perturbing T_t when
-nothing fits. Two tail slices never share a chunk.
+nothing fits. Two tail slices never share a chunk. For an executor that pads every
+chunk to one bucket the mesh may instead have bucket-sized slices (:func:`bucket_mesh`).
 
 The cost model is used only through ``cost.bwd_time(ChunkShape)``.
 """
@@ -153,6 +154,27 @@ def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
     return Mesh(tuple(best), max(times), max(best))
 
 
+def bucket_mesh(cost, max_length: int, tokens: int) -> Mesh:
+    """The longest document cut into slices of ``tokens`` tokens and a shorter last one; T_t is the
+    backward time of the slowest slice, T_m = ``tokens``.
+
+    For an executor that pads every chunk of a step to one token bucket (jvarlen's pipeline
+    executor) a chunk's matmuls cost the bucket whatever its tokens: Alg. 1's equal-time slices
+    (shorter the more context they have) leave the later ones padded to the first one's length,
+    slices of the bucket's size fill it. ``_plan_epp`` tries both meshes under a lock-step
+    simulation."""
+    if tokens < 1 or max_length < 1:
+        raise ValueError(f"need tokens >= 1 and max_length >= 1, got {tokens}, {max_length}")
+    tokens = min(tokens, max_length)
+    n = -(-max_length // tokens)
+    slices = [tokens] * (n - 1) + [max_length - tokens * (n - 1)]
+    ctx, times = 0, []
+    for i, s in enumerate(slices):
+        times.append(cost.bwd_time(ChunkShape(ctx, (s,), tail=i == n - 1)))
+        ctx += s
+    return Mesh(tuple(slices), max(times), tokens)
+
+
 def split_document(length: int, mesh: Mesh) -> list[int]:
     """Alg. 1 line 2 for one document: ``mesh[:j] + [length - b_j]``, j the last boundary below ``length``.
 
@@ -204,6 +226,7 @@ def chunk_batch(
     token_capacity: int | None = None,
     max_perturbation: float | None = 0.05,
     pack_tokens: int | None = None,
+    slice_tokens: int | None = None,
 ) -> ChunkingResult:
     """Alg. 1: workload-balanced chunks of the documents ``lengths`` for slice number N = ``n_slices``.
 
@@ -213,17 +236,23 @@ def chunk_batch(
     bucket instead. ``None`` keeps the paper's unbounded perturbation.
     ``pack_tokens`` further caps T_m for packing (memory of a full 1F1B window of
     batched chunks); an unsplit document longer than that becomes a chunk of its own.
+    ``slice_tokens``: cut along :func:`bucket_mesh` slices of that many tokens instead of Alg. 1
+    line 1's N equal-time slices (``n_slices`` is then unused).
     Returns split chunks (in document and slice order) followed by the buckets.
     """
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    mesh = split_mesh(cost, max(lengths), n_slices)
+    if slice_tokens is None:
+        mesh = split_mesh(cost, max(lengths), n_slices)
+    else:
+        mesh = bucket_mesh(cost, max(lengths), slice_tokens)
     t_m = mesh.token_threshold if token_capacity is None else min(mesh.token_threshold, int(token_capacity))
     if token_capacity is not None and mesh.token_threshold > token_capacity:
+        what = f"N={n_slices}" if slice_tokens is None else f"slices of {slice_tokens} tokens"
+        fix = "raise n_slices" if slice_tokens is None else "use shorter slices"
         raise ValueError(
-            f"N={n_slices}: longest mesh slice has {mesh.token_threshold} tokens > capacity {token_capacity}; "
-            "raise n_slices"
+            f"{what}: longest mesh slice has {mesh.token_threshold} tokens > capacity {token_capacity}; {fix}"
         )
     if pack_tokens is not None:
         t_m = max(1, min(t_m, int(pack_tokens)))
