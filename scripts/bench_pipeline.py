@@ -457,7 +457,8 @@ def policies(cfg, args) -> None:
 
 
 def overheads(cfg, args) -> None:
-    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead``) on the steps of
+    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead`` and
+    ``tick_token_overhead``, per token of the step's bucket) on the steps of
     calibration batches (``--seeds``: keep them apart from the seeds you validate on) and writes
     the profile with it to ``--profile-out``. Validate with ``--parts policies --profile <it>``."""
     import datetime
@@ -481,17 +482,21 @@ def overheads(cfg, args) -> None:
                     float(np.median(times[f"{b['seed']}/{policy}/{table}"]["times"])) * scale,
                 )
             )
-    tick = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    tick, per_token = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
     print(
-        f"\ntick overhead {tick * 1e3:.2f} ms, fitted on {len(rows)} steps; profile {os.path.basename(path)}; "
-        f"measured x {scale:.3f} (reference probe)"
+        f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token, fitted on {len(rows)} "
+        f"steps; profile {os.path.basename(path)}; measured x {scale:.3f} (reference probe)"
     )
-    print("| step | ticks on the critical path | measured s | predicted s before | after | error before | after |")
-    print("|---|---|---|---|---|---|---|")
-    for key, (base, ticks), m in rows:
-        after = base + tick * ticks
+    print(
+        "| step | ticks on the critical path | bucket | measured s | predicted s before | after | error before | after |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for key, (base, ticks, tick_tokens), m in rows:
+        after = base + tick * ticks + per_token * tick_tokens
+        bucket = tick_tokens / ticks if ticks else 0
         print(
-            f"| {key} | {ticks:.0f} | {m:.3f} | {base:.3f} | {after:.3f} | {100 * (base / m - 1):+.1f} % | {100 * (after / m - 1):+.1f} % |"
+            f"| {key} | {ticks:.0f} | {bucket:.0f} | {m:.3f} | {base:.3f} | {after:.3f} | {100 * (base / m - 1):+.1f} % "
+            f"| {100 * (after / m - 1):+.1f} % |"
         )
     mode = "one process per stage, each pinned to its own core" if args.processes else "one process"
     meta = dataclasses.replace(
@@ -500,7 +505,7 @@ def overheads(cfg, args) -> None:
         f"(seeds {args.seeds}, {len(rows)} steps, {mode})",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    cost.coeffs.replace(tick_overhead=tick, meta=meta).save(args.profile_out)
+    cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=per_token, meta=meta).save(args.profile_out)
     print(f"wrote {args.profile_out}")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, executor_buckets
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape, profile_filename
 from jvarlen.plan.cost_fit import (
     OnlineRefit,
@@ -297,8 +297,9 @@ def test_online_refit_recovers_scaled_truth():
 
 
 def test_tick_overhead_recovered_from_simulated_steps():
-    """Steps 'measured' by the simulator with a known tick overhead (plus ±1 % noise) give it back;
-    the critical path's tick count is what the paired simulator charges."""
+    """Steps 'measured' by the simulator with a known tick overhead, a constant and a part per bucket
+    token (plus ±1 % noise), give both back; the critical path's tick count is what the paired
+    simulator charges. Chunks of 100-1,500 tokens: steps pad to buckets of 128 to 1,536."""
     from jvarlen.plan.simulator import simulate
 
     layout = Layout(1, 2, 1)
@@ -307,17 +308,22 @@ def test_tick_overhead_recovered_from_simulated_steps():
     terms, measured = [], []
     for i in range(10):
         n = int(rng.integers(2, 9))
-        shapes = [ChunkShape(0, (int(rng.integers(100, 600)),)) for _ in range(n)]
+        shapes = [ChunkShape(0, (int(rng.integers(100, 1500)),)) for _ in range(n)]
         sched = gpipe(n, 2) if i % 2 else one_f_one_b(n, 2)
-        truth = CostModel(GQA, layout, coeffs(tick_overhead=0.03, **fast))
+        truth = CostModel(GQA, layout, coeffs(tick_overhead=0.03, tick_token_overhead=4e-5, **fast))
         true_t = simulate(sched, shapes, None, truth, "paired").iteration_time
-        base, ticks = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
-        assert base + 0.03 * ticks == pytest.approx(true_t, rel=1e-9)  # linear in the overhead
+        base, ticks, tick_tokens = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
+        bucket = executor_buckets(max(c.tokens for c in shapes))[0]
+        assert tick_tokens == pytest.approx(ticks * bucket)
+        assert base + 0.03 * ticks + 4e-5 * tick_tokens == pytest.approx(true_t, rel=1e-9)  # linear in both
         assert ticks == pytest.approx(round(ticks)) and ticks >= n + 1  # every tick of the table
-        terms.append((base, ticks))
+        terms.append((base, ticks, tick_tokens))
         measured.append(true_t * (1 + rng.uniform(-0.01, 0.01)))
-    assert fit_tick_overhead(terms, measured) == pytest.approx(0.03, rel=0.15)
-    assert fit_tick_overhead(terms, [b for b, _ in terms]) == pytest.approx(0.0, abs=1e-12)  # nothing unexplained
+    tick, per_token = fit_tick_overhead(terms, measured)
+    assert tick == pytest.approx(0.03, rel=0.25) and per_token == pytest.approx(4e-5, rel=0.25)
+    assert fit_tick_overhead(terms, [b for b, _, _ in terms]) == pytest.approx(
+        (0.0, 0.0), abs=1e-12
+    )  # nothing unexplained
     with pytest.raises(ValueError):
         fit_tick_overhead(terms[:1], measured[:1])
 

@@ -212,6 +212,10 @@ class CostCoefficients:
       tokens (the largest beyond them); a degree without an entry uses 1.
     * ``attention_block``: when > 0, the quadratic term counts visited ``block x block`` tiles of a
       block-skipping kernel (see :func:`tile_pairs`) instead of exact query-key pairs.
+    * ``tick_overhead`` + ``tick_token_overhead`` x the step's token bucket: seconds per tick of the
+      lock-step executor outside the ops' compute (the ``ppermute`` pair, slot reads and writes, the
+      branches' zero outputs: the last three grow with the bucket); ``op_overhead`` per op. Fitted on
+      executor steps (:func:`jvarlen.plan.cost_fit.fit_tick_overhead`), 0 otherwise.
     """
 
     fwd: LayerTime
@@ -249,6 +253,7 @@ class CostCoefficients:
     bucket_token_scale: Mapping[int, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     attention_block: int = 0
     tick_overhead: float = 0.0
+    tick_token_overhead: float = 0.0
     op_overhead: float = 0.0
     meta: ProfileMeta = ProfileMeta()
 
@@ -333,6 +338,7 @@ class CostCoefficients:
             "attention_block",
             "sync_bytes_per_param",
             "tick_overhead",
+            "tick_token_overhead",
             "op_overhead",
         ):
             out[name] = getattr(self, name)

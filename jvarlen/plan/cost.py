@@ -214,8 +214,9 @@ class CostModel:
         return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / sp)
 
     def tick_overhead(self) -> float:
-        """The lock-step executor's own seconds per tick (0 unless fitted on executor steps)."""
-        return self.coeffs.tick_overhead
+        """The lock-step executor's own seconds per tick (0 unless fitted on executor steps): a
+        constant plus a part per token of the step's bucket (``pad_to``; none without one)."""
+        return self.coeffs.tick_overhead + self.coeffs.tick_token_overhead * (self.pad_to or 0)
 
     def op_overhead(self) -> float:
         """The lock-step executor's own seconds per op beyond the chunk's compute."""
