@@ -85,17 +85,18 @@ def test_alg1_invariants_on_random_batches(seed, max_perturbation):
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("tokens", [1024, 3000, 8192])
+@pytest.mark.parametrize("tokens", [1024, 3000, 8192, 0])
 def test_bucket_mesh_fills_its_slices_and_chunks_stay_within_them(seed, tokens):
     """The bucket mesh (for an executor that pads chunks to one bucket): the longest document in
-    slices of exactly ``tokens`` and a shorter rest; Alg. 1's invariants hold and no chunk, split
-    or packed, has more tokens than a slice."""
+    slices of exactly ``tokens`` and a shorter rest (whole if it is no longer); Alg. 1's
+    invariants hold and no chunk, split or packed, has more tokens than a slice."""
     cost = small_cost()
     lengths = sample_batch("github", 96, 32 * K, seed=seed)
+    tokens = tokens or 2 * max(lengths)  # 0: larger than every document, so nothing is split
     mesh = bucket_mesh(cost, max(lengths), tokens)
     assert sum(mesh.slices) == max(lengths) and mesh.token_threshold == tokens
     assert set(mesh.slices[:-1]) <= {tokens} and 0 < mesh.slices[-1] <= tokens
-    times, ctx = [], 0
+    times, ctx = [cost.bwd_time(ChunkShape(0, (tokens,)))], 0  # a full chunk of one document, too
     for i, s in enumerate(mesh.slices):
         times.append(cost.bwd_time(ChunkShape(ctx, (s,), tail=i == len(mesh.slices) - 1)))
         ctx += s

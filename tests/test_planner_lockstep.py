@@ -8,7 +8,7 @@ import pytest
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
-from jvarlen.plan.api import PlannerOptions, plan_iteration
+from jvarlen.plan.api import PlannerOptions, bucket_candidates, plan_iteration
 from jvarlen.plan.assemble import simulate
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.plan import stage_peak_memory
@@ -68,7 +68,7 @@ def test_paired_planning_also_cuts_bucket_sized_slices():
     (sequence_processor.bucket_mesh): here they beat Alg. 1's equal-time slices, whose later,
     shorter slices would be padded to the first one; the plan is the fastest candidate simulated,
     its chunks fit the slice size, and the 512-token candidate is at least as fast as Seq1F1B's
-    fixed 512-token chunks. InfiniPipe's asynchronous model keeps Alg. 1's mesh alone."""
+    fixed 512-token chunks. The models that do not pad (async, ticks) keep Alg. 1's mesh alone."""
     p, cost = plan(SPLIT, simulation="paired")
     tuned = p.stats["tuned_iteration_times"]
     by_mesh = {k: v for k, v in tuned.items() if k.startswith("b")}
@@ -76,11 +76,29 @@ def test_paired_planning_also_cuts_bucket_sized_slices():
     assert min(by_mesh.values()) < min(v for k, v in tuned.items() if not k.startswith("b"))
     size = p.stats["slice_tokens"]
     assert f"b{size}" in tuned and max(sum(piece[2] for piece in c) for c in p.chunks) <= size
+    powers = [b for b in bucket_candidates(SPLIT, cost, PlannerOptions(min_slice_tokens=256)) if b & (b - 1) == 0]
+    assert powers and all(f"b{b}" in tuned for b in powers)  # every power of two is simulated
     opts = PlannerOptions(
         min_slice_tokens=256, simulation="paired", seq1f1b_chunk_tokens=512, seq1f1b_reference_context=6144
     )
     seq1f1b = plan_iteration(SPLIT, cost=cost, policy="seq1f1b", options=opts)
     assert tuned["b512"] <= seq1f1b.stats["iteration_time_s"] * (1 + 1e-9)
-    asynchronous, _ = plan(SPLIT, simulation="async")
-    assert asynchronous.stats["slice_tokens"] is None
-    assert not any(k.startswith("b") for k in asynchronous.stats["tuned_iteration_times"])
+    for simulation in ("async", "ticks"):  # neither pads chunks to a bucket
+        other, _ = plan(SPLIT, simulation=simulation)
+        assert other.stats["slice_tokens"] is None
+        assert not any(k.startswith("b") for k in other.stats["tuned_iteration_times"])
+
+
+def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():
+    """Alg. 1 never packs a chunk beyond its first slice (here the longest document, 290 tokens);
+    the bucket mesh also tries larger chunks, and with a per-tick cost (20 ms, the order measured
+    between two CPU processes) fewer, larger chunks win when nothing needs splitting."""
+    lengths = [290, 250, 200] + [120, 90, 60] * 6
+    cost = CostModel(SHAPE, Layout(1, 2, 1), COEFFS.replace(tick_overhead=0.02))
+    opts = PlannerOptions(min_slice_tokens=256, simulation="paired")
+    p = plan_iteration(lengths, cost=cost, policy="epp", options=opts)
+    p.validate(lengths, cost)
+    tuned = p.stats["tuned_iteration_times"]
+    assert {"b512", "b1024"} <= set(tuned) and p.stats["slice_tokens"] > max(lengths)
+    assert max(sum(piece[2] for piece in c) for c in p.chunks) > max(lengths)
+    assert p.stats["iteration_time_s"] < tuned["1"]  # Alg. 1 with N = 1: chunks of <= 290 tokens

@@ -235,13 +235,16 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
 
 
 def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
-    """Slice sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest first: the
-    executor's token buckets (``2^k`` and ``3·2^(k-2)``, :func:`jvarlen.plan.chunk.executor_buckets`,
-    divisible by sp) from ``min_slice_tokens`` up to below the longest document."""
+    """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest
+    first: the executor's token buckets (``2^k`` and ``3·2^(k-1)``,
+    :func:`jvarlen.plan.chunk.executor_buckets`, divisible by sp) from ``min_slice_tokens`` up to
+    twice the power of two that holds the longest document (sizes above the longest document split
+    nothing and pack short documents into larger chunks)."""
     lo, longest, sp = max(16, options.min_slice_tokens), max(lengths), cost.layout.sp
+    top = 2 << max(0, (longest - 1).bit_length())
     out, p = [], 16
-    while p < longest:
-        out += [v for v in (p, 3 * p // 2) if lo <= v < longest and v % sp == 0]
+    while p <= top:
+        out += [v for v in (p, 3 * p // 2) if lo <= v <= top and v % sp == 0]
         p *= 2
     return sorted(set(out), reverse=True)
 
@@ -272,11 +275,11 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     (:func:`refine_candidate`). During tuning the DP prices ranges with greedy
     checkpointing, and the MILP then re-solves the chosen units.
 
-    Under a lock-step ``simulation`` (jvarlen's executor, which pads every chunk of a step to one
-    token bucket) ``epp`` also cuts along bucket-sized slices
+    Under the ``"paired"`` simulation (jvarlen's executor, which pads every chunk of a step to one
+    token bucket; ``"ticks"`` does not model the padding) ``epp`` also cuts along bucket-sized slices
     (:func:`jvarlen.plan.sequence_processor.bucket_mesh`): the sizes of :func:`bucket_candidates`
-    that are powers of two, largest first, until one is slower than the best, then the two
-    ``3·2^k`` sizes beside the best; the faster of the two meshes' plans wins. Tuned times are
+    that are powers of two, then the two ``3·2^k`` sizes beside the best; the faster of the two
+    meshes' plans wins. Tuned times are
     keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket mesh)."""
     events: list[str] = []
     candidates = slice_candidates(lengths, cost, options, policy)
@@ -334,8 +337,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
         return best
 
     def search_bucket(best):
-        """Bucket-sized slices: powers of two largest first while they improve on ``best`` (the
-        equal-time mesh's plan), then the 3·2^k sizes beside the best one."""
+        """Bucket-sized slices: every power of two, then the 3·2^k sizes beside the best one; returns
+        the best of them and ``best`` (the equal-time mesh's plan)."""
         sizes = bucket_candidates(lengths, cost, options)
         tried: dict[int, Optional[float]] = {}
 
@@ -352,12 +355,9 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
                 best = found
             return found[-1]
 
-        prev = None
-        for b in [b for b in sizes if b & (b - 1) == 0]:
-            t = attempt(b)
-            if t is not None and prev is not None and t > prev:
-                break  # unimodal in the slice size
-            prev = t if t is not None else prev
+        for b in sizes:  # not unimodal: 2,048 < 1,024 > 512 tokens happens (fewer ticks vs less padding)
+            if b & (b - 1) == 0:
+                attempt(b)
         timed = {b: t for b, t in tried.items() if t is not None}
         if timed:
             top = min(timed, key=timed.get)
@@ -367,7 +367,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
         return best
 
     best = search_time()
-    if options.simulation in LOCKSTEP and options.n_slices is None and policy != "epp-fast":
+    if options.simulation == "paired" and options.n_slices is None and policy != "epp-fast":
         best = search_bucket(best)
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")

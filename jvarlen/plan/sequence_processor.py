@@ -155,20 +155,21 @@ def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
 
 
 def bucket_mesh(cost, max_length: int, tokens: int) -> Mesh:
-    """The longest document cut into slices of ``tokens`` tokens and a shorter last one; T_t is the
-    backward time of the slowest slice, T_m = ``tokens``.
+    """The longest document cut into slices of ``tokens`` tokens and a shorter last one (not cut if
+    it is no longer); T_m = ``tokens``, T_t = the backward time of the slowest slice or of one
+    ``tokens``-token document, whichever is larger (so that short documents can fill a chunk).
 
     For an executor that pads every chunk of a step to one token bucket (jvarlen's pipeline
     executor) a chunk's matmuls cost the bucket whatever its tokens: Alg. 1's equal-time slices
     (shorter the more context they have) leave the later ones padded to the first one's length,
-    slices of the bucket's size fill it. ``_plan_epp`` tries both meshes under a lock-step
-    simulation."""
+    and its T_m (the first slice) never packs chunks longer than the longest document; slices and
+    packed chunks of the bucket's size fill it. ``_plan_epp`` tries both meshes under the
+    ``"paired"`` simulation, which models that padding."""
     if tokens < 1 or max_length < 1:
         raise ValueError(f"need tokens >= 1 and max_length >= 1, got {tokens}, {max_length}")
-    tokens = min(tokens, max_length)
     n = -(-max_length // tokens)
     slices = [tokens] * (n - 1) + [max_length - tokens * (n - 1)]
-    ctx, times = 0, []
+    ctx, times = 0, [cost.bwd_time(ChunkShape(0, (tokens,)))]
     for i, s in enumerate(slices):
         times.append(cost.bwd_time(ChunkShape(ctx, (s,), tail=i == n - 1)))
         ctx += s
@@ -248,12 +249,10 @@ def chunk_batch(
     else:
         mesh = bucket_mesh(cost, max(lengths), slice_tokens)
     t_m = mesh.token_threshold if token_capacity is None else min(mesh.token_threshold, int(token_capacity))
-    if token_capacity is not None and mesh.token_threshold > token_capacity:
+    if token_capacity is not None and mesh.slices[0] > token_capacity:
         what = f"N={n_slices}" if slice_tokens is None else f"slices of {slice_tokens} tokens"
         fix = "raise n_slices" if slice_tokens is None else "use shorter slices"
-        raise ValueError(
-            f"{what}: longest mesh slice has {mesh.token_threshold} tokens > capacity {token_capacity}; {fix}"
-        )
+        raise ValueError(f"{what}: longest mesh slice has {mesh.slices[0]} tokens > capacity {token_capacity}; {fix}")
     if pack_tokens is not None:
         t_m = max(1, min(t_m, int(pack_tokens)))
     t_t = mesh.time_threshold
