@@ -13,7 +13,8 @@
    one thread pool (bubbles then cost almost nothing: that measures compute volume and executor
    overhead, not the schedule).
 6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
-   fitted on them (``CostCoefficients.tick_overhead``), written into a copy of the profile.
+   fitted on them (``CostCoefficients.tick_overhead`` and ``tick_token_overhead``), written into a
+   copy of the profile; ``--fit-from A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
 
 In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
 worker 0 times the reference probe before every round and the measured steps are converted to
@@ -22,6 +23,7 @@ the profile's clock (the machine's speed changes by 20-30 % within an hour here)
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
     python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
     python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
+    python scripts/bench_pipeline.py --parts overheads --fit-from runs/a.spec.json,runs/b.spec.json --profile-out runs/p.json
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -459,33 +461,39 @@ def policies(cfg, args) -> None:
 def overheads(cfg, args) -> None:
     """Fits the executor's tick overhead (``CostCoefficients.tick_overhead`` and
     ``tick_token_overhead``, per token of the step's bucket) on the steps of
-    calibration batches (``--seeds``: keep them apart from the seeds you validate on) and writes
-    the profile with it to ``--profile-out``. Validate with ``--parts policies --profile <it>``."""
+    calibration batches (``--seeds``: keep them apart from the seeds you validate on), or on the
+    steps of earlier runs (``--fit-from``: their ``.spec.json`` files, the ``.times.json`` beside
+    them), and writes the profile with it to ``--profile-out``. Validate with ``--parts policies --profile <it>``."""
     import datetime
 
     from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
     from jvarlen.plan.plan import Plan
 
-    spec, times = measure_policies(cfg, args)
+    if args.fit_from:  # steps timed before: the spec files of earlier --parts policies|overheads runs
+        runs = []
+        for spec_path in args.fit_from.split(","):
+            with open(spec_path) as f:
+                spec = json.load(f)
+            with open(spec_path.replace(".spec.json", ".times.json")) as f:
+                runs.append((spec, json.load(f)))
+    else:
+        runs = [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
-    scale = profile_clock_scale(spec, times)
-    rows = []
-    for b in spec["batches"]:
-        for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
-            plan = Plan.from_json(plan_json)
-            sim = "paired" if table == "paired" else "ticks"
-            terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
-            rows.append(
-                (
-                    f"{b['seed']}/{policy}/{table}",
-                    terms,
-                    float(np.median(times[f"{b['seed']}/{policy}/{table}"]["times"])) * scale,
-                )
-            )
+    rows, scales = [], []
+    for spec, times in runs:
+        scale = profile_clock_scale(spec, times)
+        scales.append(scale)
+        for b in spec["batches"]:
+            for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
+                plan = Plan.from_json(plan_json)
+                sim = "paired" if table == "paired" else "ticks"
+                terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
+                key = f"{b['seed']}/{policy}/{table}"
+                rows.append((key, terms, float(np.median(times[key]["times"])) * scale))
     tick, per_token = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
     print(
         f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token, fitted on {len(rows)} "
-        f"steps; profile {os.path.basename(path)}; measured x {scale:.3f} (reference probe)"
+        f"steps; profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
     )
     print(
         "| step | ticks on the critical path | bucket | measured s | predicted s before | after | error before | after |"
@@ -502,7 +510,11 @@ def overheads(cfg, args) -> None:
     meta = dataclasses.replace(
         cost.coeffs.meta,
         source=f"{cost.coeffs.meta.source}; tick_overhead fitted by scripts/bench_pipeline.py --parts overheads "
-        f"(seeds {args.seeds}, {len(rows)} steps, {mode})",
+        + (
+            f"(seeds {args.seeds}, {len(rows)} steps, {mode})"
+            if not args.fit_from
+            else f"(--fit-from {', '.join(os.path.basename(s) for s in args.fit_from.split(','))}, {len(rows)} steps)"
+        ),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=per_token, meta=meta).save(args.profile_out)
@@ -652,6 +664,9 @@ def main():
     parser.add_argument("--profile", help="cost profile (default: the shipped CPU profile of the model)")
     parser.add_argument("--out", default="runs/bench_policies.json")
     parser.add_argument("--profile-out", default="runs/profile_tick_overhead.json", help="--parts overheads: output")
+    parser.add_argument(
+        "--fit-from", help="--parts overheads: fit on these .spec.json files of earlier runs instead of timing"
+    )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
