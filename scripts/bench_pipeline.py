@@ -13,8 +13,9 @@
    one thread pool (bubbles then cost almost nothing: that measures compute volume and executor
    overhead, not the schedule).
 6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
-   fitted on them (``CostCoefficients.tick_overhead`` and ``tick_token_overhead``), written into a
-   copy of the profile; ``--fit-from A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
+   fitted on them (``CostCoefficients.tick_overhead``, ``tick_token_overhead``,
+   ``tick_context_overhead``), written into a copy of the profile; ``--fit-from
+   A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
 
 In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
 worker 0 times the reference probe before every round and the measured steps are converted to
@@ -459,11 +460,12 @@ def policies(cfg, args) -> None:
 
 
 def overheads(cfg, args) -> None:
-    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead`` and
-    ``tick_token_overhead``, per token of the step's bucket) on the steps of
-    calibration batches (``--seeds``: keep them apart from the seeds you validate on), or on the
-    steps of earlier runs (``--fit-from``: their ``.spec.json`` files, the ``.times.json`` beside
-    them), and writes the profile with it to ``--profile-out``. Validate with ``--parts policies --profile <it>``."""
+    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead``, ``tick_token_overhead``
+    per token of the step's bucket and ``tick_context_overhead`` per token of its context bucket) on
+    the steps of calibration batches (``--seeds``: keep them apart from the seeds you validate on),
+    or on the steps of earlier runs (``--fit-from``: their ``.spec.json`` files, the ``.times.json``
+    beside them), and writes the profile with it to ``--profile-out``. Validate with ``--parts
+    policies --profile <it>``."""
     import datetime
 
     from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
@@ -490,21 +492,22 @@ def overheads(cfg, args) -> None:
                 terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
                 key = f"{b['seed']}/{policy}/{table}"
                 rows.append((key, terms, float(np.median(times[key]["times"])) * scale))
-    tick, per_token = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    tick, per_token, per_context = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
     print(
-        f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token, fitted on {len(rows)} "
-        f"steps; profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
+        f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token + {per_context * 1e6:.2f} us "
+        f"per context token, fitted on {len(rows)} steps; profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
     )
     print(
-        "| step | ticks on the critical path | bucket | measured s | predicted s before | after | error before | after |"
+        "| step | ticks on the critical path | bucket | context | measured s | predicted s before | after "
+        "| error before | after |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for key, (base, ticks, tick_tokens), m in rows:
-        after = base + tick * ticks + per_token * tick_tokens
-        bucket = tick_tokens / ticks if ticks else 0
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, (base, ticks, tick_tokens, tick_context), m in rows:
+        after = base + tick * ticks + per_token * tick_tokens + per_context * tick_context
+        bucket, context = (tick_tokens / ticks, tick_context / ticks) if ticks else (0, 0)
         print(
-            f"| {key} | {ticks:.0f} | {bucket:.0f} | {m:.3f} | {base:.3f} | {after:.3f} | {100 * (base / m - 1):+.1f} % "
-            f"| {100 * (after / m - 1):+.1f} % |"
+            f"| {key} | {ticks:.0f} | {bucket:.0f} | {context:.0f} | {m:.3f} | {base:.3f} | {after:.3f} "
+            f"| {100 * (base / m - 1):+.1f} % | {100 * (after / m - 1):+.1f} % |"
         )
     mode = "one process per stage, each pinned to its own core" if args.processes else "one process"
     meta = dataclasses.replace(
@@ -517,7 +520,8 @@ def overheads(cfg, args) -> None:
         ),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=per_token, meta=meta).save(args.profile_out)
+    fitted = dict(tick_overhead=tick, tick_token_overhead=per_token, tick_context_overhead=per_context)
+    cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
     print(f"wrote {args.profile_out}")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape, executor_buckets
+from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape, profile_filename
 from jvarlen.plan.cost_fit import (
     OnlineRefit,
@@ -297,33 +297,40 @@ def test_online_refit_recovers_scaled_truth():
 
 
 def test_tick_overhead_recovered_from_simulated_steps():
-    """Steps 'measured' by the simulator with a known tick overhead, a constant and a part per bucket
-    token (plus ±1 % noise), give both back; the critical path's tick count is what the paired
-    simulator charges. Chunks of 100-1,500 tokens: steps pad to buckets of 128 to 1,536."""
+    """Steps 'measured' by the simulator with a known tick overhead, a constant, a part per bucket
+    token and a part per context token (plus ±1 % noise), give all three back; the critical path's
+    tick count is what the paired simulator charges. Chunks of 100-1,500 tokens (buckets 128 to
+    1,536); in two steps of three the first chunk is a slice of a split document with 200-3,000
+    tokens of context."""
     from jvarlen.plan.simulator import simulate
 
     layout = Layout(1, 2, 1)
     fast = dict(fwd=LayerTime(1e-7, 1e-4, 0.01), bwd=LayerTime(3e-7, 2e-4, 0.02))
+    overhead = dict(tick_overhead=0.03, tick_token_overhead=4e-5, tick_context_overhead=1e-5)
     rng = np.random.default_rng(5)
     terms, measured = [], []
-    for i in range(10):
+    for i in range(15):
         n = int(rng.integers(2, 9))
         shapes = [ChunkShape(0, (int(rng.integers(100, 1500)),)) for _ in range(n)]
+        if i % 3:
+            shapes[0] = ChunkShape(int(rng.integers(200, 3000)), shapes[0].slices, tail=bool(i % 2))
         sched = gpipe(n, 2) if i % 2 else one_f_one_b(n, 2)
-        truth = CostModel(GQA, layout, coeffs(tick_overhead=0.03, tick_token_overhead=4e-5, **fast))
+        truth = CostModel(GQA, layout, coeffs(**overhead, **fast))
         true_t = simulate(sched, shapes, None, truth, "paired").iteration_time
-        base, ticks, tick_tokens = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
+        row = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
+        base, ticks, tick_tokens, tick_context = row
         bucket = executor_buckets(max(c.tokens for c in shapes))[0]
         assert tick_tokens == pytest.approx(ticks * bucket)
-        assert base + 0.03 * ticks + 4e-5 * tick_tokens == pytest.approx(true_t, rel=1e-9)  # linear in both
+        assert tick_context == pytest.approx(ticks * executor_context(shapes, bucket))
+        assert (tick_context > 0) == (i % 3 > 0)
+        assert base + np.dot(list(overhead.values()), row[1:]) == pytest.approx(true_t, rel=1e-9)  # linear
         assert ticks == pytest.approx(round(ticks)) and ticks >= n + 1  # every tick of the table
-        terms.append((base, ticks, tick_tokens))
+        terms.append(row)
         measured.append(true_t * (1 + rng.uniform(-0.01, 0.01)))
-    tick, per_token = fit_tick_overhead(terms, measured)
-    assert tick == pytest.approx(0.03, rel=0.25) and per_token == pytest.approx(4e-5, rel=0.25)
-    assert fit_tick_overhead(terms, [b for b, _, _ in terms]) == pytest.approx(
-        (0.0, 0.0), abs=1e-12
-    )  # nothing unexplained
+    fitted = fit_tick_overhead(terms, measured)
+    assert fitted == pytest.approx(tuple(overhead.values()), rel=0.3)
+    nothing_unexplained = fit_tick_overhead(terms, [t[0] for t in terms])
+    assert nothing_unexplained == pytest.approx((0.0, 0.0, 0.0), abs=1e-12)
     with pytest.raises(ValueError):
         fit_tick_overhead(terms[:1], measured[:1])
 

@@ -14,7 +14,9 @@ from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, fuse_single_stage
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.chunk import executor_context
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
+from jvarlen.plan.units import PlannedChunk
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
 
@@ -226,3 +228,19 @@ def test_unrecomputed_fusion_leaves_chunks_the_plan_recomputes_on_the_last_stage
     assert fused[False] == set()
     assert fused[True] == {0, 4, 5}  # the last stage's adjacent F and B under token-level 1F1B
     assert fused["unrecomputed"] == {0, 5}
+
+
+@pytest.mark.parametrize("bucket", [32, 48])
+def test_the_cost_models_context_bucket_is_the_executors(bucket):
+    """``plan.chunk.executor_context`` (the tick overhead's context term) sizes the K/V buffers as
+    ``prepare_batch`` does: split documents' max(C + bucket), rounded up to the bucket; 0 when
+    nothing is split."""
+    docs, chunks = plan_documents(PLAN_A, seed=1)
+    lengths = [len(d) for d in docs]
+    for kept in (chunks, [c for c in chunks if all(piece[2] == lengths[piece[0]] for piece in c)]):
+        pack = pack_chunks(kept, docs, bucket)
+        sched = sch.token_level_1f1b(pack.chunk_prev, 2)
+        sig, _ = pl.prepare_batch([pack], [sched], [np.zeros((pack.n_chunks, 2), np.int32)], LAYOUT, 4)
+        shapes = [PlannedChunk(tuple(c)).shape(lengths) for c in kept]
+        assert executor_context(shapes, bucket) == sig.context
+    assert sig.context == 0  # the second batch has no split document

@@ -6,6 +6,7 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,14 @@ def executor_buckets(longest: int, sp: int = 1) -> list[int]:
         return [top]
     first = -(-max(longest, 1) // step) * step
     return list(range(first, top + 1, step))
+
+
+def executor_context(shapes: Sequence[ChunkShape], bucket: int) -> int:
+    """Context tokens the pipeline executor's K/V buffers hold for a step of these chunks padded to
+    ``bucket``: max(C + bucket) over chunks of split documents (with context, or continuing into a
+    later slice), rounded up to a multiple of ``bucket``; 0 when no document is split (as
+    ``PipelineChunks.context_bucket`` and ``prepare_batch`` size them)."""
+    linked = [c.context for c in shapes if c.context > 0 or not c.tail]
+    if not linked:
+        return 0
+    return -(-(max(linked) + bucket) // bucket) * bucket

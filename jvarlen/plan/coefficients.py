@@ -212,10 +212,11 @@ class CostCoefficients:
       tokens (the largest beyond them); a degree without an entry uses 1.
     * ``attention_block``: when > 0, the quadratic term counts visited ``block x block`` tiles of a
       block-skipping kernel (see :func:`tile_pairs`) instead of exact query-key pairs.
-    * ``tick_overhead`` + ``tick_token_overhead`` x the step's token bucket: seconds per tick of the
-      lock-step executor outside the ops' compute (the ``ppermute`` pair, slot reads and writes, the
-      branches' zero outputs: the last three grow with the bucket); ``op_overhead`` per op. Fitted on
-      executor steps (:func:`jvarlen.plan.cost_fit.fit_tick_overhead`), 0 otherwise.
+    * ``tick_overhead`` + ``tick_token_overhead`` x the step's token bucket + ``tick_context_overhead``
+      x its context bucket: seconds per tick of the lock-step executor outside the ops' compute (the
+      ``ppermute`` pair, slot reads and writes, the branches' zero outputs: the last two grow with
+      the buffers); ``op_overhead`` per op. Fitted on executor steps
+      (:func:`jvarlen.plan.cost_fit.fit_tick_overhead`), 0 otherwise.
     """
 
     fwd: LayerTime
@@ -254,6 +255,7 @@ class CostCoefficients:
     attention_block: int = 0
     tick_overhead: float = 0.0
     tick_token_overhead: float = 0.0
+    tick_context_overhead: float = 0.0
     op_overhead: float = 0.0
     meta: ProfileMeta = ProfileMeta()
 
@@ -339,6 +341,7 @@ class CostCoefficients:
             "sync_bytes_per_param",
             "tick_overhead",
             "tick_token_overhead",
+            "tick_context_overhead",
             "op_overhead",
         ):
             out[name] = getattr(self, name)

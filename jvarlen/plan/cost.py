@@ -213,10 +213,12 @@ class CostModel:
         link = self.coeffs.p2p_intra if intra else self.coeffs.p2p_inter
         return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / sp)
 
-    def tick_overhead(self) -> float:
+    def tick_overhead(self, context: int = 0) -> float:
         """The lock-step executor's own seconds per tick (0 unless fitted on executor steps): a
-        constant plus a part per token of the step's bucket (``pad_to``; none without one)."""
-        return self.coeffs.tick_overhead + self.coeffs.tick_token_overhead * (self.pad_to or 0)
+        constant, a part per token of the step's bucket (``pad_to``; none without one) and a part
+        per token of its ``context`` bucket (:func:`jvarlen.plan.chunk.executor_context`)."""
+        c = self.coeffs
+        return c.tick_overhead + c.tick_token_overhead * (self.pad_to or 0) + c.tick_context_overhead * context
 
     def op_overhead(self) -> float:
         """The lock-step executor's own seconds per op beyond the chunk's compute."""

@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape, executor_buckets
+from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
 from jvarlen.plan.schedule import Schedule, one_f_one_b
 
@@ -70,35 +70,39 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
 
 def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mode: str = "paired"):
     """(simulated s without tick overhead, ticks on the critical path, the same ticks x the step's
-    token bucket) of one plan. The ticks come from a finite difference of the simulator itself, so
-    they count exactly what the simulator charges; the bucket is the one the simulator pads to
-    (none, so 0, in the single-op ``"ticks"`` model)."""
+    token bucket, and x its context bucket) of one plan. The ticks come from a finite difference of
+    the simulator itself, so they count exactly what the simulator charges; the buckets are the
+    ones the simulator pads to (none, so 0, in the single-op ``"ticks"`` model)."""
     from jvarlen.plan.simulator import simulate
 
     def time(tick: float) -> float:
-        coeffs = cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=0.0)
+        coeffs = cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=0.0, tick_context_overhead=0.0)
         model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
         return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False).iteration_time
 
     base, h = time(0.0), 1e-3
     ticks = (time(h) - base) / h
-    bucket = 0
+    bucket = context = 0
     if mode == "paired":
         bucket = cost.pad_to or executor_buckets(max(c.tokens for c in chunk_shapes), cost.layout.sp)[0]
-    return base, ticks, ticks * bucket
+        context = executor_context(chunk_shapes, bucket)
+    return base, ticks, ticks * bucket, ticks * context
 
 
-def fit_tick_overhead(terms: Sequence[tuple[float, float, float]], measured: Sequence[float]) -> tuple[float, float]:
-    """``(CostCoefficients.tick_overhead, tick_token_overhead)`` (s per tick, s per tick and bucket
-    token) from timed executor steps: the non-negative least squares fit, relative to each measured
-    step, of ``measured − simulated`` on the critical path's ticks and ticks x bucket (``terms``:
+def fit_tick_overhead(
+    terms: Sequence[tuple[float, float, float, float]], measured: Sequence[float]
+) -> tuple[float, float, float]:
+    """``(CostCoefficients.tick_overhead, tick_token_overhead, tick_context_overhead)`` (s per tick,
+    s per tick and bucket token, s per tick and context token) from timed executor steps: the
+    non-negative least squares fit, relative to each measured step, of ``measured − simulated`` on
+    the critical path's ticks, ticks x bucket and ticks x context bucket (``terms``:
     :func:`tick_overhead_terms` of each step's plan). It is the executor's own work that the layer
     coefficients do not see: the ``ppermute`` pair, slot gathers and scatters and the branch
-    dispatch of every tick, the data-moving part of which grows with the bucket. Steps of a single
-    bucket cannot tell the two apart (the fit then puts it all in one of them). (A per-op overhead
+    dispatch of every tick, the data-moving part of which grows with the buffers. Steps that do not
+    vary a term cannot tell it from the others (NNLS then leaves one of them at 0). (A per-op overhead
     is not fitted: ops on the critical path grow with its ticks, and a fixed cost per layer call is
     already the layer coefficients' intercept.)"""
-    t = np.asarray(terms, float).reshape(-1, 3)
+    t = np.asarray(terms, float).reshape(-1, 4)
     y = np.asarray(measured, float)
     if len(y) != len(t) or len(y) < 2:
         raise ValueError(f"need at least two steps with one terms row each, got {len(y)} and {len(t)}")
@@ -106,7 +110,7 @@ def fit_tick_overhead(terms: Sequence[tuple[float, float, float]], measured: Seq
         raise ValueError("measured step times must be positive")
     w = 1.0 / y
     coef, _ = nnls(t[:, 1:] * w[:, None], (y - t[:, 0]) * w)
-    return float(coef[0]), float(coef[1])
+    return float(coef[0]), float(coef[1]), float(coef[2])
 
 
 # --------------------------------------------------------------------------- online refit
@@ -153,6 +157,7 @@ def scale_coefficients(c: CostCoefficients, s: dict[str, float]) -> CostCoeffici
         step_overhead_per_sp={d: v * s.get("overhead", 1.0) for d, v in c.step_overhead_per_sp.items()},
         tick_overhead=c.tick_overhead * s.get("overhead", 1.0),
         tick_token_overhead=c.tick_token_overhead * s.get("overhead", 1.0),
+        tick_context_overhead=c.tick_context_overhead * s.get("overhead", 1.0),
         op_overhead=c.op_overhead * s.get("overhead", 1.0),
     )
 

@@ -34,7 +34,7 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape, executor_buckets
+from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Op, Schedule, dependencies, paired_ticks
 
@@ -130,7 +130,8 @@ def simulate(
     events: list[Event] = []
 
     op_extra = cost.op_overhead() if mode != "async" else 0.0
-    tick_extra = cost.tick_overhead() if mode != "async" else 0.0
+    context = executor_context(chunk_shapes, cost.pad_to) if mode == "paired" else 0
+    tick_extra = cost.tick_overhead(context) if mode != "async" else 0.0
 
     def emit(stage: int, op: Op, start: float, recompute: bool = True) -> float:
         t = start
