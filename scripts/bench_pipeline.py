@@ -14,8 +14,9 @@
    overhead, not the schedule).
 6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
    fitted on them (``CostCoefficients.tick_overhead``, ``tick_token_overhead``,
-   ``tick_context_overhead``), written into a copy of the profile; ``--fit-from
+   ``tick_context_overhead``), written into a copy of the profile; ``--runs
    A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
+7. ``predict``: ``--profile``'s prediction error on the steps of earlier runs (``--runs``).
 
 In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
 worker 0 times the reference probe before every round and the measured steps are converted to
@@ -24,7 +25,8 @@ the profile's clock (the machine's speed changes by 20-30 % within an hour here)
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
     python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
     python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
-    python scripts/bench_pipeline.py --parts overheads --fit-from runs/a.spec.json,runs/b.spec.json --profile-out runs/p.json
+    python scripts/bench_pipeline.py --parts overheads --runs runs/a.spec.json,runs/b.spec.json --profile-out runs/p.json
+    python scripts/bench_pipeline.py --parts predict --runs runs/c.spec.json --profile runs/p.json
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -463,7 +465,7 @@ def overheads(cfg, args) -> None:
     """Fits the executor's tick overhead (``CostCoefficients.tick_overhead``, ``tick_token_overhead``
     per token of the step's bucket and ``tick_context_overhead`` per token of its context bucket) on
     the steps of calibration batches (``--seeds``: keep them apart from the seeds you validate on),
-    or on the steps of earlier runs (``--fit-from``: their ``.spec.json`` files, the ``.times.json``
+    or on the steps of earlier runs (``--runs``: their ``.spec.json`` files, the ``.times.json``
     beside them), and writes the profile with it to ``--profile-out``. Validate with ``--parts
     policies --profile <it>``."""
     import datetime
@@ -471,15 +473,7 @@ def overheads(cfg, args) -> None:
     from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
     from jvarlen.plan.plan import Plan
 
-    if args.fit_from:  # steps timed before: the spec files of earlier --parts policies|overheads runs
-        runs = []
-        for spec_path in args.fit_from.split(","):
-            with open(spec_path) as f:
-                spec = json.load(f)
-            with open(spec_path.replace(".spec.json", ".times.json")) as f:
-                runs.append((spec, json.load(f)))
-    else:
-        runs = [measure_policies(cfg, args)]
+    runs = load_runs(args.runs) if args.runs else [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
     rows, scales = [], []
     for spec, times in runs:
@@ -515,14 +509,58 @@ def overheads(cfg, args) -> None:
         source=f"{cost.coeffs.meta.source}; tick_overhead fitted by scripts/bench_pipeline.py --parts overheads "
         + (
             f"(seeds {args.seeds}, {len(rows)} steps, {mode})"
-            if not args.fit_from
-            else f"(--fit-from {', '.join(os.path.basename(s) for s in args.fit_from.split(','))}, {len(rows)} steps)"
+            if not args.runs
+            else f"(--runs {', '.join(os.path.basename(s) for s in args.runs.split(','))}, {len(rows)} steps)"
         ),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     fitted = dict(tick_overhead=tick, tick_token_overhead=per_token, tick_context_overhead=per_context)
     cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
     print(f"wrote {args.profile_out}")
+
+
+def load_runs(paths: str) -> list[tuple[dict, dict]]:
+    """(spec, times) of earlier ``--parts policies|overheads`` runs: their comma-separated
+    ``.spec.json`` files, each with its ``.times.json`` beside it."""
+    runs = []
+    for spec_path in paths.split(","):
+        with open(spec_path) as f:
+            spec = json.load(f)
+        with open(spec_path.replace(".spec.json", ".times.json")) as f:
+            runs.append((spec, json.load(f)))
+    return runs
+
+
+def predict(cfg, args) -> None:
+    """``--profile``'s error on every paired step of earlier runs (``--runs``), each plan as it was
+    planned then: how a refitted profile does on steps it was not fitted on, without timing again."""
+    from jvarlen.plan.assemble import simulate
+    from jvarlen.plan.plan import Plan
+
+    cost, path = policy_cost(args, cfg)
+    print(f"\nprofile {os.path.basename(path)}: |predicted - measured| / measured per step (profile clock)")
+    print("| run | steps | median | max |")
+    print("|---|---|---|---|")
+    everything = []
+    for name, (spec, times) in zip(args.runs.split(","), load_runs(args.runs)):
+        scale = profile_clock_scale(spec, times)
+        errors = []
+        for b in spec["batches"]:
+            for policy, plan_json in b["plans"].items():
+                key = f"{b['seed']}/{policy}/paired"
+                if key not in times:
+                    continue
+                measured = float(np.median(times[key]["times"])) * scale
+                predicted = simulate(Plan.from_json(plan_json), cost, "paired").iteration_time
+                errors.append(abs(predicted - measured) / measured)
+        everything += errors
+        print(
+            f"| {os.path.basename(name)} | {len(errors)} | {100 * np.median(errors):.1f} % | {100 * max(errors):.1f} % |"
+        )
+    print(
+        f"all {len(everything)} steps: median {100 * np.median(everything):.1f} %, "
+        f"p90 {100 * np.percentile(everything, 90):.1f} %, max {100 * max(everything):.1f} %"
+    )
 
 
 def measure_policies(cfg, args) -> tuple[dict, dict]:
@@ -669,7 +707,9 @@ def main():
     parser.add_argument("--out", default="runs/bench_policies.json")
     parser.add_argument("--profile-out", default="runs/profile_tick_overhead.json", help="--parts overheads: output")
     parser.add_argument(
-        "--fit-from", help="--parts overheads: fit on these .spec.json files of earlier runs instead of timing"
+        "--runs",
+        help="earlier runs' .spec.json files: --parts overheads fits on them instead of timing, --parts predict "
+        "reports --profile's error on them",
     )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -704,6 +744,10 @@ def main():
         policies(cfg, args)
     if "overheads" in parts:
         overheads(cfg, args)
+    if "predict" in parts:
+        if not args.runs:
+            parser.error("--parts predict needs --runs")
+        predict(cfg, args)
 
 
 if __name__ == "__main__":

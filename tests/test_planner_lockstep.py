@@ -102,3 +102,33 @@ def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():
     assert {"b512", "b1024"} <= set(tuned) and p.stats["slice_tokens"] > max(lengths)
     assert max(sum(piece[2] for piece in c) for c in p.chunks) > max(lengths)
     assert p.stats["iteration_time_s"] < tuned["1"]  # Alg. 1 with N = 1: chunks of <= 290 tokens
+
+
+def test_bucket_sizes_stay_where_the_profile_measured():
+    """Bucket-mesh sizes: the executor's buckets (2^k, 3·2^(k-1)) from the larger of
+    min_slice_tokens and the profile's smallest measured token bucket (512 here) up to twice the
+    power of two holding the longest document; none below what the profile measured."""
+    cost = CostModel(SHAPE, Layout(1, 2, 1), COEFFS)
+    assert min(COEFFS.token_buckets) == 512
+    assert bucket_candidates([3000, 100], cost, PlannerOptions(min_slice_tokens=256)) == [
+        8192,
+        6144,
+        4096,
+        3072,
+        2048,
+        1536,
+        1024,
+        768,
+        512,
+    ]
+    assert bucket_candidates([300], cost, PlannerOptions(min_slice_tokens=1024)) == [1024]
+    analytic = CostModel(SHAPE, Layout(1, 2, 1), COEFFS.replace(token_buckets=()))
+    assert bucket_candidates([300], analytic, PlannerOptions(min_slice_tokens=100)) == [
+        1024,
+        768,
+        512,
+        384,
+        256,
+        192,
+        128,
+    ]
