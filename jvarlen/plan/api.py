@@ -281,8 +281,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     token bucket; ``"ticks"`` does not model the padding) ``epp`` also cuts along bucket-sized slices
     (:func:`jvarlen.plan.sequence_processor.bucket_mesh`): the sizes of :func:`bucket_candidates`
     that are powers of two, then the two ``3·2^k`` sizes beside the best; the faster of the two
-    meshes' plans wins. Tuned times are
-    keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket mesh)."""
+    meshes' plans wins. Tuned times are keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket
+    mesh)."""
     events: list[str] = []
     candidates = slice_candidates(lengths, cost, options, policy)
     tune_mode = "greedy" if mode == "milp" else mode

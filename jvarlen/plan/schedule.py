@@ -318,9 +318,7 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
                 ran.append((p, nb))
                 bi[p] += 1
                 nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
-            # a fusable forward waits for lane 0 of a later tick: its backward could not run before
-            # then anyway, and fused it stores no residuals (with several forwards ready, e.g. one
-            # stage, running them in lane 1 left every chunk after the first unfused)
+            # a fusable forward waits to run fused in lane 0 of a later tick (see the docstring)
             if nf is not None and (nb is None or index[p][nb] > index[p][nf]) and ready(p, nf) and not fusable(p, nf):
                 row[p, LANE_F] = (FWD, nf.chunk)
                 ran.append((p, nf))
