@@ -471,21 +471,15 @@ def overheads(cfg, args) -> None:
     import datetime
 
     from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
-    from jvarlen.plan.plan import Plan
 
     runs = load_runs(args.runs) if args.runs else [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
-    rows, scales = [], []
-    for spec, times in runs:
-        scale = profile_clock_scale(spec, times)
-        scales.append(scale)
-        for b in spec["batches"]:
-            for (policy, plan_json), table in [(pj, tb) for pj in b["plans"].items() for tb in spec["tables"]]:
-                plan = Plan.from_json(plan_json)
-                sim = "paired" if table == "paired" else "ticks"
-                terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
-                key = f"{b['seed']}/{policy}/{table}"
-                rows.append((key, terms, float(np.median(times[key]["times"])) * scale))
+    scales = [profile_clock_scale(spec, times) for spec, times in runs]
+    rows = []
+    for key, plan, table, measured in timed_steps(runs):
+        sim = "paired" if table == "paired" else "ticks"
+        terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
+        rows.append((key, terms, measured))
     tick, per_token, per_context = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
     print(
         f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token + {per_context * 1e6:.2f} us "
@@ -531,27 +525,36 @@ def load_runs(paths: str) -> list[tuple[dict, dict]]:
     return runs
 
 
+def timed_steps(runs: list[tuple[dict, dict]]):
+    """Every timed step of ``runs`` ((spec, times) pairs): (key, plan, tick table, median measured
+    seconds on the profile's clock)."""
+    from jvarlen.plan.plan import Plan
+
+    for spec, times in runs:
+        scale = profile_clock_scale(spec, times)
+        for b in spec["batches"]:
+            for policy, plan_json in b["plans"].items():
+                for table in spec["tables"]:
+                    key = f"{b['seed']}/{policy}/{table}"
+                    if key in times:
+                        yield key, Plan.from_json(plan_json), table, float(np.median(times[key]["times"])) * scale
+
+
 def predict(cfg, args) -> None:
     """``--profile``'s error on every paired step of earlier runs (``--runs``), each plan as it was
     planned then: how a refitted profile does on steps it was not fitted on, without timing again."""
     from jvarlen.plan.assemble import simulate
-    from jvarlen.plan.plan import Plan
 
     cost, path = policy_cost(args, cfg)
     print(f"\nprofile {os.path.basename(path)}: |predicted - measured| / measured per step (profile clock)")
     print("| run | steps | median | max |")
     print("|---|---|---|---|")
     everything = []
-    for name, (spec, times) in zip(args.runs.split(","), load_runs(args.runs)):
-        scale = profile_clock_scale(spec, times)
+    for name, run in zip(args.runs.split(","), load_runs(args.runs)):
         errors = []
-        for b in spec["batches"]:
-            for policy, plan_json in b["plans"].items():
-                key = f"{b['seed']}/{policy}/paired"
-                if key not in times:
-                    continue
-                measured = float(np.median(times[key]["times"])) * scale
-                predicted = simulate(Plan.from_json(plan_json), cost, "paired").iteration_time
+        for _, plan, table, measured in timed_steps([run]):
+            if table == "paired":
+                predicted = simulate(plan, cost, "paired").iteration_time
                 errors.append(abs(predicted - measured) / measured)
         everything += errors
         print(

@@ -30,7 +30,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, executor_buckets
 from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.grouping import group, lockstep_order, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
@@ -236,19 +236,19 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
 
 def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
     """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest
-    first: the executor's token buckets (``2^k`` and ``3·2^(k-1)``,
-    :func:`jvarlen.plan.chunk.executor_buckets`, divisible by sp) from ``min_slice_tokens`` (and
+    first: the buckets the executor pads to (:func:`jvarlen.plan.chunk.executor_buckets`: ``2^k``
+    and ``3·2^(k-2)``, or powers of two where sp does not divide the step) from ``min_slice_tokens`` (and
     the profile's smallest measured token bucket: below it the cost model extrapolates, and on CPU
     it under-predicted a 384-token step by 23 %) up to twice the power of two that holds the longest
     document (sizes above it split nothing and pack short documents into larger chunks)."""
     measured = min(cost.coeffs.token_buckets, default=0)
     lo, longest, sp = max(16, options.min_slice_tokens, measured), max(lengths), cost.layout.sp
     top = 2 << max(0, (longest - 1).bit_length())
-    out, p = [], 16
+    out, p = set(), 16
     while p <= top:
-        out += [v for v in (p, 3 * p // 2) if lo <= v <= top and v % sp == 0]
+        out |= {executor_buckets(v, sp)[0] for v in (3 * p // 4, p)}
         p *= 2
-    return sorted(set(out), reverse=True)
+    return sorted((b for b in out if lo <= b <= top), reverse=True)
 
 
 def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int) -> int | None:

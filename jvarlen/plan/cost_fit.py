@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
 from jvarlen.plan.schedule import Schedule, one_f_one_b
 
@@ -70,23 +70,20 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
 
 def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mode: str = "paired"):
     """(simulated s without tick overhead, ticks on the critical path, the same ticks x the step's
-    token bucket, and x its context bucket) of one plan. The ticks come from a finite difference of
-    the simulator itself, so they count exactly what the simulator charges; the buckets are the
-    ones the simulator pads to (none, so 0, in the single-op ``"ticks"`` model)."""
+    token bucket, and x its context bucket) of one plan: finite differences of the simulator itself
+    in each tick coefficient, so they count exactly what the simulator charges (buckets included,
+    none in the single-op ``"ticks"`` model)."""
     from jvarlen.plan.simulator import simulate
 
-    def time(tick: float) -> float:
-        coeffs = cost.coeffs.replace(tick_overhead=tick, tick_token_overhead=0.0, tick_context_overhead=0.0)
+    names = ("tick_overhead", "tick_token_overhead", "tick_context_overhead")
+
+    def time(**overhead) -> float:
+        coeffs = cost.coeffs.replace(**{**dict.fromkeys(names, 0.0), **overhead})
         model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
         return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False).iteration_time
 
-    base, h = time(0.0), 1e-3
-    ticks = (time(h) - base) / h
-    bucket = context = 0
-    if mode == "paired":
-        bucket = cost.pad_to or executor_buckets(max(c.tokens for c in chunk_shapes), cost.layout.sp)[0]
-        context = executor_context(chunk_shapes, bucket)
-    return base, ticks, ticks * bucket, ticks * context
+    base, h = time(), 1e-6
+    return (base, *((time(**{name: h}) - base) / h for name in names))
 
 
 def fit_tick_overhead(
