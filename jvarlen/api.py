@@ -140,7 +140,7 @@ class Session:
     ) -> PlanStep:
         """The elastic pipeline step on ``layout`` for plans of that layout (chunks padded to
         ``bucket`` tokens, or to quarter steps of a power of two; chunk counts to a multiple of
-        ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp group)."""
+        ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp devices and the dp pipelines)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
         strategy = PipelineStrategy.for_given_plans(

@@ -278,9 +278,9 @@ class ParallelConfig:
     # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
     # the backward), "all" (every residual), or a jax.checkpoint_policies name.
     residual_policy: str = "dots_and_attention"
-    # A pipeline stage's layers (and their gradient accumulator) on its sp devices: "replicated"
-    # (every device holds the stage) or "sharded" (ZeRO-3 over the sp group: 1/sp each, one layer
-    # gathered at a time where an op uses it; the planner's memory model follows).
+    # A pipeline stage's layers (and their gradient accumulator): "replicated" (every device holds
+    # the stage) or "sharded" (ZeRO-3 over the stage's sp devices and the dp pipelines: 1/(dp·sp)
+    # each, a layer gathered where an op uses it; the planner's memory model follows).
     stage_weights: str = "replicated"
 
     @property

@@ -8,7 +8,7 @@ Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64
 128, 256} x {gqa, context} (``jvarlen.gpu_aot.ATTENTION_CASES``). Train steps: the
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
-pipeline step on 8 GPUs, stage weights replicated and sharded over sp. Every row either
+pipeline step on 8 GPUs, stage weights replicated and sharded over dp x sp. Every row either
 compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
 XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
 status, largest shared memory of the Pallas kernels, register spill bytes (ptxas), peak
@@ -134,7 +134,7 @@ def step_rows(target: str, names):
 
 def pipeline_rows(target: str):
     """llama-7b's pipeline step per layout of :data:`PIPELINE_LAYOUTS`, stage weights replicated and
-    sharded over sp (ZeRO-3): compiled memory per device, and the stage layers' copy (compute
+    sharded over dp x sp (ZeRO-3): compiled memory per device, and the stage layers' copy (compute
     dtype) + gradient accumulator (parameter dtype) one device holds by design."""
     from jvarlen.layout import Layout
     from jvarlen.plan.cost import ModelShape
@@ -165,7 +165,7 @@ def pipeline_rows(target: str):
                 per_param = (
                     jnp.dtype(config.model.compute_dtype).itemsize + jnp.dtype(config.model.param_dtype).itemsize
                 )
-                stage = per_param * layers / (sp if mode == "sharded" else 1)
+                stage = per_param * layers / (dp * sp if mode == "sharded" else 1)
                 fwd = report.count("varlen_flash_fwd")
                 row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
                 row.detail = (

@@ -156,15 +156,15 @@ def test_model_state_memory_hand_computed():
     assert cm.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * MHA.stage_params(1, 2) + 1000)
     with pytest.raises(ValueError):
         cm.model_state_memory(2)
-    # ZeRO-3 over the sp group: the compute copy and gradients of the stage's decoder layers are
-    # 1/sp per device (embedding and head whole), in every layout derived from it (padded, other
-    # schemes' layouts)
+    # ZeRO-3 over the sp group and the dp pipelines: the compute copy and gradients of the stage's
+    # decoder layers are 1/(dp·sp) per device (embedding and head whole), in every layout derived
+    # from it (padded, other schemes' layouts)
     layers = MHA.num_layers // 2 * MHA.layer_params
     z = CostModel(MHA, Layout(2, 2, 2), coeffs(), stage_weights_sharded=True)
     for stage in (0, 1):
         extra = MHA.stage_params(stage, 2) - layers
         assert extra > 0
-        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers / 2 + extra) + 1000)
+        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + 1000)
     assert z.padded(64).model_state_memory(1) == pytest.approx(z.model_state_memory(1))
     z4 = z.with_layout(Layout(1, 2, 4), state_devices=8)
     extra = MHA.stage_params(0, 2) - layers

@@ -1,13 +1,14 @@
-"""Stage weights sharded over the stage's sp group (ZeRO-3, ``stage_weights="sharded"``): the
-gradients equal the single-device reference under every op kind (stored layers, recomputed
-layers, the fused last-stage op, context K/V of split documents), a device holds 1/sp of its
-stage's layers, and no op keeps more than one gathered layer."""
+"""Stage weights sharded over the stage's sp devices and the dp pipelines (ZeRO-3,
+``stage_weights="sharded"``): the gradients equal the single-device reference under every op kind
+(stored layers, recomputed layers, the fused last-stage op, context K/V of split documents), a
+device holds 1/(dp·sp) of its stage's layers, and no op keeps more than one gathered layer."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices
@@ -44,37 +45,52 @@ def _weights(cfg, layout, mode):
     return state, StageWeights(state, param_axes(state), layout, mode)
 
 
+def _per_layer(fn, tree):
+    """``fn`` on each layer of a stacked tree (leaves [Ls, ...]), restacked."""
+    n = jax.tree.leaves(tree)[0].shape[0]
+    out = [fn(jax.tree.map(lambda a, j=j: a[j], tree)) for j in range(n)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
+
+
 @pytest.mark.parametrize(
-    "layout", [Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2), Layout(dp=2, pp=1, sp=4)], ids=str
+    "layout",
+    [Layout(dp=2, pp=2, sp=2), Layout(dp=1, pp=4, sp=2), Layout(dp=2, pp=1, sp=4), Layout(dp=4, pp=2, sp=1)],
+    ids=str,
 )
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_pull_and_push_move_the_right_chunks(layout, mode):
     """On the layout mesh, from the canonical placement: pull gives each device its stage's layers
-    (sharded: its sp shard, interleaved), push of per-device gradients gives the canonical chunks
-    of their sum; against numpy slicing of the whole leaves."""
+    (sharded: its sp shard, interleaved, of which it keeps its pipeline's 1/dp), ``gather_dp`` per
+    layer the layers as an op uses them; ``reduce_dp`` per layer and push of per-device gradients
+    give the canonical chunks of their sum; against numpy slicing of the whole leaves."""
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)
     state, weights = _weights(cfg, layout, mode)
     assert all(leaf.canon for leaf in weights.leaves)  # the tiny model's leaves are all managed
+    assert weights.dp_sharded == (mode == "sharded" and layout.dp > 1)
     mesh = pipeline_mesh(layout)
     rng = np.random.default_rng(0)
     full = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), state)
     specs = weights.specs()
 
-    # pull, then push of (pulled weights × (device's flat index + 1)): the sum over the devices of
+    # pull, then push of (used weights × (device's flat index + 1)): the sum over the devices of
     # a stage group that share a chunk is a known multiple of the weights
     def device(layers):
-        pulled = weights.pull(layers)
+        held = weights.pull(layers)
+        used = _per_layer(weights.gather_dp, held)
         i = (jax.lax.axis_index("dp") * layout.pp + jax.lax.axis_index("pp")) * layout.sp + jax.lax.axis_index("sp")
-        scaled = jax.tree.map(lambda x: x * (i + 1).astype(x.dtype), pulled)
-        return pulled, weights.push(scaled)
+        scaled = jax.tree.map(lambda x: x * (i + 1).astype(x.dtype), used)
+        return held, used, weights.push(_per_layer(weights.reduce_dp, scaled))
 
-    pulled_spec = jax.tree.map(lambda _: P(("dp", "pp", "sp")), specs, is_leaf=lambda x: isinstance(x, P))
-    pulled, pushed = jax.jit(
-        jax.shard_map(device, mesh=mesh, in_specs=(specs,), out_specs=(pulled_spec, specs), check_vma=False)
+    per_device = jax.tree.map(lambda _: P(("dp", "pp", "sp")), specs, is_leaf=lambda x: isinstance(x, P))
+    held, used, pushed = jax.jit(
+        jax.shard_map(device, mesh=mesh, in_specs=(specs,), out_specs=(per_device, per_device, specs), check_vma=False)
     )(full)
     n, ls = layout.num_devices, cfg.num_layers // layout.pp
-    for x, p, g, leaf in zip(jax.tree.leaves(full), jax.tree.leaves(pulled), jax.tree.leaves(pushed), weights.leaves):
+    for x, h, p, g, leaf in zip(
+        jax.tree.leaves(full), jax.tree.leaves(held), jax.tree.leaves(used), jax.tree.leaves(pushed), weights.leaves
+    ):
+        h = np.asarray(h).reshape((n, ls) + h.shape[1:])
         p = np.asarray(p).reshape((n, ls) + p.shape[1:])
         a, chunk = leaf.canon, x.shape[leaf.canon] // n
         for d in range(layout.dp):
@@ -83,6 +99,11 @@ def test_pull_and_push_move_the_right_chunks(layout, mode):
                     stage = x[q * ls : (q + 1) * ls]
                     if mode == "sharded":  # canonical chunks s, s + sp, s + 2 sp, ...
                         idx = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in range(s, n, layout.sp)])
+                        mine = [(d * layout.pp + r) * layout.sp + s for r in range(layout.pp)]
+                        own = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in mine])
+                        np.testing.assert_array_equal(
+                            h[(d * layout.pp + q) * layout.sp + s], np.take(stage, own, axis=a)
+                        )
                         stage = np.take(stage, idx, axis=a)
                     np.testing.assert_array_equal(p[(d * layout.pp + q) * layout.sp + s], stage)
         # summed over the dp devices of a stage; replicated also over its sp devices (sharded, the
@@ -104,7 +125,9 @@ def test_stage_weights_reject_unknown_modes():
         _weights(tiny_config(num_layers=4), Layout(dp=1, pp=2, sp=2), "zero3")
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=2, pp=2, sp=2), Layout(dp=2, pp=1, sp=2)], ids=str)
+@pytest.mark.parametrize(
+    "layout", [Layout(dp=2, pp=2, sp=2), Layout(dp=2, pp=1, sp=2), Layout(dp=4, pp=2, sp=1)], ids=str
+)
 def test_sharded_stage_weights_match_reference(layout):
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)
@@ -154,10 +177,10 @@ def _token_1f1b_batch(cfg, layout, recompute: int):
     return pipes, sig, batch
 
 
-def _temp_bytes(layout, stage_weights, residual_policy):
+def _temp_bytes(layout, stage_weights, residual_policy, num_layers: int = 4):
     """(compiled temp bytes of the pipeline step, parameter bytes of one stage's layers), the
     parameters given in their canonical placement (as the train step holds them)."""
-    cfg = tiny_config(num_layers=4)
+    cfg = tiny_config(num_layers=num_layers)
     graphdef, params = tiny_params(cfg)
     _, sig, batch = _token_1f1b_batch(cfg, layout, 0)
     mesh = pipeline_mesh(layout)
@@ -174,17 +197,26 @@ def _temp_bytes(layout, stage_weights, residual_policy):
     return compiled.memory_analysis().temp_size_in_bytes, stage
 
 
-@pytest.mark.parametrize("policy", ["dots_and_attention", None])
-def test_sharded_stage_weights_memory(policy):
-    """Sharded, a device holds 1/sp of its stage's layers and of their gradient accumulator: the
-    step's temporaries shrink by at least (1 - 1/sp) of the stage's weights (the accumulator saves
-    as much again, minus the one gathered layer and its gradient); no stack of gathered layers is
-    kept (policy None keeps every other residual of a stored layer)."""
-    layout = Layout(dp=1, pp=2, sp=2)
+@pytest.mark.parametrize(
+    "layout,policy",
+    [
+        (Layout(dp=1, pp=2, sp=2), "dots_and_attention"),
+        (Layout(dp=1, pp=2, sp=2), None),
+        (Layout(dp=2, pp=2, sp=2), "dots_and_attention"),
+        (Layout(dp=4, pp=2, sp=1), "dots_and_attention"),
+    ],
+    ids=str,
+)
+def test_sharded_stage_weights_memory(layout, policy):
+    """Sharded, a device holds 1/(dp·sp) of its stage's layers and of their gradient accumulator:
+    the step's temporaries shrink by at least (1 - 1/(dp·sp)) of the stage's weights (the
+    accumulator saves as much again, minus the layers in flight and a layer's gradient); no stack
+    of gathered layers is kept (policy None keeps every other residual of a stored layer). Eight
+    layers, so that the layers in flight are a small part of a stage."""
     require_devices(layout.num_devices)
-    temp_r, stage = _temp_bytes(layout, "replicated", policy)
-    temp_s, _ = _temp_bytes(layout, "sharded", policy)
-    assert temp_r - temp_s >= (1 - 1 / layout.sp) * stage, (temp_r, temp_s, stage)
+    temp_r, stage = _temp_bytes(layout, "replicated", policy, num_layers=8)
+    temp_s, _ = _temp_bytes(layout, "sharded", policy, num_layers=8)
+    assert temp_r - temp_s >= (1 - 1 / (layout.dp * layout.sp)) * stage, (temp_r, temp_s, stage)
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])

@@ -80,9 +80,9 @@ class CostModel:
         matmuls run over this many tokens (the pipeline executor pads all chunks of a step to one
         bucket, :meth:`padded`); None: each chunk's own bucket (``token_buckets``).
         ``stage_weights_sharded``: the compute copy and gradient accumulator of the stage's decoder
-        layers are sharded over its sp group (ZeRO-3, the executor's ``stage_weights="sharded"``),
-        so a device holds ``stage_bytes_per_param / sp`` per layer parameter (embedding and head:
-        ``stage_bytes_per_param``)."""
+        layers are sharded over its sp group and the dp pipelines (ZeRO-3, the executor's
+        ``stage_weights="sharded"``), so a device holds ``stage_bytes_per_param / (dp·sp)`` per
+        layer parameter (embedding and head: ``stage_bytes_per_param``)."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -287,7 +287,7 @@ class CostModel:
         params = m.stage_params(stage, self.layout.pp)
         if self.stage_weights_sharded:  # the decoder layers; embedding and head stay whole
             layers = m.num_layers // self.layout.pp * m.layer_params
-            params += layers / self.layout.sp - layers
+            params += layers / (self.layout.dp * self.layout.sp) - layers
         local = c.stage_bytes_per_param * params
         return sharded + local + c.workspace_bytes
 

@@ -10,31 +10,29 @@ the host by :mod:`jvarlen.parallel.pipeline.prepare`. Mesh axes ``(dp, pp, sp)``
 Ulysses runs inside each stage over ``sp``.
 
 Inside ``shard_map`` one device runs a loop over paired ticks (:class:`StageProgram`):
-in each tick lane 0 (``lax.switch`` over [idle, backward, fused]) and then lane 1 (``lax.cond``
-over [idle, forward]) gather what their op reads from the stage's buffers, run it on those
-values, scatter what it wrote and add its gradients; then two ``ppermute`` pass activations /
-cotangents to the neighbouring stages.
+in each tick lane 0 (a backward or the fused F and B of the last stage) and then lane 1 (a
+forward) gather what their op reads from the stage's buffers, run it on those values, scatter
+what it wrote and add its gradients; then two ``ppermute`` pass activations / cotangents to the
+neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
+in a conditional on its mode (``stage.StageFns.ascend``/``descend``); the layers' gathers over
+dp, where the stage is sharded over the dp pipelines, run between those conditionals.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
-from jvarlen.model import AttentionInputs, cross_entropy_sums, make_attention_fn
-from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
-from jvarlen.parallel import ulysses
+from jvarlen.model import AttentionInputs, cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
-from jvarlen.parallel.pipeline.stage import StageFns, maybe, residual_shapes
-from jvarlen.parallel.pipeline.weights import StageWeights
-from jvarlen.parallel.sharding import param_axes
+from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, STORED, StageShapes, maybe, residual_shapes, stage_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
@@ -46,65 +44,26 @@ def split_params(params):
     return params["layers"], rest
 
 
-@dataclasses.dataclass(frozen=True)
-class StageShapes:
-    """Static sizes of one signature, per device: T tokens per chunk (Tl = T/sp of them on one device
-    of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
-    Ulysses all_to_all, Sc context tokens."""
-
-    sig: PipelineSignature
-    graphdef: Any
-    fns: StageFns
-    compute_dtype: Any
-    d: int
-    D: int
-    K: int
-
-    @property
-    def pp(self) -> int:
-        return self.sig.layout.pp
-
-    @property
-    def ls(self) -> int:
-        return self.sig.layers_per_stage
-
-    @property
-    def T(self) -> int:
-        return self.sig.bucket
-
-    @property
-    def Tl(self) -> int:
-        return self.sig.bucket // self.sig.layout.sp
-
-    @property
-    def Sc(self) -> int:
-        return self.sig.context
-
-    @property
-    def stores(self) -> bool:
-        """Static: a signature without residual slots recomputes every layer."""
-        return self.sig.n_res > 0
-
-    def dummy(self, kind: str) -> int:
-        """The slot meaning "nothing": one past the last real slot of a buffer."""
-        return getattr(self.sig, "n_" + kind)
-
-
 class StageProgram:
     """One device's tick program (built inside ``shard_map``): the stage's layers, the rest of the
     model (embedding, final norm, head), this pipeline's tables and chunks ``b``, and the loss
     ``scale`` (1 / all real targets of the iteration).
 
-    The switch branches never see a buffer: what an op reads is gathered before it and what it
+    The ops' conditionals never see a buffer: what an op reads is gathered before it and what it
     writes is scattered after it (to the dummy slot when it writes nothing), so every buffer update
     is an in-place dynamic-update-slice in the tick loop's carry."""
 
-    def __init__(self, s: StageShapes, layers, rest, b, scale):
+    def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True):
         self.s, self.layers, self.rest, self.scale = s, layers, rest, scale
         self.b = jax.tree.map(lambda a: a[0], b)
         self.stage = jax.lax.axis_index(PP)
         self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
         self.is_first, self.is_last = self.stage == 0, self.stage == s.pp - 1
+        # collectives inside conditionals (Ulysses; gathers over dp): order them (see :meth:`tick`);
+        # a layer's gather over dp waits for the previous layer's compute only where that is needed
+        # (XLA:CPU); elsewhere it is issued ahead, to overlap the compute
+        self.ordered = s.sig.layout.sp > 1 or s.fns.weights.dp_sharded
+        self.gathers_wait = self.ordered and cpu
         self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
 
     # ---- the model pieces outside the stage's layers
@@ -117,6 +76,14 @@ class StageProgram:
     def head_loss(self, rest, y, targets, mask):
         logits = self.model_of(rest).logits(y[None])
         return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
+
+    def head_vjp(self, c, y):
+        """(loss, its gradients for the rest and for ``y``) of chunk view ``c``'s last-stage output."""
+        loss, vjp_fn = jax.vjp(
+            lambda rr, yy: self.head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), self.rest, y
+        )
+        d_rest, dy = vjp_fn(self.scale.astype(loss.dtype))
+        return loss, d_rest, dy
 
     # ---- one chunk's view
     def chunk(self, k) -> dict:
@@ -151,97 +118,116 @@ class StageProgram:
             return a
         return jnp.roll(a, -c["shift"] if back else c["shift"], axis=1)
 
-    # ---- the ops (branches of the tick's switch): reads -> outputs
-    def fwd(self, r, k):
-        s, c = self.s, self.chunk(k)
-        x = jnp.where(self.is_first, self.embed(self.rest, c["local_tokens"]), r["x"])
-        recompute = c["res_slot"] == s.dummy("res") if s.stores else None
-        y, k_own, v_own, residuals, n = s.fns.forward(
-            self.layers, x, r["ck"], r["cv"], c["inputs"], c["local_positions"], recompute
-        )
+    # ---- passes over the stage's layers
+    def layer_pass(self, step, init, xs, reverse=False):
+        """``step(carry, lp, x_j) -> (carry, y_j)`` over the stage's layers (``StageWeights.layer_pass``)."""
+        return self.s.fns.weights.layer_pass(self.layers, step, init, xs, reverse, self.gathers_wait)
 
-        def last():
-            loss, vjp_fn = jax.vjp(
-                lambda rr, yy: self.head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), self.rest, y
-            )
-            d_rest, dy = vjp_fn(self.scale.astype(loss.dtype))
-            return loss, d_rest, dy
+    def lane_flags(self, t):
+        """Whether lane 0 and lane 1 run their passes in tick ``t``: where this stage has an op there,
+        and, sharded over dp, where any pipeline's stage has one (their gathers are matched)."""
+        ops = self.b["ops"][t, self.stage, :, 0]
+        run = jnp.stack([(ops[LANE_B] == BWD) | (ops[LANE_B] == FUSED), ops[LANE_F] == FWD])
+        if self.s.fns.weights.dp_sharded:
+            run = jax.lax.psum(run.astype(jnp.int32), DP) > 0
+        return run
 
-        loss, d_rest, dy = maybe(self.is_last, last)
-        return dict(
-            self.out,
-            send_act=y,
-            x_in=x,
-            dy_last=dy,
-            res=residuals,
-            k_own=k_own * c["own"],
-            v_own=v_own * c["own"],
-            d_rest=d_rest,
-            loss=loss,
-            count=n,
-        )
+    # ---- the ops: reads -> outputs (:attr:`out` where a lane does not run)
+    def backward_op(self, r, op, k):
+        """Lane 0: the backward of chunk k (its recomputed layers first), or the fused F and B of the
+        last stage (its forward keeps every layer's residuals; with one stage its input is the
+        embedding), or nothing (``op`` idle: every layer's mode is NONE)."""
+        s, fns, c = self.s, self.s.fns, self.chunk(k)
+        is_b, is_fused = op == BWD, op == FUSED
+        recompute = c["res_slot"] == s.dummy("res") if s.stores else jnp.ones((s.ls,), bool)
+        mode = jnp.where(is_fused | (is_b & recompute), KEEP, jnp.where(is_b, STORED, NONE))
+        x = r["x"]
+        if s.pp == 1:
+            x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
+        f = fns.layer(c["inputs"], c["local_positions"])
 
-    def bwd(self, r, k):
-        s, c = self.s, self.chunk(k)
+        def up(x, lp, xs):
+            ck, cv, m, stored = xs
+            y, _, _, res = fns.ascend(f, m, lp, x, ck, cv, stored if s.stores else None)
+            return y, res
+
+        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], mode, r["res"]))
+
+        loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
         if s.Sc:
             at, size = (0, c["C"], 0, 0), (s.ls, s.T, s.K, s.D)
             dk_own = jax.lax.dynamic_slice(r["dck"], at, size) * c["own"]
             dv_own = jax.lax.dynamic_slice(r["dcv"], at, size) * c["own"]
         else:
             dk_own = dv_own = jnp.zeros((s.ls, s.T, s.K, s.D), s.compute_dtype)
-        dx, dlayers, dck, dcv, n = s.fns.backward(
-            self.layers,
-            r["x"],
-            r["dy"],
-            r["ck"],
-            r["cv"],
-            dk_own,
-            dv_own,
-            r["res"] if s.stores else None,
-            c["res_slot"] == s.dummy("res"),
-            c["inputs"],
-            c["local_positions"],
+        active = is_b | is_fused
+
+        def down(dy, lp, xs):
+            ck, cv, res, dk, dv = xs
+            dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
+            return dx, (fns.weights.reduce_dp(dlp), dck, dcv)
+
+        dy = jnp.where(is_fused, dy_head, r["dy"])
+        dx, (d_layers, dck, dcv) = self.layer_pass(
+            down, dy, (r["ck"], r["cv"], residuals, dk_own, dv_own), reverse=True
         )
 
         def first():
             _, vjp_fn = jax.vjp(lambda rr: self.embed(rr, c["local_tokens"]), self.rest)
             return vjp_fn(dx)[0]
 
-        d_rest = maybe(self.is_first, first)
-        return dict(self.out, send_grad=dx, d_layers=dlayers, dck=dck, dcv=dcv, d_rest=d_rest, count=n)
-
-    def fused(self, r, k):
-        """F and B of chunk k in one op (the last stage; plain autodiff, nothing stored across
-        ticks). With one stage its input is the embedding, else the received activation, whose
-        gradient is sent back like a backward's."""
-        s, c = self.s, self.chunk(k)
-
-        def stage_loss(layers_, rest_, x_in, ck, cv):
-            x = self.embed(rest_, c["local_tokens"]) if s.pp == 1 else x_in
-            y, *_ = s.fns.forward(layers_, x, ck, cv, c["inputs"], c["local_positions"], None)
-            return self.head_loss(rest_, y, c["local_targets"], c["local_loss_mask"])
-
-        loss, vjp_fn = jax.vjp(stage_loss, self.layers, self.rest, r["x"], r["ck"], r["cv"])
-        d_layers, d_rest, dx, dck, dcv = vjp_fn(self.scale.astype(loss.dtype))
+        d_embed = maybe(active & self.is_first, first)
         return dict(
             self.out,
             send_grad=dx,
             d_layers=d_layers,
-            d_rest=d_rest,
             dck=dck,
             dcv=dcv,
+            d_rest=jax.tree.map(jnp.add, d_head, d_embed),
             loss=loss,
-            count=jnp.int32(s.ls),
+            count=jnp.sum(mode == KEEP).astype(jnp.int32),
         )
 
-    def idle(self, r, k):
+    def forward_op(self, r, op, k):
+        """Lane 1: the forward of chunk k, keeping the residuals of the layers it stores (and, on the
+        last stage, the loss and its cotangent), or nothing (``op`` idle)."""
+        s, fns, c = self.s, self.s.fns, self.chunk(k)
+        is_f = op == FWD
+        keep = c["res_slot"] != s.dummy("res") if s.stores else jnp.zeros((s.ls,), bool)
+        mode = jnp.where(is_f, jnp.where(keep, KEEP, PLAIN), NONE)
+        embedded = maybe(is_f & self.is_first, lambda: self.embed(self.rest, c["local_tokens"]))
+        x = jnp.where(self.is_first, embedded, r["x"])
+        f = fns.layer(c["inputs"], c["local_positions"])
+
+        def up(x, lp, xs):
+            ck, cv, m = xs
+            y, k_own, v_own, res = fns.ascend(f, m, lp, x, ck, cv)
+            return y, (k_own, v_own, res)
+
+        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (r["ck"], r["cv"], mode))
+
+        loss, d_rest, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
+        return dict(
+            self.out,
+            send_act=y,
+            x_in=x,
+            dy_last=dy,
+            res=residuals if s.stores else [],
+            k_own=k_own * c["own"],
+            v_own=v_own * c["own"],
+            d_rest=d_rest,
+            loss=loss,
+            count=jnp.where(is_f, s.ls, 0).astype(jnp.int32),
+        )
+
+    def idle(self, r, op, k):
         return self.out
 
     # ---- one tick: lane 0 (B or FUSED), then lane 1 (F), then the two ppermutes
     def reads(self, carry, c, kinds: tuple) -> dict:
         """What an op of the lane may read from its chunk's slots: ``kinds`` of ``x`` (stash),
         ``dy`` (cotangent inbox), ``ctx`` (context K/V), ``dctx`` (context dK/dV), ``res`` (stored
-        residuals, read only where ``c["is_b"]``)."""
+        residuals of every layer, used by a backward where the layer kept them)."""
         s, sl = self.s, c["slots"]
         reads = dict(x=_get(carry["stash"], sl["stash"]), res=[])
         if "dy" in kinds:
@@ -264,17 +250,16 @@ class StageProgram:
         c = self.chunk(k)
         return op, k, c
 
-    def backward_lane(self, carry, t):
-        """Lane 0: a backward or fused op (or nothing). Adds its gradients and its context dK/dV;
-        returns the cotangent it sends to the previous stage and a flag that exists only once the
-        lane has run (always true; see :meth:`tick`)."""
+    def backward_lane(self, carry, t, run):
+        """Lane 0: a backward or fused op (or nothing; its passes run where ``run``, see
+        :meth:`lane_flags`). Adds its gradients and its context dK/dV; returns the cotangent it
+        sends to the previous stage and a flag that exists only once the lane has run (always
+        true; see :meth:`tick`)."""
         s = self.s
         op, k, c = self.lane_op(t, LANE_B)
-        c["is_b"] = op == BWD
         takes_dctx = (op == BWD) | (op == FUSED)
         reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
-        branches = [self.idle, self.bwd, self.fused]
-        o = jax.lax.switch(jnp.clip(op - 1, 0, 2), branches, reads, k)
+        o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
         if s.Sc:
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
             carry["dck"] = _put(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
@@ -285,16 +270,16 @@ class StageProgram:
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
 
-    def forward_lane(self, carry, t, lane0_done):
-        """Lane 1: a forward (or nothing). Files its input (first stage) and its loss cotangent
-        (last stage), stores its residuals and K/V; returns the activation it sends on. Its writes
-        wait for ``lane0_done`` (see :meth:`tick`)."""
+    def forward_lane(self, carry, t, run, lane0_done):
+        """Lane 1: a forward (or nothing; its pass runs where ``run``). Files its input (first stage)
+        and its loss cotangent (last stage), stores its residuals and K/V; returns the activation it
+        sends on. Its writes wait for ``lane0_done`` (see :meth:`tick`)."""
         s, cdt = self.s, self.s.compute_dtype
         op, k, c = self.lane_op(t, LANE_F)
         is_f = op == FWD
         sl = c["slots"]
         reads = self.reads(carry, c, ())
-        o = jax.lax.cond(is_f, self.fwd, self.idle, reads, k)
+        o = jax.lax.cond(run, self.forward_op, self.idle, reads, op, k)
         writes = is_f & lane0_done
         carry["stash"] = _put(
             carry["stash"], jnp.where(writes & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"]
@@ -326,19 +311,21 @@ class StageProgram:
     def tick(self, carry, t):
         s, b = self.s, self.b
         carry = dict(carry)
-        ordered = s.sig.layout.sp > 1
+        ordered = self.ordered
+        run = self.lane_flags(t)
         # Lane 1's buffer writes depend on ``lane0_done``, a value lane 0's op computes, so the data
         # flow orders them after every read of lane 0. Without that dependency XLA:CPU cannot prove
         # the reads done before the in-place update and copies each buffer that both lanes touch,
         # whole, every tick (measured: +35 % step time with 28 residual slots).
-        send_grad, lane0_done = self.backward_lane(carry, t)
+        send_grad, lane0_done = self.backward_lane(carry, t, run[0])
         if ordered:
-            # Ulysses all-to-alls run inside the lanes' conditionals, and XLA:CPU (jax 0.12) may start
-            # independent conditionals and collectives in a different order on each device: two
-            # devices of a stage then wait in different collectives for ever. The barriers order
-            # lane 0, lane 1, then the ppermutes (collectives outside conditionals keep program order).
+            # Ulysses all-to-alls (and, sharded over dp, the layers' gathers) run inside the lanes'
+            # conditionals, and XLA:CPU (jax 0.12) may start independent conditionals and collectives
+            # in a different order on each device: two devices then wait in different collectives for
+            # ever. The barriers order lane 0, lane 1, then the ppermutes (collectives outside
+            # conditionals keep program order).
             send_grad, carry = jax.lax.optimization_barrier((send_grad, carry))
-        send_act = self.forward_lane(carry, t, lane0_done)
+        send_act = self.forward_lane(carry, t, run[1], lane0_done)
         if ordered:
             send_act, send_grad = jax.lax.optimization_barrier((send_act, send_grad))
         if s.pp > 1:
@@ -357,7 +344,7 @@ class StageProgram:
         sig = s.sig
         x0 = jnp.zeros((s.Tl, s.d), cdt)
         c0 = self.chunk(jnp.int32(0))
-        layer0 = jax.tree.map(lambda a: a[0], layers)
+        layer0 = jax.eval_shape(s.fns.weights.gather_dp, jax.tree.map(lambda a: a[0], layers))
         ctx0 = jnp.zeros((s.Sc, s.K, s.D), cdt)
         res_shapes = residual_shapes(s.fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
         zeros_ctx = jnp.zeros((sig.n_ctx + 1, s.ls, s.Sc, s.K, s.D), cdt)
@@ -414,42 +401,6 @@ def _get(buf, i):
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
 
-def stage_shapes(
-    graphdef,
-    cfg: ModelConfig,
-    sig: PipelineSignature,
-    attention_fn=None,
-    residual_policy=None,
-    stage_weights: str = "replicated",
-):
-    """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`)."""
-    sp = sig.layout.sp
-    if sig.bucket % sp or cfg.num_heads % sp:
-        raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
-    repeats = ulysses.kv_repeats(cfg.num_kv_heads, sp)
-    cdt = resolve_compute_dtype(cfg.compute_dtype)
-    layer_graphdef, layer_state = nnx.split(abstract_model(cfg).layers, nnx.Param)
-    fns = StageFns(
-        layer_graphdef,
-        attention_fn or make_attention_fn(cfg.attention),
-        cdt,
-        with_context=sig.context > 0,
-        sp=sp,
-        kv_repeats=repeats,
-        residual_policy=residual_policy,
-        weights=StageWeights(layer_state, param_axes(layer_state), sig.layout, stage_weights, cdt),
-    )
-    return StageShapes(
-        sig,
-        graphdef,
-        fns,
-        cdt,
-        d=cfg.d_model,
-        D=cfg.head_dim or cfg.d_model // cfg.num_heads,
-        K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
-    )
-
-
 def make_pipeline_grads(
     graphdef,
     cfg: ModelConfig,
@@ -465,13 +416,15 @@ def make_pipeline_grads(
     :func:`jvarlen.runtime.step.loss_and_grads`), accumulated over chunks and pipelines.
     ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
     ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
-    ``"sharded"`` (ZeRO-3 over the stage's sp group: a device holds 1/sp of each layer and its
-    gradient accumulator, and gathers one layer at a time where an op uses it).
+    ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
+    of each layer and of its gradient accumulator, and gathers a layer where an op uses it).
     """
     shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy, stage_weights)
 
+    cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
+
     def device_fn(layers, rest, b, scale):
-        return StageProgram(shapes, shapes.fns.weights.pull(layers), rest, b, scale).run()
+        return StageProgram(shapes, shapes.fns.weights.pull(layers), rest, b, scale, cpu).run()
 
     def grads(params, batch):
         layers, rest = split_params(params)

@@ -1,5 +1,6 @@
-"""What one pipeline stage computes for one chunk: layer forwards with stored residuals,
-and backwards that rebuild each layer's ``vjp_fn`` from stored or recomputed residuals.
+"""What one pipeline stage computes for one chunk, one layer at a time: forwards that keep a layer's
+residuals or not, and backwards that rebuild its ``vjp_fn`` from stored or recomputed residuals.
+The executor runs them in its passes over the stage's layers.
 
 Device code that runs inside ``shard_map`` over ``pp``; shapes are per chunk: T tokens,
 d model width, Ls layers of the stage, Sc context tokens, K kv heads, D head dim.
@@ -15,10 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jvarlen.config import ModelConfig
 from jvarlen.kernels.api import ATTENTION_RESIDUALS
-from jvarlen.model import AttentionInputs
+from jvarlen.model import AttentionInputs, make_attention_fn
 from jvarlen.model.layers import layer_with_context
+from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
 from jvarlen.parallel import ulysses
+from jvarlen.parallel.pipeline.signature import PipelineSignature
+from jvarlen.parallel.pipeline.weights import StageWeights
+from jvarlen.parallel.sharding import param_axes
 
 
 @dataclasses.dataclass
@@ -29,6 +35,7 @@ class ResidualRecipe:
     treedef: Any = None
     sources: tuple = ()  # per leaf: ("in", i) shared input leaf i, or ("res", j) residual j
     shapes: tuple = ()  # ShapeDtypeStruct of each residual
+    kv: Any = None  # ShapeDtypeStruct of the layer's own keys (and values) [T, K', D]
 
 
 def split_vjp(vjp_fn, shared_leaves, recipe: ResidualRecipe) -> list:
@@ -136,85 +143,127 @@ class StageFns:
         f.defvjp(f_fwd, f_bwd)
         return lambda lp, x, ck, cv: f(lp, x, ck, cv, aux)
 
-    def forward(self, layers, x, ctx_k, ctx_v, inputs, rotary_positions, recompute):
-        """Scan over the stage's layers, keeping the residuals of layers not in ``recompute [Ls]``
-        (those run a plain forward and return zero residuals, which are not stored);
-        ``recompute=None``: plain forwards, no residuals.
+    def ascend(self, f, mode, lp, x, ck, cv, stored=None):
+        """One layer of an ascending pass (``f``: :meth:`layer`), by ``mode`` (data, int32):
+        :data:`NONE` passes ``x`` on, :data:`STORED` passes it on with the layer's ``stored``
+        residuals (a backward whose layer kept them), :data:`PLAIN` runs the layer, :data:`KEEP` runs
+        it and returns its residuals. Zeros stand for what a mode does not produce.
 
-        layers: stacked [Ls, ...]; x [T, d]; ctx_k/v [Ls, Sc, K, D].
-        -> (y [T, d], own k/v [Ls, T, K, D], residuals (list of [Ls, ...]), layer forwards run)
+        lp: the layer's weights as :meth:`layer` takes them; x [T/sp, d]; ck/cv [Sc, K', D].
+        -> (y [T/sp, d], own k/v [T, K', D], residuals (list))
         """
-        f = self.layer(inputs, rotary_positions)
+        zeros = [jnp.zeros(r.shape, r.dtype) for r in self.recipe.shapes]
+        kv0 = jnp.zeros(self.recipe.kv.shape, self.recipe.kv.dtype)
 
-        def body(x, xs):
-            lp, ck, cv, again = xs
+        def none():
+            return x, kv0, kv0, zeros
 
-            def keep():
-                (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
-                return y, k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
+        def from_store():
+            return x, kv0, kv0, list(stored) if stored is not None else zeros
 
-            def plain():
-                y, k, v = f(lp, x, ck, cv)
-                return y, k, v, [jnp.zeros(r.shape, r.dtype) for r in self.recipe.shapes]
+        def plain():
+            y, k, v = f(lp, x, ck, cv)
+            return y, k, v, zeros
 
-            y, k, v, res = jax.lax.cond(again, plain, keep)
-            return y, (k, v, res)
+        def keep():
+            (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
+            return y, k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
 
-        if recompute is None:  # nothing is stored in this signature: plain forwards only
+        return jax.lax.switch(mode, [none, from_store, plain, keep])
 
-            def plain_body(x, xs):
-                y, k, v = f(*xs[:1], x, *xs[1:])
-                return y, (k, v)
+    def descend(self, active, lp, ck, cv, residuals, dy, dk, dv):
+        """One layer of a backward, where ``active``: its ``vjp_fn`` rebuilt from ``residuals`` and
+        applied to (dy [T/sp, d], dk/dv of its own keys [T, K', D]).
+        -> (d lp, dx, d ck, d cv), zeros where not ``active``."""
 
-            y, (k, v) = jax.lax.scan(plain_body, x, (layers, ctx_k, ctx_v))
-            return y, k, v, [], jnp.int32(jax.tree.leaves(layers)[0].shape[0])
-        y, (k, v, residuals) = jax.lax.scan(body, x, (layers, ctx_k, ctx_v, recompute))
-        return y, k, v, residuals, jnp.int32(jax.tree.leaves(layers)[0].shape[0])
+        def run():
+            return join_vjp(self.recipe, residuals, _shared(lp, ck, cv))((dy, dk, dv))
 
-    def backward(self, layers, x, dy, ctx_k, ctx_v, dk_own, dv_own, stored, recompute, inputs, rotary_positions):
-        """Rebuilds every layer's vjp_fn — from ``stored`` residuals (list of [Ls, ...]) or, where
-        ``recompute [Ls]`` is set (a prefix), by recomputing the layer — and runs them in reverse.
-        ``stored=None``: every layer is recomputed.
+        return maybe(active, run)
 
-        -> (dx [T, d], d layers [Ls, ...], d ctx_k/v [Ls, Sc, K, D], layers recomputed)
-        """
-        f = self.layer(inputs, rotary_positions)
-        recipe = self.recipe
 
-        def gather(x, xs):
-            lp, ck, cv, res, again = xs
+# Modes of :meth:`StageFns.ascend`, per layer
+NONE, STORED, PLAIN, KEEP = 0, 1, 2, 3
 
-            def recompute_layer():
-                (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
-                return y, split_vjp(vjp_fn, _shared(lp, ck, cv), recipe), jnp.ones((), jnp.int32)
 
-            def use_stored():
-                return x, list(res), jnp.zeros((), jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class StageShapes:
+    """Static sizes of one signature, per device: T tokens per chunk (Tl = T/sp of them on one device
+    of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
+    Ulysses all_to_all, Sc context tokens."""
 
-            y, res, ran = jax.lax.cond(again, recompute_layer, use_stored)
-            return y, (res, ran)
+    sig: PipelineSignature
+    graphdef: Any
+    fns: StageFns
+    compute_dtype: Any
+    d: int
+    D: int
+    K: int
 
-        if stored is None:  # nothing is stored in this signature: recompute every layer
+    @property
+    def pp(self) -> int:
+        return self.sig.layout.pp
 
-            def recompute_all(x, xs):
-                lp, ck, cv = xs
-                (y, _, _), vjp_fn = jax.vjp(f, lp, x, ck, cv)
-                return y, (split_vjp(vjp_fn, _shared(lp, ck, cv), recipe), jnp.ones((), jnp.int32))
+    @property
+    def ls(self) -> int:
+        return self.sig.layers_per_stage
 
-            _, (residuals, ran) = jax.lax.scan(recompute_all, x, (layers, ctx_k, ctx_v))
-        else:
-            _, (residuals, ran) = jax.lax.scan(gather, x, (layers, ctx_k, ctx_v, list(stored), recompute))
+    @property
+    def T(self) -> int:
+        return self.sig.bucket
 
-        def back(dy, xs):
-            lp, ck, cv, res, dk, dv = xs
-            vjp_fn = join_vjp(recipe, res, _shared(lp, ck, cv))
-            dlp, dx, dck, dcv = vjp_fn((dy, dk, dv))
-            return dx, (dlp, dck, dcv)
+    @property
+    def Tl(self) -> int:
+        return self.sig.bucket // self.sig.layout.sp
 
-        dx, (dlayers, dck, dcv) = jax.lax.scan(
-            back, dy, (layers, ctx_k, ctx_v, residuals, dk_own, dv_own), reverse=True
-        )
-        return dx, dlayers, dck, dcv, jnp.sum(ran)
+    @property
+    def Sc(self) -> int:
+        return self.sig.context
+
+    @property
+    def stores(self) -> bool:
+        """Static: a signature without residual slots recomputes every layer."""
+        return self.sig.n_res > 0
+
+    def dummy(self, kind: str) -> int:
+        """The slot meaning "nothing": one past the last real slot of a buffer."""
+        return getattr(self.sig, "n_" + kind)
+
+
+def stage_shapes(
+    graphdef,
+    cfg: ModelConfig,
+    sig: PipelineSignature,
+    attention_fn=None,
+    residual_policy=None,
+    stage_weights: str = "replicated",
+):
+    """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`)."""
+    sp = sig.layout.sp
+    if sig.bucket % sp or cfg.num_heads % sp:
+        raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
+    repeats = ulysses.kv_repeats(cfg.num_kv_heads, sp)
+    cdt = resolve_compute_dtype(cfg.compute_dtype)
+    layer_graphdef, layer_state = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    fns = StageFns(
+        layer_graphdef,
+        attention_fn or make_attention_fn(cfg.attention),
+        cdt,
+        with_context=sig.context > 0,
+        sp=sp,
+        kv_repeats=repeats,
+        residual_policy=residual_policy,
+        weights=StageWeights(layer_state, param_axes(layer_state), sig.layout, stage_weights, cdt),
+    )
+    return StageShapes(
+        sig,
+        graphdef,
+        fns,
+        cdt,
+        d=cfg.d_model,
+        D=cfg.head_dim or cfg.d_model // cfg.num_heads,
+        K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
+    )
 
 
 # What a stored layer keeps besides the policies of jax.checkpoint_policies: matmul outputs
@@ -249,14 +298,15 @@ def _shared(lp, ck, cv) -> list:
 
 
 def residual_shapes(fns: StageFns, layers_one, x, ck, cv, inputs, rotary_positions) -> tuple:
-    """ShapeDtypeStructs of one layer's stored residuals (traces the layer once, abstractly)."""
+    """ShapeDtypeStructs of one layer's stored residuals (traces the layer once, abstractly; also
+    records the shape of its own keys in ``fns.recipe.kv``)."""
 
     def probe(lp, x, ck, cv, arrays, rotary_positions):
-        (_, _, _), vjp_fn = jax.vjp(fns.layer(AttentionInputs(*arrays), rotary_positions), lp, x, ck, cv)
-        return split_vjp(vjp_fn, _shared(lp, ck, cv), fns.recipe)
+        (_, k, _), vjp_fn = jax.vjp(fns.layer(AttentionInputs(*arrays), rotary_positions), lp, x, ck, cv)
+        return k, split_vjp(vjp_fn, _shared(lp, ck, cv), fns.recipe)
 
     arrays = (inputs.segment_ids, inputs.positions, inputs.kv_segment_ids, inputs.kv_positions)
-    jax.eval_shape(probe, layers_one, x, ck, cv, arrays, rotary_positions)
+    fns.recipe.kv = jax.eval_shape(probe, layers_one, x, ck, cv, arrays, rotary_positions)[0]
     return fns.recipe.shapes
 
 

@@ -3,21 +3,28 @@ the stages (docs/design/pipeline.md, "Stage weights").
 
 The canonical state splits a stacked layer leaf ``[L, ...]`` over all ``N = dp·pp·sp`` devices on
 one axis ``a`` (``STATE_RULES``); device ``i = (d·pp + p)·sp + s`` holds chunk ``i`` of ``a``. A
-stage needs its ``L/pp`` layers, whole (``replicated``) or split over its ``sp`` devices
-(``sharded``, ZeRO-3 over the sp group). Inside the executor's ``shard_map`` (device code):
+stage needs its ``L/pp`` layers: whole on every device (``replicated``), or sharded (ZeRO-3) over
+its ``sp`` devices and over the ``dp`` pipelines (``sharded``). Inside the executor's
+``shard_map`` (device code):
 
-* :meth:`StageWeights.pull`: an all-to-all over ``pp`` trades layers for chunks of ``a``, an
-  all-gather over ``dp`` completes the chunks ``(d', q)`` of this ``s``: the sharded stage holds
-  every ``sp``-th canonical chunk of ``a`` (*interleaved*; :meth:`gather_layer` undoes the order
-  after its all-gather over ``sp``). Replicated stages gather over ``sp`` too.
+* :meth:`StageWeights.pull`: an all-to-all over ``pp`` trades layers for chunks of ``a``: device
+  ``(d, p, s)`` then holds chunks ``(d, q, s)`` of its stage's layers, which is what a sharded
+  stage keeps when ``dp > 1``. Otherwise an all-gather over ``dp`` completes the chunks ``(d', q)``
+  of this ``s`` (the sp shard, *interleaved*), and a replicated stage gathers over ``sp`` too.
+* :meth:`StageWeights.gather_dp` / :meth:`StageWeights.reduce_dp`: one layer's all-gather over
+  ``dp`` and its gradient's reduce-scatter, run by the executor outside its ops' conditionals
+  (the ``dp`` pipelines run different ops in a tick); :meth:`gather_layer` /
+  :meth:`scatter_layer_grad`: the same over ``sp``, inside an op (the sp devices of a stage run
+  the same op), undoing the interleaved order.
 * :meth:`StageWeights.push`: the way back for the gradients, as reduce-scatters (over ``sp``
-  where the stage is replicated, then ``dp``) and the inverse all-to-all over ``pp``.
+  where the stage is replicated, then ``dp`` where it is not sharded over it) and the inverse
+  all-to-all over ``pp``.
 
 No device ever holds more of a leaf than its stage's share, and GSPMD is not asked to reshard
 between the 1-D state mesh and the layout mesh (which it does by rebuilding each weight whole on
 every device). Leaves whose canonical axis is the layer axis or none (small vectors whose axes
 ``N`` does not divide) are left to GSPMD: spec ``P(pp)`` (``sp`` on the first axis it divides
-when sharded), gradients summed with ``psum``.
+when sharded), gradients summed with ``psum``; they are never sharded over ``dp``.
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ class LeafLayout:
     """One stacked layer leaf ``[L, ...]``: ``canon``, the axis split over all devices in the
     canonical state (None: this leaf is resharded by GSPMD); ``shard``, the axis split over ``sp``
     on a stage (None: replicated); ``interleave``, how many canonical chunks of ``shard`` lie
-    between two of one device's (``dp·pp`` when ``shard == canon``, else 1: contiguous)."""
+    between two of one device's (``dp·pp`` when ``shard == canon``, else 1: contiguous);
+    ``dp_shard``, whether the stage keeps only this pipeline's ``1/dp`` of ``canon`` (gathered
+    per layer over ``dp`` where an op uses it)."""
 
     canon: Optional[int]
     shard: Optional[int]
     interleave: int = 1
+    dp_shard: bool = False
     dtype: Any = None  # the canonical (parameter) dtype: of the gradient accumulator
     compute_dtype: Any = None  # of the stage's copy (weight matrices in the compute dtype)
 
@@ -60,7 +70,8 @@ class StageWeights:
         if mode not in STAGE_WEIGHTS:
             raise ValueError(f"stage_weights must be one of {STAGE_WEIGHTS}, got {mode!r}")
         self.layout, self.mode = layout, mode
-        self.sharded = mode == "sharded" and layout.sp > 1
+        self.sharded = mode == "sharded" and layout.sp > 1  # over the stage's sp devices
+        dp_sharded = mode == "sharded" and layout.dp > 1
         state_mesh = jax.sharding.AbstractMesh((layout.num_devices,), (FSDP,))
         leaves = []
         for leaf, leaf_axes in zip(jax.tree.leaves(layer_state), axes):
@@ -74,8 +85,12 @@ class StageWeights:
             cast = (
                 compute_dtype is not None and is_compute_weight(leaf_axes) and jnp.issubdtype(leaf.dtype, jnp.floating)
             )
-            leaves.append(LeafLayout(canon, shard, interleave, leaf.dtype, compute_dtype if cast else leaf.dtype))
+            dp_shard = dp_sharded and canon is not None
+            leaves.append(
+                LeafLayout(canon, shard, interleave, dp_shard, leaf.dtype, compute_dtype if cast else leaf.dtype)
+            )
         self.leaves = tuple(leaves)
+        self.dp_sharded = any(leaf.dp_shard for leaf in self.leaves)  # over the dp pipelines
         self.treedef = jax.tree.structure(layer_state)
 
     # ---- specs of the executor's shard_map
@@ -94,22 +109,25 @@ class StageWeights:
 
     # ---- device code
     def pull(self, layers):
-        """Canonical local chunks -> this device's stage weights (sharded: interleaved shards)."""
+        """Canonical local chunks -> this device's stage weights (sharded: interleaved shards, over dp
+        as well: chunks ``(d, q, s)`` of this pipeline ``d``)."""
         out = []
         for x, leaf in zip(jax.tree.leaves(layers), self.leaves):
             x = x.astype(leaf.compute_dtype)
             if leaf.canon is not None:
                 a = leaf.canon
                 x = jax.lax.all_to_all(x, PP, 0, a, tiled=True)  # my stage's layers, chunks (d, q, s)
-                x = jax.lax.all_gather(x, DP, axis=a, tiled=True)  # chunks (d', q) of this s
+                if not leaf.dp_shard:
+                    x = jax.lax.all_gather(x, DP, axis=a, tiled=True)  # chunks (d', q) of this s
                 if leaf.shard is None:  # replicated: every s, back in canonical order
                     x = _interleaved_to_natural(jax.lax.all_gather(x, SP, axis=a, tiled=True), a, self.layout)
             out.append(x)
         return self.treedef.unflatten(out)
 
     def push(self, grads):
-        """This device's stage gradients (not yet summed over ``dp``; over ``sp`` only where the
-        stage is sharded) -> the canonical local chunks of the summed gradient."""
+        """This device's stage gradients (summed over ``dp`` only where the stage is sharded over it,
+        by :meth:`reduce_dp`; over ``sp`` only where it is sharded over sp) -> the canonical local
+        chunks of the summed gradient."""
         out = []
         for g, leaf in zip(jax.tree.leaves(grads), self.leaves):
             if leaf.canon is None:
@@ -120,7 +138,8 @@ class StageWeights:
                     g = jax.lax.psum_scatter(
                         _natural_to_interleaved(g, a, self.layout), SP, scatter_dimension=a, tiled=True
                     )
-                g = jax.lax.psum_scatter(g, DP, scatter_dimension=a, tiled=True)  # chunks (d, q, s)
+                if not leaf.dp_shard:
+                    g = jax.lax.psum_scatter(g, DP, scatter_dimension=a, tiled=True)  # chunks (d, q, s)
                 g = jax.lax.all_to_all(g, PP, a, 0, tiled=True)  # every layer, chunk (d, p, s)
             out.append(g)
         return self.treedef.unflatten(out)
@@ -131,6 +150,62 @@ class StageWeights:
         return self.treedef.unflatten(
             [jnp.zeros(x.shape, leaf.dtype) for x, leaf in zip(jax.tree.leaves(layers), self.leaves)]
         )
+
+    def gather_dp(self, lp):
+        """One layer's parameters (leaves without the layer axis) as an op uses them: the leaves
+        sharded over ``dp`` all-gathered over it (chunks ``(d', q)`` of this ``s``, the order
+        :meth:`gather_layer` expects). Called on every device of a ``dp`` group alike: outside the
+        ops' conditionals."""
+        leaves, treedef = jax.tree.flatten(lp)
+        out = [
+            jax.lax.all_gather(x, DP, axis=leaf.canon - 1, tiled=True) if leaf.dp_shard else x
+            for x, leaf in zip(leaves, self.leaves)
+        ]
+        return treedef.unflatten(out)
+
+    def reduce_dp(self, grads):
+        """The transpose of :meth:`gather_dp`: one layer's gradient (as an op returns it) -> this
+        pipeline's chunks of its sum over the ``dp`` pipelines (summed in the parameters' dtype,
+        returned in the stage copy's, like :meth:`scatter_layer_grad`)."""
+        leaves, treedef = jax.tree.flatten(grads)
+        out = [
+            jax.lax.psum_scatter(g.astype(leaf.dtype), DP, scatter_dimension=leaf.canon - 1, tiled=True).astype(
+                leaf.compute_dtype
+            )
+            if leaf.dp_shard
+            else g
+            for g, leaf in zip(leaves, self.leaves)
+        ]
+        return treedef.unflatten(out)
+
+    def layer_pass(self, shards, step, init, xs, reverse=False, ordered=True):
+        """``step(carry, lp, x_j) -> (carry, y_j)`` over a stage's layers in order (``reverse``: from
+        the last), ``lp`` layer j's weights as an op uses them, from this device's ``shards`` [Ls, ...].
+        Sharded over dp, each layer is gathered here, outside any op's conditional (every device of a
+        dp group runs the pass alike), the next layer's gather issued before this layer's compute
+        (``ordered``: after it, for XLA:CPU, see the executor's tick).
+        -> (carry, ys stacked [Ls, ...] in layer order)."""
+        if not self.dp_sharded:
+            return jax.lax.scan(lambda c, xj: step(c, *xj), init, (shards, xs), reverse=reverse)
+        last = jax.tree.leaves(shards)[0].shape[0] - 1
+
+        def gather(j):
+            return self.gather_dp(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), shards))
+
+        def body(carry, xj):
+            c, lp = carry
+            j, x = xj
+            c, y = step(c, lp, x)
+            nxt = j - 1 if reverse else j + 1
+            if ordered:
+                nxt, c, y = jax.lax.optimization_barrier((nxt, c, y))
+            has_next = (nxt >= 0) & (nxt <= last)  # the same on every device: a matched collective
+            lp = jax.lax.cond(has_next, gather, lambda _: jax.tree.map(jnp.zeros_like, lp), jnp.clip(nxt, 0, last))
+            return (c, lp), y
+
+        first = gather(last if reverse else 0)
+        (c, _), ys = jax.lax.scan(body, (init, first), (jnp.arange(last + 1), xs), reverse=reverse)
+        return c, ys
 
     def gather_layer(self, lp):
         """One layer's parameters (leaves without the layer axis) from this device's shards

@@ -48,8 +48,8 @@ def planner_options(config: Config) -> PlannerOptions:
 
 def cost_model(config: Config, layout: Layout, say) -> CostModel:
     """The measured profile for this backend (``train.cost_profile``, see ``find_profile``) with this
-    model's shape, else the analytic a800 model (plans are still valid); its memory model holds 1/sp
-    of a stage's weights per device under ``parallel.stage_weights="sharded"``."""
+    model's shape, else the analytic a800 model (plans are still valid); its memory model holds
+    1/(dp·sp) of a stage's weights per device under ``parallel.stage_weights="sharded"``."""
     shape = ModelShape.from_config(config.model)
     sharded = config.parallel.stage_weights == "sharded"
     path = find_profile(config)
