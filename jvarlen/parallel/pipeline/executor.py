@@ -20,6 +20,7 @@ dp, where the stage is sharded over the dp pipelines, run between those conditio
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import jax
@@ -133,14 +134,17 @@ class StageProgram:
         return run
 
     # ---- the ops: reads -> outputs (:attr:`out` where a lane does not run)
-    def backward_op(self, r, op, k):
+    def backward_op(self, r, op, k, kind=None):
         """Lane 0: the backward of chunk k (its recomputed layers first), or the fused F and B of the
         last stage (its forward keeps every layer's residuals; with one stage its input is the
-        embedding), or nothing (``op`` idle: every layer's mode is NONE)."""
+        embedding), or nothing (``op`` idle: every layer's mode is NONE). ``kind``: the op, static
+        (BWD or FUSED; its layers' modes static where they can be), or None: ``op``, data."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
-        is_b, is_fused = op == BWD, op == FUSED
-        recompute = c["res_slot"] == s.dummy("res") if s.stores else jnp.ones((s.ls,), bool)
+        is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
+        recompute = c["res_slot"] == s.dummy("res") if s.stores else True
         mode = jnp.where(is_fused | (is_b & recompute), KEEP, jnp.where(is_b, STORED, NONE))
+        if kind == FUSED or (kind == BWD and not s.stores):
+            mode = KEEP
         x = r["x"]
         if s.pp == 1:
             x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
@@ -148,10 +152,10 @@ class StageProgram:
 
         def up(x, lp, xs):
             ck, cv, m, stored = xs
-            y, _, _, res = fns.ascend(f, m, lp, x, ck, cv, stored if s.stores else None)
+            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv, stored if s.stores else None)
             return y, res
 
-        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], mode, r["res"]))
+        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls), r["res"]))
 
         loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
         if s.Sc:
@@ -185,26 +189,30 @@ class StageProgram:
             dcv=dcv,
             d_rest=jax.tree.map(jnp.add, d_head, d_embed),
             loss=loss,
-            count=jnp.sum(mode == KEEP).astype(jnp.int32),
+            count=jnp.sum(jnp.broadcast_to(mode == KEEP, (s.ls,))).astype(jnp.int32),
         )
 
-    def forward_op(self, r, op, k):
+    def forward_op(self, r, op, k, kind=None):
         """Lane 1: the forward of chunk k, keeping the residuals of the layers it stores (and, on the
-        last stage, the loss and its cotangent), or nothing (``op`` idle)."""
+        last stage, the loss and its cotangent), or nothing (``op`` idle). ``kind``: FWD, static, or
+        None (``op``, data)."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
-        is_f = op == FWD
-        keep = c["res_slot"] != s.dummy("res") if s.stores else jnp.zeros((s.ls,), bool)
-        mode = jnp.where(is_f, jnp.where(keep, KEEP, PLAIN), NONE)
+        is_f = op == FWD if kind is None else True
+        if not s.stores:
+            mode = PLAIN if kind == FWD else jnp.where(is_f, PLAIN, NONE)
+        else:
+            keep = c["res_slot"] != s.dummy("res")
+            mode = jnp.where(keep, KEEP, PLAIN) if kind == FWD else jnp.where(is_f, jnp.where(keep, KEEP, PLAIN), NONE)
         embedded = maybe(is_f & self.is_first, lambda: self.embed(self.rest, c["local_tokens"]))
         x = jnp.where(self.is_first, embedded, r["x"])
         f = fns.layer(c["inputs"], c["local_positions"])
 
         def up(x, lp, xs):
             ck, cv, m = xs
-            y, k_own, v_own, res = fns.ascend(f, m, lp, x, ck, cv)
+            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv)
             return y, (k_own, v_own, res)
 
-        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (r["ck"], r["cv"], mode))
+        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls)))
 
         loss, d_rest, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
         return dict(
@@ -259,7 +267,11 @@ class StageProgram:
         op, k, c = self.lane_op(t, LANE_B)
         takes_dctx = (op == BWD) | (op == FUSED)
         reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
-        o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
+        if s.fns.weights.dp_sharded:  # one pass for every op kind: its layers' gathers are matched
+            o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
+        else:  # a branch per op kind, with static layer modes where they are (fewer conditionals)
+            kinds = [self.idle, partial(self.backward_op, kind=BWD), partial(self.backward_op, kind=FUSED)]
+            o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
         if s.Sc:
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
             carry["dck"] = _put(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
@@ -279,7 +291,8 @@ class StageProgram:
         is_f = op == FWD
         sl = c["slots"]
         reads = self.reads(carry, c, ())
-        o = jax.lax.cond(run, self.forward_op, self.idle, reads, op, k)
+        kind = None if s.fns.weights.dp_sharded else FWD
+        o = jax.lax.cond(run, partial(self.forward_op, kind=kind), self.idle, reads, op, k)
         writes = is_f & lane0_done
         carry["stash"] = _put(
             carry["stash"], jnp.where(writes & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"]
@@ -391,6 +404,11 @@ class StageProgram:
         g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP, SP))
         loss = jax.lax.psum(carry["loss"], (DATA, PP, SP))
         return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
+
+
+def _per_layer(mode, layers: int):
+    """A pass's ``xs`` entry for layer modes: None where the mode is static (every layer's)."""
+    return None if isinstance(mode, int) else jnp.broadcast_to(mode, (layers,))
 
 
 def _put(buf, i, value):

@@ -144,7 +144,8 @@ class StageFns:
         return lambda lp, x, ck, cv: f(lp, x, ck, cv, aux)
 
     def ascend(self, f, mode, lp, x, ck, cv, stored=None):
-        """One layer of an ascending pass (``f``: :meth:`layer`), by ``mode`` (data, int32):
+        """One layer of an ascending pass (``f``: :meth:`layer`), by ``mode`` (data, int32, or a
+        static int):
         :data:`NONE` passes ``x`` on, :data:`STORED` passes it on with the layer's ``stored``
         residuals (a backward whose layer kept them), :data:`PLAIN` runs the layer, :data:`KEEP` runs
         it and returns its residuals. Zeros stand for what a mode does not produce.
@@ -169,11 +170,12 @@ class StageFns:
             (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
             return y, k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
 
-        return jax.lax.switch(mode, [none, from_store, plain, keep])
+        branches = [none, from_store, plain, keep]
+        return branches[mode]() if isinstance(mode, int) else jax.lax.switch(mode, branches)
 
     def descend(self, active, lp, ck, cv, residuals, dy, dk, dv):
-        """One layer of a backward, where ``active``: its ``vjp_fn`` rebuilt from ``residuals`` and
-        applied to (dy [T/sp, d], dk/dv of its own keys [T, K', D]).
+        """One layer of a backward, where ``active`` (data, or a static bool): its ``vjp_fn`` rebuilt
+        from ``residuals`` and applied to (dy [T/sp, d], dk/dv of its own keys [T, K', D]).
         -> (d lp, dx, d ck, d cv), zeros where not ``active``."""
 
         def run():
@@ -311,6 +313,10 @@ def residual_shapes(fns: StageFns, layers_one, x, ck, cv, inputs, rotary_positio
 
 
 def maybe(pred, fn: Callable, zeros_like: Optional[Any] = None):
-    """``fn()`` where ``pred`` holds, zeros of its result elsewhere (a ``lax.cond``)."""
+    """``fn()`` where ``pred`` holds, zeros of its result elsewhere (a ``lax.cond``; no conditional
+    where ``pred`` is a static bool)."""
+    if pred is True:
+        return fn()
     shapes = jax.eval_shape(fn) if zeros_like is None else zeros_like
-    return jax.lax.cond(pred, fn, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    return zeros() if pred is False else jax.lax.cond(pred, fn, zeros)
