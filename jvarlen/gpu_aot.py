@@ -117,6 +117,25 @@ class CompileReport:
         """Launches of custom kernel ``kernel`` in the optimized HLO (calls, not fusions)."""
         return len(re.findall(rf'name\s*[:=]\s*\\?"{re.escape(kernel)}\\?"', self.hlo))
 
+    def overlapped_all_gathers(self) -> tuple[int, int]:
+        """(async all-gathers with a kernel launch, conditional or loop scheduled between their start
+        and done, all async all-gathers) in the scheduled HLO: how many the compiler overlaps with
+        compute."""
+        lines = self.hlo.splitlines()
+        starts = {}
+        overlapped = total = 0
+        for i, line in enumerate(lines):
+            start = re.search(r"%(all-gather-start[.\w]*) = .* all-gather-start\(", line)
+            if start:
+                starts[start.group(1)] = i
+                continue
+            done = re.search(r" all-gather-done\(%(all-gather-start[.\w]*)\)", line)
+            if done and done.group(1) in starts:
+                total += 1
+                between = lines[starts.pop(done.group(1)) + 1 : i]
+                overlapped += any(re.search(r" (custom-call|conditional|while)\(", b) for b in between)
+        return overlapped, total
+
 
 _THUNK = re.compile(r"kCustomKernel.*?\]\s+(\S+)\s+grid:.*?shared_memory:\s*(\d+)\s*bytes")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -166,13 +167,15 @@ def pipeline_rows(target: str):
                     jnp.dtype(config.model.compute_dtype).itemsize + jnp.dtype(config.model.param_dtype).itemsize
                 )
                 stage = per_param * layers / (dp * sp if mode == "sharded" else 1)
+                overlapped, gathers = report.overlapped_all_gathers()
                 fwd = report.count("varlen_flash_fwd")
                 row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
                 row.detail = (
                     f"arguments {m['argument_size_in_bytes'] / GiB:.2f} GiB, temporaries "
                     f"{m['temp_size_in_bytes'] / GiB:.2f} GiB; the stage layers' copy + gradients "
-                    f"{stage / GiB:.2f} GiB per device; {report.hlo.count('all-gather-start')} async all-gathers, "
-                    f"{report.hlo.count('reduce-scatter')} reduce-scatters in the HLO"
+                    f"{stage / GiB:.2f} GiB per device; {gathers} async all-gathers "
+                    f"({overlapped} with a kernel, conditional or loop between start and done), "
+                    f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO"
                 )
             yield row
 

@@ -1,0 +1,23 @@
+"""What a deviceless compile's report reads from the scheduled HLO (no CUDA plugin needed)."""
+
+from jvarlen.gpu_aot import CompileReport
+
+HLO = """
+%body (p: (bf16[8])) -> bf16[16] {
+  %a = bf16[8]{0} parameter(0)
+  %all-gather-start.1 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), replica_groups={{0,1}}
+  %all-gather-done.1 = bf16[16]{0} all-gather-done(%all-gather-start.1)
+  %all-gather-start.2 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), replica_groups={{0,1}}
+  %gemm = (bf16[16]{0}, s8[0]{0}) custom-call(%all-gather-done.1), custom_call_target="__cublas$gemm"
+  %all-gather-done.2 = bf16[16]{0} all-gather-done(%all-gather-start.2)
+  %all-gather-start.3 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), replica_groups={{0,1}}
+  %f = bf16[16]{0} fusion(%all-gather-done.2), kind=kLoop, calls=%fused
+  %all-gather-done.3 = bf16[16]{0} all-gather-done(%all-gather-start.3)
+  %c = bf16[16]{0} conditional(%p, %f), branch_computations={%b0, %b1}
+}
+"""
+
+
+def test_overlapped_all_gathers_counts_pairs_with_a_kernel_between():
+    # pair 1: nothing between; pair 2: a cuBLAS call; pair 3: only an elementwise fusion
+    assert CompileReport({}, [], HLO).overlapped_all_gathers() == (1, 3)
