@@ -181,10 +181,12 @@ def _memory_dict(stats) -> dict:
 def compile_report(lowered, *, kernel_prefix: str = KERNEL_PREFIX, ptxas: bool = True) -> CompileReport:
     """Compiles ``lowered`` (for abstract GPU devices) and reads memory, kernels and HLO.
 
-    Raises what XLA raises when the program does not compile.
+    Raises what XLA raises when the program does not compile. Compiled at XLA's default backend
+    optimization level, whatever ``XLA_FLAGS`` says (the test suite lowers it for its CPU programs;
+    at level 0 the GPU kernels spill registers that a training compile does not).
     """
     with tempfile.TemporaryDirectory(prefix="jvarlen-aot-") as dump:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_backend_optimization_level": 3})
         kernels: dict[str, KernelStats] = {}
         for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
             with open(path, encoding="utf-8") as f:
