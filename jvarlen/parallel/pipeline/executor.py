@@ -141,10 +141,11 @@ class StageProgram:
         (BWD or FUSED; its layers' modes static where they can be), or None: ``op``, data."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
         is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
-        recompute = c["res_slot"] == s.dummy("res") if s.stores else True
-        mode = jnp.where(is_fused | (is_b & recompute), KEEP, jnp.where(is_b, STORED, NONE))
         if kind == FUSED or (kind == BWD and not s.stores):
-            mode = KEEP
+            mode = KEEP  # every layer, static
+        else:
+            recompute = c["res_slot"] == s.dummy("res") if s.stores else True
+            mode = jnp.where(is_fused | (is_b & recompute), KEEP, jnp.where(is_b, STORED, NONE))
         x = r["x"]
         if s.pp == 1:
             x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
@@ -198,11 +199,8 @@ class StageProgram:
         None (``op``, data)."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
         is_f = op == FWD if kind is None else True
-        if not s.stores:
-            mode = PLAIN if kind == FWD else jnp.where(is_f, PLAIN, NONE)
-        else:
-            keep = c["res_slot"] != s.dummy("res")
-            mode = jnp.where(keep, KEEP, PLAIN) if kind == FWD else jnp.where(is_f, jnp.where(keep, KEEP, PLAIN), NONE)
+        run = jnp.where(c["res_slot"] != s.dummy("res"), KEEP, PLAIN) if s.stores else PLAIN
+        mode = run if kind == FWD else jnp.where(is_f, run, NONE)
         embedded = maybe(is_f & self.is_first, lambda: self.embed(self.rest, c["local_tokens"]))
         x = jnp.where(self.is_first, embedded, r["x"])
         f = fns.layer(c["inputs"], c["local_positions"])
