@@ -280,7 +280,7 @@ class ParallelConfig:
     residual_policy: str = "dots_and_attention"
     # A pipeline stage's layers (and their gradient accumulator): "replicated" (every device holds
     # the stage) or "sharded" (ZeRO-3 over the stage's sp devices and the dp pipelines: 1/(dp·sp)
-    # each, a layer gathered where an op uses it; the planner's memory model follows).
+    # each, a layer gathered whole one layer ahead of its use; the planner's memory model follows).
     stage_weights: str = "replicated"
 
     @property

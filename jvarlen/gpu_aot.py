@@ -117,23 +117,36 @@ class CompileReport:
         """Launches of custom kernel ``kernel`` in the optimized HLO (calls, not fusions)."""
         return len(re.findall(rf'name\s*[:=]\s*\\?"{re.escape(kernel)}\\?"', self.hlo))
 
-    def overlapped_all_gathers(self) -> tuple[int, int]:
+    def overlapped_all_gathers(self, loops_only: bool = False) -> tuple[int, int]:
         """(async all-gathers with a kernel launch, conditional or loop scheduled between their start
         and done, all async all-gathers) in the scheduled HLO: how many the compiler overlaps with
-        compute."""
-        lines = self.hlo.splitlines()
+        compute. ``loops_only``: only those in the bodies of loops (the passes over a stage's
+        layers), not the ones before a loop or outside any."""
+        bodies = set(re.findall(r" body=%([\w.-]+)", self.hlo))
         starts = {}
         overlapped = total = 0
-        for i, line in enumerate(lines):
+        inside = not loops_only
+        for line in self.hlo.splitlines():
+            head = re.match(r"^(?:ENTRY )?%([\w.-]+) .*\{$", line)
+            if head:
+                inside = not loops_only or head.group(1) in bodies
+                starts = {}
+                continue
+            if not inside:
+                continue
             start = re.search(r"%(all-gather-start[.\w]*) = .* all-gather-start\(", line)
             if start:
-                starts[start.group(1)] = i
+                starts[start.group(1)] = []
                 continue
             done = re.search(r" all-gather-done\(%(all-gather-start[.\w]*)\)", line)
             if done and done.group(1) in starts:
                 total += 1
-                between = lines[starts.pop(done.group(1)) + 1 : i]
-                overlapped += any(re.search(r" (custom-call|conditional|while)\(", b) for b in between)
+                overlapped += any(
+                    re.search(r" (custom-call|conditional|while)\(", b) for b in starts.pop(done.group(1))
+                )
+                continue
+            for between in starts.values():
+                between.append(line)
         return overlapped, total
 
 

@@ -8,7 +8,9 @@ Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64
 128, 256} x {gqa, context} (``jvarlen.gpu_aot.ATTENTION_CASES``). Train steps: the
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
-pipeline step on 8 GPUs, stage weights replicated and sharded over dp x sp. Every row either
+pipeline step on 8 GPUs, (dp, pp, sp) in {(1,2,4), (2,2,2), (4,2,1)} (or ``--layout``, ``--chunks``,
+``--bucket``, ``--layers``), stage weights replicated and sharded over dp x sp, with the weight
+gathers the compiled schedule overlaps with compute. Every row either
 compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
 XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
 status, largest shared memory of the Pallas kernels, register spill bytes (ptxas), peak
@@ -46,7 +48,7 @@ STEPS = {
 }
 # the elastic pipeline's step of llama-7b on 8 GPUs, (dp, pp, sp), both stage-weight placements:
 # 4 one-document chunks of 8K tokens per pipeline, 1F1B, nothing recomputed
-PIPELINE_LAYOUTS = ((1, 2, 4), (2, 2, 2))
+PIPELINE_LAYOUTS = ((1, 2, 4), (2, 2, 2), (4, 2, 1))
 PIPELINE_CHUNKS, PIPELINE_BUCKET = 4, 8192
 GiB = 2**30
 
@@ -133,17 +135,18 @@ def step_rows(target: str, names):
         yield row
 
 
-def pipeline_rows(target: str):
-    """llama-7b's pipeline step per layout of :data:`PIPELINE_LAYOUTS`, stage weights replicated and
-    sharded over dp x sp (ZeRO-3): compiled memory per device, and the stage layers' copy (compute
-    dtype) + gradient accumulator (parameter dtype) one device holds by design."""
+def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, layers=None):
+    """llama-7b's pipeline step (``layers``: that many decoder layers instead) per layout, ``chunks``
+    one-document chunks of ``bucket`` tokens per pipeline, stage weights replicated and sharded
+    over dp x sp (ZeRO-3): compiled memory per device, the stage layers' copy (compute dtype) +
+    gradient accumulator (parameter dtype) one device holds by design, and the weight gathers."""
     from jvarlen.layout import Layout
     from jvarlen.plan.cost import ModelShape
 
     tgt = gpu_aot.gpu_target(target)
-    config = load_config("configs/llama-7b.yaml")
+    config = load_config("configs/llama-7b.yaml", **({"model.num_layers": str(layers)} if layers else {}))
     shape = ModelShape.from_config(config.model)
-    for dp, pp, sp in PIPELINE_LAYOUTS:
+    for dp, pp, sp in layouts:
         layout = Layout(dp=dp, pp=pp, sp=sp)
         devices = gpu_aot.abstract_devices(target, layout.num_devices)
         for mode in ("replicated", "sharded"):
@@ -151,30 +154,32 @@ def pipeline_rows(target: str):
             def lower(layout=layout, devices=devices, mode=mode):
                 with kernels.compile_for(tgt):
                     return gpu_aot.lower_pipeline_step(
-                        config, devices, layout, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, stage_weights=mode
+                        config, devices, layout, chunks=chunks, bucket=bucket, stage_weights=mode
                     )
 
             what = (
-                f"pipeline llama-7b (dp, pp, sp) = ({dp}, {pp}, {sp}), stage weights {mode} "
-                f"({PIPELINE_CHUNKS} x {PIPELINE_BUCKET // 1024}K tokens per pipeline)"
+                f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''} (dp, pp, sp) = "
+                f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline)"
             )
             row, report = _run(target, what, lower)
             if report is not None:
                 m = report.memory
-                layers = shape.num_layers // pp * shape.layer_params
+                stage_params = shape.num_layers // pp * shape.layer_params
                 # the stage's copy (compute dtype) and gradient accumulator (parameter dtype)
                 per_param = (
                     jnp.dtype(config.model.compute_dtype).itemsize + jnp.dtype(config.model.param_dtype).itemsize
                 )
-                stage = per_param * layers / (dp * sp if mode == "sharded" else 1)
+                stage = per_param * stage_params / (dp * sp if mode == "sharded" else 1)
                 overlapped, gathers = report.overlapped_all_gathers()
+                in_loops, loop_gathers = report.overlapped_all_gathers(loops_only=True)
                 fwd = report.count("varlen_flash_fwd")
                 row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
                 row.detail = (
                     f"arguments {m['argument_size_in_bytes'] / GiB:.2f} GiB, temporaries "
                     f"{m['temp_size_in_bytes'] / GiB:.2f} GiB; the stage layers' copy + gradients "
                     f"{stage / GiB:.2f} GiB per device; {gathers} async all-gathers "
-                    f"({overlapped} with a kernel, conditional or loop between start and done), "
+                    f"({overlapped} with a kernel, conditional or loop between start and done; in the "
+                    f"passes over the layers {in_loops} of {loop_gathers}), "
                     f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO"
                 )
             yield row
@@ -267,6 +272,14 @@ def search(target: str, dtype_names, head_dims):
             print(f"{target} {dname} d={d}: {line}", flush=True)
 
 
+def _layout(text: str) -> tuple:
+    try:
+        dp, pp, sp = (int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected dp,pp,sp (three integers), got {text!r}") from None
+    return dp, pp, sp
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", action="append", choices=sorted(gpu_aot.TARGETS), help="repeatable; default both")
@@ -275,6 +288,12 @@ def main(argv=None) -> int:
     ap.add_argument("--head_dim", action="append", type=int)
     ap.add_argument("--case", action="append", choices=sorted(gpu_aot.ATTENTION_CASES))
     ap.add_argument("--step", action="append", choices=sorted(STEPS))
+    ap.add_argument(
+        "--layout", action="append", type=_layout, help=f"pipeline: dp,pp,sp (repeatable; default {PIPELINE_LAYOUTS})"
+    )
+    ap.add_argument("--chunks", type=int, default=PIPELINE_CHUNKS, help="pipeline: chunks per pipeline")
+    ap.add_argument("--bucket", type=int, default=PIPELINE_BUCKET, help="pipeline: tokens per chunk")
+    ap.add_argument("--layers", type=int, help="pipeline: decoder layers (default: llama-7b's 32)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
     ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
     args = ap.parse_args(argv)
@@ -299,9 +318,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
         if args.part in ("all", "pipeline"):
-            for row in pipeline_rows(target):
+            for row in pipeline_rows(target, args.layout or PIPELINE_LAYOUTS, args.chunks, args.bucket, args.layers):
                 rows.append(row)
-                print(f"{row.target} {row.what}: {row.status} {row.detail[:300]} ({row.seconds:.0f} s)", flush=True)
+                print(f"{row.target} {row.what}: {row.status} {row.detail[:400]} ({row.seconds:.0f} s)", flush=True)
     print()
     print(markdown(rows))
     counts = {s: sum(r.status == s for r in rows) for s in ("compiled", "refused", "FAILED")}

@@ -21,3 +21,21 @@ HLO = """
 def test_overlapped_all_gathers_counts_pairs_with_a_kernel_between():
     # pair 1: nothing between; pair 2: a cuBLAS call; pair 3: only an elementwise fusion
     assert CompileReport({}, [], HLO).overlapped_all_gathers() == (1, 3)
+
+
+ENTRY = """
+ENTRY %main (x: bf16[8]) -> bf16[16] {
+  %x = bf16[8]{0} parameter(0)
+  %all-gather-start.9 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%x), replica_groups={{0,1}}
+  %w0 = (bf16[16]{0}) while(%t), condition=%cond, body=%other
+  %all-gather-done.9 = bf16[16]{0} all-gather-done(%all-gather-start.9)
+  %w = (bf16[8]{0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_overlapped_all_gathers_in_loop_bodies_only():
+    # the entry's pair has a loop between (counted in all, not in loops), the body's as above
+    report = CompileReport({}, [], HLO + ENTRY)
+    assert report.overlapped_all_gathers() == (2, 4)
+    assert report.overlapped_all_gathers(loops_only=True) == (1, 3)

@@ -170,7 +170,7 @@ class StageProgram:
         def down(dy, lp, xs):
             ck, cv, res, dk, dv = xs
             dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
-            return dx, (fns.weights.reduce_dp(dlp), dck, dcv)
+            return dx, (fns.weights.reduce(dlp), dck, dcv)
 
         dy = jnp.where(is_fused, dy_head, r["dy"])
         dx, (d_layers, dck, dcv) = self.layer_pass(
@@ -355,7 +355,7 @@ class StageProgram:
         sig = s.sig
         x0 = jnp.zeros((s.Tl, s.d), cdt)
         c0 = self.chunk(jnp.int32(0))
-        layer0 = jax.eval_shape(s.fns.weights.gather_dp, jax.tree.map(lambda a: a[0], layers))
+        layer0 = jax.eval_shape(s.fns.weights.gather, jax.tree.map(lambda a: a[0], layers))
         ctx0 = jnp.zeros((s.Sc, s.K, s.D), cdt)
         res_shapes = residual_shapes(s.fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
         zeros_ctx = jnp.zeros((sig.n_ctx + 1, s.ls, s.Sc, s.K, s.D), cdt)

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jvarlen.config import ModelConfig
@@ -74,8 +73,8 @@ class StageFns:
     # (e.g. "dots_with_no_batch_dims_saveable") keeps only what the policy saves and
     # recomputes the rest inside the backward (selective recomputation).
     residual_policy: Optional[str] = None
-    # where the stage's weights live (jvarlen.parallel.pipeline.weights.StageWeights); sharded over
-    # sp, a layer is gathered where it is used. None: replicated.
+    # where the stage's weights live (jvarlen.parallel.pipeline.weights.StageWeights): the passes
+    # over the layers gather sharded layers and reduce-scatter their gradients
     weights: Any = None
     recipe: ResidualRecipe = dataclasses.field(default_factory=ResidualRecipe)
 
@@ -83,15 +82,10 @@ class StageFns:
         """f(layer_params, x [T/sp, d], ck [Sc,K',D], cv) -> (y [T/sp, d], k [T,K',D], v [T,K',D]).
 
         ``inputs`` describe all T tokens of the chunk (and its Sc context keys);
-        K' = K * kv_repeats / sp kv heads per device (K' = K without sp). With sharded stage
-        weights ``layer_params`` are this device's shards (:meth:`sharded_layer`).
+        K' = K * kv_repeats / sp kv heads per device (K' = K without sp). ``layer_params`` are
+        whole (sharded stage weights are gathered by the pass over the layers,
+        ``StageWeights.layer_pass``). Under the residual policy.
         """
-        if self.sharded:
-            return self.sharded_layer(inputs, rotary_positions)
-        return self.full_layer(inputs, rotary_positions)
-
-    def full_layer(self, inputs: AttentionInputs, rotary_positions):
-        """The layer on whole parameters, under the residual policy."""
         hooks = {}
         if self.sp > 1:
 
@@ -110,38 +104,6 @@ class StageFns:
         if self.residual_policy:
             return jax.checkpoint(f, policy=residual_policy(self.residual_policy))
         return f
-
-    @property
-    def sharded(self) -> bool:
-        return self.weights is not None and self.weights.sharded
-
-    def sharded_layer(self, inputs: AttentionInputs, rotary_positions):
-        """The layer on this device's weight shards (ZeRO-3 over sp): the forward gathers the layer,
-        runs :meth:`full_layer` and keeps its residuals, the backward gathers it again and
-        reduce-scatters its gradient. A custom VJP, so that no residual (stored across ticks, or of
-        the fused op's scan over layers) is a gathered weight, whatever the residual policy."""
-        recipe, gather = ResidualRecipe(), self.weights.gather_layer
-        aux = (inputs.segment_ids, inputs.positions, inputs.kv_segment_ids, inputs.kv_positions, rotary_positions)
-
-        def full(aux):
-            return self.full_layer(AttentionInputs(*aux[:4]), aux[4])
-
-        @jax.custom_vjp
-        def f(lp, x, ck, cv, aux):
-            return full(aux)(gather(lp), x, ck, cv)
-
-        def f_fwd(lp, x, ck, cv, aux):
-            whole = gather(lp)
-            out, vjp_fn = jax.vjp(full(aux), whole, x, ck, cv)
-            return out, (lp, ck, cv, aux, split_vjp(vjp_fn, _shared(whole, ck, cv), recipe))
-
-        def f_bwd(saved, cotangents):
-            lp, ck, cv, aux, res = saved
-            d_whole, dx, dck, dcv = join_vjp(recipe, res, _shared(gather(lp), ck, cv))(cotangents)
-            return self.weights.scatter_layer_grad(d_whole), dx, dck, dcv, jax.tree.map(_no_cotangent, aux)
-
-        f.defvjp(f_fwd, f_bwd)
-        return lambda lp, x, ck, cv: f(lp, x, ck, cv, aux)
 
     def ascend(self, f, mode, lp, x, ck, cv, stored=None):
         """One layer of an ascending pass (``f``: :meth:`layer`), by ``mode`` (data, int32, or a
@@ -288,11 +250,6 @@ def residual_policy(name: str):
             f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a jax.checkpoint_policies name"
         )
     return getattr(cp, name)
-
-
-def _no_cotangent(x):
-    """The zero cotangent of an integer input of a custom VJP."""
-    return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _shared(lp, ck, cv) -> list:

@@ -11,11 +11,11 @@ its ``sp`` devices and over the ``dp`` pipelines (``sharded``). Inside the execu
   ``(d, p, s)`` then holds chunks ``(d, q, s)`` of its stage's layers, which is what a sharded
   stage keeps when ``dp > 1``. Otherwise an all-gather over ``dp`` completes the chunks ``(d', q)``
   of this ``s`` (the sp shard, *interleaved*), and a replicated stage gathers over ``sp`` too.
-* :meth:`StageWeights.gather_dp` / :meth:`StageWeights.reduce_dp`: one layer's all-gather over
-  ``dp`` and its gradient's reduce-scatter, run by the executor outside its ops' conditionals
-  (the ``dp`` pipelines run different ops in a tick); :meth:`gather_layer` /
-  :meth:`scatter_layer_grad`: the same over ``sp``, inside an op (the sp devices of a stage run
-  the same op), undoing the interleaved order.
+* :meth:`StageWeights.gather` / :meth:`StageWeights.reduce`: sharded, one layer's all-gather over
+  the stage's ``dp × sp`` devices (one flat buffer, one collective) and its gradient's
+  reduce-scatter, run by :meth:`StageWeights.layer_pass` outside the ops' conditionals (the
+  ``dp`` pipelines run different ops in a tick), the next layer's gather free to overlap this
+  layer's compute.
 * :meth:`StageWeights.push`: the way back for the gradients, as reduce-scatters (over ``sp``
   where the stage is replicated, then ``dp`` where it is not sharded over it) and the inverse
   all-to-all over ``pp``.
@@ -91,6 +91,10 @@ class StageWeights:
             )
         self.leaves = tuple(leaves)
         self.dp_sharded = any(leaf.dp_shard for leaf in self.leaves)  # over the dp pipelines
+        # the devices a sharded stage's layer is gathered from: its dp pipelines' and its sp devices
+        self._dg = layout.dp if mode == "sharded" else 1
+        self._sg = layout.sp if mode == "sharded" else 1
+        self.group = tuple(axis for axis, n in ((DP, self._dg), (SP, self._sg)) if n > 1)
         self.treedef = jax.tree.structure(layer_state)
 
     # ---- specs of the executor's shard_map
@@ -125,9 +129,9 @@ class StageWeights:
         return self.treedef.unflatten(out)
 
     def push(self, grads):
-        """This device's stage gradients (summed over ``dp`` only where the stage is sharded over it,
-        by :meth:`reduce_dp`; over ``sp`` only where it is sharded over sp) -> the canonical local
-        chunks of the summed gradient."""
+        """This device's stage gradients (sharded: already summed over the stage's ``dp × sp``
+        devices by :meth:`reduce`, layer by layer) -> the canonical local chunks of the summed
+        gradient."""
         out = []
         for g, leaf in zip(jax.tree.leaves(grads), self.leaves):
             if leaf.canon is None:
@@ -151,93 +155,130 @@ class StageWeights:
             [jnp.zeros(x.shape, leaf.dtype) for x, leaf in zip(jax.tree.leaves(layers), self.leaves)]
         )
 
-    def gather_dp(self, lp):
-        """One layer's parameters (leaves without the layer axis) as an op uses them: the leaves
-        sharded over ``dp`` all-gathered over it (chunks ``(d', q)`` of this ``s``, the order
-        :meth:`gather_layer` expects). Called on every device of a ``dp`` group alike: outside the
-        ops' conditionals."""
+    def gather(self, lp):
+        """One layer's parameters (leaves without the layer axis) from this device's chunks -> the
+        whole layer, as an op uses it. Sharded, the chunks of every managed leaf travel as one flat
+        byte buffer in one all-gather over the stage's ``dp × sp`` devices (one collective per
+        layer: it can be in flight over the previous layer's compute, where XLA keeps at most one
+        collective in flight); the small leaves sharded over ``sp`` only are gathered one by one.
+        Called on every device of the group alike: outside the ops' conditionals where the
+        pipelines of a ``dp`` group run different ops."""
+        if not self.group:
+            return lp
         leaves, treedef = jax.tree.flatten(lp)
-        out = [
-            jax.lax.all_gather(x, DP, axis=leaf.canon - 1, tiled=True) if leaf.dp_shard else x
-            for x, leaf in zip(leaves, self.leaves)
-        ]
+        flat = [i for i, leaf in enumerate(self.leaves) if leaf.canon is not None]
+        out = list(leaves)
+        if flat:
+            packed = jnp.concatenate([_to_bytes(leaves[i]) for i in flat])
+            got = jax.lax.all_gather(packed, self.group, axis=0, tiled=False)  # [dg·sg, bytes], (d, s)
+            at = 0
+            for i in flat:
+                x, leaf = leaves[i], self.leaves[i]
+                n = x.size * x.dtype.itemsize
+                part = _from_bytes(got[:, at : at + n], x.dtype).reshape((self._dg, self._sg) + x.shape)
+                out[i] = self._chunks_to_whole(part, leaf.canon - 1)
+                at += n
+        for i, leaf in enumerate(self.leaves):
+            if leaf.canon is None and leaf.shard is not None:
+                out[i] = jax.lax.all_gather(leaves[i], SP, axis=leaf.shard - 1, tiled=True)
         return treedef.unflatten(out)
 
-    def reduce_dp(self, grads):
-        """The transpose of :meth:`gather_dp`: one layer's gradient (as an op returns it) -> this
-        pipeline's chunks of its sum over the ``dp`` pipelines (summed in the parameters' dtype,
-        returned in the stage copy's, like :meth:`scatter_layer_grad`)."""
+    def reduce(self, grads):
+        """The transpose of :meth:`gather`: one whole layer's gradient on each device of the group ->
+        this device's chunks of their sum, reduce-scattered in one collective per parameter dtype
+        (summed in the parameters' dtype, returned in the stage copy's)."""
+        if not self.group:
+            return grads
         leaves, treedef = jax.tree.flatten(grads)
-        out = [
-            jax.lax.psum_scatter(g.astype(leaf.dtype), DP, scatter_dimension=leaf.canon - 1, tiled=True).astype(
-                leaf.compute_dtype
+        out = list(leaves)
+        by_dtype: dict = {}
+        for i, leaf in enumerate(self.leaves):
+            if leaf.canon is not None:
+                by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+            elif leaf.shard is not None:
+                g = jax.lax.psum_scatter(leaves[i].astype(leaf.dtype), SP, scatter_dimension=leaf.shard - 1, tiled=True)
+                out[i] = g.astype(leaf.compute_dtype)
+        for dtype, idx in by_dtype.items():
+            rows = [self._whole_to_chunks(leaves[i].astype(dtype), self.leaves[i].canon - 1) for i in idx]
+            summed = jax.lax.psum_scatter(
+                jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1),
+                self.group,
+                scatter_dimension=0,
+                tiled=False,
             )
-            if leaf.dp_shard
-            else g
-            for g, leaf in zip(leaves, self.leaves)
-        ]
+            at = 0
+            for i, r in zip(idx, rows):
+                n = r[0].size
+                out[i] = summed[at : at + n].reshape(r.shape[1:]).astype(self.leaves[i].compute_dtype)
+                at += n
         return treedef.unflatten(out)
+
+    def _chunks_to_whole(self, x, a: int):
+        """[dg, sg, ..., pp·c (axis ``a`` of a chunk, order (q, c)), ...] -> the whole leaf, axis ``a``
+        in canonical order (d, q, s, c)."""
+        dg, sg, pp = self._dg, self._sg, self.layout.pp
+        shape = x.shape[2:]
+        x = x.reshape((dg, sg) + shape[:a] + (pp, shape[a] // pp) + shape[a + 1 :])
+        # (dg, sg, pre..., pp, c, post...) -> (pre..., dg, pp, sg, c, post...)
+        pre = tuple(range(2, 2 + a))
+        post = tuple(range(4 + a, x.ndim))
+        x = x.transpose(pre + (0, 2 + a, 1, 3 + a) + post)
+        return x.reshape(shape[:a] + (dg * sg * shape[a],) + shape[a + 1 :])
+
+    def _whole_to_chunks(self, g, a: int):
+        """The inverse of :meth:`_chunks_to_whole`, flattened per device: [dg·sg, (d, s)] of chunks."""
+        dg, sg, pp = self._dg, self._sg, self.layout.pp
+        shape = g.shape
+        c = shape[a] // (dg * pp * sg)
+        g = g.reshape(shape[:a] + (dg, pp, sg, c) + shape[a + 1 :])
+        # (pre..., dg, pp, sg, c, post...) -> (dg, sg, pre..., pp, c, post...)
+        pre = tuple(range(a))
+        post = tuple(range(a + 4, g.ndim))
+        g = g.transpose((a, a + 2) + pre + (a + 1, a + 3) + post)
+        return g.reshape((dg * sg,) + shape[:a] + (pp * c,) + shape[a + 1 :])
 
     def layer_pass(self, shards, step, init, xs, reverse=False, ordered=True):
         """``step(carry, lp, x_j) -> (carry, y_j)`` over a stage's layers in order (``reverse``: from
-        the last), ``lp`` layer j's weights as an op uses them, from this device's ``shards`` [Ls, ...].
-        Sharded over dp, each layer is gathered here, outside any op's conditional (every device of a
-        dp group runs the pass alike), the next layer's gather issued before this layer's compute
-        (``ordered``: after it, for XLA:CPU, see the executor's tick).
+        the last), ``lp`` layer j's weights as an op uses them (whole), from this device's ``shards``
+        [Ls, ...]. Sharded, each layer is gathered here (:meth:`gather`): the next layer's gather
+        in the loop body of this one, independent of its compute and outside its conditionals, so
+        that XLA can keep it in flight over the compute (``ordered``: after it, for XLA:CPU, see
+        the executor's tick). The last layer's body gathers that layer again rather than put the
+        gather in a conditional, whose collectives cannot overlap anything outside it: ``Ls + 1``
+        gathers per pass.
         -> (carry, ys stacked [Ls, ...] in layer order)."""
-        if not self.dp_sharded:
+        if not self.group:
             return jax.lax.scan(lambda c, xj: step(c, *xj), init, (shards, xs), reverse=reverse)
         last = jax.tree.leaves(shards)[0].shape[0] - 1
 
         def gather(j):
-            return self.gather_dp(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), shards))
+            return self.gather(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), shards))
 
         def body(carry, xj):
             c, lp = carry
             j, x = xj
             c, y = step(c, lp, x)
-            nxt = j - 1 if reverse else j + 1
+            nxt = jnp.clip(j - 1 if reverse else j + 1, 0, last)
             if ordered:
                 nxt, c, y = jax.lax.optimization_barrier((nxt, c, y))
-            has_next = (nxt >= 0) & (nxt <= last)  # the same on every device: a matched collective
-            lp = jax.lax.cond(has_next, gather, lambda _: jax.tree.map(jnp.zeros_like, lp), jnp.clip(nxt, 0, last))
-            return (c, lp), y
+            return (c, gather(nxt)), y
 
         first = gather(last if reverse else 0)
         (c, _), ys = jax.lax.scan(body, (init, first), (jnp.arange(last + 1), xs), reverse=reverse)
         return c, ys
 
-    def gather_layer(self, lp):
-        """One layer's parameters (leaves without the layer axis) from this device's shards
-        (:meth:`scatter_layer_grad` is its transpose)."""
-        if not self.sharded:
-            return lp
-        leaves, treedef = jax.tree.flatten(lp)
-        full = []
-        for x, leaf in zip(leaves, self.leaves):
-            if leaf.shard is not None:
-                axis = leaf.shard - 1
-                x = jax.lax.all_gather(x, SP, axis=axis, tiled=True)
-                if leaf.interleave > 1:
-                    x = _interleaved_to_natural(x, axis, self.layout)
-            full.append(x)
-        return treedef.unflatten(full)
 
-    def scatter_layer_grad(self, grads):
-        """The transpose of :meth:`gather_layer`: a whole layer's gradient on each device of the sp
-        group -> this device's shard of their sum (summed in the parameters' dtype, returned in the
-        shard's)."""
-        leaves, treedef = jax.tree.flatten(grads)
-        out = []
-        for g, leaf in zip(leaves, self.leaves):
-            if leaf.shard is not None:
-                axis = leaf.shard - 1
-                if leaf.interleave > 1:
-                    g = _natural_to_interleaved(g, axis, self.layout)
-                g = jax.lax.psum_scatter(g.astype(leaf.dtype), SP, scatter_dimension=axis, tiled=True)
-                g = g.astype(leaf.compute_dtype)
-            out.append(g)
-        return treedef.unflatten(out)
+def _to_bytes(x):
+    """``x`` as a flat uint8 vector (its bytes)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b, dtype):
+    """[..., n bytes] uint8 -> [..., n / itemsize] of ``dtype`` (the inverse of :func:`_to_bytes`)."""
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (b.shape[-1] // size, size)), dtype)
 
 
 def _first_divided(shape, n: int) -> Optional[int]:
