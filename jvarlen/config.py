@@ -433,6 +433,9 @@ class LoggingConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
     progress_bar: bool = True
+    # A run that does not resume refuses a run_dir holding an earlier run's metrics or
+    # checkpoints; overwrite=true deletes them (metrics, TensorBoard events, checkpoints) first.
+    overwrite: bool = False
 
 
 @dataclasses.dataclass

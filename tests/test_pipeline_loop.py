@@ -132,7 +132,7 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):
     assert plan(full.run_dir) == plan(resumed.run_dir)
 
 
-def test_pipeline_layout_is_checked_with_clear_messages():
+def test_pipeline_layout_is_checked_with_clear_messages(tmp_path):
     cfg = load_config(CONFIG)
     assert resolve_layout(cfg, 8) == resolve_layout(load_config(CONFIG, **{"parallel.dp": "2"}), 8)
     with pytest.raises(ConfigError, match="uses 8 devices, but there are 16"):
@@ -143,7 +143,10 @@ def test_pipeline_layout_is_checked_with_clear_messages():
         resolve_layout(load_config(CONFIG, **{"data.tokens_per_batch": "3072"}), 8)
     require_devices(8)
     with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
-        train(load_config(CONFIG, **{"parallel.residual_policy": "bogus"}), quiet=True)
+        train(
+            load_config(CONFIG, **{"parallel.residual_policy": "bogus", "logging.run_dir": str(tmp_path / "run")}),
+            quiet=True,
+        )
     with pytest.raises(ConfigError, match="num_layers \\(4\\) must be divisible by parallel.pp \\(3\\)"):
         resolve_layout(load_config(CONFIG, **{"parallel.pp": "3", "parallel.dp": "1", "parallel.sp": "1"}), 3)
     with pytest.raises(ConfigError, match="fixed \\(dp, pp, sp\\)"):

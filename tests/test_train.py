@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import cli_env
 
-from jvarlen.config import parse_config
+from jvarlen.config import ConfigError, parse_config
 from jvarlen.runtime.checkpoint import CheckpointMismatchError
 from jvarlen.runtime.loop import train
 
@@ -137,3 +137,42 @@ def test_resume_from_different_model_shape_is_refused(tmp_path, cache_dir):
             _config(tmp_path / "r", cache_dir, "--train.steps=2", "--model.d_model=64", "--checkpoint.resume=true"),
             quiet=True,
         )
+
+
+def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cache_dir):
+    """Without resume, a run_dir with an earlier run's records and checkpoints is refused before
+    anything in it changes; ``logging.overwrite`` starts over in it."""
+    run_dir = tmp_path / "r"
+    first = train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=2"), quiet=True)
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert len(before.splitlines()) == 2
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(2 metric records and checkpoints of steps 2\)"):
+        train(_config(run_dir, cache_dir, "--train.steps=3"), quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert os.listdir(run_dir / "checkpoints") == ["2"]
+    again = train(_config(run_dir, cache_dir, "--train.steps=1", "--logging.overwrite=true"), quiet=True)
+    assert again.losses == first.losses[:1]  # a fresh run from step 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    assert os.listdir(run_dir / "checkpoints") == ["1"]  # the earlier run's step 2 is gone
+
+
+def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, cache_dir):
+    """A configuration refused when the run starts (here a residual policy the step builder does
+    not know, with the pipeline path) keeps the records and config of the run it was to resume."""
+    run_dir = tmp_path / "r"
+    train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=1"), quiet=True)
+    metrics, config = (run_dir / "metrics.jsonl").read_text(), (run_dir / "config.json").read_text()
+    with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
+        train(
+            _config(
+                run_dir,
+                cache_dir,
+                "--train.steps=3",
+                "--checkpoint.resume=true",
+                "--parallel.pp=2",
+                "--parallel.residual_policy=bogus",
+            ),
+            quiet=True,
+        )
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "config.json").read_text() == config

@@ -102,7 +102,12 @@ def train(
     distributed.initialize(config.parallel)  # before jax.devices() starts the backend
     layout = resolve_layout(config, len(jax.devices()))
     run = open_run(config, quiet, stop_after)
-    strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
+    try:
+        strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
+    except BaseException:
+        run.close()
+        raise
+    run.start_logging()  # nothing in the run directory changes before the configuration is accepted
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
     strategy.attach(cache)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -97,13 +98,31 @@ class Run:
     placement: Placement
     state: object
     checkpointer: Checkpointer
-    logger: MetricsLogger
+    logger: Optional[MetricsLogger]  # None until :meth:`start_logging`
     start: int
     end: int
     lr_at: Callable[[int], float]
+    quiet: bool = False
     nonfinite_run: int = 0  # consecutive steps whose update was skipped
     nonfinite_total: int = 0
     signals: "StopSignals" = dataclasses.field(default_factory=lambda: StopSignals())
+
+    def start_logging(self) -> None:
+        """Claims the run directory's logs (after everything that may refuse the configuration):
+        ``config.json``, and the metrics logger, which drops the records after the resumed step."""
+        if self.main:
+            with open(os.path.join(self.run_dir, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(to_dict(self.config), f, indent=2)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            self.config.logging,
+            total_steps=self.config.train.steps,
+            initial_step=self.start,
+            show_progress=not self.quiet,
+            write=self.main,
+        )
+        if not self.quiet:
+            self.note = self.logger.write  # prints without breaking the progress bar
 
     def end_step(self, step: int, record: dict, state, postfix: dict, data_state: Optional[dict] = None) -> None:
         """Logs step ``step`` (0-based) and saves a checkpoint when one is due. ``data_state``:
@@ -141,7 +160,8 @@ class Run:
     def close(self) -> None:
         self.signals.restore()
         self.checkpointer.close()
-        self.logger.close()
+        if self.logger is not None:
+            self.logger.close()
 
 
 def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
@@ -159,6 +179,8 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         ) from None
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
     say(f"[jvarlen] run directory: {run_dir}")
+    if not config.checkpoint.resume:
+        _claim_fresh(run_dir, config.logging.overwrite, main, say)
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
 
@@ -181,22 +203,14 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
         say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
-    if main:
-        with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(to_dict(config), f, indent=2)
-
     total = config.train.steps
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
-    logger = MetricsLogger(
-        run_dir, config.logging, total_steps=total, initial_step=start, show_progress=not quiet, write=main
-    )
-    note = (lambda _: None) if quiet else logger.write  # prints without breaking the progress bar
     return Run(
         config,
         main,
         say,
-        note,
+        say,  # until start_logging
         run_dir,
         pipeline,
         graphdef,
@@ -204,12 +218,52 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         placement,
         state,
         checkpointer,
-        logger,
+        None,
         start,
         end,
         lr_at,
+        quiet=quiet,
         signals=StopSignals().install(),
     )
+
+
+def earlier_run(run_dir: str) -> Optional[str]:
+    """What an earlier run left in ``run_dir`` (metric records, checkpoints), in words; None if
+    nothing."""
+    found = []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            records = sum(1 for line in f if line.strip())
+        if records:
+            found.append(f"{records} metric records")
+    ckpt = os.path.join(run_dir, "checkpoints")
+    steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(ckpt) else []
+    if steps:
+        found.append(f"checkpoints of steps {', '.join(map(str, steps))}")
+    return " and ".join(found) or None
+
+
+def _claim_fresh(run_dir: str, overwrite: bool, main: bool, say) -> None:
+    """A run that starts at step 0 in ``run_dir``: refuses one holding an earlier run (whose
+    records it would drop and whose checkpoints it would mix with its own), or, with
+    ``overwrite``, deletes what that run left."""
+    found = earlier_run(run_dir)
+    if found is None:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"logging.run_dir {run_dir!r} holds an earlier run ({found}). Continue it with "
+            f"--checkpoint.resume=true, start over with --logging.overwrite=true (deletes its metrics, "
+            f"TensorBoard events and checkpoints), or choose another logging.run_dir"
+        )
+    if main:
+        say(f"[jvarlen] logging.overwrite: deleting the earlier run in {run_dir} ({found})")
+        for name in ("metrics.jsonl", "config.json"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        for name in ("checkpoints", "tensorboard"):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
 def _state_from_hf(config: Config, resuming: bool, say):
