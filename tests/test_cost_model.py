@@ -157,18 +157,23 @@ def test_model_state_memory_hand_computed():
     with pytest.raises(ValueError):
         cm.model_state_memory(2)
     # ZeRO-3 over the sp group and the dp pipelines: the compute copy and gradients of the stage's
-    # decoder layers are 1/(dp·sp) per device (embedding and head whole), in every layout derived
-    # from it (padded, other schemes' layouts)
+    # decoder layers are 1/(dp·sp) per device (embedding and head whole), plus two whole layers
+    # in flight (2 bytes each) and one layer's gradient (4 bytes), in every layout derived from
+    # it (padded, other schemes' layouts)
     layers = MHA.num_layers // 2 * MHA.layer_params
+    in_flight = (2 * 2 + 4) * MHA.layer_params
     z = CostModel(MHA, Layout(2, 2, 2), coeffs(), stage_weights_sharded=True)
     for stage in (0, 1):
         extra = MHA.stage_params(stage, 2) - layers
         assert extra > 0
-        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + 1000)
+        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + in_flight + 1000)
     assert z.padded(64).model_state_memory(1) == pytest.approx(z.model_state_memory(1))
     z4 = z.with_layout(Layout(1, 2, 4), state_devices=8)
     extra = MHA.stage_params(0, 2) - layers
-    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + 1000)
+    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + in_flight + 1000)
+    # one device per stage: nothing to shard, nothing gathered
+    z1 = z.with_layout(Layout(1, 2, 1), state_devices=8)
+    assert z1.model_state_memory(0) == pytest.approx(cm.with_layout(Layout(1, 2, 1), 8).model_state_memory(0))
     from jvarlen.plan.strategy import Scheme, SchemeCosts
 
     assert SchemeCosts(z, 8).cost(Scheme(pp=2, sp=4)).model_state_memory(0) == pytest.approx(z4.model_state_memory(0))

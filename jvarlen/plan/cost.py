@@ -279,17 +279,25 @@ class CostModel:
     def model_state_memory(self, stage: int) -> float:
         """Model states on one device of ``stage`` (Hydraulis B.1 (b)): fp32 master params and
         Adam moments fully sharded over all devices, plus the stage's compute copy and gradient
-        accumulator, plus a constant workspace."""
+        accumulator, plus a constant workspace. With the stage's decoder layers sharded over its
+        ``dp × sp`` devices (and more than one of them), their copy and accumulator are
+        ``1/(dp·sp)`` per device, plus the layers in flight: two whole layers in the compute
+        dtype (the one in use, the one gathered ahead) and one layer's gradient in the
+        accumulator's dtype before its reduce-scatter (docs/design/pipeline.md, "Stage
+        weights")."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
         sharded = c.master_bytes_per_param * m.param_count / self.state_devices
         params = m.stage_params(stage, self.layout.pp)
-        if self.stage_weights_sharded:  # the decoder layers; embedding and head stay whole
+        in_flight = 0.0
+        group = self.layout.dp * self.layout.sp
+        if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
             layers = m.num_layers // self.layout.pp * m.layer_params
-            params += layers / (self.layout.dp * self.layout.sp) - layers
+            params += layers / group - layers
+            in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param - c.bytes_per_element) * m.layer_params
         local = c.stage_bytes_per_param * params
-        return sharded + local + c.workspace_bytes
+        return sharded + local + in_flight + c.workspace_bytes
 
     @property
     def memory_budget(self) -> float:
