@@ -107,7 +107,7 @@ def train(
     except BaseException:
         run.close()
         raise
-    run.start_logging()  # nothing in the run directory changes before the configuration is accepted
+    run.start_logging()  # config.json and metrics change only once the configuration is accepted
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
     strategy.attach(cache)

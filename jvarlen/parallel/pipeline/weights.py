@@ -46,14 +46,13 @@ from jvarlen.parallel.sharding import is_compute_weight
 class LeafLayout:
     """One stacked layer leaf ``[L, ...]``: ``canon``, the axis split over all devices in the
     canonical state (None: this leaf is resharded by GSPMD); ``shard``, the axis split over ``sp``
-    on a stage (None: replicated); ``interleave``, how many canonical chunks of ``shard`` lie
-    between two of one device's (``dp·pp`` when ``shard == canon``, else 1: contiguous);
-    ``dp_shard``, whether the stage keeps only this pipeline's ``1/dp`` of ``canon`` (gathered
-    per layer over ``dp`` where an op uses it)."""
+    on a stage (None: replicated; where it is ``canon`` a device's shard is interleaved, chunks
+    ``s, s + sp, ...``, else contiguous); ``dp_shard``, whether the stage keeps only this
+    pipeline's ``1/dp`` of ``canon``. Sharded leaves are gathered whole per layer
+    (:meth:`StageWeights.gather`)."""
 
     canon: Optional[int]
     shard: Optional[int]
-    interleave: int = 1
     dp_shard: bool = False
     dtype: Any = None  # the canonical (parameter) dtype: of the gradient accumulator
     compute_dtype: Any = None  # of the stage's copy (weight matrices in the compute dtype)
@@ -81,14 +80,11 @@ class StageWeights:
             shard = None
             if self.sharded:
                 shard = canon if canon is not None else _first_divided(leaf.shape, layout.sp)
-            interleave = layout.dp * layout.pp if shard is not None and shard == canon else 1
             cast = (
                 compute_dtype is not None and is_compute_weight(leaf_axes) and jnp.issubdtype(leaf.dtype, jnp.floating)
             )
             dp_shard = dp_sharded and canon is not None
-            leaves.append(
-                LeafLayout(canon, shard, interleave, dp_shard, leaf.dtype, compute_dtype if cast else leaf.dtype)
-            )
+            leaves.append(LeafLayout(canon, shard, dp_shard, leaf.dtype, compute_dtype if cast else leaf.dtype))
         self.leaves = tuple(leaves)
         self.dp_sharded = any(leaf.dp_shard for leaf in self.leaves)  # over the dp pipelines
         # the devices a sharded stage's layer is gathered from: its dp pipelines' and its sp devices
