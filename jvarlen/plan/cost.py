@@ -295,7 +295,8 @@ class CostModel:
         if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
             layers = m.num_layers // self.layout.pp * m.layer_params
             params += layers / group - layers
-            in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param - c.bytes_per_element) * m.layer_params
+            # two layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
+            in_flight = (c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
         local = c.stage_bytes_per_param * params
         return sharded + local + in_flight + c.workspace_bytes
 

@@ -227,7 +227,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     )
 
 
-def earlier_run(run_dir: str) -> Optional[str]:
+def _earlier_run(run_dir: str) -> Optional[str]:
     """What an earlier run left in ``run_dir`` (metric records, checkpoints), in words; None if
     nothing."""
     found = []
@@ -248,7 +248,7 @@ def _claim_fresh(run_dir: str, overwrite: bool, main: bool, say) -> None:
     """A run that starts at step 0 in ``run_dir``: refuses one holding an earlier run (whose
     records it would drop and whose checkpoints it would mix with its own), or, with
     ``overwrite``, deletes what that run left."""
-    found = earlier_run(run_dir)
+    found = _earlier_run(run_dir)
     if found is None:
         return
     if not overwrite:

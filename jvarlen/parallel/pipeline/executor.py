@@ -14,8 +14,9 @@ in each tick lane 0 (a backward or the fused F and B of the last stage) and then
 forward) gather what their op reads from the stage's buffers, run it on those values, scatter
 what it wrote and add its gradients; then two ``ppermute`` pass activations / cotangents to the
 neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
-in a conditional on its mode (``stage.StageFns.ascend``/``descend``); the layers' gathers over
-dp, where the stage is sharded over the dp pipelines, run between those conditionals.
+in a conditional on its mode (``stage.StageFns.ascend``/``descend``); where the stage's weights
+are sharded, each layer's gather over the stage's dp × sp devices runs between those
+conditionals (``StageWeights.layer_pass``).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class StageProgram:
         self.stage = jax.lax.axis_index(PP)
         self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
         self.is_first, self.is_last = self.stage == 0, self.stage == s.pp - 1
-        # collectives inside conditionals (Ulysses; gathers over dp): order them (see :meth:`tick`);
-        # a layer's gather over dp waits for the previous layer's compute only where that is needed
-        # (XLA:CPU); elsewhere it is issued ahead, to overlap the compute
+        # collectives inside conditionals (Ulysses; sharded layers' gathers): order them (see
+        # :meth:`tick`); a layer's gather waits for the previous layer's compute only where that is
+        # needed (XLA:CPU); elsewhere it is issued ahead, to overlap the compute
         self.ordered = s.sig.layout.sp > 1 or s.fns.weights.dp_sharded
         self.gathers_wait = self.ordered and cpu
         self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
@@ -330,7 +331,7 @@ class StageProgram:
         # whole, every tick (measured: +35 % step time with 28 residual slots).
         send_grad, lane0_done = self.backward_lane(carry, t, run[0])
         if ordered:
-            # Ulysses all-to-alls (and, sharded over dp, the layers' gathers) run inside the lanes'
+            # Ulysses all-to-alls (and, sharded, the layers' gathers) run inside the lanes'
             # conditionals, and XLA:CPU (jax 0.12) may start independent conditionals and collectives
             # in a different order on each device: two devices then wait in different collectives for
             # ever. The barriers order lane 0, lane 1, then the ppermutes (collectives outside
@@ -433,7 +434,7 @@ def make_pipeline_grads(
     ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
     ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
     ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
-    of each layer and of its gradient accumulator, and gathers a layer where an op uses it).
+    of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
     """
     shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy, stage_weights)
 
