@@ -14,8 +14,10 @@ from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, fuse_single_stage
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.chunk import executor_context
+from jvarlen.plan.chunk import ChunkShape, executor_context
+from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
+from jvarlen.plan.simulator import simulate
 from jvarlen.plan.units import PlannedChunk
 
 LAYOUT = Layout(dp=1, pp=2, sp=1)
@@ -210,9 +212,9 @@ def test_paired_ticks_keep_the_slot_counts(pp):
         assert sch.paired_ticks(sched).shape[0] < sched.to_ticks().shape[0]
 
 
-def test_unrecomputed_fusion_leaves_chunks_the_plan_recomputes_on_the_last_stage_apart():
-    """``fuse="unrecomputed"`` (the groups strategy): a fused op keeps every activation of its
-    chunk, so only chunks the plan does not recompute on the last stage are fused."""
+def test_fusion_leaves_chunks_the_plan_recomputes_on_the_last_stage_apart():
+    """A fused op keeps every activation of its chunk, so only chunks the plan does not recompute
+    on the last stage are fused, and the simulator's paired model fuses the same ones."""
     _, pack = _plan_a()
     n = pack.n_chunks
     ckpt = np.zeros((n, 2), np.int32)
@@ -220,14 +222,18 @@ def test_unrecomputed_fusion_leaves_chunks_the_plan_recomputes_on_the_last_stage
     ckpt[0, 0] = 2  # chunk 0 only on the first stage
     sched = sch.token_level_1f1b(pack.chunk_prev, 2)
     fused = {}
-    for fuse in (True, "unrecomputed", False):
+    for fuse in (True, False):
         _, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, 4, fuse=fuse)
         ops = batch["ops"][0]
         fused[fuse] = set(ops[:, 1, 0, 1][ops[:, 1, 0, 0] == FUSED].tolist())
         sch.check_paired_table(ops, sched)
     assert fused[False] == set()
-    assert fused[True] == {0, 4, 5}  # the last stage's adjacent F and B under token-level 1F1B
-    assert fused["unrecomputed"] == {0, 5}
+    assert fused[True] == {0, 5}  # the last stage's adjacent F and B under token-level 1F1B, less 4
+    model = ModelShape(num_layers=4, d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, mlp_dim=16, vocab_size=10)
+    cost = CostModel(model, LAYOUT, CostCoefficients(fwd=LayerTime(0.0, 1.0, 0.0)))
+    shapes = [ChunkShape(0, (16,))] * n
+    events = simulate(sched, shapes, ckpt, cost, mode="paired").events
+    assert {(e.stage, e.chunk) for e in events if e.kind == "R"} == {(0, 0), (1, 4)}
 
 
 @pytest.mark.parametrize("bucket", [32, 48])

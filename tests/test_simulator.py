@@ -90,9 +90,15 @@ def test_paired_mode_runs_one_backward_and_one_forward_per_tick():
     #        1     3    3      3          3      3     2     -> the async optimum (n + pp - 1)(F + B)
     assert r.makespan == (n + 2 - 1) * 3 == simulate(one_f_one_b(n, 2), one(n), None, cost()).makespan
     assert r.makespan < simulate(one_f_one_b(n, 2), one(n), None, cost(), mode="ticks").makespan
-    # the fused op recomputes nothing: a recomputation table only costs on stage 0
-    ckpt = np.ones((n, 2), np.int64)
-    assert simulate(one_f_one_b(n, 2), one(n), ckpt, unpadded, mode="paired").stage_recompute.tolist() == [n, 0]
+    # the fused op recomputes nothing; a chunk the plan recomputes on the last stage is not fused
+    # (as prepare_batch fuses): its recomputation costs there, in ticks of their own
+    ckpt = np.zeros((n, 2), np.int64)
+    ckpt[:, 0] = 1
+    first = simulate(one_f_one_b(n, 2), one(n), ckpt, unpadded, mode="paired")
+    assert first.stage_recompute.tolist() == [n, 0]
+    ckpt[:, 1] = 1
+    both = simulate(one_f_one_b(n, 2), one(n), ckpt, unpadded, mode="paired")
+    assert both.stage_recompute.tolist() == [n, n] and both.makespan > first.makespan
     # memory: 1F1B's window (stage 0 holds at most 2 chunks), not GPipe's
     assert r.peak_memory.tolist() == [100 + 2 * 10, 100 + 10]
     # executor overheads: one per tick and one per op on the tick's busiest stage (a fused op counts

@@ -10,9 +10,9 @@ Two execution models:
   :meth:`Schedule.to_ticks`, two ``ppermute`` per tick): a tick lasts as long as its slowest op,
   followed by the slowest P2P sent in that tick.
 * ``mode="paired"``: jvarlen's executor (:func:`jvarlen.plan.schedule.paired_ticks`): in one tick
-  a stage runs a backward (or, on the last stage, a fused forward + backward of one chunk, which
-  recomputes nothing) and then a forward; a tick lasts as long as its busiest stage, plus the
-  slowest P2P sent in it. Every chunk's matmuls run over the step's one token bucket
+  a stage runs a backward (or, on the last stage, a fused forward + backward of a chunk of which
+  the plan recomputes no layer there) and then a forward; a tick lasts as long as its busiest
+  stage, plus the slowest P2P sent in it. Every chunk's matmuls run over the step's one token bucket
   (:func:`jvarlen.plan.chunk.executor_buckets` of the longest chunk), as the executor pads them.
 
 In both lock-step modes every tick also costs ``CostModel.tick_overhead()`` (the executor's own
@@ -190,7 +190,7 @@ def simulate(
                     events.append(Event(p, "P2P", k, end, end + sends[-1]))
             t0 = max(ends, default=t0) + max(sends)
     elif mode == "paired":
-        table = paired_ticks(schedule)
+        table = paired_ticks(schedule, keep=ckpt[:, -1] > 0)  # fused as the executor fuses
         t0 = 0.0
         for row in table:
             t0 += tick_extra

@@ -37,7 +37,7 @@ def prepare_batch(
     num_layers: int,
     *,
     signature: Optional[PipelineSignature] = None,
-    fuse: bool | str = True,
+    fuse: bool = True,
     paired: bool = True,
 ) -> tuple[PipelineSignature, dict]:
     """Numpy device inputs of one iteration (one pack, schedule, ckpt table per pipeline).
@@ -52,9 +52,10 @@ def prepare_batch(
     default; False runs one op per stage and tick as given (a Schedule as its ASAP table
     ``to_ticks()``; with one stage adjacent F and B are still fused,
     :func:`jvarlen.parallel.pipeline.buffers.fuse_single_stage`).
-    ``fuse``: True fuses every such F and B; ``"unrecomputed"`` fuses only chunks that recompute
-    no layer on the last stage (a fused op stores every activation: the plan's recomputation
-    choice holds for the rest); False keeps every F and B apart.
+    ``fuse``: True fuses such an F and B where the plan recomputes no layer of the chunk on the
+    last stage (a fused op holds every activation of its chunk, so fusing a recomputed chunk would
+    break the plan's memory bound; the simulator's paired model fuses the same chunks); False keeps
+    every F and B apart.
     Returns (signature, ``{key: [dp, ...]}``; ``ops`` is ``[dp, ticks, pp, 2, 2]``).
     """
     if not (len(packs) == len(schedules) == len(ckpt_layers) == layout.dp):
@@ -77,9 +78,9 @@ def prepare_batch(
         ckpt = np.asarray(ckpt, np.int32)
         if ckpt.shape != (pack.n_chunks, layout.pp):
             raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
-        keep = (ckpt[:, -1] > 0) if fuse == "unrecomputed" else None
+        keep = ckpt[:, -1] > 0
         if paired:
-            ticks = sch.paired_ticks(base, fuse_last=bool(fuse), keep=keep)
+            ticks = sch.paired_ticks(base, fuse_last=fuse, keep=keep)
         else:
             ticks = base.to_ticks() if ticks is None else ticks
             if layout.pp == 1 and fuse:
@@ -179,7 +180,7 @@ def prepare_plans(
     *,
     chunk_multiple: int = 2,
     bucket: Optional[int] = None,
-    fuse: bool | str = True,
+    fuse: bool = True,
     paired: bool = True,
 ) -> tuple[PipelineSignature, dict]:
     """(signature, numpy batch) for one plan per pipeline (``len(plans) == layout.dp``);

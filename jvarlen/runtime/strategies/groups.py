@@ -167,7 +167,6 @@ class GroupsStrategy(ExecutionStrategy):
                 num_layers,
                 same,
                 chunk_multiple=self.chunk_multiple,
-                fuse="unrecomputed",
             )
             keys.append(("group", *ids, sig))
             targets.append(float(batch["loss_mask"].sum()))
