@@ -12,10 +12,11 @@
    idle time is real idle time; without it, one process with pp fake devices, whose programs share
    one thread pool (bubbles then cost almost nothing: that measures compute volume and executor
    overhead, not the schedule).
-6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's tick overhead
+6. ``overheads``: the ``policies`` runs on calibration batches, and the executor's own costs
    fitted on them (``CostCoefficients.tick_overhead``, ``tick_token_overhead``,
-   ``tick_context_overhead``), written into a copy of the profile; ``--runs
-   A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
+   ``tick_context_overhead``, ``tick_recompute_factor``: the last only from steps that recompute,
+   e.g. batches planned under a tight ``--budget-mb``), written into a copy of the profile;
+   ``--runs A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
 7. ``predict``: ``--profile``'s prediction error on the steps of earlier runs (``--runs``).
 
 In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
@@ -462,15 +463,16 @@ def policies(cfg, args) -> None:
 
 
 def overheads(cfg, args) -> None:
-    """Fits the executor's tick overhead (``CostCoefficients.tick_overhead``, ``tick_token_overhead``
-    per token of the step's bucket and ``tick_context_overhead`` per token of its context bucket) on
+    """Fits the executor's own costs (``CostCoefficients.tick_overhead``, ``tick_token_overhead``
+    per token of the step's bucket, ``tick_context_overhead`` per token of its context bucket and
+    ``tick_recompute_factor`` forwards per recomputed layer) on
     the steps of calibration batches (``--seeds``: keep them apart from the seeds you validate on),
     or on the steps of earlier runs (``--runs``: their ``.spec.json`` files, the ``.times.json``
     beside them), and writes the profile with it to ``--profile-out``. Validate with ``--parts
     policies --profile <it>``."""
     import datetime
 
-    from jvarlen.plan.cost_fit import fit_tick_overhead, tick_overhead_terms
+    from jvarlen.plan.cost_fit import EXECUTOR_TERMS, fit_tick_overhead, tick_overhead_terms
 
     runs = load_runs(args.runs) if args.runs else [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
@@ -480,27 +482,29 @@ def overheads(cfg, args) -> None:
         sim = "paired" if table == "paired" else "ticks"
         terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
         rows.append((key, terms, measured))
-    tick, per_token, per_context = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    fit = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    tick, per_token, per_context, recompute = fit
     print(
         f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token + {per_context * 1e6:.2f} us "
-        f"per context token, fitted on {len(rows)} steps; profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
+        f"per context token; a recomputed layer costs {recompute:.3f} forwards more; fitted on {len(rows)} steps; "
+        f"profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
     )
     print(
-        "| step | ticks on the critical path | bucket | context | measured s | predicted s before | after "
-        "| error before | after |"
+        "| step | ticks on the critical path | bucket | context | recomputed forward s | measured s "
+        "| predicted s before | after | error before | after |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for key, (base, ticks, tick_tokens, tick_context), m in rows:
-        after = base + tick * ticks + per_token * tick_tokens + per_context * tick_context
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, (base, ticks, tick_tokens, tick_context, recomputed), m in rows:
+        after = base + float(np.dot(fit, (ticks, tick_tokens, tick_context, recomputed)))
         bucket, context = (tick_tokens / ticks, tick_context / ticks) if ticks else (0, 0)
         print(
-            f"| {key} | {ticks:.0f} | {bucket:.0f} | {context:.0f} | {m:.3f} | {base:.3f} | {after:.3f} "
-            f"| {100 * (base / m - 1):+.1f} % | {100 * (after / m - 1):+.1f} % |"
+            f"| {key} | {ticks:.0f} | {bucket:.0f} | {context:.0f} | {recomputed:.3f} | {m:.3f} | {base:.3f} "
+            f"| {after:.3f} | {100 * (base / m - 1):+.1f} % | {100 * (after / m - 1):+.1f} % |"
         )
     mode = "one process per stage, each pinned to its own core" if args.processes else "one process"
     meta = dataclasses.replace(
         cost.coeffs.meta,
-        source=f"{cost.coeffs.meta.source}; tick_overhead fitted by scripts/bench_pipeline.py --parts overheads "
+        source=f"{cost.coeffs.meta.source}; executor terms (tick overheads, recomputation) fitted by scripts/bench_pipeline.py --parts overheads "
         + (
             f"(seeds {args.seeds}, {len(rows)} steps, {mode})"
             if not args.runs
@@ -508,7 +512,7 @@ def overheads(cfg, args) -> None:
         ),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    fitted = dict(tick_overhead=tick, tick_token_overhead=per_token, tick_context_overhead=per_context)
+    fitted = dict(zip(EXECUTOR_TERMS, fit))
     cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
     print(f"wrote {args.profile_out}")
 

@@ -302,42 +302,69 @@ def test_online_refit_recovers_scaled_truth():
 
 
 def test_tick_overhead_recovered_from_simulated_steps():
-    """Steps 'measured' by the simulator with a known tick overhead, a constant, a part per bucket
-    token and a part per context token (plus ±1 % noise), give all three back; the critical path's
-    tick count is what the paired simulator charges. Chunks of 100-1,500 tokens (buckets 128 to
-    1,536); in two steps of three the first chunk is a slice of a split document with 200-3,000
-    tokens of context."""
+    """Steps 'measured' by the simulator with known executor costs, a tick overhead (a constant, a
+    part per bucket token and a part per context token) and a recomputation factor (plus ±1 %
+    noise), give all four back; the critical path's tick count is what the paired simulator
+    charges. Chunks of 100-1,500 tokens (buckets 128 to 1,536); in two steps of three the first
+    chunk is a slice of a split document with 200-3,000 tokens of context; every other step
+    recomputes 0-2 layers per chunk and stage (the profile's own ``recompute`` is 0 here, as the
+    CPU profile's fused-program measurement is)."""
     from jvarlen.plan.simulator import simulate
 
     layout = Layout(1, 2, 1)
-    fast = dict(fwd=LayerTime(1e-7, 1e-4, 0.01), bwd=LayerTime(3e-7, 2e-4, 0.02))
-    overhead = dict(tick_overhead=0.03, tick_token_overhead=4e-5, tick_context_overhead=1e-5)
+    fast = dict(fwd=LayerTime(1e-7, 1e-4, 0.01), bwd=LayerTime(3e-7, 2e-4, 0.02), recompute=LayerTime(0.0, 0.0, 0.0))
+    overhead = dict(tick_overhead=0.03, tick_token_overhead=4e-5, tick_context_overhead=1e-5, tick_recompute_factor=0.6)
     rng = np.random.default_rng(5)
     terms, measured = [], []
-    for i in range(15):
+    for i in range(16):
         n = int(rng.integers(2, 9))
         shapes = [ChunkShape(0, (int(rng.integers(100, 1500)),)) for _ in range(n)]
         if i % 3:
             shapes[0] = ChunkShape(int(rng.integers(200, 3000)), shapes[0].slices, tail=bool(i % 2))
         sched = gpipe(n, 2) if i % 2 else one_f_one_b(n, 2)
+        ckpt = rng.integers(0, 3, size=(n, 2)) if i % 2 else None
         truth = CostModel(GQA, layout, coeffs(**overhead, **fast))
-        true_t = simulate(sched, shapes, None, truth, "paired").iteration_time
-        row = tick_overhead_terms(sched, shapes, None, CostModel(GQA, layout, coeffs(**fast)))
-        base, ticks, tick_tokens, tick_context = row
+        true_t = simulate(sched, shapes, ckpt, truth, "paired").iteration_time
+        row = tick_overhead_terms(sched, shapes, ckpt, CostModel(GQA, layout, coeffs(**fast)))
+        base, ticks, tick_tokens, tick_context, recomputed = row
         bucket = executor_buckets(max(c.tokens for c in shapes))[0]
         assert tick_tokens == pytest.approx(ticks * bucket)
         assert tick_context == pytest.approx(ticks * executor_context(shapes, bucket))
         assert (tick_context > 0) == (i % 3 > 0)
-        assert base + np.dot(list(overhead.values()), row[1:]) == pytest.approx(true_t, rel=1e-9)  # linear
+        assert (recomputed > 0) == (ckpt is not None and bool(ckpt.any()))
+        if ckpt is None:  # linear in the tick terms (recomputation may move the critical path)
+            assert base + np.dot(list(overhead.values()), row[1:]) == pytest.approx(true_t, rel=1e-9)
         assert ticks == pytest.approx(round(ticks)) and ticks >= n + 1  # every tick of the table
         terms.append(row)
         measured.append(true_t * (1 + rng.uniform(-0.01, 0.01)))
     fitted = fit_tick_overhead(terms, measured)
     assert fitted == pytest.approx(tuple(overhead.values()), rel=0.3)
+    without = [t for t, c in zip(terms, range(16)) if c % 2 == 0]  # no step recomputes: factor stays 0
+    assert fit_tick_overhead(without, [measured[i] for i in range(0, 16, 2)])[3] == 0.0
     nothing_unexplained = fit_tick_overhead(terms, [t[0] for t in terms])
-    assert nothing_unexplained == pytest.approx((0.0, 0.0, 0.0), abs=1e-12)
+    assert nothing_unexplained == pytest.approx((0.0, 0.0, 0.0, 0.0), abs=1e-12)
     with pytest.raises(ValueError):
         fit_tick_overhead(terms[:1], measured[:1])
+
+
+def test_executor_recomputation_is_charged_in_the_lock_step_models_only():
+    """``tick_recompute_factor`` adds that many forwards of each recomputed layer to the
+    lock-step (executor) simulations and to EPP's checkpointing weights, not to the async model."""
+    from jvarlen.plan.checkpointing import MemoryTable
+    from jvarlen.plan.simulator import simulate
+
+    layout = Layout(1, 2, 1)
+    chunk = ChunkShape(0, (512,))
+    plain = CostModel(GQA, layout, coeffs(recompute=LayerTime(0.0, 0.0, 0.0)))
+    fitted = CostModel(GQA, layout, coeffs(recompute=LayerTime(0.0, 0.0, 0.0), tick_recompute_factor=0.5))
+    assert plain.executor_recompute_time(chunk, 2) == plain.recompute_time(chunk, 2) == 0.0
+    assert fitted.executor_recompute_time(chunk, 2) == pytest.approx(2 * 0.5 * fitted.layer_fwd_compute(chunk))
+    assert MemoryTable.build([chunk], fitted, 2).rec1.tolist() == [fitted.executor_recompute_time(chunk, 1)]
+    ckpt = np.full((3, 2), 2)
+    for mode in ("ticks", "paired"):
+        r = simulate(one_f_one_b(3, 2), [chunk] * 3, ckpt, fitted, mode)
+        assert r.stage_recompute.tolist() == pytest.approx([3 * fitted.executor_recompute_time(chunk, 2)] * 2)
+    assert simulate(one_f_one_b(3, 2), [chunk] * 3, ckpt, fitted).stage_recompute.tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -116,7 +116,8 @@ class MemoryTable:
             actl = np.array([[cost.activation_memory(s, max_layers, p) for s in shapes] for p in range(pp)])
             if not np.allclose(actl, act0 - (act0 - act1) * max_layers, rtol=1e-6, atol=1024):
                 raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
-        rec1 = np.array([cost.recompute_time(s, 1) for s in shapes], dtype=np.float64)
+        # what the pipeline executor pays for the recomputation (= recompute_time unless fitted)
+        rec1 = np.array([cost.executor_recompute_time(s, 1) for s in shapes], dtype=np.float64)
         return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1)
 
 

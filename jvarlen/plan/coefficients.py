@@ -217,6 +217,12 @@ class CostCoefficients:
       ``ppermute`` pair, slot reads and writes, the branches' zero outputs: the last two grow with
       the buffers); ``op_overhead`` per op. Fitted on executor steps
       (:func:`jvarlen.plan.cost_fit.fit_tick_overhead`), 0 otherwise.
+    * ``tick_recompute_factor``: the lock-step executor's extra cost of a recomputed layer, as a
+      multiple of that layer's forward compute, on top of ``recompute``. The executor reruns the
+      layer's forward in a backward of its own, from the stored input, where ``recompute`` is
+      measured inside one fused forward + backward program (on CPU that costs nothing measurable,
+      while the executor's separate backward does). Fitted on executor steps with the tick
+      overheads, 0 otherwise.
     """
 
     fwd: LayerTime
@@ -256,6 +262,7 @@ class CostCoefficients:
     tick_overhead: float = 0.0
     tick_token_overhead: float = 0.0
     tick_context_overhead: float = 0.0
+    tick_recompute_factor: float = 0.0
     op_overhead: float = 0.0
     meta: ProfileMeta = ProfileMeta()
 
@@ -342,6 +349,7 @@ class CostCoefficients:
             "tick_overhead",
             "tick_token_overhead",
             "tick_context_overhead",
+            "tick_recompute_factor",
             "op_overhead",
         ):
             out[name] = getattr(self, name)

@@ -198,6 +198,13 @@ class CostModel:
         compute = self._recompute(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
         return layers * (compute + self.layer_alltoall_time(chunk))
 
+    def executor_recompute_time(self, chunk: ChunkShape, layers: int) -> float:
+        """:meth:`recompute_time` as the lock-step pipeline executor pays it: plus
+        ``tick_recompute_factor`` forwards of each recomputed layer (fitted on executor steps)."""
+        t = self.recompute_time(chunk, layers)
+        factor = self.coeffs.tick_recompute_factor
+        return t + layers * factor * self.layer_fwd_compute(chunk) if factor else t
+
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the
         boundary between ``stage`` and ``stage + 1``: ``e · D · tokens / sp`` bytes per device.

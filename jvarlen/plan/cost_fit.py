@@ -68,38 +68,44 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(slope), float(intercept)
 
 
+# the executor's own costs in the lock-step simulation, fitted on executor steps
+EXECUTOR_TERMS = ("tick_overhead", "tick_token_overhead", "tick_context_overhead", "tick_recompute_factor")
+
+
 def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mode: str = "paired"):
-    """(simulated s without tick overhead, ticks on the critical path, the same ticks x the step's
-    token bucket, and x its context bucket) of one plan: finite differences of the simulator itself
-    in each tick coefficient, so they count exactly what the simulator charges (buckets included,
-    none in the single-op ``"ticks"`` model)."""
+    """(simulated s without the executor terms, then the simulator's derivative in each of
+    :data:`EXECUTOR_TERMS`: ticks on the critical path, the same ticks x the step's token bucket,
+    x its context bucket, and the forward seconds of the layers it recomputes) of one plan. Finite
+    differences of the simulator itself, so they count exactly what the simulator charges (buckets
+    included, none in the single-op ``"ticks"`` model)."""
     from jvarlen.plan.simulator import simulate
 
-    names = ("tick_overhead", "tick_token_overhead", "tick_context_overhead")
-
     def time(**overhead) -> float:
-        coeffs = cost.coeffs.replace(**{**dict.fromkeys(names, 0.0), **overhead})
+        coeffs = cost.coeffs.replace(**{**dict.fromkeys(EXECUTOR_TERMS, 0.0), **overhead})
         model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
         return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False).iteration_time
 
     base, h = time(), 1e-6
-    return (base, *((time(**{name: h}) - base) / h for name in names))
+    return (base, *((time(**{name: h}) - base) / h for name in EXECUTOR_TERMS))
 
 
 def fit_tick_overhead(
-    terms: Sequence[tuple[float, float, float, float]], measured: Sequence[float]
-) -> tuple[float, float, float]:
-    """``(CostCoefficients.tick_overhead, tick_token_overhead, tick_context_overhead)`` (s per tick,
-    s per tick and bucket token, s per tick and context token) from timed executor steps: the
+    terms: Sequence[tuple[float, ...]], measured: Sequence[float]
+) -> tuple[float, float, float, float]:
+    """The executor's own costs, :data:`EXECUTOR_TERMS` (s per tick, s per tick and bucket token,
+    s per tick and context token, forwards per recomputed layer), from timed executor steps: the
     non-negative least squares fit, relative to each measured step, of ``measured − simulated`` on
-    the critical path's ticks, ticks x bucket and ticks x context bucket (``terms``:
-    :func:`tick_overhead_terms` of each step's plan). It is the executor's own work that the layer
-    coefficients do not see: the ``ppermute`` pair, slot gathers and scatters and the branch
-    dispatch of every tick, the data-moving part of which grows with the buffers. Steps that do not
-    vary a term cannot tell it from the others (NNLS then leaves one of them at 0). (A per-op overhead
-    is not fitted: ops on the critical path grow with its ticks, and a fixed cost per layer call is
-    already the layer coefficients' intercept.)"""
-    t = np.asarray(terms, float).reshape(-1, 4)
+    the critical path's ticks, ticks x bucket, ticks x context bucket and recomputed layers' forward
+    seconds (``terms``: :func:`tick_overhead_terms` of each step's plan). It is the executor's own
+    work that the layer coefficients do not see: the ``ppermute`` pair, slot gathers and scatters
+    and the branch dispatch of every tick, the data-moving part of which grows with the buffers,
+    and a recomputed layer's forward rerun in a backward of its own. Steps that do not vary a term
+    cannot tell it from the others (NNLS then leaves one of them at 0; a term no step has, such as
+    recomputation in plans that recompute nothing, stays 0). (A per-op overhead is not fitted: ops on
+    the critical path grow with its ticks, and a fixed cost per layer call is already the layer
+    coefficients' intercept.)"""
+    width = 1 + len(EXECUTOR_TERMS)
+    t = np.asarray(terms, float).reshape(-1, width)
     y = np.asarray(measured, float)
     if len(y) != len(t) or len(y) < 2:
         raise ValueError(f"need at least two steps with one terms row each, got {len(y)} and {len(t)}")
@@ -107,7 +113,7 @@ def fit_tick_overhead(
         raise ValueError("measured step times must be positive")
     w = 1.0 / y
     coef, _ = nnls(t[:, 1:] * w[:, None], (y - t[:, 0]) * w)
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    return tuple(float(c) for c in coef)
 
 
 # --------------------------------------------------------------------------- online refit

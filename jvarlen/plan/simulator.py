@@ -16,8 +16,9 @@ Two execution models:
   (:func:`jvarlen.plan.chunk.executor_buckets` of the longest chunk), as the executor pads them.
 
 In both lock-step modes every tick also costs ``CostModel.tick_overhead()`` (the executor's own
-per-tick work: slot gathers and scatters, the ``ppermute`` pair, the switch), and every op
-``CostModel.op_overhead()``; both are fitted on executor steps (0 for the async model).
+per-tick work: slot gathers and scatters, the ``ppermute`` pair, the switch), every op
+``CostModel.op_overhead()``, and a recomputation ``CostModel.executor_recompute_time``; all are
+fitted on executor steps (not charged in the async model).
 
 Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-all (Eq. 4);
 ``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all.
@@ -92,12 +93,13 @@ class MultiSimResult:
 
 
 def _durations(
-    cost: CostModel, chunk: ChunkShape, stage: int, op: Op, ckpt: int, extra: float = 0.0
+    cost: CostModel, chunk: ChunkShape, stage: int, op: Op, ckpt: int, extra: float = 0.0, lockstep: bool = False
 ) -> list[tuple[str, float]]:
     a2a = cost.alltoall_time(chunk)
     if op.kind == "F":
         return [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
-    return [("R", cost.recompute_time(chunk, ckpt)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+    recompute = cost.executor_recompute_time(chunk, ckpt) if lockstep else cost.recompute_time(chunk, ckpt)
+    return [("R", recompute), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
 
 
 def simulate(
@@ -136,7 +138,7 @@ def simulate(
     def emit(stage: int, op: Op, start: float, recompute: bool = True) -> float:
         t = start
         layers = int(ckpt[op.chunk, stage]) if recompute else 0
-        for kind, d in _durations(cost, chunk_shapes[op.chunk], stage, op, layers, op_extra):
+        for kind, d in _durations(cost, chunk_shapes[op.chunk], stage, op, layers, op_extra, mode != "async"):
             if d > 0:
                 events.append(Event(stage, kind, op.chunk, t, t + d))
             t += d
