@@ -117,12 +117,14 @@ class CompileReport:
         """Launches of custom kernel ``kernel`` in the optimized HLO (calls, not fusions)."""
         return len(re.findall(rf'name\s*[:=]\s*\\?"{re.escape(kernel)}\\?"', self.hlo))
 
-    def overlapped_all_gathers(self, loops_only: bool = False) -> tuple[int, int]:
-        """(async all-gathers with a kernel launch, conditional or loop scheduled between their start
-        and done, all async all-gathers) in the scheduled HLO: how many the compiler overlaps with
-        compute. ``loops_only``: only those in the bodies of loops (the passes over a stage's
-        layers), not the ones before a loop or outside any."""
+    def overlapped(self, collective: str = "all-gather", loops_only: bool = False) -> tuple[int, int]:
+        """(async ``collective``s — "all-gather", "reduce-scatter", "all-to-all", … — with a kernel
+        launch, conditional or loop scheduled between their start and done, all of them) in the
+        scheduled HLO: how many the compiler overlaps with compute. ``loops_only``: only those in
+        the bodies of loops (the passes over a stage's layers), not the ones before a loop or
+        outside any."""
         bodies = set(re.findall(r" body=%([\w.-]+)", self.hlo))
+        op = re.escape(collective)
         starts = {}
         overlapped = total = 0
         inside = not loops_only
@@ -134,11 +136,11 @@ class CompileReport:
                 continue
             if not inside:
                 continue
-            start = re.search(r"%(all-gather-start[.\w]*) = .* all-gather-start\(", line)
+            start = re.search(rf"%({op}-start[.\w]*) = .* {op}-start\(", line)
             if start:
                 starts[start.group(1)] = []
                 continue
-            done = re.search(r" all-gather-done\(%(all-gather-start[.\w]*)\)", line)
+            done = re.search(rf" {op}-done\(%({op}-start[.\w]*)\)", line)
             if done and done.group(1) in starts:
                 total += 1
                 overlapped += any(

@@ -170,8 +170,9 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
                     jnp.dtype(config.model.compute_dtype).itemsize + jnp.dtype(config.model.param_dtype).itemsize
                 )
                 stage = per_param * stage_params / (dp * sp if mode == "sharded" else 1)
-                overlapped, gathers = report.overlapped_all_gathers()
-                in_loops, loop_gathers = report.overlapped_all_gathers(loops_only=True)
+                overlapped, gathers = report.overlapped()
+                in_loops, loop_gathers = report.overlapped(loops_only=True)
+                rs_loops, loop_rs = report.overlapped("reduce-scatter", loops_only=True)
                 fwd = report.count("varlen_flash_fwd")
                 row.attention_fwd_per_layer = f"{fwd} (dq {report.count('varlen_flash_dq')})"
                 row.detail = (
@@ -180,7 +181,8 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
                     f"{stage / GiB:.2f} GiB per device; {gathers} async all-gathers "
                     f"({overlapped} with a kernel, conditional or loop between start and done; in the "
                     f"passes over the layers {in_loops} of {loop_gathers}), "
-                    f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO"
+                    f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO "
+                    f"({rs_loops} of the {loop_rs} async ones in the passes overlapped)"
                 )
             yield row
 

@@ -158,10 +158,11 @@ def test_model_state_memory_hand_computed():
         cm.model_state_memory(2)
     # ZeRO-3 over the sp group and the dp pipelines: the compute copy and gradients of the stage's
     # decoder layers are 1/(dp·sp) per device (embedding and head whole), plus two whole layers
-    # in flight (2 bytes each) and one layer's gradient (4 bytes), in every layout derived from
+    # in flight (2 bytes each), the previous layer's gradient before its deferred reduce-scatter
+    # (2 bytes) and one layer's gradient as it is reduced (4 bytes), in every layout derived from
     # it (padded, other schemes' layouts)
     layers = MHA.num_layers // 2 * MHA.layer_params
-    in_flight = (2 * 2 + 4) * MHA.layer_params
+    in_flight = (3 * 2 + 4) * MHA.layer_params
     z = CostModel(MHA, Layout(2, 2, 2), coeffs(), stage_weights_sharded=True)
     for stage in (0, 1):
         extra = MHA.stage_params(stage, 2) - layers

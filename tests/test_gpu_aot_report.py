@@ -14,13 +14,19 @@ HLO = """
   %f = bf16[16]{0} fusion(%all-gather-done.2), kind=kLoop, calls=%fused
   %all-gather-done.3 = bf16[16]{0} all-gather-done(%all-gather-start.3)
   %c = bf16[16]{0} conditional(%p, %f), branch_computations={%b0, %b1}
+  %reduce-scatter-start.1 = ((bf16[16]{0}), bf16[8]{0}) reduce-scatter-start(%f), replica_groups={{0,1}}
+  %gemm.2 = (bf16[16]{0}, s8[0]{0}) custom-call(%f), custom_call_target="__cublas$gemm"
+  %reduce-scatter-done.1 = bf16[8]{0} reduce-scatter-done(%reduce-scatter-start.1)
 }
 """
 
 
-def test_overlapped_all_gathers_counts_pairs_with_a_kernel_between():
+def test_overlapped_counts_pairs_with_a_kernel_between():
     # pair 1: nothing between; pair 2: a cuBLAS call; pair 3: only an elementwise fusion
-    assert CompileReport({}, [], HLO).overlapped_all_gathers() == (1, 3)
+    assert CompileReport({}, [], HLO).overlapped() == (1, 3)
+    # each collective is counted apart: the reduce-scatter has a cuBLAS call between
+    assert CompileReport({}, [], HLO).overlapped("reduce-scatter") == (1, 1)
+    assert CompileReport({}, [], HLO).overlapped("all-to-all") == (0, 0)
 
 
 ENTRY = """
@@ -34,8 +40,8 @@ ENTRY %main (x: bf16[8]) -> bf16[16] {
 """
 
 
-def test_overlapped_all_gathers_in_loop_bodies_only():
+def test_overlapped_in_loop_bodies_only():
     # the entry's pair has a loop between (counted in all, not in loops), the body's as above
     report = CompileReport({}, [], HLO + ENTRY)
-    assert report.overlapped_all_gathers() == (2, 4)
-    assert report.overlapped_all_gathers(loops_only=True) == (1, 3)
+    assert report.overlapped() == (2, 4)
+    assert report.overlapped(loops_only=True) == (1, 3)

@@ -289,9 +289,10 @@ class CostModel:
         accumulator, plus a constant workspace. With the stage's decoder layers sharded over its
         ``dp × sp`` devices (and more than one of them), their copy and accumulator are
         ``1/(dp·sp)`` per device, plus the layers in flight: two whole layers in the compute
-        dtype (the one in use, the one gathered ahead) and one layer's gradient in the
-        accumulator's dtype before its reduce-scatter (docs/design/pipeline.md, "Stage
-        weights")."""
+        dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
+        compute dtype (reduce-scattered one layer late, over this layer's compute) and one
+        layer's gradient in the accumulator's dtype, as it is reduce-scattered
+        (docs/design/pipeline.md, "Stage weights")."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
@@ -302,8 +303,8 @@ class CostModel:
         if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
             layers = m.num_layers // self.layout.pp * m.layer_params
             params += layers / group - layers
-            # two layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
-            in_flight = (c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
+            # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
+            in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
         local = c.stage_bytes_per_param * params
         return sharded + local + in_flight + c.workspace_bytes
 

@@ -121,9 +121,9 @@ class StageProgram:
         return jnp.roll(a, -c["shift"] if back else c["shift"], axis=1)
 
     # ---- passes over the stage's layers
-    def layer_pass(self, step, init, xs, reverse=False):
+    def layer_pass(self, step, init, xs, reverse=False, reduce=False):
         """``step(carry, lp, x_j) -> (carry, y_j)`` over the stage's layers (``StageWeights.layer_pass``)."""
-        return self.s.fns.weights.layer_pass(self.layers, step, init, xs, reverse, self.gathers_wait)
+        return self.s.fns.weights.layer_pass(self.layers, step, init, xs, reverse, self.gathers_wait, reduce)
 
     def lane_flags(self, t):
         """Whether lane 0 and lane 1 run their passes in tick ``t``: where this stage has an op there,
@@ -171,11 +171,11 @@ class StageProgram:
         def down(dy, lp, xs):
             ck, cv, res, dk, dv = xs
             dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
-            return dx, (fns.weights.reduce(dlp), dck, dcv)
+            return dx, ((dck, dcv), dlp)
 
         dy = jnp.where(is_fused, dy_head, r["dy"])
-        dx, (d_layers, dck, dcv) = self.layer_pass(
-            down, dy, (r["ck"], r["cv"], residuals, dk_own, dv_own), reverse=True
+        dx, ((dck, dcv), d_layers) = self.layer_pass(
+            down, dy, (r["ck"], r["cv"], residuals, dk_own, dv_own), reverse=True, reduce=True
         )
 
         def first():

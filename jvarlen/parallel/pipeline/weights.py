@@ -233,7 +233,7 @@ class StageWeights:
         g = g.transpose((a, a + 2) + pre + (a + 1, a + 3) + post)
         return g.reshape((dg * sg,) + shape[:a] + (pp * c,) + shape[a + 1 :])
 
-    def layer_pass(self, shards, step, init, xs, reverse=False, ordered=True):
+    def layer_pass(self, shards, step, init, xs, reverse=False, ordered=True, reduce=False):
         """``step(carry, lp, x_j) -> (carry, y_j)`` over a stage's layers in order (``reverse``: from
         the last), ``lp`` layer j's weights as an op uses them (whole), from this device's ``shards``
         [Ls, ...]. Sharded, each layer is gathered here (:meth:`gather`): the next layer's gather
@@ -242,7 +242,13 @@ class StageWeights:
         the executor's tick). The last layer's body gathers that layer again rather than put the
         gather in a conditional, whose collectives cannot overlap anything outside it: ``Ls + 1``
         gathers per pass.
-        -> (carry, ys stacked [Ls, ...] in layer order)."""
+        ``reduce``: ``step`` returns ``(carry, (y_j, g_j))``, ``g_j`` a whole-layer gradient, which
+        the pass reduce-scatters (:meth:`reduce`) one layer later, in the next layer's body, so that
+        it too is in flight over compute rather than at the end of its own layer, where nothing is
+        left to overlap (the last one after the loop; the first body reduces zeros: ``Ls + 1``
+        reduce-scatters per pass, and one more whole-layer gradient in flight).
+        -> (carry, ys stacked [Ls, ...] in layer order; with ``reduce``, (ys, this device's reduced
+        gradients [Ls, ...]))."""
         if not self.group:
             return jax.lax.scan(lambda c, xj: step(c, *xj), init, (shards, xs), reverse=reverse)
         last = jax.tree.leaves(shards)[0].shape[0] - 1
@@ -251,17 +257,38 @@ class StageWeights:
             return self.gather(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), shards))
 
         def body(carry, xj):
-            c, lp = carry
+            c, lp, g_prev = carry
             j, x = xj
-            c, y = step(c, lp, x)
             nxt = jnp.clip(j - 1 if reverse else j + 1, 0, last)
-            if ordered:
-                nxt, c, y = jax.lax.optimization_barrier((nxt, c, y))
-            return (c, gather(nxt)), y
+            if not ordered:  # issued ahead of the compute, which does not need them
+                ahead, reduced = gather(nxt), self.reduce(g_prev) if reduce else None
+            c, y = step(c, lp, x)
+            y, g = y if reduce else (y, None)
+            if ordered:  # after the compute, the reduce-scatter first, the same order on every device
+                nxt, c, y, g = jax.lax.optimization_barrier((nxt, c, y, g))
+                reduced = self.reduce(g_prev) if reduce else None
+                nxt, reduced = jax.lax.optimization_barrier((nxt, reduced))
+                ahead = gather(nxt)
+            return (c, ahead, g), (y, reduced)
 
         first = gather(last if reverse else 0)
-        (c, _), ys = jax.lax.scan(body, (init, first), (jnp.arange(last + 1), xs), reverse=reverse)
-        return c, ys
+        g0 = None
+        if reduce:
+            x0 = jax.tree.map(lambda a: a[last if reverse else 0], xs)
+            _, (_, g_shape) = jax.eval_shape(step, init, first, x0)
+            g0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g_shape)
+        (c, _, g_end), (ys, reduced) = jax.lax.scan(
+            body, (init, first, g0), (jnp.arange(last + 1), xs), reverse=reverse
+        )
+        if not reduce:
+            return c, ys
+        # body j reduced the layer before it in the pass (j + 1 going down, j - 1 going up)
+        end = jax.tree.map(lambda a: a[None], self.reduce(g_end))
+        if reverse:
+            reduced = jax.tree.map(lambda e, r: jnp.concatenate([e, r[:-1]]), end, reduced)
+        else:
+            reduced = jax.tree.map(lambda e, r: jnp.concatenate([r[1:], e]), end, reduced)
+        return c, (ys, reduced)
 
 
 def _to_bytes(x):
