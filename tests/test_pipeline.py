@@ -65,12 +65,14 @@ LAYOUTS = [
 def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int, paired: bool = True) -> np.ndarray:
     """Layer forwards per stage the table asks for: one per chunk and layer, plus the
     recomputed layers — except chunks whose F and B are fused (the last stage's adjacent F and B
-    in the paired table; with one op per tick only with one stage), which recompute nothing."""
+    in the paired table; with one op per tick only with one stage; never a chunk the plan
+    recomputes on the last stage), which recompute nothing."""
     ckpt = np.array(ckpt)
+    keep = ckpt[:, -1] > 0
     if paired:
-        ticks = sch.paired_ticks(sched)
+        ticks = sch.paired_ticks(sched, keep=keep)
     else:
-        ticks = fuse_single_stage(sched.to_ticks()) if layout.pp == 1 else sched.to_ticks()
+        ticks = fuse_single_stage(sched.to_ticks(), keep=keep) if layout.pp == 1 else sched.to_ticks()
     tf, tb = op_ticks(ticks, pack.n_chunks)
     ckpt[tf == tb] = 0
     return pack.n_chunks * ls + ckpt.sum(axis=0)
