@@ -126,6 +126,52 @@ def test_pull_and_push_move_the_right_chunks(layout, model, mode):
         np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("reverse", [True, False], ids=["descending", "ascending"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "ahead"])
+def test_layer_pass_reduces_each_layer_one_layer_late(reverse, ordered):
+    """``layer_pass(reduce=True)`` reduce-scatters layer j's gradient in the body of the layer after
+    it (and the last one after the loop): every layer's reduced gradient lands at its own index,
+    equal to reducing each layer where it was computed, in both directions and orders."""
+    layout = Layout(dp=2, pp=2, sp=2)
+    require_devices(layout.num_devices)
+    cfg = tiny_config(num_layers=4)
+    state, weights = _weights(cfg, layout, "sharded")
+    mesh = pipeline_mesh(layout)
+    rng = np.random.default_rng(1)
+    full = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), state)
+    specs = weights.specs()
+    ls = cfg.num_layers // layout.pp
+
+    def device(layers):
+        held = weights.pull(layers)
+        i = (jax.lax.axis_index("dp") * layout.pp + jax.lax.axis_index("pp")) * layout.sp + jax.lax.axis_index("sp")
+        scale = lambda j: ((i + 1) * (j + 1)).astype(jnp.float32)  # noqa: E731
+
+        def step(visited, lp, j):
+            return visited + 1, (j, jax.tree.map(lambda w: w * scale(j), lp))
+
+        visited, (order, late) = weights.layer_pass(held, step, 0, jnp.arange(ls), reverse, ordered, reduce=True)
+        used = _per_layer(weights.gather, held)
+        scaled = jax.tree.map(lambda w: w * scale(jnp.arange(ls).reshape((ls,) + (1,) * (w.ndim - 1))), used)
+        return visited[None], order[None], late, _per_layer(weights.reduce, scaled)
+
+    per_device = jax.tree.map(lambda _: P(("dp", "pp", "sp")), specs, is_leaf=lambda x: isinstance(x, P))
+    visited, order, late, direct = jax.jit(
+        jax.shard_map(
+            device,
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=(P(("dp", "pp", "sp")), P(("dp", "pp", "sp")), per_device, per_device),
+            check_vma=False,
+        )
+    )(full)
+    assert np.asarray(visited).tolist() == [ls] * layout.num_devices
+    np.testing.assert_array_equal(np.asarray(order).reshape(layout.num_devices, ls), [list(range(ls))] * 8)
+    for a, b in zip(jax.tree.leaves(late), jax.tree.leaves(direct)):
+        assert np.abs(np.asarray(b)).max() > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def test_stage_weights_reject_unknown_modes():
     with pytest.raises(ValueError, match="stage_weights"):
         _weights(tiny_config(num_layers=4), Layout(dp=1, pp=2, sp=2), "zero3")
