@@ -14,8 +14,8 @@ its ``sp`` devices and over the ``dp`` pipelines (``sharded``). Inside the execu
 * :meth:`StageWeights.gather` / :meth:`StageWeights.reduce`: sharded, one layer's all-gather over
   the stage's ``dp × sp`` devices (one flat buffer, one collective) and its gradient's
   reduce-scatter, run by :meth:`StageWeights.layer_pass` outside the ops' conditionals (the
-  ``dp`` pipelines run different ops in a tick), the next layer's gather free to overlap this
-  layer's compute.
+  ``dp`` pipelines run different ops in a tick), the next layer's gather and the previous
+  layer's reduce-scatter free to overlap this layer's compute.
 * :meth:`StageWeights.push`: the way back for the gradients, as reduce-scatters (over ``sp``
   where the stage is replicated, then ``dp`` where it is not sharded over it) and the inverse
   all-to-all over ``pp``.
