@@ -242,10 +242,10 @@ class StageWeights:
         the executor's tick). The last layer's body gathers that layer again rather than put the
         gather in a conditional, whose collectives cannot overlap anything outside it: ``Ls + 1``
         gathers per pass.
-        ``reduce``: ``step`` returns ``(carry, (y_j, g_j))``, ``g_j`` a whole-layer gradient, which
-        the pass reduce-scatters (:meth:`reduce`) one layer later, in the next layer's body, so that
-        it too is in flight over compute rather than at the end of its own layer, where nothing is
-        left to overlap (the last one after the loop; the first body reduces zeros: ``Ls + 1``
+        ``reduce``: ``step`` returns ``(carry, (y_j, g_j))``, ``g_j`` the gradient with respect to
+        ``lp`` (its shapes and dtypes), which the pass reduce-scatters (:meth:`reduce`) one layer
+        later, in the next layer's body, so that it too is in flight over compute rather than at the
+        end of its own layer, where nothing is left to overlap (the last one after the loop; the first body reduces zeros: ``Ls + 1``
         reduce-scatters per pass, and one more whole-layer gradient in flight).
         -> (carry, ys stacked [Ls, ...] in layer order; with ``reduce``, (ys, this device's reduced
         gradients [Ls, ...]))."""
@@ -272,11 +272,7 @@ class StageWeights:
             return (c, ahead, g), (y, reduced)
 
         first = gather(last if reverse else 0)
-        g0 = None
-        if reduce:
-            x0 = jax.tree.map(lambda a: a[last if reverse else 0], xs)
-            _, (_, g_shape) = jax.eval_shape(step, init, first, x0)
-            g0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g_shape)
+        g0 = jax.tree.map(jnp.zeros_like, first) if reduce else None  # a gradient has lp's shapes
         (c, _, g_end), (ys, reduced) = jax.lax.scan(
             body, (init, first, g0), (jnp.arange(last + 1), xs), reverse=reverse
         )
