@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 from conftest import require_devices
 from flax import nnx
-from pipeline_helpers import FAST_COMPILE, assert_tree_close, pipeline_mesh, reference, tiny_config, tiny_params
+from pipeline_helpers import (
+    FAST_COMPILE,
+    PLAN_B,
+    assert_tree_close,
+    pipeline_mesh,
+    pipelines,
+    reference,
+    tiny_config,
+    tiny_params,
+)
 
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, make_attention_fn
@@ -91,6 +100,31 @@ def test_tick_loop_updates_its_buffers_in_place(model):
         for line in hlo.splitlines()
         if re.search(r"= f32\[(\d+),[^=]*\bcopy\(%(?!wrapped_broadcast|broadcast)", line)  # zero-fills are fine
         and int(re.search(r"= f32\[(\d+),", line).group(1)) in leading
+    ]
+    assert not copies, copies[:3]
+
+
+def test_context_buffers_hold_one_slot_per_split_document_in_flight(model):
+    """The context K/V and dK/dV buffers have exactly ``n_ctx`` slots, each a whole context bucket
+    (no dummy slot: a write that stores nothing is dropped), and the tick loop updates them in
+    place."""
+    cfg, graphdef, params = model
+    ((_, pack),) = pipelines(1, plans=(PLAN_B,))  # two documents split in two
+    sched = sch.token_level_1f1b(pack.chunk_prev, LAYOUT.pp)
+    sig, batch = pl.prepare_batch(
+        [pack], [sched], [np.zeros((pack.n_chunks, LAYOUT.pp), np.int32)], LAYOUT, cfg.num_layers
+    )
+    assert sig.context > 0 and sig.n_ctx >= 1
+    fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(LAYOUT)))
+    hlo = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE).as_text()
+    ls = cfg.num_layers // LAYOUT.pp
+    per_slot = f"{ls},{sig.context},{cfg.num_kv_heads},{cfg.head_dim}]"
+    leading = {int(m) for m in re.findall(r"f32\[(\d+)," + re.escape(per_slot), hlo)}
+    assert max(leading) == sig.n_ctx, (leading, sig.n_ctx)  # the buffers; 1: a slot's rows
+    copies = [
+        line.strip()
+        for line in hlo.splitlines()
+        if re.search(r"= f32\[\d+," + re.escape(per_slot) + r"[^=]*\bcopy\(%(?!wrapped_broadcast|broadcast)", line)
     ]
     assert not copies, copies[:3]
 

@@ -52,8 +52,8 @@ class StageProgram:
     ``scale`` (1 / all real targets of the iteration).
 
     The ops' conditionals never see a buffer: what an op reads is gathered before it and what it
-    writes is scattered after it (to the dummy slot when it writes nothing), so every buffer update
-    is an in-place dynamic-update-slice in the tick loop's carry."""
+    writes is scattered after it (to the dummy slot, or dropped, when it writes nothing), so every
+    buffer update is in place in the tick loop's carry."""
 
     def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True):
         self.s, self.layers, self.rest, self.scale = s, layers, rest, scale
@@ -271,10 +271,10 @@ class StageProgram:
         else:  # a branch per op kind, with static layer modes where they are (fewer conditionals)
             kinds = [self.idle, partial(self.backward_op, kind=BWD), partial(self.backward_op, kind=FUSED)]
             o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
-        if s.Sc:
+        if s.Sc:  # no dummy context slot (a whole context bucket per buffer): slot n_ctx is dropped
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
-            carry["dck"] = _put(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
-            carry["dcv"] = _put(carry["dcv"], ctx_b, reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
+            carry["dck"] = _put_or_drop(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
+            carry["dcv"] = _put_or_drop(carry["dcv"], ctx_b, reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
         carry["loss"] = carry["loss"] + o["loss"]
@@ -285,7 +285,7 @@ class StageProgram:
         """Lane 1: a forward (or nothing; its pass runs where ``run``). Files its input (first stage)
         and its loss cotangent (last stage), stores its residuals and K/V; returns the activation it
         sends on. Its writes wait for ``lane0_done`` (see :meth:`tick`)."""
-        s, cdt = self.s, self.s.compute_dtype
+        s = self.s
         op, k, c = self.lane_op(t, LANE_F)
         is_f = op == FWD
         sl = c["slots"]
@@ -307,14 +307,13 @@ class StageProgram:
         if s.Sc:
             # own K/V into the context slot; a document's first slice clears its dK/dV accumulator
             ctx_f = jnp.where(writes, sl["ctx"], s.dummy("ctx"))
-            at = (ctx_f, 0, c["C"], 0, 0)
-            carry["ck"] = jax.lax.dynamic_update_slice(carry["ck"], o["k_own"][None].astype(cdt), at)
-            carry["cv"] = jax.lax.dynamic_update_slice(carry["cv"], o["v_own"][None].astype(cdt), at)
+            carry["ck"] = _put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
+            carry["cv"] = _put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
             start = writes & (self.b["has_next"][k] > 0) & (c["C"] == 0)
             ctx_z = jnp.where(start, sl["ctx"], s.dummy("ctx"))
             zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
-            carry["dck"] = _put(carry["dck"], ctx_z, zero)
-            carry["dcv"] = _put(carry["dcv"], ctx_z, zero)
+            carry["dck"] = _put_or_drop(carry["dck"], ctx_z, zero)
+            carry["dcv"] = _put_or_drop(carry["dcv"], ctx_z, zero)
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
@@ -359,7 +358,9 @@ class StageProgram:
         layer0 = jax.eval_shape(s.fns.weights.gather, jax.tree.map(lambda a: a[0], layers))
         ctx0 = jnp.zeros((s.Sc, s.K, s.D), cdt)
         res_shapes = residual_shapes(s.fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
-        zeros_ctx = jnp.zeros((sig.n_ctx + 1, s.ls, s.Sc, s.K, s.D), cdt)
+        # context slots have no dummy (writes to slot n_ctx are dropped; a chunk without context
+        # reads a clipped slot that its attention masks out)
+        zeros_ctx = jnp.zeros((max(sig.n_ctx, 1), s.ls, s.Sc, s.K, s.D), cdt)
         act = jnp.zeros((s.Tl, s.d), cdt)
         kv_own = jnp.zeros((s.ls, s.T, s.K, s.D), cdt)
         self.out.update(
@@ -416,6 +417,30 @@ def _put(buf, i, value):
 
 def _get(buf, i):
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _put_or_drop(buf, i, value):
+    """``buf[i] = value``, nothing where ``i`` is out of range (one past the last slot)."""
+    return buf.at[i].set(value.astype(buf.dtype), mode="drop")
+
+
+def _put_rows_or_drop(buf, i, start, value):
+    """``buf[i, :, start:start + n] = value`` (``value``: ``[Ls, n, K, D]``) in place, nothing where
+    ``i`` is out of range. The caller keeps ``start + n`` within the buffer
+    (:func:`jvarlen.plan.chunk.executor_context`), so only the slot index decides."""
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2, 3, 4), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 2)
+    )
+    index = jnp.stack([jnp.asarray(i, jnp.int32), jnp.asarray(start, jnp.int32)])[None]
+    return jax.lax.scatter(
+        buf,
+        index,
+        value[None].astype(buf.dtype),
+        dims,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
 
 
 def make_pipeline_grads(
