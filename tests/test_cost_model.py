@@ -182,13 +182,15 @@ def test_model_state_memory_hand_computed():
 
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
-    cm = CostModel(MHA, Layout(1, 2, 2), coeffs(memory_budget=5e7, m_head_token=40.0))
+    c = coeffs(memory_budget=5e7, m_head_token=40.0, m_work_token=500.0, m_work_remat_token=700.0)
+    cm = CostModel(MHA, Layout(1, 2, 2), c)
     n = cm.max_tokens(in_flight=in_flight)
     assert n > 0
 
-    def fits(tokens, stage):
+    def fits(tokens, stage):  # in_flight chunks of activations, one of them in its backward
         ch = ChunkShape(0, (tokens,), tail=False)
-        return cm.model_state_memory(stage) + in_flight * cm.activation_memory(ch, 2, stage) <= cm.memory_budget
+        act = in_flight * cm.activation_memory(ch, 2, stage)
+        return cm.model_state_memory(stage) + act + cm.working_memory(ch, 2) <= cm.memory_budget
 
     assert all(fits(n, s) for s in range(2))
     assert not all(fits(n + 2, s) for s in range(2))  # tokens per device step in units of 1/sp

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from conftest import small_cost, tight_budget
 
-from jvarlen.plan.checkpointing import CkptProblem, SolverOptions, build_problem, greedy, solve
+from jvarlen.plan.checkpointing import CkptProblem, SolverOptions, build_problem, ckpt_table, greedy, solve
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.units import live_windows, unit_schedule
+from jvarlen.plan.cost import CostModel
+from jvarlen.plan.plan import replay_peaks
+from jvarlen.plan.units import backward_windows, unit_schedule
 
 
 def brute_force(problem: CkptProblem):
@@ -22,8 +24,15 @@ def brute_force(problem: CkptProblem):
     return best
 
 
-def _unit_problem(seed: int, pp: int = 2):
-    """A real unit (cost model + token-level 1F1B windows) with a budget that forces recomputation."""
+def _unit_problem(seed: int, pp: int = 2, **work):
+    """A real unit (cost model + token-level 1F1B windows) with a budget that forces recomputation;
+    ``work``: working-memory coefficients (none in the analytic profile)."""
+    problem, schedule, _, _ = _unit(seed, pp, **work)
+    return problem, schedule
+
+
+def _unit(seed: int, pp: int = 2, **work):
+    """(problem, schedule, the unit's chunk shapes in schedule order, cost)."""
     rng = np.random.default_rng(seed)
     cost = small_cost(pp=pp, sp=2)
     # Two short documents and one document split in two slices.
@@ -38,8 +47,11 @@ def _unit_problem(seed: int, pp: int = 2):
     families = [[0], [1, 2], [3]]
     budget = tight_budget(cost, int(rng.integers(6_000, 14_000)))
     cost = small_cost(pp=pp, sp=2, budget=budget)
+    if work:
+        cost = CostModel(cost.model, cost.layout, cost.coeffs.replace(**work))
     ids, schedule = unit_schedule(families, pp)
-    return build_problem([shapes[k] for k in ids], schedule, cost, cost.layers_per_stage), schedule
+    unit = [shapes[k] for k in ids]
+    return build_problem(unit, schedule, cost, cost.layers_per_stage), schedule, unit, cost
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -57,12 +69,17 @@ def test_milp_matches_brute_force_on_real_units(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_milp_matches_brute_force_on_random_problems(seed):
+@pytest.mark.parametrize("working", [False, True])
+def test_milp_matches_brute_force_on_random_problems(seed, working):
     rng = np.random.default_rng(100 + seed)
     n_vars, max_layers, n_rows = int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
     rows = rng.integers(0, 50, size=(n_rows, n_vars))
     base = rng.integers(50, 400, size=n_rows)
     cap = rng.integers(50, 300, size=n_rows)
+    remat = None
+    if working:  # each window's backward: its working memory changes once its variable is >= 1
+        remat = np.zeros_like(rows)
+        remat[np.arange(n_rows), rng.integers(0, n_vars, size=n_rows)] = rng.integers(-10, 40, size=n_rows)
     problem = CkptProblem(
         var_of=np.zeros((1, 1), dtype=np.int64),
         rows=rows,
@@ -71,6 +88,7 @@ def test_milp_matches_brute_force_on_random_problems(seed):
         row_stage=np.zeros(n_rows, dtype=np.int64),
         weight_us=rng.integers(1, 20, size=n_vars),
         max_layers=max_layers,
+        remat_rows=remat,
     )
     expected = brute_force(problem)
     sol = solve(problem, SolverOptions(time_limit_s=5.0, deterministic_time=10.0))
@@ -111,5 +129,29 @@ def test_ckpt_table_follows_eq16_diagonals():
 def test_windows_are_eq7_sized(pp):
     _, schedule = _unit_problem(0, pp=pp)  # families [0], [1, 2], [3]: N_prefill = 2, n = 4
     for p in range(pp):
-        sizes = [len(w) for w in live_windows(schedule.stages[p])]
+        sizes = [len(w) for w, _ in backward_windows(schedule.stages[p])]
         assert max(sizes) == min(4, pp - 1 - p + 2)  # Eq. 7 with p 0-based
+
+
+WORK = dict(m_work_token=60_000.0, m_work_remat_token=80_000.0, m_work_context_token=1_000.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_backward_window_holds_its_working_memory(seed):
+    """A backward's transients (``CostModel.working_memory``, larger where the chunk recomputes)
+    count in its window: the solution is the brute-force optimum and fits when the stage's ops are
+    replayed (activations + the running backward's working memory). Planned on activations
+    alone, at the same budget, seeds 0, 3 and 4 do not fit."""
+    problem, schedule, unit, cost = _unit(seed, **WORK)
+    sol = solve(problem)
+    best = brute_force(problem)
+    if best is None:
+        assert sol.source == "infeasible"
+        return
+    assert sol.source in ("cp-sat", "trivial") and problem.objective_us(sol.values) == best
+    assert (replay_peaks(unit, schedule, ckpt_table(problem, sol.values), cost) <= cost.memory_budget).all()
+    hint = greedy(problem)
+    assert hint is not None and problem.feasible(hint)
+    blind_problem, _, _, _ = _unit(seed)  # same budget, no working memory
+    blind = ckpt_table(blind_problem, solve(blind_problem).values)
+    assert (replay_peaks(unit, schedule, blind, cost) > cost.memory_budget).any() == (seed in (0, 3, 4))

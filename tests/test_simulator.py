@@ -142,6 +142,30 @@ def test_memory_timeline_peak_and_budget():
     assert simulate(one_f_one_b(3, 2), chunks, None, cost()).peak_memory[1] < r.peak_memory[1]
 
 
+def test_a_backward_holds_its_working_memory_while_it_runs():
+    """Each backward adds its chunk's working memory (m_work_token, or m_work_remat_token where it
+    recomputes, per token) on top of the live activations; the op-order replay agrees."""
+    from jvarlen.plan.plan import replay_peaks
+
+    chunks = [ChunkShape(0, (t,)) for t in (1, 2, 3)]
+    c = cost(m_work_token=7.0, m_work_remat_token=9.0)
+    # GPipe: all three in flight (160 B) when the 3-token chunk's backward starts (+21 B)
+    r = simulate(gpipe(3, 2), chunks, None, c)
+    assert r.peak_memory.tolist() == [100 + 60 + 21] * 2
+    times, values = r.memory[0]
+    assert values[-1] == 100  # everything freed at the end
+    full = np.array([[1, 1]] * 3)
+    assert simulate(gpipe(3, 2), chunks, full, c).peak_memory.tolist() == [100 + 6 * 16 + 27] * 2
+    # last stage of 1F1B: one chunk at a time, the 3-token one with its backward's 21 B
+    assert simulate(one_f_one_b(3, 2), chunks, None, c).peak_memory[1] == 100 + 30 + 21
+    for sched in (gpipe(3, 2), one_f_one_b(3, 2)):
+        for ckpt in (np.zeros((3, 2), np.int32), full, np.array([[1, 0], [0, 1], [1, 1]])):
+            np.testing.assert_array_equal(
+                simulate(sched, chunks, ckpt, c).peak_memory, replay_peaks(chunks, sched, ckpt, c)
+            )
+    assert not simulate(gpipe(3, 2), chunks, None, cost(budget=170, m_work_token=7.0)).fits  # 160 B alone fits
+
+
 def test_token_level_slices_wait_for_context_and_dkv():
     # chunk 1 continues chunk 0 (context 1); chunk 0 keeps its K/V (non-tail)
     chunks = [ChunkShape(0, (1,), tail=False), ChunkShape(1, (1,))]

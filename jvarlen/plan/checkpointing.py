@@ -6,7 +6,11 @@ the least recomputation. Eq. 15/16 tie the choice to n + d_p - 1 "diagonal"
 integers C[j]: stage p (0-based) gives the chunk with backward rank k
 ``C[k + d_p - 1 - p]`` layers. Memory is linear in the layer count (Eq. 19):
 ``M_act(k, l) = I[k] - F[k] * l``; every chunk window W_p(t) gives one linear
-constraint (Eq. 20).
+constraint (Eq. 20). Beyond the paper, each window is taken where a backward starts and also
+holds that backward's working memory (``CostModel.working_memory``): a chunk's backward
+transients grow with its tokens, and without them a plan of long chunks "fits" a budget its
+steps exceed. The working memory changes once, when the chunk recomputes any layer; a 0/1
+variable per diagonal (``C[j] ≥ 1``) keeps that exact and the model linear.
 
 Solver code in four steps (STYLE 10): :func:`build_problem` (data), :func:`_cp_model`
 (model), :func:`solve` (solve with a greedy hint, time limits, status checked,
@@ -18,14 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.schedule import Schedule
-from jvarlen.plan.units import backward_rank, live_windows
+from jvarlen.plan.units import backward_rank, backward_windows
 
 KIB = 1024
 _US = 1e-6
@@ -47,7 +51,9 @@ class CkptProblem:
 
     ``var_of [pp, n]`` C index used by (stage, chunk); ``rows [r, n_vars]`` memory
     freed per recomputed layer (KiB, F rounded down) by each variable in window r;
-    ``base [r]`` window memory with no recomputation (KiB, I rounded up);
+    ``base [r]`` window memory with no recomputation, plus the working memory of the backward
+    that starts there (KiB, I and W rounded up); ``remat_rows [r, n_vars]`` what that working
+    memory changes by (KiB) when the backward's variable is ≥ 1 (it recomputes);
     ``cap [r]`` budget minus that stage's model states (KiB, rounded down);
     ``weight_us [n_vars]`` cost of one layer on each diagonal (µs, ≥ 1);
     ``max_layers`` = L / d_p.
@@ -60,6 +66,7 @@ class CkptProblem:
     row_stage: np.ndarray
     weight_us: np.ndarray
     max_layers: int
+    remat_rows: Optional[np.ndarray] = None
 
     @property
     def n_vars(self) -> int:
@@ -67,7 +74,10 @@ class CkptProblem:
 
     def violation(self, c: np.ndarray) -> np.ndarray:
         """``[r]`` KiB by which each window exceeds its budget (≤ 0 when satisfied)."""
-        return self.base - self.rows @ c - self.cap
+        over = self.base - self.rows @ c - self.cap
+        if self.remat_rows is not None:
+            over = over + self.remat_rows @ (np.asarray(c) > 0).astype(np.int64)
+        return over
 
     def feasible(self, c: np.ndarray) -> bool:
         return bool(np.all(c >= 0) and np.all(c <= self.max_layers) and np.all(self.violation(c) <= 0))
@@ -100,12 +110,14 @@ class MemoryTable:
     """Per-chunk inputs of Eq. 19, evaluated once per iteration.
 
     ``act0 [pp, n]`` bytes with no recomputation, ``act1 [pp, n]`` with one layer
-    recomputed (stage p, chunk k), ``rec1 [n]`` seconds to recompute one layer.
+    recomputed (stage p, chunk k), ``rec1 [n]`` seconds to recompute one layer, ``work [2, n]``
+    bytes of the chunk's backward transients without and with recomputation.
     """
 
     act0: np.ndarray
     act1: np.ndarray
     rec1: np.ndarray
+    work: np.ndarray
 
     @classmethod
     def build(cls, shapes: Sequence[ChunkShape], cost, max_layers: int) -> "MemoryTable":
@@ -118,7 +130,8 @@ class MemoryTable:
                 raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
         # what the pipeline executor pays for the recomputation (= recompute_time unless fitted)
         rec1 = np.array([cost.executor_recompute_time(s, 1) for s in shapes], dtype=np.float64)
-        return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1)
+        work = np.array([[cost.working_memory(s, r) for s in shapes] for r in (0, 1)], dtype=np.float64)
+        return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1, work)
 
 
 def build_problem(
@@ -129,9 +142,10 @@ def build_problem(
     table: MemoryTable | None = None,
     ids: Sequence[int] | None = None,
 ) -> CkptProblem:
-    """Data step of Alg. 2 for one unit: windows W_p(t) from ``schedule`` (local chunk ids
-    ``0..n-1``, ``shapes[k]`` the ChunkShape of chunk k), I[p, k] and F[p, k] (Eq. 19) from
-    ``cost.activation_memory`` at 0 and 1 recomputed layers on stage p. A precomputed
+    """Data step of Alg. 2 for one unit: windows W_p(t) at each backward of ``schedule`` (local
+    chunk ids ``0..n-1``, ``shapes[k]`` the ChunkShape of chunk k), I[p, k] and F[p, k] (Eq. 19)
+    from ``cost.activation_memory`` at 0 and 1 recomputed layers on stage p, the backward's
+    working memory from ``cost.working_memory``. A precomputed
     ``table`` over global chunk ids (with ``ids[k]`` = global id of local chunk k) skips
     the cost-model calls.
     """
@@ -143,10 +157,11 @@ def build_problem(
     act0, act1, rec1 = table.act0[:, sel], table.act1[:, sel], table.rec1[sel]
     i_kib = np.ceil(act0 / KIB).astype(np.int64)  # [pp, n]
     f_kib = np.floor((act0 - act1) / KIB).astype(np.int64)  # [pp, n]
+    w_kib = np.ceil(table.work[:, sel] / KIB).astype(np.int64)  # [2, n]
 
     var_of = np.zeros((pp, n), dtype=np.int64)
     weight = np.zeros(n_vars, dtype=np.float64)
-    rows, base, cap, row_stage = [], [], [], []
+    rows, remat, base, cap, row_stage = [], [], [], [], []
     for p in range(pp):
         program = schedule.stages[p]
         for k, r in backward_rank(program).items():
@@ -154,16 +169,20 @@ def build_problem(
             var_of[p, k] = j
             weight[j] = max(weight[j], rec1[k])
         stage_cap = int((cost.memory_budget - cost.model_state_memory(p)) // KIB)
-        windows = live_windows(program)
+        windows = backward_windows(program)
         if not windows:
             continue
-        flat = np.fromiter((k for w in windows for k in w), dtype=np.int64)
-        row_id = np.repeat(np.arange(len(windows)), [len(w) for w in windows])
+        flat = np.fromiter((k for w, _ in windows for k in w), dtype=np.int64)
+        row_id = np.repeat(np.arange(len(windows)), [len(w) for w, _ in windows])
         stage_rows = np.zeros((len(windows), n_vars), dtype=np.int64)
         np.add.at(stage_rows, (row_id, var_of[p, flat]), f_kib[p, flat])
-        stage_base = np.zeros(len(windows), dtype=np.int64)
+        ends = np.array([b for _, b in windows], dtype=np.int64)  # the backward of each window
+        stage_base = w_kib[0, ends]
         np.add.at(stage_base, row_id, i_kib[p, flat])
+        stage_remat = np.zeros_like(stage_rows)
+        stage_remat[np.arange(len(windows)), var_of[p, ends]] = w_kib[1, ends] - w_kib[0, ends]
         rows.extend(stage_rows)
+        remat.extend(stage_remat)
         base.extend(stage_base.tolist())
         cap.extend([stage_cap] * len(windows))
         row_stage.extend([p] * len(windows))
@@ -175,6 +194,7 @@ def build_problem(
         row_stage=np.array(row_stage, dtype=np.int64),
         weight_us=np.maximum(1, np.round(weight / _US)).astype(np.int64),
         max_layers=int(max_layers),
+        remat_rows=np.array(remat, dtype=np.int64).reshape(-1, n_vars),
     )
 
 
@@ -184,8 +204,8 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
     Returns ``values [n_vars]`` or None when even full recomputation does not fit.
     """
     c = np.zeros(problem.n_vars, dtype=np.int64)
-    excess = problem.violation(c)
     while True:
+        excess = problem.violation(c)
         r = int(np.argmax(excess))
         if excess[r] <= 0:
             return c
@@ -195,23 +215,32 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
             return None
         ratio = gain / problem.weight_us
         j = int(np.argmax(ratio))
-        # Raise by as many layers as this window needs from j alone (bounded), then re-check all windows.
-        need = int(math.ceil(excess[r] / gain[j]))
-        step = min(problem.max_layers, c[j] + max(1, need)) - c[j]
-        c[j] += step
-        excess -= problem.rows[:, j] * step
+        # Raise by as many layers as this window needs from j alone (bounded; a first recomputed
+        # layer may also change the backward's working memory), then re-check all windows.
+        penalty = problem.remat_rows[r, j] if problem.remat_rows is not None and c[j] == 0 else 0
+        need = int(math.ceil((excess[r] + max(0, penalty)) / gain[j]))
+        c[j] = min(problem.max_layers, c[j] + max(1, need))
 
 
 def _cp_model(problem: CkptProblem, hint: np.ndarray | None) -> tuple[cp_model.CpModel, list]:
     """Model step of Alg. 2 (Eq. 20): integer C[j] in [0, L/d_p], one constraint per window."""
     model = cp_model.CpModel()
     xs = [model.new_int_var(0, problem.max_layers, f"C{j}") for j in range(problem.n_vars)]
-    for row, b, cap in zip(problem.rows, problem.base, problem.cap):
-        nz = np.flatnonzero(row)
+    remat = problem.remat_rows if problem.remat_rows is not None else np.zeros_like(problem.rows)
+    ys = {}  # y_j = (C_j >= 1), where a window's working memory depends on it
+    for j in np.flatnonzero(np.any(remat != 0, axis=0)):
+        ys[j] = model.new_bool_var(f"R{j}")
+        model.add(xs[j] >= 1).only_enforce_if(ys[j])
+        model.add(xs[j] == 0).only_enforce_if(~ys[j])
+    for row, extra, b, cap in zip(problem.rows, remat, problem.base, problem.cap):
+        nz, nr = np.flatnonzero(row), np.flatnonzero(extra)
         need = int(b - cap)
-        if need <= 0:
-            continue  # satisfied by C = 0 already
-        model.add(cp_model.LinearExpr.weighted_sum([xs[j] for j in nz], [int(row[j]) for j in nz]) >= need)
+        if need <= 0 and not np.any(extra[nr] > 0):
+            continue  # satisfied by C = 0 already, and recomputing never adds to it
+        terms = [xs[j] for j in nz] + [ys[j] for j in nr]
+        model.add(
+            cp_model.LinearExpr.weighted_sum(terms, [int(row[j]) for j in nz] + [-int(extra[j]) for j in nr]) >= need
+        )
     model.minimize(cp_model.LinearExpr.weighted_sum(xs, [int(w) for w in problem.weight_us]))
     if hint is not None:
         for x, v in zip(xs, hint):

@@ -314,7 +314,8 @@ class CostModel:
 
     def max_tokens(self, stage: Optional[int] = None, in_flight: int = 1, tail: bool = False) -> int:
         """Hydraulis MaxLen: the largest chunk (tokens) that fits ``in_flight`` times on ``stage``
-        (all stages when None) with full recomputation (``ckpt_layers = L_s``), Eq. 8 + 10.
+        (all stages when None) with full recomputation (``ckpt_layers = L_s``), Eq. 8 + 10, plus the
+        working memory of one of them in its backward (:meth:`working_memory`, no context).
 
         ``tail=False`` charges the K/V and dK/dV terms of a non-tail slice (the worst case).
         Returns 0 when even the model states do not fit.
@@ -323,8 +324,9 @@ class CostModel:
         best = None
         for p in stages:
             free = self.memory_budget - self.model_state_memory(p)
-            per_token = self.activation_memory(ChunkShape(0, (self.layout.sp,), tail=tail), self.layers_per_stage, p)
-            per_token /= self.layout.sp  # bytes per chunk token
-            n = 0 if free <= 0 else int(free // (in_flight * per_token))
+            probe = ChunkShape(0, (self.layout.sp,), tail=tail)
+            act = self.activation_memory(probe, self.layers_per_stage, p) / self.layout.sp  # bytes per chunk token
+            work = self.working_memory(probe, self.layers_per_stage) / self.layout.sp
+            n = 0 if free <= 0 else int(free // (in_flight * act + work))
             best = n if best is None else min(best, n)
         return best

@@ -227,16 +227,27 @@ def _check_schedule(plan: Plan) -> list[str]:
 
 
 def stage_peak_memory(plan: Plan, cost) -> np.ndarray:
-    """``[pp]`` bytes: replays each stage's program (a chunk is live from its forward to its backward)."""
-    shapes = plan.chunk_shapes()
-    ckpt = np.asarray(plan.ckpt_layers)
-    peaks = np.zeros(plan.layout.pp)
-    for p, prog in enumerate(plan.schedule.stages):
+    """``[pp]`` bytes per device: :func:`replay_peaks` of the plan's schedule and recomputation."""
+    return replay_peaks(plan.chunk_shapes(), plan.schedule, np.asarray(plan.ckpt_layers), cost)
+
+
+def replay_peaks(shapes: Sequence[ChunkShape], schedule: Schedule, ckpt: np.ndarray, cost) -> np.ndarray:
+    """``[pp]`` peak bytes per device of each stage, replaying its op order: the model states, every
+    chunk's activations (``cost.activation_memory``) from its forward to the end of its backward,
+    and, while a backward runs, its working memory (``cost.working_memory``), ``ckpt[k, p]``
+    layers recomputed."""
+    peaks = np.zeros(schedule.pp)
+    for p, prog in enumerate(schedule.stages):
         cur = peak = cost.model_state_memory(p)
         for op in prog:
-            m = cost.activation_memory(shapes[op.chunk], int(ckpt[op.chunk, p]), p)
-            cur += m if op.kind == "F" else -m
-            peak = max(peak, cur)
+            layers = int(ckpt[op.chunk, p])
+            m = cost.activation_memory(shapes[op.chunk], layers, p)
+            if op.kind == "F":
+                cur += m
+                peak = max(peak, cur)
+            else:
+                peak = max(peak, cur + cost.working_memory(shapes[op.chunk], layers))
+                cur -= m
         peaks[p] = peak
     return peaks
 

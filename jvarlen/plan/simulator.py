@@ -23,7 +23,9 @@ fitted on executor steps (not charged in the async model).
 Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-all (Eq. 4);
 ``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all.
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
-the start of its forward to the end of its backward on that stage.
+the start of its forward to the end of its backward on that stage, plus
+:meth:`CostModel.working_memory` of each backward while it runs (not in the paper: a backward's
+transients grow with its chunk; ``jvarlen.plan.plan.replay_peaks`` replays the same in op order).
 
 Times in seconds, memory in bytes per device. Pure numpy.
 """
@@ -245,8 +247,11 @@ def simulate(
         deltas = []
         for k in range(n):
             m = cost.activation_memory(chunk_shapes[k], int(ckpt[k, p]), p)
+            w = cost.working_memory(chunk_shapes[k], int(ckpt[k, p]))
+            b0, b1 = spans[(p, Op("B", k))]
             deltas.append((spans[(p, Op("F", k))][0], 1, m))
-            deltas.append((spans[(p, Op("B", k))][1], 0, -m))  # frees sort before allocations at a tie
+            deltas.append((b0, 1, w))
+            deltas.append((b1, 0, -m - w))  # frees sort before allocations at a tie
         deltas.sort(key=lambda x: (x[0], x[1]))
         times, values, cur = [start], [base], base
         for t, _, dm in deltas:

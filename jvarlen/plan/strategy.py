@@ -40,7 +40,7 @@ import numpy as np
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostModel
-from jvarlen.plan.plan import Plan, PlanError, _jsonable
+from jvarlen.plan.plan import Plan, PlanError, _jsonable, replay_peaks
 
 STRATEGY_VERSION = 1
 
@@ -364,7 +364,7 @@ def build_group_plan(
         # micro-batch k on stage p to micro-batch k + p on stage 0 and spread one long micro-batch's
         # recomputation over its pp - 1 neighbours.) Memory is checked window by window.
         table = np.repeat(per[list(ids)][:, None], scheme.pp, axis=1).astype(np.int32)
-        fits = bool(np.all(_window_peaks([shapes[k] for k in ids], schedule, table, cost) <= cost.memory_budget))
+        fits = bool(np.all(replay_peaks([shapes[k] for k in ids], schedule, table, cost) <= cost.memory_budget))
         source = "given" if fits else "infeasible"
         values = per[list(ids)].astype(np.int64)
         rec_s = sum(cost.recompute_time(shapes[k], int(per[k])) for k in ids) * scheme.pp
@@ -373,20 +373,6 @@ def build_group_plan(
         if source == "infeasible":
             events.append(f"{policy}: group {scheme} recomputation {[int(x) for x in per]} does not fit memory")
     return assemble(policy, lengths, chunks, [unit], cost, stats, events, simulation=simulation)
-
-
-def _window_peaks(shapes: Sequence[ChunkShape], schedule, table: np.ndarray, cost: CostModel) -> np.ndarray:
-    """``[pp]`` peak bytes per device of each stage replaying its op order (a chunk is live from its
-    forward to its backward), recomputing ``table[k, p]`` layers."""
-    peaks = np.zeros(schedule.pp)
-    for p, prog in enumerate(schedule.stages):
-        cur = peak = cost.model_state_memory(p)
-        for op in prog:
-            m = cost.activation_memory(shapes[op.chunk], int(table[op.chunk, p]), p)
-            cur += m if op.kind == "F" else -m
-            peak = max(peak, cur)
-        peaks[p] = peak
-    return peaks
 
 
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:

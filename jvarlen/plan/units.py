@@ -119,27 +119,22 @@ def _local_families(families: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def live_windows(program: Sequence[Op]) -> list[tuple[int, ...]]:
-    """Chunk windows W_p(t) of one stage: the live chunks right after each forward starts (Eq. 8).
+def backward_windows(program: Sequence[Op]) -> list[tuple[tuple[int, ...], int]]:
+    """(live chunks, chunk) at the start of each backward of one stage: the peaks of Eq. 8's
+    windows W_p(t) plus that backward's working memory.
 
-    A chunk is live from the start of its forward to the end of its backward. The
-    window after a forward that is directly followed by another forward is contained
-    in the next one and dropped (its constraint is implied).
+    A chunk is live from the start of its forward to the end of its backward. Every window right
+    after a forward is also the live set of the next backward (the set changes only at forwards and
+    backwards), so these constraints imply Eq. 8's.
     """
     live: list[int] = []
-    windows: list[tuple[int, ...]] = []
-    pending = False
+    windows: list[tuple[tuple[int, ...], int]] = []
     for op in program:
         if op.kind == "F":
             live.append(op.chunk)
-            pending = True
         else:
-            if pending:
-                windows.append(tuple(live))
-                pending = False
+            windows.append((tuple(live), op.chunk))
             live.remove(op.chunk)
-    if pending:
-        windows.append(tuple(live))
     return windows
 
 
