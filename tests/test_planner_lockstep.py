@@ -8,7 +8,7 @@ import pytest
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
-from jvarlen.plan.api import PlannerOptions, bucket_candidates, plan_iteration
+from jvarlen.plan.api import PlannerOptions, PlanningError, bucket_candidates, plan_iteration
 from jvarlen.plan.assemble import simulate
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.plan import stage_peak_memory
@@ -102,6 +102,20 @@ def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():
     assert {"b512", "b1024"} <= set(tuned) and p.stats["slice_tokens"] > max(lengths)
     assert max(sum(piece[2] for piece in c) for c in p.chunks) > max(lengths)
     assert p.stats["iteration_time_s"] < tuned["1"]  # Alg. 1 with N = 1: chunks of <= 290 tokens
+
+
+def test_paired_planning_falls_back_to_bucket_slices_when_no_equal_time_mesh_fits():
+    """Under 60 MB a slice may hold at most ~2K tokens (activations and its backward's working
+    memory), but the profile charges every slice of 1,025-2,048 tokens alike, so Alg. 1's
+    equal-time mesh has no slice that short; the paired planner records that and plans
+    bucket-sized slices, which fit. The lock-step "ticks" model has no bucket mesh: it says why."""
+    budget = 60e6
+    p, cost = plan(SPLIT, budget=budget, simulation="paired")  # validates, memory included
+    assert any(e.startswith("equal-time mesh: a document of 4,000 tokens") for e in p.events)
+    assert p.stats["slice_tokens"] and all(k.startswith("b") for k in p.stats["tuned_iteration_times"])
+    assert (stage_peak_memory(p, cost) <= budget).all()
+    with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
+        plan(SPLIT, budget=budget, simulation="ticks")
 
 
 def test_bucket_sizes_stay_where_the_profile_measured():

@@ -282,9 +282,19 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     (:func:`jvarlen.plan.sequence_processor.bucket_mesh`): the sizes of :func:`bucket_candidates`
     that are powers of two, then the two ``3·2^k`` sizes beside the best; the faster of the two
     meshes' plans wins. Tuned times are keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket
-    mesh)."""
+    mesh). Where no equal-time mesh fits memory (a profile whose time is flat within a token bucket
+    has no balanced slice shorter than the bucket), the bucket mesh alone is searched."""
     events: list[str] = []
-    candidates = slice_candidates(lengths, cost, options, policy)
+    buckets = options.simulation == "paired" and options.n_slices is None and policy != "epp-fast"
+    try:
+        candidates = slice_candidates(lengths, cost, options, policy)
+    except PlanningError as e:
+        if not buckets:
+            raise
+        # a profile whose time is flat within a token bucket has no equal-time slices below the
+        # bucket; bucket-sized slices may still fit
+        events.append(f"equal-time mesh: {e}")
+        candidates, unsliced = [], e
     tune_mode = "greedy" if mode == "milp" else mode
     finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
     tuned: dict[str, float] = {}
@@ -368,9 +378,11 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
                     attempt(b)
         return best
 
-    best = search_time()
-    if options.simulation == "paired" and options.n_slices is None and policy != "epp-fast":
+    best = search_time() if candidates else None
+    if buckets:
         best = search_bucket(best)
+    if best is None and not candidates:
+        raise PlanningError(f"{policy}: {unsliced}; no bucket-sized slices fit either") from unsliced
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
     n, slice_tokens, res, chunks, shapes, grouping, ordered, _ = best
