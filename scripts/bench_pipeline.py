@@ -117,8 +117,14 @@ def documents(n_chunks: int, tokens: int, vocab: int, seed: int = 0):
 POLICIES = (None, "dots_with_no_batch_dims_saveable", "dots_and_attention")
 
 
-def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None, fuse=True):
+def compile_step(graphdef, cfg, params, layout, packs, scheds, ckpts, policy=None, fuse=True, also=()):
+    """(signature, batch, compiled step, compile s) of the tables; ``also``: more recomputation
+    tables the signature must hold (the last stage fuses only chunks it recomputes nothing of)."""
     sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers, fuse=fuse)
+    if also:
+        others = [pl.prepare_batch(packs, scheds, c, layout, cfg.num_layers, fuse=fuse)[0] for c in also]
+        sig = pl.cover(sig, *others)
+        _, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers, fuse=fuse, signature=sig)
     fn = jax.jit(
         pl.make_pipeline_grads(
             graphdef, cfg, sig, layout_mesh(layout, jax.devices()[: layout.num_devices]), residual_policy=policy
@@ -189,8 +195,9 @@ def recompute(graphdef, cfg, params, tokens, repeats, n=4):
     )
     print("|---|---|---|---|")
     for policy in POLICIES:
+        tables = [[np.full((n, 2), r, np.int32)] for r in range(1, ls + 1)]
         sig, _, step, _ = compile_step(
-            graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], policy
+            graphdef, cfg, params, layout, [pack], [sched], [np.zeros((n, 2), np.int32)], policy, also=tables
         )
         runs = {}
         for r in range(ls, -1, -1):

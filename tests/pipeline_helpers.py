@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,13 +120,6 @@ def assert_tree_close(actual, expected, rtol: float = 1e-5):
         a, b = np.asarray(a), np.asarray(b)
         scale = float(np.max(np.abs(b))) if b.size else 0.0
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
-
-
-def cover(*sigs: PipelineSignature) -> PipelineSignature:
-    """The smallest signature every one of ``sigs`` fits into."""
-    base = sigs[0]
-    grow = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res")
-    return dataclasses.replace(base, **{f: max(getattr(s, f) for s in sigs) for f in grow})
 
 
 def zeros_like_tree(tree):

@@ -15,7 +15,6 @@ from pipeline_helpers import (
     PLAN_C,
     PipelineGrads,
     assert_tree_close,
-    cover,
     pipelines,
     reference,
     tiny_config,
@@ -85,7 +84,7 @@ def test_matches_reference_under_every_table(layout):
     graphdef, params = tiny_params(cfg)
     ls = cfg.num_layers // layout.pp
     cases = _cases(layout, cfg.num_layers)
-    sig = cover(
+    sig = pl.cover(
         *[
             pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers, paired=paired)[0]
             for _, pipes, scheds, ckpts, paired in cases

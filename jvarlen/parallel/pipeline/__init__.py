@@ -9,13 +9,14 @@ Device side: :mod:`.stage` (a stage's layers with stored or recomputed residuals
 from jvarlen.parallel.pipeline.chunks import PackedChunks, chunk_links, pack_chunks
 from jvarlen.parallel.pipeline.executor import make_pipeline_grads, split_params
 from jvarlen.parallel.pipeline.prepare import pad_plan, prepare_batch, prepare_plans, split_documents
-from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature, covers, round_signature
+from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature, cover, covers, round_signature
 
 __all__ = [
     "CHUNK_KEYS",
     "PackedChunks",
     "PipelineSignature",
     "chunk_links",
+    "cover",
     "covers",
     "make_pipeline_grads",
     "pack_chunks",

@@ -34,7 +34,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.model import AttentionInputs, cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
-from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, STORED, StageShapes, maybe, residual_shapes, stage_shapes
+from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes, stage_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
@@ -146,18 +146,18 @@ class StageProgram:
             mode = KEEP  # every layer, static
         else:
             recompute = c["res_slot"] == s.dummy("res") if s.stores else True
-            mode = jnp.where(is_fused | (is_b & recompute), KEEP, jnp.where(is_b, STORED, NONE))
+            mode = jnp.where(is_fused | (is_b & recompute), KEEP, NONE)
         x = r["x"]
         if s.pp == 1:
             x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
         f = fns.layer(c["inputs"], c["local_positions"])
 
-        def up(x, lp, xs):
-            ck, cv, m, stored = xs
-            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv, stored if s.stores else None)
+        def up(x, lp, xs):  # a stored layer passes x on (its residuals are read by ``down``)
+            ck, cv, m = xs
+            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv)
             return y, res
 
-        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls), r["res"]))
+        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls)))
 
         loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
         if s.Sc:
@@ -169,13 +169,20 @@ class StageProgram:
         active = is_b | is_fused
 
         def down(dy, lp, xs):
-            ck, cv, res, dk, dv = xs
+            ck, cv, res, slot, dk, dv = xs
+            if slot is not None:  # a stored layer's residuals, read from the stage's buffers here
+                stored = slot != s.dummy("res")
+                res = [
+                    jnp.where(stored, jnp.take(buf, slot, axis=0, mode="clip").astype(kept.dtype), kept)
+                    for buf, kept in zip(r["res"], res)
+                ]
             dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
             return dx, ((dck, dcv), dlp)
 
         dy = jnp.where(is_fused, dy_head, r["dy"])
+        slots = c["res_slot"] if s.stores and kind != FUSED else None
         dx, ((dck, dcv), d_layers) = self.layer_pass(
-            down, dy, (r["ck"], r["cv"], residuals, dk_own, dv_own), reverse=True, reduce=True
+            down, dy, (r["ck"], r["cv"], residuals, slots, dk_own, dv_own), reverse=True, reduce=True
         )
 
         def first():
@@ -245,9 +252,10 @@ class StageProgram:
             reads["dck"] = _get(carry["dck"], sl["ctx"])
             reads["dcv"] = _get(carry["dcv"], sl["ctx"])
         if "res" in kinds and s.stores:
-            # unconditional (one chunk's rows, whatever the op): see :meth:`tick` on buffer copies;
-            # recomputed layers (slot n_res) read a clipped slot they never use
-            reads["res"] = [jnp.take(buf, c["res_slot"], axis=0, mode="clip") for buf in carry["res"]]
+            # the whole buffers: a backward reads its stored layers' rows one layer at a time inside
+            # its pass (a gather of all of them first would hold a stage's residuals of a chunk
+            # twice); recomputed layers (slot n_res) read a clipped slot they never use
+            reads["res"] = carry["res"]
         return reads
 
     def lane_op(self, t, lane):

@@ -82,3 +82,8 @@ def covers(big: PipelineSignature, small: PipelineSignature) -> bool:
     return all(getattr(big, f) == getattr(small, f) for f in same) and all(
         getattr(big, f) >= getattr(small, f) for f in GROWABLE
     )
+
+
+def cover(*sigs: PipelineSignature) -> PipelineSignature:
+    """The smallest signature every one of ``sigs`` (same layout, model, bucket, chunk count) fits into."""
+    return dataclasses.replace(sigs[0], **{f: max(getattr(s, f) for s in sigs) for f in GROWABLE})

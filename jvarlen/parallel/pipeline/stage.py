@@ -105,11 +105,10 @@ class StageFns:
             return jax.checkpoint(f, policy=residual_policy(self.residual_policy))
         return f
 
-    def ascend(self, f, mode, lp, x, ck, cv, stored=None):
+    def ascend(self, f, mode, lp, x, ck, cv):
         """One layer of an ascending pass (``f``: :meth:`layer`), by ``mode`` (data, int32, or a
-        static int):
-        :data:`NONE` passes ``x`` on, :data:`STORED` passes it on with the layer's ``stored``
-        residuals (a backward whose layer kept them), :data:`PLAIN` runs the layer, :data:`KEEP` runs
+        static int): :data:`NONE` passes ``x`` on (an idle op, or a backward's layer whose residuals
+        are stored: the descending pass reads them), :data:`PLAIN` runs the layer, :data:`KEEP` runs
         it and returns its residuals. Zeros stand for what a mode does not produce.
 
         lp: the layer's weights as :meth:`layer` takes them; x [T/sp, d]; ck/cv [Sc, K', D].
@@ -121,9 +120,6 @@ class StageFns:
         def none():
             return x, kv0, kv0, zeros
 
-        def from_store():
-            return x, kv0, kv0, list(stored) if stored is not None else zeros
-
         def plain():
             y, k, v = f(lp, x, ck, cv)
             return y, k, v, zeros
@@ -132,7 +128,7 @@ class StageFns:
             (y, k, v), vjp_fn = jax.vjp(f, lp, x, ck, cv)
             return y, k, v, split_vjp(vjp_fn, _shared(lp, ck, cv), self.recipe)
 
-        branches = [none, from_store, plain, keep]
+        branches = [none, plain, keep]
         return branches[mode]() if isinstance(mode, int) else jax.lax.switch(mode, branches)
 
     def descend(self, active, lp, ck, cv, residuals, dy, dk, dv):
@@ -147,7 +143,7 @@ class StageFns:
 
 
 # Modes of :meth:`StageFns.ascend`, per layer
-NONE, STORED, PLAIN, KEEP = 0, 1, 2, 3
+NONE, PLAIN, KEEP = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
