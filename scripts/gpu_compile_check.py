@@ -29,6 +29,7 @@ import sys
 import time
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jvarlen import (
     gpu_aot,  # first: lets the CUDA plugin register without cuDNN
@@ -184,7 +185,36 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
                     f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO "
                     f"({rs_loops} of the {loop_rs} async ones in the passes overlapped)"
                 )
+                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded")
+                row.detail += (
+                    f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.2f} GiB "
+                    f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}): model states "
+                    f"{pred['model_state'] / GiB:.2f}, activations {pred['activations'] / GiB:.2f}, working "
+                    f"{pred['working'] / GiB:.2f} GiB"
+                )
             yield row
+
+
+def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, sharded: bool) -> dict:
+    """What the planner's cost model predicts for :func:`gpu_aot.lower_pipeline_step`'s plan (``chunks``
+    one-document chunks of ``bucket`` tokens, 1F1B, nothing recomputed), bytes per device of the
+    stage that needs most: model states, the stored activations at the peak and the working memory
+    of the backward running then (``jvarlen.plan.plan.replay_peaks``)."""
+    from jvarlen.plan import schedule
+    from jvarlen.plan.chunk import ChunkShape
+    from jvarlen.plan.cost import CostModel
+    from jvarlen.plan.hardware import analytic_coefficients
+    from jvarlen.plan.plan import replay_peaks
+
+    coeffs = analytic_coefficients(shape, "h100" if target == "h100" else "a800")
+    cost = CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
+    shapes = [ChunkShape(0, (bucket,))] * chunks
+    sched = schedule.one_f_one_b(chunks, layout.pp)
+    peaks = replay_peaks(shapes, sched, np.zeros((chunks, layout.pp), np.int32), cost)
+    p = int(np.argmax(peaks))
+    state = cost.model_state_memory(p)
+    work = cost.working_memory(shapes[0], 0)
+    return {"model_state": state, "activations": peaks[p] - state - work, "working": work, "peak": peaks[p]}
 
 
 def cost_model_memory(config, devices: int, target: str) -> dict:
