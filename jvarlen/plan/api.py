@@ -291,9 +291,7 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
     except PlanningError as e:
         if not buckets:
             raise
-        # a profile whose time is flat within a token bucket has no equal-time slices below the
-        # bucket; bucket-sized slices may still fit
-        events.append(f"equal-time mesh: {e}")
+        events.append(f"equal-time mesh: {e}")  # bucket-sized slices may still fit (docstring)
         candidates, unsliced = [], e
     tune_mode = "greedy" if mode == "milp" else mode
     finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
