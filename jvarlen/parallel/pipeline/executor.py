@@ -172,10 +172,7 @@ class StageProgram:
             ck, cv, res, slot, dk, dv = xs
             if slot is not None:  # a stored layer's residuals, read from the stage's buffers here
                 stored = slot != s.dummy("res")
-                res = [
-                    jnp.where(stored, jnp.take(buf, slot, axis=0, mode="clip").astype(kept.dtype), kept)
-                    for buf, kept in zip(r["res"], res)
-                ]
+                res = [jnp.where(stored, _get(buf, slot).astype(kept.dtype), kept) for buf, kept in zip(r["res"], res)]
             dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
             return dx, ((dck, dcv), dlp)
 
