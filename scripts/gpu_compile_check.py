@@ -190,7 +190,7 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
                     f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.2f} GiB "
                     f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}): model states "
                     f"{pred['model_state'] / GiB:.2f}, activations {pred['activations'] / GiB:.2f}, working "
-                    f"{pred['working'] / GiB:.2f} GiB"
+                    f"{pred['working'] / GiB:.2f}, a backward's layer gradients {pred['layer_gradients'] / GiB:.2f} GiB"
                 )
             yield row
 
@@ -199,7 +199,7 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     """What the planner's cost model predicts for :func:`gpu_aot.lower_pipeline_step`'s plan (``chunks``
     one-document chunks of ``bucket`` tokens, 1F1B, nothing recomputed), bytes per device of the
     stage that needs most: model states, the stored activations at the peak and the working memory
-    of the backward running then (``jvarlen.plan.plan.replay_peaks``)."""
+    of the backward running then, with the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
     from jvarlen.plan import schedule
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel
@@ -213,8 +213,14 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     peaks = replay_peaks(shapes, sched, np.zeros((chunks, layout.pp), np.int32), cost)
     p = int(np.argmax(peaks))
     state = cost.model_state_memory(p)
-    work = cost.working_memory(shapes[0], 0)
-    return {"model_state": state, "activations": peaks[p] - state - work, "working": work, "peak": peaks[p]}
+    work, grads = cost.working_memory(shapes[0], 0), cost.layer_gradient_memory()
+    return {
+        "model_state": state,
+        "activations": peaks[p] - state - work - grads,
+        "working": work,
+        "layer_gradients": grads,
+        "peak": peaks[p],
+    }
 
 
 def cost_model_memory(config, devices: int, target: str) -> dict:

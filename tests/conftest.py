@@ -99,8 +99,9 @@ def small_cost(pp: int = 4, sp: int = 2, budget: float | None = None, model: Mod
 
 
 def tight_budget(cost: CostModel, tokens: int) -> float:
-    """A budget that holds the model states plus ``tokens`` non-tail tokens with no recomputation."""
+    """A budget that holds the model states plus ``tokens`` non-tail tokens with no recomputation
+    (and the layer gradients the executor's backward returns, ``layer_gradient_memory``)."""
     from jvarlen.plan.chunk import ChunkShape
 
-    state = max(cost.model_state_memory(p) for p in range(cost.layout.pp))
+    state = max(cost.model_state_memory(p) for p in range(cost.layout.pp)) + cost.layer_gradient_memory()
     return state + cost.activation_memory(ChunkShape(0, (tokens,), tail=False), 0, cost.layout.pp - 1)

@@ -180,6 +180,23 @@ def test_model_state_memory_hand_computed():
     assert SchemeCosts(z, 8).cost(Scheme(pp=2, sp=4)).model_state_memory(0) == pytest.approx(z4.model_state_memory(0))
 
 
+def test_the_executor_backward_holds_its_layer_gradients_in_the_compute_dtype():
+    """The pipeline executor's backward returns its stage's layer gradients (compute dtype) before
+    adding them to the accumulator: ``e · L_s · layer params`` per device, the reduce-scattered
+    ``1/(dp·sp)`` with sharded stage weights; the fused step's peak has no such copy."""
+    c = coeffs(m_work_token=500.0)
+    cm = CostModel(MHA, Layout(2, 2, 2), c)
+    stage_layers = MHA.num_layers // 2 * MHA.layer_params
+    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
+    sharded = CostModel(MHA, Layout(2, 2, 2), c, stage_weights_sharded=True)
+    assert sharded.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers / 4)
+    alone = CostModel(MHA, Layout(1, 2, 1), c, stage_weights_sharded=True)  # nothing to shard over
+    assert alone.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
+    ch = ChunkShape(0, (1024,))
+    assert cm.backward_memory(ch, 1) == pytest.approx(cm.working_memory(ch, 1) + cm.layer_gradient_memory())
+    assert cm.peak_memory(ch, 1, 0) == pytest.approx(cm.activation_memory(ch, 1, 0) + cm.working_memory(ch, 1))
+
+
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
     c = coeffs(memory_budget=5e7, m_head_token=40.0, m_work_token=500.0, m_work_remat_token=700.0)
@@ -190,7 +207,7 @@ def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
     def fits(tokens, stage):  # in_flight chunks of activations, one of them in its backward
         ch = ChunkShape(0, (tokens,), tail=False)
         act = in_flight * cm.activation_memory(ch, 2, stage)
-        return cm.model_state_memory(stage) + act + cm.working_memory(ch, 2) <= cm.memory_budget
+        return cm.model_state_memory(stage) + act + cm.backward_memory(ch, 2) <= cm.memory_budget
 
     assert all(fits(n, s) for s in range(2))
     assert not all(fits(n + 2, s) for s in range(2))  # tokens per device step in units of 1/sp

@@ -138,7 +138,7 @@ WORK = dict(m_work_token=60_000.0, m_work_remat_token=80_000.0, m_work_context_t
 
 @pytest.mark.parametrize("seed", range(6))
 def test_every_backward_window_holds_its_working_memory(seed):
-    """A backward's transients (``CostModel.working_memory``, larger where the chunk recomputes)
+    """A backward's working memory (``CostModel.working_memory``, larger where the chunk recomputes)
     count in its window: the solution is the brute-force optimum and fits when the stage's ops are
     replayed (activations + the running backward's working memory). Planned on activations
     alone, at the same budget, seeds 0, 3 and 4 do not fit."""

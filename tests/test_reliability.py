@@ -341,12 +341,12 @@ def test_the_planner_answers_an_impossible_budget_at_once():
     from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 
     cost = small_cost(pp=2, sp=1)
-    state = max(cost.model_state_memory(p) for p in range(2))
+    state = max(cost.model_state_memory(p) for p in range(2)) + cost.layer_gradient_memory()
     tight = small_cost(pp=2, sp=1, budget=state + 2**20)  # 1 MiB of activations: tens of tokens per chunk
     start = time.perf_counter()
     with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
         plan_iteration([2_000_000, 300], cost=tight, options=PlannerOptions(min_slice_tokens=512))
-    with pytest.raises(PlanningError, match="model states alone"):
+    with pytest.raises(PlanningError, match="model states and a backward's layer gradients"):
         plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2))
     assert time.perf_counter() - start < 30  # a hang guard, not a speed bar (a hang ran > 300 s)
 

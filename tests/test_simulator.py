@@ -31,6 +31,11 @@ def cost(p2p_latency=0.0, step_overhead=0.0, budget=1e9, **kw) -> CostModel:
     return CostModel(MODEL, Layout(1, 2, 1), c)
 
 
+# what a stage holds beside its working memory while a backward runs: the layer's gradient the
+# executor's backward returns in the compute dtype (2 B x 656 parameters)
+GRAD = 2 * MODEL.layer_params
+
+
 def one(n):
     return [ChunkShape(0, (1,))] * n  # 1 token: F = 1 s, B = 2 s per stage
 
@@ -100,7 +105,7 @@ def test_paired_mode_runs_one_backward_and_one_forward_per_tick():
     both = simulate(one_f_one_b(n, 2), one(n), ckpt, unpadded, mode="paired")
     assert both.stage_recompute.tolist() == [n, n] and both.makespan > first.makespan
     # memory: 1F1B's window (stage 0 holds at most 2 chunks), not GPipe's
-    assert r.peak_memory.tolist() == [100 + 2 * 10, 100 + 10]
+    assert r.peak_memory.tolist() == [100 + 2 * 10 + GRAD, 100 + 10 + GRAD]
     # executor overheads: one per tick and one per op on the tick's busiest stage (a fused op counts
     # as its F and its B): ticks 0 and 7 run one op, ticks 1-6 two
     c = CostModel(MODEL, Layout(1, 2, 1), unpadded.coeffs.replace(tick_overhead=0.5, op_overhead=0.25), pad_to=1)
@@ -127,37 +132,39 @@ def test_recomputation_lengthens_backward():
 def test_memory_timeline_peak_and_budget():
     # 1 layer per stage, m_token 10 B, chunks of 1, 2, 3 tokens; workspace 100 B
     chunks = [ChunkShape(0, (t,)) for t in (1, 2, 3)]
+    assert cost().layer_gradient_memory() == GRAD
     r = simulate(gpipe(3, 2), chunks, None, cost())
-    assert r.peak_memory.tolist() == [100 + 60, 100 + 60]
+    assert r.peak_memory.tolist() == [100 + 60 + GRAD, 100 + 60 + GRAD]
     times, values = r.memory[0]
-    assert values[0] == 110 and values.max() == 160 and values[-1] == 100
+    assert values[0] == 110 and values.max() == 160 + GRAD and values[-1] == 100
     assert r.fits
     ckpt = np.array([[1, 1]] * 3)  # full recomputation keeps only the 2-byte x D=8 input per token
-    assert simulate(gpipe(3, 2), chunks, ckpt, cost()).peak_memory.tolist() == [100 + 6 * 16] * 2
-    tight = simulate(gpipe(3, 2), chunks, None, cost(budget=150))
+    assert simulate(gpipe(3, 2), chunks, ckpt, cost()).peak_memory.tolist() == [100 + 6 * 16 + GRAD] * 2
+    tight = simulate(gpipe(3, 2), chunks, None, cost(budget=150 + GRAD))
     assert not tight.fits
     assert {s for s, _, _ in tight.over_budget} == {0, 1}
-    assert all(v > 150 for _, _, v in tight.over_budget)
+    assert all(v > 150 + GRAD for _, _, v in tight.over_budget)
     # 1F1B keeps fewer chunks in flight than GPipe
     assert simulate(one_f_one_b(3, 2), chunks, None, cost()).peak_memory[1] < r.peak_memory[1]
 
 
 def test_a_backward_holds_its_working_memory_while_it_runs():
     """Each backward adds its chunk's working memory (m_work_token, or m_work_remat_token where it
-    recomputes, per token) on top of the live activations; the op-order replay agrees."""
+    recomputes, per token) and its layer gradients on top of the live activations; the op-order
+    replay agrees."""
     from jvarlen.plan.plan import replay_peaks
 
     chunks = [ChunkShape(0, (t,)) for t in (1, 2, 3)]
     c = cost(m_work_token=7.0, m_work_remat_token=9.0)
     # GPipe: all three in flight (160 B) when the 3-token chunk's backward starts (+21 B)
     r = simulate(gpipe(3, 2), chunks, None, c)
-    assert r.peak_memory.tolist() == [100 + 60 + 21] * 2
+    assert r.peak_memory.tolist() == [100 + 60 + 21 + GRAD] * 2
     times, values = r.memory[0]
     assert values[-1] == 100  # everything freed at the end
     full = np.array([[1, 1]] * 3)
-    assert simulate(gpipe(3, 2), chunks, full, c).peak_memory.tolist() == [100 + 6 * 16 + 27] * 2
+    assert simulate(gpipe(3, 2), chunks, full, c).peak_memory.tolist() == [100 + 6 * 16 + 27 + GRAD] * 2
     # last stage of 1F1B: one chunk at a time, the 3-token one with its backward's 21 B
-    assert simulate(one_f_one_b(3, 2), chunks, None, c).peak_memory[1] == 100 + 30 + 21
+    assert simulate(one_f_one_b(3, 2), chunks, None, c).peak_memory[1] == 100 + 30 + 21 + GRAD
     for sched in (gpipe(3, 2), one_f_one_b(3, 2)):
         for ckpt in (np.zeros((3, 2), np.int32), full, np.array([[1, 0], [0, 1], [1, 1]])):
             np.testing.assert_array_equal(

@@ -7,9 +7,9 @@ integers C[j]: stage p (0-based) gives the chunk with backward rank k
 ``C[k + d_p - 1 - p]`` layers. Memory is linear in the layer count (Eq. 19):
 ``M_act(k, l) = I[k] - F[k] * l``; every chunk window W_p(t) gives one linear
 constraint (Eq. 20). Beyond the paper, each window is taken where a backward starts and also
-holds that backward's working memory (``CostModel.working_memory``): a chunk's backward
-transients grow with its tokens, and without them a plan of long chunks "fits" a budget its
-steps exceed. The working memory changes once, when the chunk recomputes any layer; a 0/1
+holds that backward's transients (``CostModel.backward_memory``): a chunk's backward working
+memory grows with its tokens, and without it a plan of long chunks "fits" a budget its steps
+exceed. The working memory changes once, when the chunk recomputes any layer; a 0/1
 variable per diagonal (``C[j] ≥ 1``) keeps that exact and the model linear.
 
 Solver code in four steps (STYLE 10): :func:`build_problem` (data), :func:`_cp_model`
@@ -130,7 +130,7 @@ class MemoryTable:
                 raise ValueError("activation_memory is not linear in ckpt_layers; Eq. 19 does not hold")
         # what the pipeline executor pays for the recomputation (= recompute_time unless fitted)
         rec1 = np.array([cost.executor_recompute_time(s, 1) for s in shapes], dtype=np.float64)
-        work = np.array([[cost.working_memory(s, r) for s in shapes] for r in (0, 1)], dtype=np.float64)
+        work = np.array([[cost.backward_memory(s, r) for s in shapes] for r in (0, 1)], dtype=np.float64)
         return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1, work)
 
 
@@ -145,7 +145,7 @@ def build_problem(
     """Data step of Alg. 2 for one unit: windows W_p(t) at each backward of ``schedule`` (local
     chunk ids ``0..n-1``, ``shapes[k]`` the ChunkShape of chunk k), I[p, k] and F[p, k] (Eq. 19)
     from ``cost.activation_memory`` at 0 and 1 recomputed layers on stage p, the backward's
-    working memory from ``cost.working_memory``. A precomputed
+    transients from ``cost.backward_memory``. A precomputed
     ``table`` over global chunk ids (with ``ids[k]`` = global id of local chunk k) skips
     the cost-model calls.
     """

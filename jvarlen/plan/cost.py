@@ -276,6 +276,23 @@ class CostModel:
         per_token = c.m_work_remat_token if ckpt_layers > 0 else c.m_work_token
         return (per_token * chunk.tokens + c.m_work_context_token * chunk.context) / self.layout.sp
 
+    def layer_gradient_memory(self) -> float:
+        """Bytes one device of a stage holds beside :meth:`working_memory` while the pipeline
+        executor runs a backward: the op returns its layers' gradients stacked in the compute dtype,
+        ``e · L_s · layer params`` (with sharded stage weights the reduce-scattered ``1/(dp·sp)`` of
+        them), and adds them into the gradient accumulator after it. A fused data-parallel step
+        (:meth:`peak_memory`) has no such copy."""
+        n = self.layers_per_stage * self.model.layer_params
+        group = self.layout.dp * self.layout.sp
+        if self.stage_weights_sharded and group > 1:
+            n /= group
+        return self.coeffs.bytes_per_element * n
+
+    def backward_memory(self, chunk: ChunkShape, ckpt_layers: int = 0) -> float:
+        """Transient bytes of ``chunk``'s backward as the pipeline executor runs it:
+        :meth:`working_memory` + :meth:`layer_gradient_memory`."""
+        return self.working_memory(chunk, ckpt_layers) + self.layer_gradient_memory()
+
     def peak_memory(self, chunk: ChunkShape, ckpt_layers: int = 0, stage: Optional[int] = None) -> float:
         """Peak activation bytes of one device while ``chunk``'s backward runs with no other chunk in
         flight: Eq. 10 (:meth:`activation_memory`) plus :meth:`working_memory`. This is what XLA's
@@ -315,7 +332,7 @@ class CostModel:
     def max_tokens(self, stage: Optional[int] = None, in_flight: int = 1, tail: bool = False) -> int:
         """Hydraulis MaxLen: the largest chunk (tokens) that fits ``in_flight`` times on ``stage``
         (all stages when None) with full recomputation (``ckpt_layers = L_s``), Eq. 8 + 10, plus the
-        working memory of one of them in its backward (:meth:`working_memory`, no context).
+        transients of one of them in its backward (:meth:`backward_memory`, no context).
 
         ``tail=False`` charges the K/V and dK/dV terms of a non-tail slice (the worst case).
         Returns 0 when even the model states do not fit.
@@ -323,7 +340,7 @@ class CostModel:
         stages = range(self.layout.pp) if stage is None else [stage]
         best = None
         for p in stages:
-            free = self.memory_budget - self.model_state_memory(p)
+            free = self.memory_budget - self.model_state_memory(p) - self.layer_gradient_memory()
             probe = ChunkShape(0, (self.layout.sp,), tail=tail)
             act = self.activation_memory(probe, self.layers_per_stage, p) / self.layout.sp  # bytes per chunk token
             work = self.working_memory(probe, self.layers_per_stage) / self.layout.sp

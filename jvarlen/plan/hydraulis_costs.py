@@ -21,7 +21,8 @@ model) and caches them per ``SchemeCosts`` object.
   one micro-batch with ``r`` recomputed layers per stage) is exact: stage ``p`` of a 1F1B
   pipeline holds ``pp - p`` micro-batches, each may take ``1 / (pp - p)`` of the stage's free
   memory (budget minus model states, the canonical fp32 state sharded over all devices) after
-  the working memory of the one backward in flight (``CostModel.working_memory``).
+  the transients of the one backward in flight (``CostModel.backward_memory``: its working
+  memory per token, and the layer gradients the executor's backward returns).
   ``MaxLen(P)`` is ``caps[L/pp]`` (full recomputation) or ``caps[0]`` (``recompute="none"``).
 * **Executor (κ).** Eq. 1 prices a pipeline as ``(PP - 1 + V)`` slowest micro-batches: the
   asynchronous 1F1B of the paper (``simulation="async"``, κ = 1). jvarlen's executor runs the
@@ -147,7 +148,7 @@ def build_table(
     for r in range(lps + 1):
         best = None
         for p in range(pp):
-            free = cost.memory_budget - cost.model_state_memory(p)
+            free = cost.memory_budget - cost.model_state_memory(p) - cost.layer_gradient_memory()
             per_token = (pp - p) * cost.activation_memory(probe, r, p) / sp + cost.working_memory(probe, r) / sp
             n = 0 if free <= 0 or per_token <= 0 else int(free // per_token)
             best = n if best is None else min(best, n)

@@ -234,8 +234,8 @@ def stage_peak_memory(plan: Plan, cost) -> np.ndarray:
 def replay_peaks(shapes: Sequence[ChunkShape], schedule: Schedule, ckpt: np.ndarray, cost) -> np.ndarray:
     """``[pp]`` peak bytes per device of each stage, replaying its op order: the model states, every
     chunk's activations (``cost.activation_memory``) from its forward to the end of its backward,
-    and, while a backward runs, its working memory (``cost.working_memory``), ``ckpt[k, p]``
-    layers recomputed."""
+    and, while a backward runs, its transients (``cost.backward_memory``), ``ckpt[k, p]`` layers
+    recomputed."""
     peaks = np.zeros(schedule.pp)
     for p, prog in enumerate(schedule.stages):
         cur = peak = cost.model_state_memory(p)
@@ -246,7 +246,7 @@ def replay_peaks(shapes: Sequence[ChunkShape], schedule: Schedule, ckpt: np.ndar
                 cur += m
                 peak = max(peak, cur)
             else:
-                peak = max(peak, cur + cost.working_memory(shapes[op.chunk], layers))
+                peak = max(peak, cur + cost.backward_memory(shapes[op.chunk], layers))
                 cur -= m
         peaks[p] = peak
     return peaks

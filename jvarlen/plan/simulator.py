@@ -24,8 +24,9 @@ Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-a
 ``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all.
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
 the start of its forward to the end of its backward on that stage, plus
-:meth:`CostModel.working_memory` of each backward while it runs (not in the paper: a backward's
-transients grow with its chunk; ``jvarlen.plan.plan.replay_peaks`` replays the same in op order).
+:meth:`CostModel.backward_memory` of each backward while it runs (not in the paper: a backward's
+transients grow with its chunk, and the executor's backward returns its layers' gradients
+before adding them; ``jvarlen.plan.plan.replay_peaks`` replays the same in op order).
 
 Times in seconds, memory in bytes per device. Pure numpy.
 """
@@ -247,7 +248,7 @@ def simulate(
         deltas = []
         for k in range(n):
             m = cost.activation_memory(chunk_shapes[k], int(ckpt[k, p]), p)
-            w = cost.working_memory(chunk_shapes[k], int(ckpt[k, p]))
+            w = cost.backward_memory(chunk_shapes[k], int(ckpt[k, p]))
             b0, b1 = spans[(p, Op("B", k))]
             deltas.append((spans[(p, Op("F", k))][0], 1, m))
             deltas.append((b0, 1, w))

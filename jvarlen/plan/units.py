@@ -121,7 +121,7 @@ def _local_families(families: Sequence[Sequence[int]]) -> list[list[int]]:
 
 def backward_windows(program: Sequence[Op]) -> list[tuple[tuple[int, ...], int]]:
     """(live chunks, chunk) at the start of each backward of one stage: the peaks of Eq. 8's
-    windows W_p(t) plus that backward's working memory.
+    windows W_p(t) plus that backward's transients (``CostModel.backward_memory``).
 
     A chunk is live from the start of its forward to the end of its backward. Every window right
     after a forward is also the live set of the next backward (the set changes only at forwards and
