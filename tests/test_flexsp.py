@@ -174,3 +174,16 @@ def test_no_recomputation_protocol():
     assert flexsp.plan([too_long, 100], costs).validate([too_long, 100], costs) is None
     with pytest.raises(PlanningError, match="with 0 of 8 layers recomputed"):
         flexsp.plan([too_long, 100], costs, FlexSPOptions(max_recompute=0))
+
+
+@pytest.mark.parametrize("policy", ["flexsp", "dcp"])
+def test_a_document_at_the_memory_cap_passes_the_executor_replay(policy):
+    """The groups run on the pipeline executor, whose backward also returns its layers' gradients
+    (``CostModel.layer_gradient_memory``): the policies' capacities count them, so the longest
+    document they call admissible validates against the executor's memory replay."""
+    costs = scheme_costs(8)
+    gc = GroupCosts(costs)
+    longest = gc.cap_full(max(gc.schemes))
+    assert costs.cost(max(gc.schemes)).layer_gradient_memory() > 0
+    plan = plan_strategy(policy, [longest, 100], costs)
+    assert plan.validate([longest, 100], costs) is None

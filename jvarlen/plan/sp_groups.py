@@ -91,10 +91,10 @@ class GroupCosts:
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one object per planning call)
     def caps(self, scheme: Scheme) -> np.ndarray:
         """``[R + 1]`` the most tokens one micro-batch may hold with ``r`` recomputed layers
-        (model states + activations + the backward's working memory within the budget),
-        ``R = max_recompute``."""
+        (model states + activations + the backward's working memory and the layer gradients the
+        executor's backward returns, within the budget), ``R = max_recompute``."""
         cost = self.costs.cost(scheme)
-        free = (cost.memory_budget - cost.model_state_memory(0)) * _SAFETY
+        free = (cost.memory_budget - cost.model_state_memory(0) - cost.layer_gradient_memory()) * _SAFETY
         probe = ChunkShape(0, (scheme.sp * 1024,))
         out = np.zeros(self.max_recompute + 1, dtype=np.int64)
         for r in range(self.max_recompute + 1):
