@@ -335,7 +335,7 @@ class CostModel:
         transients of one of them in its backward (:meth:`backward_memory`, no context).
 
         ``tail=False`` charges the K/V and dK/dV terms of a non-tail slice (the worst case).
-        Returns 0 when even the model states do not fit.
+        Returns 0 when even the model states and one backward's layer gradients do not fit.
         """
         stages = range(self.layout.pp) if stage is None else [stage]
         best = None
