@@ -203,11 +203,9 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     from jvarlen.plan import schedule
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel
-    from jvarlen.plan.hardware import analytic_coefficients
     from jvarlen.plan.plan import replay_peaks
 
-    coeffs = analytic_coefficients(shape, "h100" if target == "h100" else "a800")
-    cost = CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
+    cost = CostModel(shape, layout, _analytic(shape, target), stage_weights_sharded=sharded)
     shapes = [ChunkShape(0, (bucket,))] * chunks
     sched = schedule.one_f_one_b(chunks, layout.pp)
     peaks = replay_peaks(shapes, sched, np.zeros((chunks, layout.pp), np.int32), cost)
@@ -223,6 +221,13 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     }
 
 
+def _analytic(shape, target: str):
+    """The analytic cost coefficients of ``target``'s GPU (the A100 is priced as the A800)."""
+    from jvarlen.plan.hardware import analytic_coefficients
+
+    return analytic_coefficients(shape, "h100" if target == "h100" else "a800")
+
+
 def cost_model_memory(config, devices: int, target: str) -> dict:
     """What the planner's cost model predicts for the same data-parallel step, bytes per device:
     model states + Eq. 10 activations (all layers checkpointed when model.remat) + working
@@ -230,11 +235,10 @@ def cost_model_memory(config, devices: int, target: str) -> dict:
     from jvarlen.layout import Layout
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel, ModelShape
-    from jvarlen.plan.hardware import analytic_coefficients
 
     shape = ModelShape.from_config(config.model)
     layout = Layout(dp=devices)
-    cost = CostModel(shape, layout, analytic_coefficients(shape, "h100" if target == "h100" else "a800"))
+    cost = CostModel(shape, layout, _analytic(shape, target))
     rows = config.data.tokens_per_batch // config.data.seq_len // devices
     chunk = ChunkShape(0, (config.data.seq_len,) * rows)
     ckpt = shape.num_layers if config.model.remat else 0

@@ -173,7 +173,7 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
     cap = cost.max_tokens(in_flight=1, tail=False)
     budget = f"{cost.memory_budget / 2**30:.2f} GiB per device"
     if cap < 1:
-        state = (max(map(cost.model_state_memory, range(cost.layout.pp))) + cost.layer_gradient_memory()) / 2**30
+        state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
         raise PlanningError(
             f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
             f"memory budget ({budget}): add pipeline stages or devices"

@@ -288,6 +288,12 @@ class CostModel:
             n /= group
         return self.coeffs.bytes_per_element * n
 
+    def memory_floor(self, stage: int) -> float:
+        """Bytes a device of ``stage`` needs before any token: :meth:`model_state_memory` and the
+        layer gradients one backward returns (:meth:`layer_gradient_memory`). Capacities are the
+        budget minus this, divided by what each token adds."""
+        return self.model_state_memory(stage) + self.layer_gradient_memory()
+
     def backward_memory(self, chunk: ChunkShape, ckpt_layers: int = 0) -> float:
         """Transient bytes of ``chunk``'s backward as the pipeline executor runs it:
         :meth:`working_memory` + :meth:`layer_gradient_memory`."""
@@ -340,7 +346,7 @@ class CostModel:
         stages = range(self.layout.pp) if stage is None else [stage]
         best = None
         for p in stages:
-            free = self.memory_budget - self.model_state_memory(p) - self.layer_gradient_memory()
+            free = self.memory_budget - self.memory_floor(p)
             probe = ChunkShape(0, (self.layout.sp,), tail=tail)
             act = self.activation_memory(probe, self.layers_per_stage, p) / self.layout.sp  # bytes per chunk token
             work = self.working_memory(probe, self.layers_per_stage) / self.layout.sp

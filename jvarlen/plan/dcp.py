@@ -146,7 +146,7 @@ def profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> Profi
         t_f=cost.recompute_time(chunk, 1),
         m=cost.peak_memory(chunk, L - 1, 0) - full,
         T=gc.micro_batch_time(chunk.slices, scheme, L),
-        M=cost.model_state_memory(0) + cost.layer_gradient_memory() + full,
+        M=cost.memory_floor(0) + full,
     )
 
 

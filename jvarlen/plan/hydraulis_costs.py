@@ -148,7 +148,7 @@ def build_table(
     for r in range(lps + 1):
         best = None
         for p in range(pp):
-            free = cost.memory_budget - cost.model_state_memory(p) - cost.layer_gradient_memory()
+            free = cost.memory_budget - cost.memory_floor(p)
             per_token = (pp - p) * cost.activation_memory(probe, r, p) / sp + cost.working_memory(probe, r) / sp
             n = 0 if free <= 0 or per_token <= 0 else int(free // per_token)
             best = n if best is None else min(best, n)

@@ -94,7 +94,7 @@ class GroupCosts:
         (model states + activations + the backward's working memory and the layer gradients the
         executor's backward returns, within the budget), ``R = max_recompute``."""
         cost = self.costs.cost(scheme)
-        free = (cost.memory_budget - cost.model_state_memory(0) - cost.layer_gradient_memory()) * _SAFETY
+        free = (cost.memory_budget - cost.memory_floor(0)) * _SAFETY
         probe = ChunkShape(0, (scheme.sp * 1024,))
         out = np.zeros(self.max_recompute + 1, dtype=np.int64)
         for r in range(self.max_recompute + 1):

@@ -300,7 +300,7 @@ class SchemeCosts:
             return cost.max_tokens(in_flight=scheme.pp, tail=True)
         best = None
         for stage in range(scheme.pp):
-            free = cost.memory_budget - cost.model_state_memory(stage) - cost.layer_gradient_memory()
+            free = cost.memory_budget - cost.memory_floor(stage)
             probe = ChunkShape(0, (scheme.sp,))
             per_token = (cost.activation_memory(probe, 0, stage) + cost.working_memory(probe, 0)) / scheme.sp
             n = 0 if free <= 0 else int(free // (scheme.pp * per_token))
