@@ -4,6 +4,7 @@ signature with fewer residual slots (more recomputation) compiles to less."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -127,6 +128,38 @@ def test_context_buffers_hold_one_slot_per_split_document_in_flight(model):
         if re.search(r"= f32\[\d+," + re.escape(per_slot) + r"[^=]*\bcopy\(%(?!wrapped_broadcast|broadcast)", line)
     ]
     assert not copies, copies[:3]
+
+
+def test_an_op_reads_the_context_one_layer_at_a_time():
+    """Per context token, what the step holds beyond its context buffers grows by four layer rows
+    (one layer's K, V, dK or dV of one token) per layer of the stage: the backward's dK/dV, which the op
+    returns stacked, and the K/V its recomputed attention keeps. Each layer reads its context rows
+    where it uses them; read and rolled for the whole stage before each op, that was 12 rows per
+    layer (the stage's K/V and dK/dV, their rolls and sums; +9.0 GiB on the H100 compile of llama-7b
+    at (4, 2, 1) with a split 16K document)."""
+    require_devices(LAYOUT.num_devices)
+    ((_, pack),) = pipelines(1, plans=(PLAN_B,))  # two documents split in two
+    sched = sch.token_level_1f1b(pack.chunk_prev, LAYOUT.pp)
+    extra = 1024  # context tokens added to the signature's bucket
+    growth = {}
+    for layers in (4, 8):
+        cfg = tiny_config(num_layers=layers, attention="xla")  # blockwise: no [T, context] scores
+        _, graphdef, params = (cfg,) + tiny_params(cfg)
+        ls = layers // LAYOUT.pp
+        recompute = np.full((pack.n_chunks, LAYOUT.pp), ls, np.int32)  # no residual slot holds context
+        sig, _ = pl.prepare_batch([pack], [sched], [recompute], LAYOUT, layers)
+        temps = []
+        for s in (sig, dataclasses.replace(sig, context=sig.context + extra)):
+            _, batch = pl.prepare_batch([pack], [sched], [recompute], LAYOUT, layers, signature=s)
+            fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, s, pipeline_mesh(LAYOUT)))
+            temps.append(
+                fn.lower(params, batch).compile(compiler_options=FAST_COMPILE).memory_analysis().temp_size_in_bytes
+            )
+        row = extra * cfg.num_kv_heads * cfg.head_dim * 4  # one layer's K of the extra tokens, fp32
+        buffers = 4 * sig.n_ctx * ls * row  # K, V, dK, dV slots
+        growth[ls] = (temps[1] - temps[0] - buffers) / row
+    per_layer = (growth[4] - growth[2]) / 2
+    assert per_layer <= 4.5, growth
 
 
 def test_fewer_residual_slots_compile_to_less_temp_memory(model):

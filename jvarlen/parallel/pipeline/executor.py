@@ -11,9 +11,10 @@ Ulysses runs inside each stage over ``sp``.
 
 Inside ``shard_map`` one device runs a loop over paired ticks (:class:`StageProgram`):
 in each tick lane 0 (a backward or the fused F and B of the last stage) and then lane 1 (a
-forward) gather what their op reads from the stage's buffers, run it on those values, scatter
-what it wrote and add its gradients; then two ``ppermute`` pass activations / cotangents to the
-neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
+forward) gather what their op reads from the stage's buffers (the context and residual buffers
+are read one layer at a time inside its passes), run it, scatter what it wrote and add its
+gradients (:mod:`jvarlen.parallel.pipeline.slots`); then two ``ppermute`` pass activations /
+cotangents to the neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
 in a conditional on its mode (``stage.StageFns.ascend``/``descend``); where the stage's weights
 are sharded, each layer's gather over the stage's dp × sp devices runs between those
 conditionals (``StageWeights.layer_pass``).
@@ -34,6 +35,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.model import AttentionInputs, cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
+from jvarlen.parallel.pipeline.slots import add_or_drop, get, layer_row, put, put_or_drop, put_rows_or_drop
 from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes, stage_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
@@ -114,11 +116,18 @@ class StageProgram:
         return c
 
     def roll_ctx(self, a, c, back=False):
-        """Context K/V (or their gradients) [Ls, Sc, K, D] between the buffers' layout and the
-        stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
+        """One layer's context K/V (or their gradients) [Sc, K, D] between the buffers' layout and
+        the stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
         if not self.s.Sc:
             return a
-        return jnp.roll(a, -c["shift"] if back else c["shift"], axis=1)
+        return jnp.roll(a, -c["shift"] if back else c["shift"], axis=0)
+
+    def context_of(self, r, c, j):
+        """Layer j's context K/V [Sc, K, D] of chunk view ``c``, as the stage sees them, read from the
+        whole buffers in ``r`` where the layer uses them: a stage's worth of them, read before the
+        op, were several ``[Ls, Sc, K, D]`` copies per op (the read, its roll)."""
+        slot = c["slots"]["ctx"]
+        return tuple(self.roll_ctx(layer_row(r[name], slot, j), c) for name in ("ck", "cv"))
 
     # ---- passes over the stage's layers
     def layer_pass(self, step, init, xs, reverse=False, reduce=False):
@@ -153,33 +162,37 @@ class StageProgram:
         f = fns.layer(c["inputs"], c["local_positions"])
 
         def up(x, lp, xs):  # a stored layer passes x on (its residuals are read by ``down``)
-            ck, cv, m = xs
-            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv)
+            j, m = xs
+            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, *self.context_of(r, c, j))
             return y, res
 
-        y, residuals = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls)))
+        y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
 
         loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
-        if s.Sc:
-            at, size = (0, c["C"], 0, 0), (s.ls, s.T, s.K, s.D)
-            dk_own = jax.lax.dynamic_slice(r["dck"], at, size) * c["own"]
-            dv_own = jax.lax.dynamic_slice(r["dcv"], at, size) * c["own"]
-        else:
-            dk_own = dv_own = jnp.zeros((s.ls, s.T, s.K, s.D), s.compute_dtype)
         active = is_b | is_fused
 
+        def own_grads(j):
+            """dK/dV of the chunk's own keys in layer j: what later slices' backwards added."""
+            if not s.Sc:
+                return (jnp.zeros((s.T, s.K, s.D), s.compute_dtype),) * 2
+            at = (c["slots"]["ctx"], j, c["C"], 0, 0)
+            return tuple(
+                jax.lax.dynamic_slice(r[n], at, (1, 1, s.T, s.K, s.D))[0, 0] * c["own"][0] for n in ("dck", "dcv")
+            )
+
         def down(dy, lp, xs):
-            ck, cv, res, slot, dk, dv = xs
+            j, res, slot = xs
             if slot is not None:  # a stored layer's residuals, read from the stage's buffers here
                 stored = slot != s.dummy("res")
-                res = [jnp.where(stored, _get(buf, slot).astype(kept.dtype), kept) for buf, kept in zip(r["res"], res)]
-            dlp, dx, dck, dcv = fns.descend(active, lp, ck, cv, res, dy, dk, dv)
-            return dx, ((dck, dcv), dlp)
+                res = [jnp.where(stored, get(buf, slot).astype(kept.dtype), kept) for buf, kept in zip(r["res"], res)]
+            dlp, dx, dck, dcv = fns.descend(active, lp, *self.context_of(r, c, j), res, dy, *own_grads(j))
+            # the context's gradients in the buffers' layout, one layer at a time
+            return dx, ((self.roll_ctx(dck, c, back=True), self.roll_ctx(dcv, c, back=True)), dlp)
 
         dy = jnp.where(is_fused, dy_head, r["dy"])
         slots = c["res_slot"] if s.stores and kind != FUSED else None
         dx, ((dck, dcv), d_layers) = self.layer_pass(
-            down, dy, (r["ck"], r["cv"], residuals, slots, dk_own, dv_own), reverse=True, reduce=True
+            down, dy, (jnp.arange(s.ls), residuals, slots), reverse=True, reduce=True
         )
 
         def first():
@@ -211,11 +224,11 @@ class StageProgram:
         f = fns.layer(c["inputs"], c["local_positions"])
 
         def up(x, lp, xs):
-            ck, cv, m = xs
-            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, ck, cv)
+            j, m = xs
+            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *self.context_of(r, c, j))
             return y, (k_own, v_own, res)
 
-        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (r["ck"], r["cv"], _per_layer(mode, s.ls)))
+        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
 
         loss, d_rest, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
         return dict(
@@ -237,17 +250,15 @@ class StageProgram:
     # ---- one tick: lane 0 (B or FUSED), then lane 1 (F), then the two ppermutes
     def reads(self, carry, c, kinds: tuple) -> dict:
         """What an op of the lane may read from its chunk's slots: ``kinds`` of ``x`` (stash),
-        ``dy`` (cotangent inbox), ``ctx`` (context K/V), ``dctx`` (context dK/dV), ``res`` (stored
-        residuals of every layer, used by a backward where the layer kept them)."""
+        ``dy`` (cotangent inbox), ``dctx`` (context dK/dV), ``res`` (stored residuals of every layer,
+        used by a backward where the layer kept them); always the context K/V. Buffers whose rows
+        an op reads layer by layer inside its passes (context, residuals) are passed whole."""
         s, sl = self.s, c["slots"]
-        reads = dict(x=_get(carry["stash"], sl["stash"]), res=[])
+        reads = dict(x=get(carry["stash"], sl["stash"]), res=[], ck=carry["ck"], cv=carry["cv"])
         if "dy" in kinds:
-            reads["dy"] = _get(carry["grad_in"], sl["grad"])
-        reads["ck"] = self.roll_ctx(_get(carry["ck"], sl["ctx"]), c)
-        reads["cv"] = self.roll_ctx(_get(carry["cv"], sl["ctx"]), c)
+            reads["dy"] = get(carry["grad_in"], sl["grad"])
         if "dctx" in kinds:
-            reads["dck"] = _get(carry["dck"], sl["ctx"])
-            reads["dcv"] = _get(carry["dcv"], sl["ctx"])
+            reads["dck"], reads["dcv"] = carry["dck"], carry["dcv"]
         if "res" in kinds and s.stores:
             # the whole buffers: a backward reads its stored layers' rows one layer at a time inside
             # its pass (a gather of all of them first would hold a stage's residuals of a chunk
@@ -278,8 +289,8 @@ class StageProgram:
             o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
         if s.Sc:  # no dummy context slot (a whole context bucket per buffer): slot n_ctx is dropped
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
-            carry["dck"] = _put_or_drop(carry["dck"], ctx_b, reads["dck"] + self.roll_ctx(o["dck"], c, back=True))
-            carry["dcv"] = _put_or_drop(carry["dcv"], ctx_b, reads["dcv"] + self.roll_ctx(o["dcv"], c, back=True))
+            carry["dck"] = add_or_drop(carry["dck"], ctx_b, o["dck"])
+            carry["dcv"] = add_or_drop(carry["dcv"], ctx_b, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
         carry["loss"] = carry["loss"] + o["loss"]
@@ -298,10 +309,10 @@ class StageProgram:
         kind = None if s.fns.weights.dp_sharded else FWD
         o = jax.lax.cond(run, partial(self.forward_op, kind=kind), self.idle, reads, op, k)
         writes = is_f & lane0_done
-        carry["stash"] = _put(
+        carry["stash"] = put(
             carry["stash"], jnp.where(writes & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"]
         )
-        carry["grad_in"] = _put(
+        carry["grad_in"] = put(
             carry["grad_in"], jnp.where(writes & self.is_last, sl["grad"], s.dummy("grad")), o["dy_last"]
         )
         if s.stores:
@@ -312,13 +323,13 @@ class StageProgram:
         if s.Sc:
             # own K/V into the context slot; a document's first slice clears its dK/dV accumulator
             ctx_f = jnp.where(writes, sl["ctx"], s.dummy("ctx"))
-            carry["ck"] = _put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
-            carry["cv"] = _put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
+            carry["ck"] = put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
+            carry["cv"] = put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
             start = writes & (self.b["has_next"][k] > 0) & (c["C"] == 0)
             ctx_z = jnp.where(start, sl["ctx"], s.dummy("ctx"))
             zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
-            carry["dck"] = _put_or_drop(carry["dck"], ctx_z, zero)
-            carry["dcv"] = _put_or_drop(carry["dcv"], ctx_z, zero)
+            carry["dck"] = put_or_drop(carry["dck"], ctx_z, zero)
+            carry["dcv"] = put_or_drop(carry["dcv"], ctx_z, zero)
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
@@ -348,8 +359,8 @@ class StageProgram:
             cdt = s.compute_dtype
             recv_act = jax.lax.ppermute(send_act.astype(cdt), PP, [(i, i + 1) for i in range(s.pp - 1)])
             recv_grad = jax.lax.ppermute(send_grad.astype(cdt), PP, [(i + 1, i) for i in range(s.pp - 1)])
-            carry["stash"] = _put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
-            carry["grad_in"] = _put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
+            carry["stash"] = put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
+            carry["grad_in"] = put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
         return carry, None
 
     # ---- the whole program
@@ -414,38 +425,6 @@ class StageProgram:
 def _per_layer(mode, layers: int):
     """A pass's ``xs`` entry for layer modes: None where the mode is static (every layer's)."""
     return None if isinstance(mode, int) else jnp.broadcast_to(mode, (layers,))
-
-
-def _put(buf, i, value):
-    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
-
-
-def _get(buf, i):
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _put_or_drop(buf, i, value):
-    """``buf[i] = value``, nothing where ``i`` is out of range (one past the last slot)."""
-    return buf.at[i].set(value.astype(buf.dtype), mode="drop")
-
-
-def _put_rows_or_drop(buf, i, start, value):
-    """``buf[i, :, start:start + n] = value`` (``value``: ``[Ls, n, K, D]``) in place, nothing where
-    ``i`` is out of range. The caller keeps ``start + n`` within the buffer
-    (:func:`jvarlen.plan.chunk.executor_context`), so only the slot index decides."""
-    dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2, 3, 4), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 2)
-    )
-    index = jnp.stack([jnp.asarray(i, jnp.int32), jnp.asarray(start, jnp.int32)])[None]
-    return jax.lax.scatter(
-        buf,
-        index,
-        value[None].astype(buf.dtype),
-        dims,
-        indices_are_sorted=True,
-        unique_indices=True,
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-    )
 
 
 def make_pipeline_grads(
