@@ -278,10 +278,14 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
         return ctx.lower(*strategy.step_inputs(("layout", layout, shape_bucket(batch))))
 
 
-def lower_pipeline_step(config, devices, layout, *, chunks: int, bucket: int, stage_weights: str = "replicated"):
+def lower_pipeline_step(
+    config, devices, layout, *, chunks: int, bucket: int, stage_weights: str = "replicated", split: bool = False
+):
     """The elastic pipeline's train step of ``config`` on ``layout`` lowered for ``devices``
     (abstract GPUs): every pipeline runs ``chunks`` one-document chunks of ``bucket`` tokens in
-    1F1B order with no recomputation (the signature of such a plan). Call inside
+    1F1B order with no recomputation (the signature of such a plan); ``split``: one document of
+    ``chunks × bucket`` tokens cut into ``chunks`` slices instead (Seq1F1B's token-level order;
+    each slice attends to the slices before it, so the step has context buffers). Call inside
     ``kernels.compile_for(target)``."""
     import numpy as np
 
@@ -290,9 +294,14 @@ def lower_pipeline_step(config, devices, layout, *, chunks: int, bucket: int, st
     from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
     ctx = abstract_step_context(config, devices)
-    docs = [np.ones(bucket, np.int32)] * chunks
-    pack = pl.pack_chunks([[(i, 0, bucket)] for i in range(chunks)], docs, bucket)
-    sched = schedule.one_f_one_b(chunks, layout.pp)
+    if split:
+        docs = [np.ones(chunks * bucket, np.int32)]
+        pack = pl.pack_chunks([[(0, i * bucket, bucket)] for i in range(chunks)], docs, bucket)
+        sched = schedule.token_level_1f1b(pack.chunk_prev, layout.pp)
+    else:
+        docs = [np.ones(bucket, np.int32)] * chunks
+        pack = pl.pack_chunks([[(i, 0, bucket)] for i in range(chunks)], docs, bucket)
+        sched = schedule.one_f_one_b(chunks, layout.pp)
     ckpt = np.zeros((chunks, layout.pp), np.int32)
     sig, _ = pl.prepare_batch(
         [pack] * layout.dp, [sched] * layout.dp, [ckpt] * layout.dp, layout, config.model.num_layers

@@ -9,7 +9,7 @@ Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
 pipeline step on 8 GPUs, (dp, pp, sp) in {(1,2,4), (2,2,2), (4,2,1)} (or ``--layout``, ``--chunks``,
-``--bucket``, ``--layers``), stage weights replicated and sharded over dp x sp, with the weight
+``--bucket``, ``--layers``, ``--split``: one document cut into the chunks), stage weights replicated and sharded over dp x sp, with the weight
 gathers the compiled schedule overlaps with compute. Every row either
 compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
 XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
@@ -136,9 +136,12 @@ def step_rows(target: str, names):
         yield row
 
 
-def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, layers=None):
+def pipeline_rows(
+    target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, layers=None, split=False
+):
     """llama-7b's pipeline step (``layers``: that many decoder layers instead) per layout, ``chunks``
-    one-document chunks of ``bucket`` tokens per pipeline, stage weights replicated and sharded
+    one-document chunks of ``bucket`` tokens per pipeline (``split``: one document cut into ``chunks``
+    slices, with context buffers), stage weights replicated and sharded
     over dp x sp (ZeRO-3): compiled memory per device, the stage layers' copy (compute dtype) +
     gradient accumulator (parameter dtype) one device holds by design, and the weight gathers."""
     from jvarlen.layout import Layout
@@ -155,12 +158,13 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
             def lower(layout=layout, devices=devices, mode=mode):
                 with kernels.compile_for(tgt):
                     return gpu_aot.lower_pipeline_step(
-                        config, devices, layout, chunks=chunks, bucket=bucket, stage_weights=mode
+                        config, devices, layout, chunks=chunks, bucket=bucket, stage_weights=mode, split=split
                     )
 
             what = (
                 f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''} (dp, pp, sp) = "
-                f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline)"
+                f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline"
+                f"{', one document' if split else ''})"
             )
             row, report = _run(target, what, lower)
             if report is not None:
@@ -185,7 +189,7 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
                     f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO "
                     f"({rs_loops} of the {loop_rs} async ones in the passes overlapped)"
                 )
-                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded")
+                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded", split)
                 row.detail += (
                     f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.2f} GiB "
                     f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}): model states "
@@ -195,9 +199,10 @@ def pipeline_rows(target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS,
             yield row
 
 
-def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, sharded: bool) -> dict:
+def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False) -> dict:
     """What the planner's cost model predicts for :func:`gpu_aot.lower_pipeline_step`'s plan (``chunks``
-    one-document chunks of ``bucket`` tokens, 1F1B, nothing recomputed), bytes per device of the
+    one-document chunks of ``bucket`` tokens, 1F1B, or with ``split`` the slices of one document in
+    token-level 1F1B; nothing recomputed), bytes per device of the
     stage that needs most: model states, the stored activations at the peak and the working memory
     of the backward running then, with the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
     from jvarlen.plan import schedule
@@ -206,12 +211,16 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     from jvarlen.plan.plan import replay_peaks
 
     cost = CostModel(shape, layout, _analytic(shape, target), stage_weights_sharded=sharded)
-    shapes = [ChunkShape(0, (bucket,))] * chunks
-    sched = schedule.one_f_one_b(chunks, layout.pp)
+    if split:
+        shapes = [ChunkShape(i * bucket, (bucket,), tail=i == chunks - 1) for i in range(chunks)]
+        sched = schedule.token_level_1f1b([-1] + list(range(chunks - 1)), layout.pp)
+    else:
+        shapes = [ChunkShape(0, (bucket,))] * chunks
+        sched = schedule.one_f_one_b(chunks, layout.pp)
     peaks = replay_peaks(shapes, sched, np.zeros((chunks, layout.pp), np.int32), cost)
     p = int(np.argmax(peaks))
     state = cost.model_state_memory(p)
-    work, grads = cost.working_memory(shapes[0], 0), cost.layer_gradient_memory()
+    work, grads = max(cost.working_memory(c, 0) for c in shapes), cost.layer_gradient_memory()
     return {
         "model_state": state,
         "activations": peaks[p] - state - work - grads,
@@ -335,6 +344,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--chunks", type=int, default=PIPELINE_CHUNKS, help="pipeline: chunks per pipeline")
     ap.add_argument("--bucket", type=int, default=PIPELINE_BUCKET, help="pipeline: tokens per chunk")
+    ap.add_argument("--split", action="store_true", help="pipeline: one document cut into the chunks (context buffers)")
     ap.add_argument("--layers", type=int, help="pipeline: decoder layers (default: llama-7b's 32)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
     ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
@@ -360,7 +370,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
         if args.part in ("all", "pipeline"):
-            for row in pipeline_rows(target, args.layout or PIPELINE_LAYOUTS, args.chunks, args.bucket, args.layers):
+            for row in pipeline_rows(
+                target, args.layout or PIPELINE_LAYOUTS, args.chunks, args.bucket, args.layers, args.split
+            ):
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:400]} ({row.seconds:.0f} s)", flush=True)
     print()
