@@ -53,9 +53,10 @@ class StageProgram:
     model (embedding, final norm, head), this pipeline's tables and chunks ``b``, and the loss
     ``scale`` (1 / all real targets of the iteration).
 
-    The ops' conditionals never see a buffer: what an op reads is gathered before it and what it
-    writes is scattered after it (to the dummy slot, or dropped, when it writes nothing), so every
-    buffer update is in place in the tick loop's carry."""
+    No buffer leaves an op's conditional: what an op reads is gathered before it (or, for the
+    context and residual buffers, read one layer at a time inside it) and what it writes is
+    scattered after it (to the dummy slot, or dropped, when it writes nothing), so every buffer
+    update is in place in the tick loop's carry."""
 
     def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True):
         self.s, self.layers, self.rest, self.scale = s, layers, rest, scale
