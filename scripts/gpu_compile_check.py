@@ -9,10 +9,10 @@ Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
 pipeline step on 8 GPUs, (dp, pp, sp) in {(1,2,4), (2,2,2), (4,2,1)} (or ``--layout``, ``--chunks``,
-``--bucket``, ``--layers``, ``--split``: one document cut into the chunks), stage weights replicated and sharded over dp x sp, with the weight
-gathers the compiled schedule overlaps with compute. Every row either
-compiles or is refused by the project (``kernels.UnsupportedError``); a failure inside
-XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
+``--bucket``, ``--layers``, ``--split``: one document cut into the chunks), stage weights
+replicated and sharded over dp x sp, with the weight gathers the compiled schedule overlaps with
+compute. Every row either compiles or is refused by the project (``kernels.UnsupportedError``); a
+failure inside XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
 status, largest shared memory of the Pallas kernels, register spill bytes (ptxas), peak
 memory per device (arguments + outputs + temporaries - donated), attention forwards per
 layer. ``--search`` instead compiles candidate tiles per (target, dtype size, head dim)
@@ -204,7 +204,8 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     one-document chunks of ``bucket`` tokens, 1F1B, or with ``split`` the slices of one document in
     token-level 1F1B; nothing recomputed), bytes per device of the
     stage that needs most: model states, the stored activations at the peak and the working memory
-    of the backward running then, with the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
+    of the backward running then (of the largest backward: with ``split`` the slices' differ), with
+    the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
     from jvarlen.plan import schedule
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel
