@@ -70,6 +70,7 @@ from jvarlen.parallel import pipeline as pl  # noqa: E402
 from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
 from jvarlen.parallel.pipeline import pack_chunks  # noqa: E402
 from jvarlen.plan import schedule as sch  # noqa: E402
+from jvarlen.runtime.memory_fit import need_bytes  # noqa: E402
 from jvarlen.runtime.state import split_model  # noqa: E402
 from jvarlen.runtime.step import loss_and_grads  # noqa: E402
 
@@ -392,6 +393,8 @@ def run_policies(spec: dict, devices, say) -> dict:
             out[key] = {
                 "compile_s": time.perf_counter() - t0,
                 "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
+                # what the step needs per device: arguments + outputs + temporaries - donated
+                "need_bytes": need_bytes(mem) if mem is not None else None,
                 "signature": {k: getattr(prepared.key, k) for k in ("bucket", "n_chunks", "n_ticks", "context")}
                 | {k: getattr(prepared.key, k) for k in ("n_stash", "n_grad", "n_ctx", "n_res")},
                 "times": [],
@@ -626,6 +629,16 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
     return spec, times
 
 
+def _need(row: dict) -> str:
+    """The step's whole need against the plan's budget, e.g. ``91 (of 120, fits)``."""
+    if not row["executor_need_mb"]:
+        return "not read"
+    if not row["budget_mb"]:
+        return f"{row['executor_need_mb']:.0f}"
+    verdict = "fits" if row["executor_need_mb"] <= row["budget_mb"] else "OVER"
+    return f"{row['executor_need_mb']:.0f} (of {row['budget_mb']:.0f}, {verdict})"
+
+
 def report_policies(spec: dict, times: dict, out: str) -> None:
     """Markdown table + JSON: per batch and policy, measured (min, median) vs predicted step time."""
     from jvarlen.plan.plan import Plan
@@ -659,6 +672,8 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
                     predicted_peak_mb=float(max(st["peak_memory_bytes"])) / 1e6,
                     fits=bool(st.get("fits_memory", True)),
                     executor_temp_mb=(times[key]["temp_bytes"] or 0) / 1e6,
+                    executor_need_mb=(times[key].get("need_bytes") or 0) / 1e6,  # 0: an earlier run's
+                    budget_mb=float(st.get("memory_budget_bytes", 0)) / 1e6,
                     signature=times[key]["signature"],
                 )
             )
@@ -667,15 +682,17 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
     print(f"\n{mode}; profile {os.path.basename(spec['profile'])}; {spec['repeats']} interleaved rounds; {units}")
     print(
         "| seed | policy | tick table | chunks | recomputed layers | measured s (min / median / max) | predicted s | "
-        "measured / predicted | predicted bubble | predicted peak MB | executor temp MB |"
+        "measured / predicted | predicted bubble | predicted peak MB | executor temp MB | executor needs MB "
+        "(of the budget) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['seed']} | {r['policy']} | {r['table']} | {r['chunks']} | {r['recomputed']} | {r['measured_min_s']:.3f} / "
             f"{r['measured_median_s']:.3f} / {r['measured_max_s']:.3f} | {r['predicted_s']:.3f} | "
             f"{r['measured_median_s'] / r['predicted_s']:.2f} | {r['bubble']:.2f} | {r['predicted_peak_mb']:.0f}"
-            f"{'' if r['fits'] else ' (over budget)'} | {r['executor_temp_mb']:.0f} |"
+            f"{'' if r['fits'] else ' (over budget)'} | {r['executor_temp_mb']:.0f} | "
+            f"{_need(r)} |"
         )
     by = {}
     for r in rows:
