@@ -279,13 +279,22 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
 
 
 def lower_pipeline_step(
-    config, devices, layout, *, chunks: int, bucket: int, stage_weights: str = "replicated", split: bool = False
+    config,
+    devices,
+    layout,
+    *,
+    chunks: int,
+    bucket: int,
+    stage_weights: str = "replicated",
+    split: bool = False,
+    recompute: bool = False,
 ):
     """The elastic pipeline's train step of ``config`` on ``layout`` lowered for ``devices``
     (abstract GPUs): every pipeline runs ``chunks`` one-document chunks of ``bucket`` tokens in
     1F1B order with no recomputation (the signature of such a plan); ``split``: one document of
     ``chunks × bucket`` tokens cut into ``chunks`` slices instead (Seq1F1B's token-level order;
-    each slice attends to the slices before it, so the step has context buffers). Call inside
+    each slice attends to the slices before it, so the step has context buffers); ``recompute``:
+    every layer of every chunk recomputed in its backward (no residual slots). Call inside
     ``kernels.compile_for(target)``."""
     import numpy as np
 
@@ -302,7 +311,7 @@ def lower_pipeline_step(
         docs = [np.ones(bucket, np.int32)] * chunks
         pack = pl.pack_chunks([[(i, 0, bucket)] for i in range(chunks)], docs, bucket)
         sched = schedule.one_f_one_b(chunks, layout.pp)
-    ckpt = np.zeros((chunks, layout.pp), np.int32)
+    ckpt = np.full((chunks, layout.pp), config.model.num_layers // layout.pp if recompute else 0, np.int32)
     sig, _ = pl.prepare_batch(
         [pack] * layout.dp, [sched] * layout.dp, [ckpt] * layout.dp, layout, config.model.num_layers
     )

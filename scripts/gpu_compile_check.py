@@ -9,7 +9,8 @@ Attention: Pallas forward + backward for dtypes {bf16, f16, f32} x head dims {64
 data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/llama-7b.yaml
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
 pipeline step on 8 GPUs, (dp, pp, sp) in {(1,2,4), (2,2,2), (4,2,1)} (or ``--layout``, ``--chunks``,
-``--bucket``, ``--layers``, ``--split``: one document cut into the chunks), stage weights
+``--bucket``, ``--layers``, ``--split``: one document cut into the chunks, ``--recompute``: every
+layer recomputed), stage weights
 replicated and sharded over dp x sp, with the weight gathers the compiled schedule overlaps with
 compute. Every row either compiles or is refused by the project (``kernels.UnsupportedError``); a
 failure inside XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
@@ -137,11 +138,17 @@ def step_rows(target: str, names):
 
 
 def pipeline_rows(
-    target: str, layouts=PIPELINE_LAYOUTS, chunks=PIPELINE_CHUNKS, bucket=PIPELINE_BUCKET, layers=None, split=False
+    target: str,
+    layouts=PIPELINE_LAYOUTS,
+    chunks=PIPELINE_CHUNKS,
+    bucket=PIPELINE_BUCKET,
+    layers=None,
+    split=False,
+    recompute=False,
 ):
     """llama-7b's pipeline step (``layers``: that many decoder layers instead) per layout, ``chunks``
     one-document chunks of ``bucket`` tokens per pipeline (``split``: one document cut into ``chunks``
-    slices, with context buffers), stage weights replicated and sharded
+    slices, with context buffers; ``recompute``: every layer recomputed), stage weights replicated and sharded
     over dp x sp (ZeRO-3): compiled memory per device, the stage layers' copy (compute dtype) +
     gradient accumulator (parameter dtype) one device holds by design, and the weight gathers."""
     from jvarlen.layout import Layout
@@ -158,13 +165,20 @@ def pipeline_rows(
             def lower(layout=layout, devices=devices, mode=mode):
                 with kernels.compile_for(tgt):
                     return gpu_aot.lower_pipeline_step(
-                        config, devices, layout, chunks=chunks, bucket=bucket, stage_weights=mode, split=split
+                        config,
+                        devices,
+                        layout,
+                        chunks=chunks,
+                        bucket=bucket,
+                        stage_weights=mode,
+                        split=split,
+                        recompute=recompute,
                     )
 
             what = (
                 f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''} (dp, pp, sp) = "
                 f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline"
-                f"{', one document' if split else ''})"
+                f"{', one document' if split else ''}{', every layer recomputed' if recompute else ''})"
             )
             row, report = _run(target, what, lower)
             if report is not None:
@@ -189,7 +203,7 @@ def pipeline_rows(
                     f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO "
                     f"({rs_loops} of the {loop_rs} async ones in the passes overlapped)"
                 )
-                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded", split)
+                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded", split, recompute)
                 row.detail += (
                     f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.2f} GiB "
                     f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}): model states "
@@ -199,10 +213,12 @@ def pipeline_rows(
             yield row
 
 
-def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False) -> dict:
+def pipeline_cost_memory(
+    shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False, recompute=False
+) -> dict:
     """What the planner's cost model predicts for :func:`gpu_aot.lower_pipeline_step`'s plan (``chunks``
     one-document chunks of ``bucket`` tokens, 1F1B, or with ``split`` the slices of one document in
-    token-level 1F1B; nothing recomputed), bytes per device of the
+    token-level 1F1B; nothing recomputed, or with ``recompute`` every layer), bytes per device of the
     stage that needs most: model states, the stored activations at the peak and the working memory
     of the backward running then (of the largest backward: with ``split`` the slices' differ), with
     the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
@@ -218,10 +234,11 @@ def pipeline_cost_memory(shape, layout, target: str, chunks: int, bucket: int, s
     else:
         shapes = [ChunkShape(0, (bucket,))] * chunks
         sched = schedule.one_f_one_b(chunks, layout.pp)
-    peaks = replay_peaks(shapes, sched, np.zeros((chunks, layout.pp), np.int32), cost)
+    ckpt = cost.layers_per_stage if recompute else 0
+    peaks = replay_peaks(shapes, sched, np.full((chunks, layout.pp), ckpt, np.int32), cost)
     p = int(np.argmax(peaks))
     state = cost.model_state_memory(p)
-    work, grads = max(cost.working_memory(c, 0) for c in shapes), cost.layer_gradient_memory()
+    work, grads = max(cost.working_memory(c, ckpt) for c in shapes), cost.layer_gradient_memory()
     return {
         "model_state": state,
         "activations": peaks[p] - state - work - grads,
@@ -346,6 +363,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=PIPELINE_CHUNKS, help="pipeline: chunks per pipeline")
     ap.add_argument("--bucket", type=int, default=PIPELINE_BUCKET, help="pipeline: tokens per chunk")
     ap.add_argument("--split", action="store_true", help="pipeline: one document cut into the chunks (context buffers)")
+    ap.add_argument("--recompute", action="store_true", help="pipeline: every layer of every chunk recomputed")
     ap.add_argument("--layers", type=int, help="pipeline: decoder layers (default: llama-7b's 32)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
     ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
@@ -372,7 +390,13 @@ def main(argv=None) -> int:
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
         if args.part in ("all", "pipeline"):
             for row in pipeline_rows(
-                target, args.layout or PIPELINE_LAYOUTS, args.chunks, args.bucket, args.layers, args.split
+                target,
+                args.layout or PIPELINE_LAYOUTS,
+                args.chunks,
+                args.bucket,
+                args.layers,
+                args.split,
+                args.recompute,
             ):
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:400]} ({row.seconds:.0f} s)", flush=True)
