@@ -132,11 +132,11 @@ def test_context_buffers_hold_one_slot_per_split_document_in_flight(model):
 
 def test_an_op_reads_the_context_one_layer_at_a_time():
     """Per context token, what the step holds beyond its context buffers grows by four layer rows
-    (one layer's K, V, dK or dV of one token) per layer of the stage: the backward's dK/dV, which the op
-    returns stacked, and the K/V its recomputed attention keeps (no residual policy: every residual). Each layer reads its context rows
-    where it uses them; read and rolled for the whole stage before each op, that was 12 rows per
-    layer (the stage's K/V and dK/dV, their rolls and sums; +9.0 GiB on the H100 compile of llama-7b
-    at (4, 2, 1) with a split 16K document)."""
+    (one layer's K, V, dK or dV of one token) per layer of the stage: the backward's dK/dV, which
+    the op returns stacked, and the K/V its recomputed attention keeps (no residual policy: every
+    residual). Each layer reads its context rows where it uses them; read and rolled for the whole
+    stage before each op, that was 12 rows per layer (the stage's K/V and dK/dV, their rolls and
+    sums; +9.0 GiB on the H100 compile of llama-7b at (4, 2, 1) with a split 16K document)."""
     require_devices(LAYOUT.num_devices)
     ((_, pack),) = pipelines(1, plans=(PLAN_B,))  # two documents split in two
     sched = sch.token_level_1f1b(pack.chunk_prev, LAYOUT.pp)
