@@ -162,6 +162,38 @@ def test_an_op_reads_the_context_one_layer_at_a_time():
     assert per_layer <= 4.5, growth
 
 
+def test_a_recomputing_backward_rebuilds_one_layer_at_a_time():
+    """Every layer recomputed (no residual slot, nothing fused): per token and layer of the stage,
+    the step holds the layer's input for each chunk in flight (its checkpoint slots, and the
+    forward's inputs on their way to them), not the chunk's rebuilt residuals of every layer at
+    once. Rebuilding them all before the descent held a layer's residuals per token and layer
+    (DAPPLE's 4,096-token CPU step: 136 -> 114 MB). The growth in both the bucket and the layer
+    count isolates that term from the parameters' and the buffers'."""
+    require_devices(LAYOUT.num_devices)
+    n = 4
+    temps, slots = {}, {}
+    for layers in (4, 8):
+        cfg = tiny_config(num_layers=layers)
+        _, graphdef, params = (cfg,) + tiny_params(cfg)
+        ls = layers // LAYOUT.pp
+        rng = np.random.default_rng(0)
+        docs = [rng.integers(1, cfg.vocab_size, size=20).astype(np.int32) for _ in range(n)]
+        for bucket in (32, 64):
+            pack = pack_chunks([[(i, 0, 20)] for i in range(n)], docs, bucket)
+            recompute = np.full((n, LAYOUT.pp), ls, np.int32)
+            sig, batch = pl.prepare_batch([pack], [sch.one_f_one_b(n, LAYOUT.pp)], [recompute], LAYOUT, layers)
+            assert sig.n_res == 0 and not sig.fused and sig.n_ckpt > 0
+            fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(LAYOUT)))
+            compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+            temps[ls, bucket] = compiled.memory_analysis().temp_size_in_bytes
+            slots[ls] = sig.n_ckpt / (ls - 1)  # checkpoint slots per layer: the chunks in flight
+    per_token = {ls: (temps[ls, 64] - temps[ls, 32]) / 32 for ls in (2, 4)}
+    row = cfg.d_model * 4  # one token's layer input, fp32
+    per_layer = (per_token[4] - per_token[2]) / 2 / row
+    assert slots[2] == slots[4]
+    assert per_layer <= slots[4] + 1 + 0.5, (per_layer, temps)  # + 1: the forward's inputs
+
+
 def test_fewer_residual_slots_compile_to_less_temp_memory(model):
     cfg = model[0]
     sig_keep, keep = _compiled(model, 8, "gpipe", 0)  # every layer's residuals stored

@@ -35,25 +35,31 @@ __all__ = ["FUSED", "SlotTables", "assign_slots", "as_paired", "fuse_single_stag
 class SlotTables:
     """Slot tables of one pipeline (n chunks, pp stages, Ls layers per stage, `ticks` ticks).
 
-    stash_slot, grad_slot, ctx_slot: ``[n, pp]`` int32; res_slot: ``[n, pp, Ls]`` int32;
-    recv_act, recv_grad: ``[ticks, pp]`` int32. Counts exclude the dummy slot.
+    stash_slot, grad_slot, ctx_slot: ``[n, pp]`` int32; res_slot, ckpt_slot: ``[n, pp, Ls]`` int32
+    (a stored layer's residuals; a recomputed layer's input, for layers 1.. of the recomputed ones:
+    layer 0's is the stash slot); recv_act, recv_grad: ``[ticks, pp]`` int32. Counts exclude the
+    dummy slot. ``fused``: some op of the table runs a chunk's F and B fused.
     """
 
     stash_slot: np.ndarray
     grad_slot: np.ndarray
     ctx_slot: np.ndarray
     res_slot: np.ndarray
+    ckpt_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     n_stash: int
     n_grad: int
     n_ctx: int
     n_res: int
+    n_ckpt: int
+    fused: bool
     peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
 
-    def with_counts(self, n_stash: int, n_grad: int, n_ctx: int, n_res: int) -> "SlotTables":
+    def with_counts(self, n_stash: int, n_grad: int, n_ctx: int, n_res: int, n_ckpt: int) -> "SlotTables":
         """The same assignment inside bigger buffers (dummy index moves to the new count)."""
-        for name, new in (("n_stash", n_stash), ("n_grad", n_grad), ("n_ctx", n_ctx), ("n_res", n_res)):
+        counts = (("n_stash", n_stash), ("n_grad", n_grad), ("n_ctx", n_ctx), ("n_res", n_res), ("n_ckpt", n_ckpt))
+        for name, new in counts:
             if new < getattr(self, name):
                 raise ValueError(f"{name}={new} is below the {getattr(self, name)} slots this plan needs")
 
@@ -67,12 +73,15 @@ class SlotTables:
             grad_slot=move(self.grad_slot, self.n_grad, n_grad),
             ctx_slot=move(self.ctx_slot, self.n_ctx, n_ctx),
             res_slot=move(self.res_slot, self.n_res, n_res),
+            ckpt_slot=move(self.ckpt_slot, self.n_ckpt, n_ckpt),
             recv_act=move(self.recv_act, self.n_stash, n_stash),
             recv_grad=move(self.recv_grad, self.n_grad, n_grad),
             n_stash=n_stash,
             n_grad=n_grad,
             n_ctx=n_ctx,
             n_res=n_res,
+            n_ckpt=n_ckpt,
+            fused=self.fused,
             peaks=self.peaks,
         )
 
@@ -147,13 +156,17 @@ def assign_slots(
     layers_per_stage: int,
     *,
     uses_context: Optional[Sequence[bool]] = None,
+    empty: Optional[Sequence[bool]] = None,
 ) -> SlotTables:
     """Slots for one pipeline.
 
     ticks ``[T, pp, 2, 2]`` (paired) or ``[T, pp, 2]`` (one op per tick) of (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
     ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of stage p are recomputed for chunk k,
     the others keep their residuals. ``uses_context[k]``: chunk k reads or writes KV context
-    (default: it is linked to another chunk).
+    (default: it is linked to another chunk). ``empty[k]``: chunk k holds no token (a plan padded
+    to the signature's chunk count); it gets no checkpoint slots: its cotangents are zero, so its
+    recomputed layers' gradients are zero whatever finite input they are rebuilt from, and a
+    padded plan then needs no more slots than the plan it pads.
     """
     ticks = as_paired(ticks)
     n = len(chunk_prev)
@@ -184,7 +197,8 @@ def assign_slots(
     grad = np.zeros((n, pp), np.int32)
     ctx = np.zeros((n, pp), np.int32)
     res = np.zeros((n, pp, ls), np.int32)
-    counts = {"stash": 0, "grad": 0, "ctx": 0, "res": 0}
+    ckpt_slot = np.zeros((n, pp, ls), np.int32)
+    counts = {"stash": 0, "grad": 0, "ctx": 0, "res": 0, "ckpt": 0}
     peaks = {}
     per_stage = []
     for p in range(pp):
@@ -195,8 +209,11 @@ def assign_slots(
         roots = sorted({root[k] for k in range(n) if uses_context[k]})
         iv_ctx = [(f_phase[r, p], b_phase[r, p], r) for r in roots]
         iv_res = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in staged for l in range(int(ckpt[k, p]), ls)]
+        holders = [k for k in staged if empty is None or not empty[k]]
+        iv_ckpt = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in holders for l in range(1, int(ckpt[k, p]))]
         col = {}
-        for name, iv in (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res)):
+        kinds = (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res), ("ckpt", iv_ckpt))
+        for name, iv in kinds:
             col[name], c = colour(iv)
             if c > counts[name] or name not in peaks:
                 peaks[name] = (p,) + _peak(iv)
@@ -209,6 +226,7 @@ def assign_slots(
             ctx[k, p] = col["ctx"][root[k]] if uses_context[k] else counts["ctx"]
             for l in range(ls):
                 res[k, p, l] = col["res"].get((k, l), counts["res"])
+                ckpt_slot[k, p, l] = col["ckpt"].get((k, l), counts["ckpt"])
     recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
     recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
     for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
@@ -222,12 +240,15 @@ def assign_slots(
         grad_slot=grad,
         ctx_slot=ctx,
         res_slot=res,
+        ckpt_slot=ckpt_slot,
         recv_act=recv_act,
         recv_grad=recv_grad,
         n_stash=counts["stash"],
         n_grad=counts["grad"],
         n_ctx=counts["ctx"],
         n_res=counts["res"],
+        n_ckpt=counts["ckpt"],
+        fused=bool(fused.any()),
         peaks=peaks,
     )
 

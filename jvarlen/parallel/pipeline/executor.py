@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from jvarlen.config import ModelConfig
 from jvarlen.model import AttentionInputs, cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
+from jvarlen.parallel.pipeline import slots
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
-from jvarlen.parallel.pipeline.slots import add_or_drop, get, layer_row, put, put_or_drop, put_rows_or_drop
 from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes, stage_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
@@ -97,6 +97,7 @@ class StageProgram:
         c["C"] = b["ctx_len"][k]
         c["slots"] = {name: b[name + "_slot"][k, self.stage] for name in ("stash", "grad", "ctx")}
         c["res_slot"] = b["res_slot"][k, self.stage]
+        c["ckpt_slot"] = b["ckpt_slot"][k, self.stage]
         seg, pos = c["segment_ids"], c["positions"]
         if s.Sc:
             # The context buffers hold a document's keys 0..C-1 at [0, C). The stage sees them
@@ -116,20 +117,6 @@ class StageProgram:
             c["local_" + key] = jax.lax.dynamic_slice_in_dim(c[key], self.mine, s.Tl)
         return c
 
-    def roll_ctx(self, a, c, back=False):
-        """One layer's context K/V (or their gradients) [Sc, K, D] between the buffers' layout and
-        the stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
-        if not self.s.Sc:
-            return a
-        return jnp.roll(a, -c["shift"] if back else c["shift"], axis=0)
-
-    def context_of(self, r, c, j):
-        """Layer j's context K/V [Sc, K, D] of chunk view ``c``, as the stage sees them, read from the
-        whole buffers in ``r`` where the layer uses them: a stage's worth of them, read before the
-        op, were several ``[Ls, Sc, K, D]`` copies per op (the read, its roll)."""
-        slot = c["slots"]["ctx"]
-        return tuple(self.roll_ctx(layer_row(r[name], slot, j), c) for name in ("ck", "cv"))
-
     # ---- passes over the stage's layers
     def layer_pass(self, step, init, xs, reverse=False, reduce=False):
         """``step(carry, lp, x_j) -> (carry, y_j)`` over the stage's layers (``StageWeights.layer_pass``)."""
@@ -146,55 +133,79 @@ class StageProgram:
 
     # ---- the ops: reads -> outputs (:attr:`out` where a lane does not run)
     def backward_op(self, r, op, k, kind=None):
-        """Lane 0: the backward of chunk k (its recomputed layers first), or the fused F and B of the
-        last stage (its forward keeps every layer's residuals; with one stage its input is the
-        embedding), or nothing (``op`` idle: every layer's mode is NONE). ``kind``: the op, static
-        (BWD or FUSED; its layers' modes static where they can be), or None: ``op``, data."""
+        """Lane 0: the backward of chunk k, or the fused F and B of the last stage (its forward keeps
+        every layer's residuals; with one stage its input is the embedding), or nothing (``op`` idle).
+        ``kind``: the op, static (BWD or FUSED), or None: ``op``, data.
+
+        A backward descends the stage's layers once: a recomputed layer is rebuilt from its input
+        (the stash for layer 0, else its checkpoint slot) under ``jax.vjp`` and applied at once, a
+        stored one is rebuilt from its residual slots, so at most one layer's rebuilt residuals are
+        held (docs/design/pipeline-recompute.md). Only a fused op has an ascending pass."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
         is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
-        if kind == FUSED or (kind == BWD and not s.stores):
-            mode = KEEP  # every layer, static
-        else:
-            recompute = c["res_slot"] == s.dummy("res") if s.stores else True
-            mode = jnp.where(is_fused | (is_b & recompute), KEEP, NONE)
-        x = r["x"]
-        if s.pp == 1:
-            x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
-        f = fns.layer(c["inputs"], c["local_positions"])
-
-        def up(x, lp, xs):  # a stored layer passes x on (its residuals are read by ``down``)
-            j, m = xs
-            y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, *self.context_of(r, c, j))
-            return y, res
-
-        y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
-
-        loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
         active = is_b | is_fused
+        fusable = kind == FUSED or (kind is None and s.sig.fused)  # static: the op may be a fused one
+        f = fns.layer(c["inputs"], c["local_positions"])
+        if fusable:
+            x = r["x"]
+            if s.pp == 1:
+                x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
+            mode = KEEP if kind == FUSED else jnp.where(is_fused, KEEP, NONE)
 
-        def own_grads(j):
-            """dK/dV of the chunk's own keys in layer j: what later slices' backwards added."""
-            if not s.Sc:
-                return (jnp.zeros((s.T, s.K, s.D), s.compute_dtype),) * 2
-            at = (c["slots"]["ctx"], j, c["C"], 0, 0)
-            return tuple(
-                jax.lax.dynamic_slice(r[n], at, (1, 1, s.T, s.K, s.D))[0, 0] * c["own"][0] for n in ("dck", "dcv")
-            )
+            def up(x, lp, xs):
+                j, m = xs
+                y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, *slots.context_of(s, r, c, j))
+                return y, res
+
+            y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
+            loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
+            dy = jnp.where(is_fused, dy_head, r["dy"])
+        else:
+            residuals, loss, d_head, dy = None, self.out["loss"], self.out["d_rest"], r["dy"]
+        # per layer: rebuilt from its input (recomputed, in a backward) or from stored residuals
+        recompute = c["res_slot"] == s.dummy("res") if s.stores else jnp.ones((s.ls,), bool)
+        if kind == FUSED:
+            rebuilds = None
+        elif kind == BWD:
+            rebuilds = recompute if s.stores else True
+        else:
+            rebuilds = recompute & ~is_fused if s.stores or fusable else True
 
         def down(dy, lp, xs):
-            j, res, slot = xs
-            if slot is not None:  # a stored layer's residuals, read from the stage's buffers here
-                stored = slot != s.dummy("res")
-                res = [jnp.where(stored, get(buf, slot).astype(kept.dtype), kept) for buf, kept in zip(r["res"], res)]
-            dlp, dx, dck, dcv = fns.descend(active, lp, *self.context_of(r, c, j), res, dy, *own_grads(j))
-            # the context's gradients in the buffers' layout, one layer at a time
-            return dx, ((self.roll_ctx(dck, c, back=True), self.roll_ctx(dcv, c, back=True)), dlp)
+            j, kept, slot, ckpt_slot, rebuild = xs
+            rebuild = rebuilds if static else rebuild
+            ck, cv = slots.context_of(s, r, c, j)
+            dk, dv = slots.own_context_grads(s, r, c, j)
 
-        dy = jnp.where(is_fused, dy_head, r["dy"])
-        slots = c["res_slot"] if s.stores and kind != FUSED else None
-        dx, ((dck, dcv), d_layers) = self.layer_pass(
-            down, dy, (jnp.arange(s.ls), residuals, slots), reverse=True, reduce=True
-        )
+            def from_input():
+                x_j = r["x"] if not s.sig.n_ckpt else jnp.where(j == 0, r["x"], slots.get(r["ckpt"], ckpt_slot))
+                return fns.rebuild(f, active, lp, x_j.astype(r["x"].dtype), ck, cv, dy, dk, dv)
+
+            def from_residuals():
+                res = kept
+                if s.stores and kind != FUSED:  # a stored layer's residuals, read from the slots here
+                    stored = [slots.get(buf, slot) for buf in r["res"]]
+                    res = (
+                        stored
+                        if kept is None
+                        else [jnp.where(is_fused, a, b.astype(a.dtype)) for a, b in zip(kept, stored)]
+                    )
+                return fns.descend(active, lp, ck, cv, res, dy, dk, dv)
+
+            if rebuild is None:
+                dlp, dx, dck, dcv = from_residuals()
+            elif rebuild is True:
+                dlp, dx, dck, dcv = from_input()
+            else:
+                dlp, dx, dck, dcv = jax.lax.cond(rebuild, from_input, from_residuals)
+            # the context's gradients in the buffers' layout, one layer at a time
+            return dx, ((slots.roll_context(s, dck, c, back=True), slots.roll_context(s, dcv, c, back=True)), dlp)
+
+        static = rebuilds is None or isinstance(rebuilds, bool)
+        per_layer = (c["res_slot"] if s.stores else None, c["ckpt_slot"] if s.sig.n_ckpt else None)
+        xs = (jnp.arange(s.ls), residuals) + per_layer + (None if static else rebuilds,)
+        dx, ((dck, dcv), d_layers) = self.layer_pass(down, dy, xs, reverse=True, reduce=True)
+        forwards = jnp.where(is_fused, s.ls, jnp.sum(jnp.where(is_b, recompute, False)))
 
         def first():
             _, vjp_fn = jax.vjp(lambda rr: self.embed(rr, c["local_tokens"]), self.rest)
@@ -209,7 +220,7 @@ class StageProgram:
             dcv=dcv,
             d_rest=jax.tree.map(jnp.add, d_head, d_embed),
             loss=loss,
-            count=jnp.sum(jnp.broadcast_to(mode == KEEP, (s.ls,))).astype(jnp.int32),
+            count=forwards.astype(jnp.int32),
         )
 
     def forward_op(self, r, op, k, kind=None):
@@ -226,10 +237,10 @@ class StageProgram:
 
         def up(x, lp, xs):
             j, m = xs
-            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *self.context_of(r, c, j))
-            return y, (k_own, v_own, res)
+            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *slots.context_of(s, r, c, j))
+            return y, (k_own, v_own, res, x if s.sig.n_ckpt else None)  # x: the layer's input
 
-        y, (k_own, v_own, residuals) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
+        y, (k_own, v_own, residuals, inputs) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
 
         loss, d_rest, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
         return dict(
@@ -238,6 +249,7 @@ class StageProgram:
             x_in=x,
             dy_last=dy,
             res=residuals if s.stores else [],
+            layer_inputs=inputs if s.sig.n_ckpt else None,
             k_own=k_own * c["own"],
             v_own=v_own * c["own"],
             d_rest=d_rest,
@@ -255,11 +267,13 @@ class StageProgram:
         used by a backward where the layer kept them); always the context K/V. Buffers whose rows
         an op reads layer by layer inside its passes (context, residuals) are passed whole."""
         s, sl = self.s, c["slots"]
-        reads = dict(x=get(carry["stash"], sl["stash"]), res=[], ck=carry["ck"], cv=carry["cv"])
+        reads = dict(x=slots.get(carry["stash"], sl["stash"]), res=[], ck=carry["ck"], cv=carry["cv"])
         if "dy" in kinds:
-            reads["dy"] = get(carry["grad_in"], sl["grad"])
+            reads["dy"] = slots.get(carry["grad_in"], sl["grad"])
         if "dctx" in kinds:
             reads["dck"], reads["dcv"] = carry["dck"], carry["dcv"]
+        if "res" in kinds and s.sig.n_ckpt:  # recomputed layers' inputs, read in the backward's pass
+            reads["ckpt"] = carry["ckpt"]
         if "res" in kinds and s.stores:
             # the whole buffers: a backward reads its stored layers' rows one layer at a time inside
             # its pass (a gather of all of them first would hold a stage's residuals of a chunk
@@ -286,12 +300,13 @@ class StageProgram:
         if s.fns.weights.dp_sharded:  # one pass for every op kind: its layers' gathers are matched
             o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
         else:  # a branch per op kind, with static layer modes where they are (fewer conditionals)
-            kinds = [self.idle, partial(self.backward_op, kind=BWD), partial(self.backward_op, kind=FUSED)]
+            fused = partial(self.backward_op, kind=FUSED) if s.sig.fused else self.idle
+            kinds = [self.idle, partial(self.backward_op, kind=BWD), fused]
             o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
         if s.Sc:  # no dummy context slot (a whole context bucket per buffer): slot n_ctx is dropped
             ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
-            carry["dck"] = add_or_drop(carry["dck"], ctx_b, o["dck"])
-            carry["dcv"] = add_or_drop(carry["dcv"], ctx_b, o["dcv"])
+            carry["dck"] = slots.add_or_drop(carry["dck"], ctx_b, o["dck"])
+            carry["dcv"] = slots.add_or_drop(carry["dcv"], ctx_b, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
         carry["loss"] = carry["loss"] + o["loss"]
@@ -310,12 +325,15 @@ class StageProgram:
         kind = None if s.fns.weights.dp_sharded else FWD
         o = jax.lax.cond(run, partial(self.forward_op, kind=kind), self.idle, reads, op, k)
         writes = is_f & lane0_done
-        carry["stash"] = put(
+        carry["stash"] = slots.put(
             carry["stash"], jnp.where(writes & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"]
         )
-        carry["grad_in"] = put(
+        carry["grad_in"] = slots.put(
             carry["grad_in"], jnp.where(writes & self.is_last, sl["grad"], s.dummy("grad")), o["dy_last"]
         )
+        if s.sig.n_ckpt:  # recomputed layers' inputs (layer 0's is the stash): slot n_ckpt is dropped
+            ckpt_f = jnp.where(writes, c["ckpt_slot"], s.dummy("ckpt"))
+            carry["ckpt"] = carry["ckpt"].at[ckpt_f].set(o["layer_inputs"].astype(carry["ckpt"].dtype), mode="drop")
         if s.stores:
             res_f = jnp.where(writes, c["res_slot"], s.dummy("res"))  # slot n_res: dropped
             carry["res"] = [
@@ -324,13 +342,13 @@ class StageProgram:
         if s.Sc:
             # own K/V into the context slot; a document's first slice clears its dK/dV accumulator
             ctx_f = jnp.where(writes, sl["ctx"], s.dummy("ctx"))
-            carry["ck"] = put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
-            carry["cv"] = put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
+            carry["ck"] = slots.put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
+            carry["cv"] = slots.put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
             start = writes & (self.b["has_next"][k] > 0) & (c["C"] == 0)
             ctx_z = jnp.where(start, sl["ctx"], s.dummy("ctx"))
             zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
-            carry["dck"] = put_or_drop(carry["dck"], ctx_z, zero)
-            carry["dcv"] = put_or_drop(carry["dcv"], ctx_z, zero)
+            carry["dck"] = slots.put_or_drop(carry["dck"], ctx_z, zero)
+            carry["dcv"] = slots.put_or_drop(carry["dcv"], ctx_z, zero)
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
@@ -360,8 +378,8 @@ class StageProgram:
             cdt = s.compute_dtype
             recv_act = jax.lax.ppermute(send_act.astype(cdt), PP, [(i, i + 1) for i in range(s.pp - 1)])
             recv_grad = jax.lax.ppermute(send_grad.astype(cdt), PP, [(i + 1, i) for i in range(s.pp - 1)])
-            carry["stash"] = put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
-            carry["grad_in"] = put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
+            carry["stash"] = slots.put(carry["stash"], b["recv_act"][t, self.stage], recv_act)
+            carry["grad_in"] = slots.put(carry["grad_in"], b["recv_grad"][t, self.stage], recv_grad)
         return carry, None
 
     # ---- the whole program
@@ -386,6 +404,7 @@ class StageProgram:
             x_in=act,
             dy_last=act,
             res=[jnp.zeros((s.ls,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
+            layer_inputs=jnp.zeros((s.ls, s.Tl, s.d), cdt) if sig.n_ckpt else None,
             k_own=kv_own,
             v_own=kv_own,
             dck=zeros_ctx[0],
@@ -404,6 +423,8 @@ class StageProgram:
             dcv=zeros_ctx,
             # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
             res=[jnp.zeros((sig.n_res,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
+            # no dummy slot either: writes to slot n_ckpt are dropped
+            ckpt=jnp.zeros((sig.n_ckpt, s.Tl, s.d), cdt) if sig.n_ckpt else None,
             g_layers=s.fns.weights.accumulators(layers),
             g_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),

@@ -86,7 +86,14 @@ def prepare_batch(
             if layout.pp == 1 and fuse:
                 ticks = fuse_single_stage(ticks, keep=keep)
             ticks = sch.lanes(ticks)
-        slots = assign_slots(ticks, pack.chunk_prev, ckpt, ls, uses_context=(pack.ctx_len > 0) | (pack.has_next > 0))
+        slots = assign_slots(
+            ticks,
+            pack.chunk_prev,
+            ckpt,
+            ls,
+            uses_context=(pack.ctx_len > 0) | (pack.has_next > 0),
+            empty=~(pack.arrays["segment_ids"] > 0).any(axis=1),
+        )
         tables.append((ticks, slots))
     bucket = packs[0].bucket
     context = max(p.context_bucket() for p in packs)
@@ -94,7 +101,10 @@ def prepare_batch(
     need = dict(
         n_ticks=max(t.shape[0] for t, _ in tables),
         context=context,
-        **{name: max(getattr(s, name) for _, s in tables) for name in ("n_stash", "n_grad", "n_ctx", "n_res")},
+        **{
+            name: max(getattr(s, name) for _, s in tables) for name in ("n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt")
+        },
+        fused=any(s.fused for _, s in tables),
     )
     if signature is None:
         sig = PipelineSignature(layout, num_layers, bucket, packs[0].n_chunks, **need)
@@ -104,14 +114,14 @@ def prepare_batch(
     out = stack_pipelines(packs)
     per = {key: [] for key in TABLE_KEYS}
     for ticks, slots in tables:
-        slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res)
+        slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res, sig.n_ckpt)
         pad = sig.n_ticks - ticks.shape[0]
         idle = np.zeros((pad, layout.pp, 2, 2), np.int32)
         idle[..., 1] = -1
         per["ops"].append(np.concatenate([ticks, idle]))
         per["recv_act"].append(np.concatenate([slots.recv_act, np.full((pad, layout.pp), sig.n_stash, np.int32)]))
         per["recv_grad"].append(np.concatenate([slots.recv_grad, np.full((pad, layout.pp), sig.n_grad, np.int32)]))
-        for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot"):
+        for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot", "ckpt_slot"):
             per[key].append(getattr(slots, key))
     out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
     # ticks the executor runs: the longest pipeline's table, not the signature's rounded count (every
@@ -128,6 +138,8 @@ def _check_fits(sig, layout, num_layers, bucket, n_chunks, need, slot_tables) ->
     for name, value in need.items():
         if value <= getattr(sig, name):
             continue
+        if name == "fused":
+            raise ScheduleError("the tables fuse a chunk's F and B but the compiled signature has no fused op")
         where = ""
         kind = name[2:] if name.startswith("n_") else None
         for slots in slot_tables:

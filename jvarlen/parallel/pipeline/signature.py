@@ -15,8 +15,8 @@ import numpy as np
 from jvarlen.layout import Layout
 
 CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
-TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "recv_act", "recv_grad")
-GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res")
+TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "ckpt_slot", "recv_act", "recv_grad")
+GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,8 @@ class PipelineSignature:
     n_grad: int
     n_ctx: int
     n_res: int  # stored-layer residual slots per stage
+    n_ckpt: int = 0  # recomputed layers' input slots per stage (layers 1.. of the recomputed ones)
+    fused: bool = True  # some op runs a chunk's F and B fused (the program holds the fused op)
 
     @property
     def layers_per_stage(self) -> int:
@@ -50,6 +52,7 @@ class PipelineSignature:
             grad_slot=(dp, n, pp),
             ctx_slot=(dp, n, pp),
             res_slot=(dp, n, pp, self.layers_per_stage),
+            ckpt_slot=(dp, n, pp, self.layers_per_stage),
             recv_act=(dp, self.n_ticks, pp),
             recv_grad=(dp, self.n_ticks, pp),
             live_ticks=(dp,),  # ticks actually run (≤ n_ticks), the same for every pipeline
@@ -73,6 +76,11 @@ def round_signature(sig: PipelineSignature) -> PipelineSignature:
         n_grad=_round_up(sig.n_grad, 2),
         n_ctx=sig.n_ctx,
         n_res=_round_up(sig.n_res, 2 * sig.layers_per_stage),
+        n_ckpt=_round_up(sig.n_ckpt, 2 * sig.layers_per_stage),
+        # a plan that stores residuals fuses the last stage's chunks it does not recompute in some
+        # iterations and not in others: one executable for both. A plan that recomputes every
+        # layer compiles no fused op, and so no stack of a chunk's residuals.
+        fused=sig.fused or sig.n_res > 0,
     )
 
 

@@ -1,6 +1,7 @@
 """In-place reads and writes of the pipeline executor's slot buffers (``[slots, ...]`` arrays in the
-tick loop's carry). A write to the slot one past the last is dropped, or lands in a dummy slot where
-the buffer has one; reads clip their index (device code)."""
+tick loop's carry), and a split document's context read from them one layer at a time. A write to
+the slot one past the last is dropped, or lands in a dummy slot where the buffer has one; reads
+clip their index (device code)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,28 @@ def put_rows_or_drop(buf, i, start, value):
         unique_indices=True,
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
+
+
+# ---- a split document's context as a layer sees it (``s``: the StageShapes, ``c``: a chunk view)
+def roll_context(s, a, c, back=False):
+    """One layer's context K/V (or their gradients) [Sc, K, D] between the buffers' layout and the
+    stage's (rolled by Sc - C); ``back`` undoes it. Identity without context."""
+    if not s.Sc:
+        return a
+    return jnp.roll(a, -c["shift"] if back else c["shift"], axis=0)
+
+
+def context_of(s, r, c, j):
+    """Layer j's context K/V [Sc, K, D] of chunk view ``c``, as the stage sees them, read from the
+    whole buffers in ``r`` where the layer uses them: a stage's worth of them, read before the op,
+    were several ``[Ls, Sc, K, D]`` copies per op (the read, its roll)."""
+    slot = c["slots"]["ctx"]
+    return tuple(roll_context(s, layer_row(r[name], slot, j), c) for name in ("ck", "cv"))
+
+
+def own_context_grads(s, r, c, j):
+    """dK/dV [T, K, D] of the chunk's own keys in layer j: what later slices' backwards added."""
+    if not s.Sc:
+        return (jnp.zeros((s.T, s.K, s.D), s.compute_dtype),) * 2
+    at = (c["slots"]["ctx"], j, c["C"], 0, 0)
+    return tuple(jax.lax.dynamic_slice(r[n], at, (1, 1, s.T, s.K, s.D))[0, 0] * c["own"][0] for n in ("dck", "dcv"))

@@ -141,6 +141,16 @@ class StageFns:
 
         return maybe(active, run)
 
+    def rebuild(self, f, active, lp, x, ck, cv, dy, dk, dv):
+        """One recomputed layer of a backward, where ``active``: its forward from its input ``x``
+        [T/sp, d] under ``jax.vjp`` (``f``: :meth:`layer`), applied at once to (dy, dk, dv) as in
+        :meth:`descend`. -> (d lp, dx, d ck, d cv), zeros where not ``active``."""
+
+        def run():
+            return jax.vjp(f, lp, x, ck, cv)[1]((dy, dk, dv))
+
+        return maybe(active, run)
+
 
 # Modes of :meth:`StageFns.ascend`, per layer
 NONE, PLAIN, KEEP = 0, 1, 2
