@@ -69,6 +69,7 @@ from jvarlen.model import build_model  # noqa: E402
 from jvarlen.parallel import pipeline as pl  # noqa: E402
 from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
 from jvarlen.parallel.pipeline import pack_chunks  # noqa: E402
+from jvarlen.parallel.pipeline.buffers import SLOT_COUNTS  # noqa: E402
 from jvarlen.plan import schedule as sch  # noqa: E402
 from jvarlen.runtime.memory_fit import need_bytes  # noqa: E402
 from jvarlen.runtime.state import split_model  # noqa: E402
@@ -241,9 +242,7 @@ def order(graphdef, cfg, params, tokens, repeats, counts=(4, 8), profile=None):
             for sc in scheds.values()
             for pr in (True, False)
         ]
-        sig = dataclasses.replace(
-            needs[0], **{f: max(getattr(x, f) for x in needs) for f in ("n_ticks", "n_stash", "n_grad", "n_res")}
-        )
+        sig = pl.cover(*needs)
         step = jax.jit(
             pl.make_pipeline_grads(
                 graphdef, cfg, sig, layout_mesh(layout, jax.devices()[:2]), residual_policy="dots_and_attention"
@@ -396,7 +395,7 @@ def run_policies(spec: dict, devices, say) -> dict:
                 # what the step needs per device: arguments + outputs + temporaries - donated
                 "need_bytes": need_bytes(mem) if mem is not None else None,
                 "signature": {k: getattr(prepared.key, k) for k in ("bucket", "n_chunks", "n_ticks", "context")}
-                | {k: getattr(prepared.key, k) for k in ("n_stash", "n_grad", "n_ctx", "n_res")},
+                | {k: getattr(prepared.key, k) for k in SLOT_COUNTS + ("fused",)},
                 "times": [],
             }
             entries[key] = prepared

@@ -28,7 +28,10 @@ import numpy as np
 
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 
-__all__ = ["FUSED", "SlotTables", "assign_slots", "as_paired", "fuse_single_stage", "op_ticks"]
+__all__ = ["FUSED", "SLOT_COUNTS", "SlotTables", "assign_slots", "as_paired", "fuse_single_stage", "op_ticks"]
+
+# the slot counts of a table and of a signature (each excludes the dummy slot)
+SLOT_COUNTS = ("n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +59,15 @@ class SlotTables:
     fused: bool
     peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
 
-    def with_counts(self, n_stash: int, n_grad: int, n_ctx: int, n_res: int, n_ckpt: int) -> "SlotTables":
-        """The same assignment inside bigger buffers (dummy index moves to the new count)."""
-        counts = (("n_stash", n_stash), ("n_grad", n_grad), ("n_ctx", n_ctx), ("n_res", n_res), ("n_ckpt", n_ckpt))
-        for name, new in counts:
-            if new < getattr(self, name):
-                raise ValueError(f"{name}={new} is below the {getattr(self, name)} slots this plan needs")
+    def with_counts(self, sizes) -> "SlotTables":
+        """The same assignment inside the bigger buffers of ``sizes`` (a signature, or anything with
+        the :data:`SLOT_COUNTS` attributes); dummy indices move to the new counts."""
+        n_stash, n_grad, n_ctx, n_res, n_ckpt = (getattr(sizes, name) for name in SLOT_COUNTS)
+        for name in SLOT_COUNTS:
+            if getattr(sizes, name) < getattr(self, name):
+                raise ValueError(
+                    f"{name}={getattr(sizes, name)} is below the {getattr(self, name)} slots this plan needs"
+                )
 
         def move(a, old, new):
             a = a.copy()

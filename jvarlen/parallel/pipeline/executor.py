@@ -263,8 +263,8 @@ class StageProgram:
     # ---- one tick: lane 0 (B or FUSED), then lane 1 (F), then the two ppermutes
     def reads(self, carry, c, kinds: tuple) -> dict:
         """What an op of the lane may read from its chunk's slots: ``kinds`` of ``x`` (stash),
-        ``dy`` (cotangent inbox), ``dctx`` (context dK/dV), ``res`` (stored residuals of every layer,
-        used by a backward where the layer kept them); always the context K/V. Buffers whose rows
+        ``dy`` (cotangent inbox), ``dctx`` (context dK/dV), ``res`` (what a backward rebuilds its
+        layers from: the stored residuals and the recomputed layers' inputs); always the context K/V. Buffers whose rows
         an op reads layer by layer inside its passes (context, residuals) are passed whole."""
         s, sl = self.s, c["slots"]
         reads = dict(x=slots.get(carry["stash"], sl["stash"]), res=[], ck=carry["ck"], cv=carry["cv"])

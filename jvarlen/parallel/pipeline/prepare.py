@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from jvarlen.layout import Layout
-from jvarlen.parallel.pipeline.buffers import assign_slots, fuse_single_stage
+from jvarlen.parallel.pipeline.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage
 from jvarlen.parallel.pipeline.chunks import PackedChunks, pack_chunks, stack_pipelines
 from jvarlen.parallel.pipeline.signature import (
     GROWABLE,
@@ -101,9 +101,7 @@ def prepare_batch(
     need = dict(
         n_ticks=max(t.shape[0] for t, _ in tables),
         context=context,
-        **{
-            name: max(getattr(s, name) for _, s in tables) for name in ("n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt")
-        },
+        **{name: max(getattr(s, name) for _, s in tables) for name in SLOT_COUNTS},
         fused=any(s.fused for _, s in tables),
     )
     if signature is None:
@@ -114,7 +112,7 @@ def prepare_batch(
     out = stack_pipelines(packs)
     per = {key: [] for key in TABLE_KEYS}
     for ticks, slots in tables:
-        slots = slots.with_counts(sig.n_stash, sig.n_grad, sig.n_ctx, sig.n_res, sig.n_ckpt)
+        slots = slots.with_counts(sig)
         pad = sig.n_ticks - ticks.shape[0]
         idle = np.zeros((pad, layout.pp, 2, 2), np.int32)
         idle[..., 1] = -1
