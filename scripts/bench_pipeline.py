@@ -18,6 +18,8 @@
    e.g. batches planned under a tight ``--budget-mb``), written into a copy of the profile;
    ``--runs A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
 7. ``predict``: ``--profile``'s prediction error on the steps of earlier runs (``--runs``).
+8. ``retime``: the plans of earlier runs (``--runs``) timed again on today's executor, one run
+   per input under the directory ``--out``: a refit after an executor change on the same steps.
 
 In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
 worker 0 times the reference probe before every round and the measured steps are converted to
@@ -28,6 +30,7 @@ the profile's clock (the machine's speed changes by 20-30 % within an hour here)
     python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
     python scripts/bench_pipeline.py --parts overheads --runs runs/a.spec.json,runs/b.spec.json --profile-out runs/p.json
     python scripts/bench_pipeline.py --parts predict --runs runs/c.spec.json --profile runs/p.json
+    python scripts/bench_pipeline.py --parts retime --processes --runs runs/a.spec.json --out runs/again/
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -601,9 +604,29 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
         plans = plan_policies(lengths, cost, args, names)
         spec["batches"].append({"seed": seed, "lengths": lengths, "plans": {k: p.to_json() for k, p in plans.items()}})
         print(f"seed {seed}: {len(lengths)} documents, {sum(lengths)} tokens, longest {max(lengths)}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    spec["result"] = args.out.replace(".json", ".times.json")
-    spec_path = args.out.replace(".json", ".spec.json")
+    return spec, time_spec(spec, args.out, args)
+
+
+def retime(cfg, args) -> None:
+    """Times the very plans of earlier runs (``--runs``) again on today's executor, each written
+    beside ``--out`` under its own name (``--out`` a directory): a refit of the executor terms
+    after an executor change then sees the same steps as the fit before it."""
+    os.makedirs(args.out, exist_ok=True)
+    for spec_path, (spec, _) in zip(args.runs.split(","), load_runs(args.runs)):
+        spec["retimed_from"] = os.path.basename(spec_path)
+        spec["repeats"] = args.repeats
+        spec["processes"] = args.processes
+        out = os.path.join(args.out, os.path.basename(spec_path).replace(".spec.json", ".json"))
+        print(f"retiming {spec_path} -> {out}", flush=True)
+        report_policies(spec, time_spec(spec, out, args), out)
+
+
+def time_spec(spec: dict, out: str, args) -> dict:
+    """Writes ``spec`` beside ``out`` and times its plans, one process per stage with
+    ``--processes``: the times, as :func:`run_policies` returns them."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    spec["result"] = out.replace(".json", ".times.json")
+    spec_path = out.replace(".json", ".spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     if args.processes:
@@ -616,16 +639,14 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
             "--port",
             str(port),
             "--pp",
-            str(args.pp),
+            str(spec["pp"]),
         ]
-        procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(args.pp)]
+        procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(spec["pp"])]
         if any(p.wait() for p in procs):
             raise SystemExit("a worker failed")
         with open(spec["result"]) as f:
-            times = json.load(f)
-    else:
-        times = run_policies(spec, jax.devices()[: args.pp], lambda m: print(m, flush=True))
-    return spec, times
+            return json.load(f)
+    return run_policies(spec, jax.devices()[: spec["pp"]], lambda m: print(m, flush=True))
 
 
 def _need(row: dict) -> str:
@@ -774,6 +795,10 @@ def main():
         policies(cfg, args)
     if "overheads" in parts:
         overheads(cfg, args)
+    if "retime" in parts:
+        if not args.runs:
+            parser.error("--parts retime needs --runs")
+        retime(cfg, args)
     if "predict" in parts:
         if not args.runs:
             parser.error("--parts predict needs --runs")
