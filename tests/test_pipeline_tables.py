@@ -7,12 +7,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pipeline_helpers import PLAN_A, plan_documents
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
-from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, fuse_single_stage
+from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, colour, fuse_single_stage, op_ticks
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
@@ -72,8 +74,68 @@ def test_split_document_window_and_context_slots():
     # one document split in 4 slices, then 2 batched chunks: window d_p - p + N_prefill
     prev = [-1, 0, 1, 2, -1, -1]
     slots = assign_slots(sch.token_level_1f1b(prev, 2).to_ticks(), prev, np.zeros((6, 2), np.int32), 1)
-    assert slots.n_stash == 2 - 1 + 4 and slots.n_ctx == 1
-    assert (slots.ctx_slot[:4] == 0).all() and (slots.ctx_slot[4:] == slots.n_ctx).all()
+    assert slots.n_stash == 2 - 1 + 4 and slots.ctx_rows == 1  # one document, one row each (default need)
+    assert (slots.ctx_base[:4] == 0).all() and (slots.ctx_base[4:] == slots.ctx_rows).all()
+
+
+def test_context_pool_gives_each_document_its_own_rows():
+    """Three split documents in flight at once (GPipe) take the sum of their regions (32 + 8 + 4
+    rows), not three regions of the longest."""
+    prev = [-1, 0, 1, -1, 3, -1, 5]
+    need = [16, 32, 32, 8, 8, 4, 4]  # C (+ own tokens where a later slice continues)
+    slots = assign_slots(sch.gpipe(7, 2, prev).to_ticks(), prev, np.zeros((7, 2), np.int32), 1, ctx_need=need)
+    assert slots.ctx_rows == 32 + 8 + 4
+    for p in range(2):
+        assert [int(slots.ctx_base[k, p]) for k in (0, 3, 5)] == [0, 32, 40]  # first fit, in forward order
+        for root, chain in ((0, (1, 2)), (3, (4,)), (5, (6,))):
+            assert all(slots.ctx_base[k, p] == slots.ctx_base[root, p] for k in chain)
+
+
+@st.composite
+def _split_batches(draw):
+    """(chunk_prev, ctx_need, pp, schedule kind) of up to 9 chunks, some of them slices of one document."""
+    n = draw(st.integers(2, 9))
+    prev = [k - 1 if k > 0 and draw(st.booleans()) else -1 for k in range(n)]
+    need = [draw(st.integers(1, 64)) for _ in range(n)]
+    return prev, need, draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from(["gpipe", "1f1b"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_split_batches())
+def test_context_regions_live_at_once_never_share_a_row(case):
+    """Property: on every stage, two documents whose live ranges (first forward to the first
+    slice's backward, in the phases of the paired table) meet have disjoint regions inside the
+    pool, every chunk of a document uses its document's base, and the pool is never larger than
+    equal slots of the largest region (one per document in flight)."""
+    prev, need, pp, kind = case
+    n = len(prev)
+    sched = sch.gpipe(n, pp, prev) if kind == "gpipe" else sch.token_level_1f1b(prev, pp)
+    ticks = sch.paired_ticks(sched)
+    slots = assign_slots(ticks, prev, np.zeros((n, pp), np.int32), 1, ctx_need=need)
+    root = list(range(n))
+    for k in range(n):
+        while prev[root[k]] >= 0:
+            root[k] = prev[root[k]]
+    linked = [k for k in range(n) if prev[k] >= 0 or k in prev]
+    docs = sorted({root[k] for k in linked})
+    rows = {r: max(need[k] for k in linked if root[k] == r) for r in docs}
+    tf, tb = op_ticks(ticks, n)
+    worst = 0
+    for p in range(pp):
+        live = {r: (3 * tf[r, p] + (0 if tf[r, p] == tb[r, p] else 1), 3 * tb[r, p]) for r in docs}
+        worst = max(worst, colour([(a, b, r) for r, (a, b) in live.items()])[1])
+        for k in range(n):
+            expected = slots.ctx_base[root[k], p] if k in linked else slots.ctx_rows
+            assert slots.ctx_base[k, p] == expected
+        for i, r in enumerate(docs):
+            base = int(slots.ctx_base[r, p])
+            assert 0 <= base and base + rows[r] <= slots.ctx_rows
+            for q in docs[i + 1 :]:
+                (a0, a1), (b0, b1) = live[r], live[q]
+                if a0 <= b1 and b0 <= a1:
+                    other = int(slots.ctx_base[q, p])
+                    assert base + rows[r] <= other or other + rows[q] <= base, (p, r, q)
+    assert slots.ctx_rows <= worst * max(rows.values(), default=0)
 
 
 def test_recomputed_layers_get_the_dummy_slot():
@@ -99,7 +161,7 @@ def test_one_stage_fuses_adjacent_forward_and_backward():
     # fused chunks hold no stash, inbox or residual slot; the others keep theirs
     assert slots.stash_slot[2, 0] == slots.grad_slot[2, 0] == slots.n_stash == slots.n_grad == 2
     assert (slots.res_slot[[2, 3]] == slots.n_res).all() and slots.n_res == 2 * 2
-    assert slots.ctx_slot[2, 0] == slots.ctx_slot[0, 0] == 0  # the last slice still reads context
+    assert slots.ctx_base[2, 0] == slots.ctx_base[0, 0] == 0  # the last slice still reads context
     with pytest.raises(ValueError, match="one-stage"):
         fuse_single_stage(sch.one_f_one_b(2, 2).to_ticks())
 
@@ -207,7 +269,7 @@ def test_paired_ticks_keep_the_slot_counts(pp):
     for sched in (sch.one_f_one_b(8, pp), sch.gpipe(8, pp, prev), sch.token_level_1f1b(prev, pp)):
         one = assign_slots(sched.to_ticks(), sched.chunk_prev, ckpt, 1)
         two = assign_slots(sch.paired_ticks(sched), sched.chunk_prev, ckpt, 1)
-        for name in ("n_stash", "n_grad", "n_ctx", "n_res"):
+        for name in ("n_stash", "n_grad", "ctx_rows", "n_res"):
             assert getattr(two, name) <= getattr(one, name), name
         assert sch.paired_ticks(sched).shape[0] < sched.to_ticks().shape[0]
 

@@ -1,11 +1,16 @@
 """Host-side buffer slots of the pipeline executor (numpy only, no JAX).
 
-Every buffer of a stage (stashed inputs, cotangent inboxes, KV context, stored
-residuals) is a fixed number of *slots*; a slot is held by one chunk over a live
-range of ticks. Slots are assigned by interval colouring of those live ranges in
-the tick table, so their number follows the pipeline window (InfiniPipe Eq. 7)
-rather than the number of chunks. Slot index ``count`` (one past the last) is the
-*dummy* slot: writing to it means "store nothing".
+Every buffer of a stage (stashed inputs, cotangent inboxes, stored residuals, checkpoints)
+is a fixed number of *slots*; a slot is held by one chunk over a live range of ticks. Slots
+are assigned by interval colouring of those live ranges in the tick table, so their number
+follows the pipeline window (InfiniPipe Eq. 7) rather than the number of chunks. Slot index
+``count`` (one past the last) is the *dummy* slot: writing to it means "store nothing".
+
+A split document's context K/V and their gradients live in a *pool* of rows instead: the
+document holds a region of as many rows as its context grows to (its last slice's C), from its
+first slice's forward to that slice's backward (the document's last), at a base row chosen by
+first fit (docs/design/pipeline-context-pool.md). Documents of different lengths then take
+what they need, not one whole context bucket each.
 
 Tables are paired (``[ticks, pp, 2 lanes, 2]``, :func:`jvarlen.plan.schedule.paired_ticks`;
 a single-op table ``[ticks, pp, 2]`` is read as one op per tick). Phases inside a tick: ``3t``
@@ -31,29 +36,31 @@ from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 __all__ = ["FUSED", "SLOT_COUNTS", "SlotTables", "assign_slots", "as_paired", "fuse_single_stage", "op_ticks"]
 
 # the slot counts of a table and of a signature (each excludes the dummy slot)
-SLOT_COUNTS = ("n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt")
+SLOT_COUNTS = ("n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotTables:
     """Slot tables of one pipeline (n chunks, pp stages, Ls layers per stage, `ticks` ticks).
 
-    stash_slot, grad_slot, ctx_slot: ``[n, pp]`` int32; res_slot, ckpt_slot: ``[n, pp, Ls]`` int32
+    stash_slot, grad_slot: ``[n, pp]`` int32; res_slot, ckpt_slot: ``[n, pp, Ls]`` int32
     (a stored layer's residuals; a recomputed layer's input, for layers 1.. of the recomputed ones:
     layer 0's is the stash slot); recv_act, recv_grad: ``[ticks, pp]`` int32. Counts exclude the
-    dummy slot. ``fused``: some op of the table runs a chunk's F and B fused.
+    dummy slot. ``ctx_base [n, pp]``: the first context-pool row of the chunk's document
+    (``ctx_rows``, one past the last row, for a chunk without context); ``ctx_rows``: the pool's
+    rows. ``fused``: some op of the table runs a chunk's F and B fused.
     """
 
     stash_slot: np.ndarray
     grad_slot: np.ndarray
-    ctx_slot: np.ndarray
+    ctx_base: np.ndarray
     res_slot: np.ndarray
     ckpt_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     n_stash: int
     n_grad: int
-    n_ctx: int
+    ctx_rows: int
     n_res: int
     n_ckpt: int
     fused: bool
@@ -62,7 +69,7 @@ class SlotTables:
     def with_counts(self, sizes) -> "SlotTables":
         """The same assignment inside the bigger buffers of ``sizes`` (a signature, or anything with
         the :data:`SLOT_COUNTS` attributes); dummy indices move to the new counts."""
-        n_stash, n_grad, n_ctx, n_res, n_ckpt = (getattr(sizes, name) for name in SLOT_COUNTS)
+        n_stash, n_grad, ctx_rows, n_res, n_ckpt = (getattr(sizes, name) for name in SLOT_COUNTS)
         for name in SLOT_COUNTS:
             if getattr(sizes, name) < getattr(self, name):
                 raise ValueError(
@@ -77,14 +84,14 @@ class SlotTables:
         return SlotTables(
             stash_slot=move(self.stash_slot, self.n_stash, n_stash),
             grad_slot=move(self.grad_slot, self.n_grad, n_grad),
-            ctx_slot=move(self.ctx_slot, self.n_ctx, n_ctx),
+            ctx_base=move(self.ctx_base, self.ctx_rows, ctx_rows),
             res_slot=move(self.res_slot, self.n_res, n_res),
             ckpt_slot=move(self.ckpt_slot, self.n_ckpt, n_ckpt),
             recv_act=move(self.recv_act, self.n_stash, n_stash),
             recv_grad=move(self.recv_grad, self.n_grad, n_grad),
             n_stash=n_stash,
             n_grad=n_grad,
-            n_ctx=n_ctx,
+            ctx_rows=ctx_rows,
             n_res=n_res,
             n_ckpt=n_ckpt,
             fused=self.fused,
@@ -162,6 +169,7 @@ def assign_slots(
     layers_per_stage: int,
     *,
     uses_context: Optional[Sequence[bool]] = None,
+    ctx_need: Optional[Sequence[int]] = None,
     empty: Optional[Sequence[bool]] = None,
 ) -> SlotTables:
     """Slots for one pipeline.
@@ -169,7 +177,9 @@ def assign_slots(
     ticks ``[T, pp, 2, 2]`` (paired) or ``[T, pp, 2]`` (one op per tick) of (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
     ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of stage p are recomputed for chunk k,
     the others keep their residuals. ``uses_context[k]``: chunk k reads or writes KV context
-    (default: it is linked to another chunk). ``empty[k]``: chunk k holds no token (a plan padded
+    (default: it is linked to another chunk). ``ctx_need[k]``: context-pool rows chunk k reads or
+    writes (its C, plus its own tokens where a later slice continues it; default 1, which counts
+    documents). ``empty[k]``: chunk k holds no token (a plan padded
     to the signature's chunk count); it gets no checkpoint slots: its cotangents are zero, so its
     recomputed layers' gradients are zero whatever finite input they are rebuilt from, and a
     padded plan then needs no more slots than the plan it pads.
@@ -198,15 +208,18 @@ def assign_slots(
         root.append(r)
     if uses_context is None:
         uses_context = [chunk_prev[k] >= 0 or nxt[k] >= 0 for k in range(n)]
+    rows = {}  # a document's region: the most rows any of its chunks needs
+    for k in range(n):
+        if uses_context[k]:
+            rows[root[k]] = max(rows.get(root[k], 1), 1 if ctx_need is None else int(ctx_need[k]))
 
     stash = np.zeros((n, pp), np.int32)
     grad = np.zeros((n, pp), np.int32)
-    ctx = np.zeros((n, pp), np.int32)
     res = np.zeros((n, pp, ls), np.int32)
     ckpt_slot = np.zeros((n, pp, ls), np.int32)
-    counts = {"stash": 0, "grad": 0, "ctx": 0, "res": 0, "ckpt": 0}
+    counts = {"stash": 0, "grad": 0, "res": 0, "ckpt": 0}
     peaks = {}
-    per_stage = []
+    per_stage, iv_ctx_stage = [], []
     for p in range(pp):
         staged = [k for k in range(n) if not fused[k, p]]
         inputs = staged if p == 0 else list(range(n))  # a fused op on a later stage reads its input
@@ -218,18 +231,25 @@ def assign_slots(
         holders = [k for k in staged if empty is None or not empty[k]]
         iv_ckpt = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in holders for l in range(1, int(ckpt[k, p]))]
         col = {}
-        kinds = (("stash", iv_stash), ("grad", iv_grad), ("ctx", iv_ctx), ("res", iv_res), ("ckpt", iv_ckpt))
+        kinds = (("stash", iv_stash), ("grad", iv_grad), ("res", iv_res), ("ckpt", iv_ckpt))
         for name, iv in kinds:
             col[name], c = colour(iv)
             if c > counts[name] or name not in peaks:
                 peaks[name] = (p,) + _peak(iv)
             counts[name] = max(counts[name], c)
         per_stage.append(col)
+        iv_ctx_stage.append(iv_ctx)
+    ctx_rows, bases = context_pool(iv_ctx_stage, rows)
+    if iv_ctx_stage and any(iv_ctx_stage):
+        p = max(range(pp), key=lambda q: len(iv_ctx_stage[q]))
+        peaks["ctx"] = (p,) + _peak(iv_ctx_stage[p])
+    ctx = np.full((n, pp), ctx_rows, np.int32)
     for p, col in enumerate(per_stage):
         for k in range(n):
             stash[k, p] = col["stash"].get(k, counts["stash"])
             grad[k, p] = col["grad"].get(k, counts["grad"])
-            ctx[k, p] = col["ctx"][root[k]] if uses_context[k] else counts["ctx"]
+            if uses_context[k]:
+                ctx[k, p] = bases[p][root[k]]
             for l in range(ls):
                 res[k, p, l] = col["res"].get((k, l), counts["res"])
                 ckpt_slot[k, p, l] = col["ckpt"].get((k, l), counts["ckpt"])
@@ -244,19 +264,50 @@ def assign_slots(
     return SlotTables(
         stash_slot=stash,
         grad_slot=grad,
-        ctx_slot=ctx,
+        ctx_base=ctx,
         res_slot=res,
         ckpt_slot=ckpt_slot,
         recv_act=recv_act,
         recv_grad=recv_grad,
         n_stash=counts["stash"],
         n_grad=counts["grad"],
-        n_ctx=counts["ctx"],
+        ctx_rows=ctx_rows,
         n_res=counts["res"],
         n_ckpt=counts["ckpt"],
         fused=bool(fused.any()),
         peaks=peaks,
     )
+
+
+def context_pool(intervals: Sequence[Sequence[tuple[int, int, int]]], rows: dict) -> tuple[int, list[dict]]:
+    """Base rows of the split documents' regions in the context pool, and the pool's rows.
+
+    ``intervals[p]``: (start, end, root) per document live on stage p (closed phase ranges);
+    ``rows[root]``: its region's rows. First fit in order of start: each region takes the lowest
+    base where it overlaps no region live at the same time (regions of documents whose live
+    ranges do not meet may share rows). Where first fit fragments past what equal slots of the
+    largest region would take (one per document in flight), the slots are used instead, so the
+    pool never exceeds them. -> (rows, ``[{root: base}]`` per stage)."""
+    biggest = max(rows.values(), default=0)
+    fit, slotted, fit_rows, slot_rows = [], [], 0, 0
+    for iv in intervals:
+        placed: list[tuple[int, int, int]] = []  # (base, rows, end) of the regions placed so far
+        bases = {}
+        for start, end, r in sorted(iv, key=lambda x: (x[0], x[1])):
+            live = sorted((b, b + size) for b, size, e in placed if e >= start)
+            base = 0
+            for lo, hi in live:
+                if base + rows[r] <= lo:
+                    break
+                base = max(base, hi)
+            bases[r] = base
+            placed.append((base, rows[r], end))
+            fit_rows = max(fit_rows, base + rows[r])
+        fit.append(bases)
+        col, c = colour(iv)
+        slotted.append({r: s * biggest for r, s in col.items()})
+        slot_rows = max(slot_rows, c * biggest)
+    return (fit_rows, fit) if fit_rows <= slot_rows else (slot_rows, slotted)
 
 
 def _peak(intervals) -> tuple[int, list]:

@@ -95,15 +95,16 @@ class StageProgram:
         s, b, cdt = self.s, self.b, self.s.compute_dtype
         c = {key: jax.lax.dynamic_index_in_dim(b[key], k, 0, keepdims=False) for key in CHUNK_KEYS}
         c["C"] = b["ctx_len"][k]
-        c["slots"] = {name: b[name + "_slot"][k, self.stage] for name in ("stash", "grad", "ctx")}
+        c["slots"] = {name: b[name + "_slot"][k, self.stage] for name in ("stash", "grad")}
+        c["ctx_base"] = b["ctx_base"][k, self.stage]
         c["res_slot"] = b["res_slot"][k, self.stage]
         c["ckpt_slot"] = b["ckpt_slot"][k, self.stage]
         seg, pos = c["segment_ids"], c["positions"]
         if s.Sc:
-            # The context buffers hold a document's keys 0..C-1 at [0, C). The stage sees them
-            # rolled right by Sc - C, i.e. at [Sc - C, Sc), right before the chunk's own keys: the
-            # visible keys of a query are then one contiguous run and the attention's tile lists
-            # skip the unused [C, Sc) part of the bucket.
+            # The context pools hold a document's keys 0..C-1 at its region's rows. The stage sees
+            # them at [Sc - C, Sc), right before the chunk's own keys: the visible keys of a query
+            # are then one contiguous run and the attention's tile lists skip the unused [C, Sc)
+            # part of the bucket.
             c["shift"] = s.Sc - c["C"]
             ar = jnp.arange(s.Sc, dtype=jnp.int32)
             in_ctx = ar >= c["shift"]
@@ -113,6 +114,8 @@ class StageProgram:
         else:
             c["inputs"] = AttentionInputs(seg[None], pos[None])
         c["own"] = ((b["has_next"][k] > 0) & (seg == seg[0]) & (seg > 0)).astype(cdt)[None, :, None, None]
+        if s.Sc:
+            c["ctx_rows"] = slots.context_rows(s, c)
         for key in ("tokens", "targets", "loss_mask", "positions"):  # this device's tokens
             c["local_" + key] = jax.lax.dynamic_slice_in_dim(c[key], self.mine, s.Tl)
         return c
@@ -198,8 +201,7 @@ class StageProgram:
                 dlp, dx, dck, dcv = from_input()
             else:
                 dlp, dx, dck, dcv = jax.lax.cond(rebuild, from_input, from_residuals)
-            # the context's gradients in the buffers' layout, one layer at a time
-            return dx, ((slots.roll_context(s, dck, c, back=True), slots.roll_context(s, dcv, c, back=True)), dlp)
+            return dx, ((dck, dcv), dlp)  # the context's gradients as the stage sees them (rows: ctx_rows)
 
         static = rebuilds is None or isinstance(rebuilds, bool)
         per_layer = (c["res_slot"] if s.stores else None, c["ckpt_slot"] if s.sig.n_ckpt else None)
@@ -303,10 +305,10 @@ class StageProgram:
             fused = partial(self.backward_op, kind=FUSED) if s.sig.fused else self.idle
             kinds = [self.idle, partial(self.backward_op, kind=BWD), fused]
             o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
-        if s.Sc:  # no dummy context slot (a whole context bucket per buffer): slot n_ctx is dropped
-            ctx_b = jnp.where(takes_dctx, c["slots"]["ctx"], s.dummy("ctx"))
-            carry["dck"] = slots.add_or_drop(carry["dck"], ctx_b, o["dck"])
-            carry["dcv"] = slots.add_or_drop(carry["dcv"], ctx_b, o["dcv"])
+        if s.Sc:  # into the context's pool rows (an op without context's: past the pool, dropped)
+            rows = jnp.where(takes_dctx, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
+            carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
+            carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
         carry["loss"] = carry["loss"] + o["loss"]
@@ -340,15 +342,14 @@ class StageProgram:
                 buf.at[res_f].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(carry["res"], o["res"])
             ]
         if s.Sc:
-            # own K/V into the context slot; a document's first slice clears its dK/dV accumulator
-            ctx_f = jnp.where(writes, sl["ctx"], s.dummy("ctx"))
-            carry["ck"] = slots.put_rows_or_drop(carry["ck"], ctx_f, c["C"], o["k_own"])
-            carry["cv"] = slots.put_rows_or_drop(carry["cv"], ctx_f, c["C"], o["v_own"])
-            start = writes & (self.b["has_next"][k] > 0) & (c["C"] == 0)
-            ctx_z = jnp.where(start, sl["ctx"], s.dummy("ctx"))
-            zero = jnp.zeros(carry["dck"].shape[1:], carry["dck"].dtype)
-            carry["dck"] = slots.put_or_drop(carry["dck"], ctx_z, zero)
-            carry["dcv"] = slots.put_or_drop(carry["dcv"], ctx_z, zero)
+            # own K/V into the document's pool rows, and those rows' dK/dV cleared: later slices'
+            # backwards add into them (a region's rows held another document's before)
+            rows = jnp.where(writes, slots.own_rows(s, c), s.R + jnp.arange(s.T, dtype=jnp.int32))
+            carry["ck"] = slots.put_rows(carry["ck"], rows, o["k_own"])
+            carry["cv"] = slots.put_rows(carry["cv"], rows, o["v_own"])
+            zero = jnp.zeros_like(o["k_own"])
+            carry["dck"] = slots.put_rows(carry["dck"], rows, zero)
+            carry["dcv"] = slots.put_rows(carry["dcv"], rows, zero)
         carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
@@ -393,9 +394,9 @@ class StageProgram:
         layer0 = jax.eval_shape(s.fns.weights.gather, jax.tree.map(lambda a: a[0], layers))
         ctx0 = jnp.zeros((s.Sc, s.K, s.D), cdt)
         res_shapes = residual_shapes(s.fns, layer0, x0, ctx0, ctx0, c0["inputs"], c0["local_positions"])
-        # context slots have no dummy (writes to slot n_ctx are dropped; a chunk without context
-        # reads a clipped slot that its attention masks out)
-        zeros_ctx = jnp.zeros((max(sig.n_ctx, 1), s.ls, s.Sc, s.K, s.D), cdt)
+        # the context pools (rows past the last: dropped on write, zeros on read)
+        pool = jnp.zeros((s.ls, sig.ctx_rows if s.Sc else 0, s.K, s.D), cdt)
+        dctx = jnp.zeros((s.ls, s.Sc, s.K, s.D), cdt)  # what one op adds to them
         act = jnp.zeros((s.Tl, s.d), cdt)
         kv_own = jnp.zeros((s.ls, s.T, s.K, s.D), cdt)
         self.out.update(
@@ -407,8 +408,8 @@ class StageProgram:
             layer_inputs=jnp.zeros((s.ls, s.Tl, s.d), cdt) if sig.n_ckpt else None,
             k_own=kv_own,
             v_own=kv_own,
-            dck=zeros_ctx[0],
-            dcv=zeros_ctx[0],
+            dck=dctx,
+            dcv=dctx,
             d_layers=jax.tree.map(jnp.zeros_like, layers),
             d_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),
@@ -417,10 +418,10 @@ class StageProgram:
         return dict(
             stash=jnp.zeros((sig.n_stash + 1, s.Tl, s.d), cdt),
             grad_in=jnp.zeros((sig.n_grad + 1, s.Tl, s.d), cdt),
-            ck=zeros_ctx,
-            cv=zeros_ctx,
-            dck=zeros_ctx,
-            dcv=zeros_ctx,
+            ck=pool,
+            cv=pool,
+            dck=pool,
+            dcv=pool,
             # no dummy residual slot: writes to slot n_res (recomputed layers) are dropped
             res=[jnp.zeros((sig.n_res,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
             # no dummy slot either: writes to slot n_ckpt are dropped

@@ -86,13 +86,16 @@ def prepare_batch(
             if layout.pp == 1 and fuse:
                 ticks = fuse_single_stage(ticks, keep=keep)
             ticks = sch.lanes(ticks)
+        seg = pack.arrays["segment_ids"]
+        own = ((seg == seg[:, :1]) & (seg > 0)).sum(axis=1)  # tokens of the chunk's first piece
         slots = assign_slots(
             ticks,
             pack.chunk_prev,
             ckpt,
             ls,
             uses_context=(pack.ctx_len > 0) | (pack.has_next > 0),
-            empty=~(pack.arrays["segment_ids"] > 0).any(axis=1),
+            ctx_need=pack.ctx_len + np.where(pack.has_next > 0, own, 0),
+            empty=~(seg > 0).any(axis=1),
         )
         tables.append((ticks, slots))
     bucket = packs[0].bucket
@@ -119,7 +122,7 @@ def prepare_batch(
         per["ops"].append(np.concatenate([ticks, idle]))
         per["recv_act"].append(np.concatenate([slots.recv_act, np.full((pad, layout.pp), sig.n_stash, np.int32)]))
         per["recv_grad"].append(np.concatenate([slots.recv_grad, np.full((pad, layout.pp), sig.n_grad, np.int32)]))
-        for key in ("stash_slot", "grad_slot", "ctx_slot", "res_slot", "ckpt_slot"):
+        for key in ("stash_slot", "grad_slot", "ctx_base", "res_slot", "ckpt_slot"):
             per[key].append(getattr(slots, key))
     out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
     # ticks the executor runs: the longest pipeline's table, not the signature's rounded count (every
@@ -139,7 +142,7 @@ def _check_fits(sig, layout, num_layers, bucket, n_chunks, need, slot_tables) ->
         if name == "fused":
             raise ScheduleError("the tables fuse a chunk's F and B but the compiled signature has no fused op")
         where = ""
-        kind = name[2:] if name.startswith("n_") else None
+        kind = "ctx" if name == "ctx_rows" else name[2:] if name.startswith("n_") else None
         for slots in slot_tables:
             if kind in slots.peaks and getattr(slots, name) == value:
                 stage, tick, who = slots.peaks[kind]

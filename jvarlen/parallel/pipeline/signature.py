@@ -15,8 +15,8 @@ import numpy as np
 from jvarlen.layout import Layout
 
 CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
-TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_slot", "res_slot", "ckpt_slot", "recv_act", "recv_grad")
-GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "n_ctx", "n_res", "n_ckpt", "fused")
+TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_base", "res_slot", "ckpt_slot", "recv_act", "recv_grad")
+GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +28,10 @@ class PipelineSignature:
     bucket: int  # T, tokens per chunk
     n_chunks: int
     n_ticks: int
-    context: int  # Sc, context tokens per split document in flight (0: no split document)
+    context: int  # Sc, the context tokens one chunk may read (0: no split document)
     n_stash: int
     n_grad: int
-    n_ctx: int
+    ctx_rows: int  # rows of the context pool: the split documents in flight (docs/design/pipeline-context-pool.md)
     n_res: int  # stored-layer residual slots per stage
     n_ckpt: int = 0  # recomputed layers' input slots per stage (layers 1.. of the recomputed ones)
     fused: bool = True  # some op runs a chunk's F and B fused (the program holds the fused op)
@@ -50,7 +50,7 @@ class PipelineSignature:
             ops=(dp, self.n_ticks, pp, 2, 2),  # paired ticks: (op, chunk) of lane 0 (B/FUSED), lane 1 (F)
             stash_slot=(dp, n, pp),
             grad_slot=(dp, n, pp),
-            ctx_slot=(dp, n, pp),
+            ctx_base=(dp, n, pp),
             res_slot=(dp, n, pp, self.layers_per_stage),
             ckpt_slot=(dp, n, pp, self.layers_per_stage),
             recv_act=(dp, self.n_ticks, pp),
@@ -64,6 +64,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m if x else 0
 
 
+def _round_quarter(x: int, unit: int) -> int:
+    """``x`` rounded up to ``unit`` times a multiple of a quarter of the largest power of two not
+    above ``x / unit`` (1, 2, ..., 8, 10, 12, 14, 16, 20, 24, ... units): under a quarter more."""
+    units = -(-x // unit)
+    quarter = max(1, (1 << (units.bit_length() - 1)) // 4) if units else 1
+    return _round_up(units, quarter) * unit
+
+
 def round_signature(sig: PipelineSignature) -> PipelineSignature:
     """Coarser signature so that nearby plans share one executable."""
     return dataclasses.replace(
@@ -74,7 +82,7 @@ def round_signature(sig: PipelineSignature) -> PipelineSignature:
         else 0,
         n_stash=_round_up(sig.n_stash, 2),
         n_grad=_round_up(sig.n_grad, 2),
-        n_ctx=sig.n_ctx,
+        ctx_rows=_round_quarter(sig.ctx_rows, sig.bucket),
         n_res=_round_up(sig.n_res, 2 * sig.layers_per_stage),
         n_ckpt=_round_up(sig.n_ckpt, 2 * sig.layers_per_stage),
         # a plan that stores residuals fuses the last stage's chunks it does not recompute in some

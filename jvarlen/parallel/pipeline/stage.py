@@ -160,7 +160,7 @@ NONE, PLAIN, KEEP = 0, 1, 2
 class StageShapes:
     """Static sizes of one signature, per device: T tokens per chunk (Tl = T/sp of them on one device
     of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
-    Ulysses all_to_all, Sc context tokens."""
+    Ulysses all_to_all, Sc context tokens a chunk reads, R rows of the context pools."""
 
     sig: PipelineSignature
     graphdef: Any
@@ -189,6 +189,10 @@ class StageShapes:
     @property
     def Sc(self) -> int:
         return self.sig.context
+
+    @property
+    def R(self) -> int:
+        return self.sig.ctx_rows
 
     @property
     def stores(self) -> bool:
