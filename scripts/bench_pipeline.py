@@ -72,8 +72,8 @@ from jvarlen.model import build_model  # noqa: E402
 from jvarlen.parallel import pipeline as pl  # noqa: E402
 from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
 from jvarlen.parallel.pipeline import pack_chunks  # noqa: E402
-from jvarlen.parallel.pipeline.buffers import SLOT_COUNTS  # noqa: E402
 from jvarlen.plan import schedule as sch  # noqa: E402
+from jvarlen.plan.buffers import SLOT_COUNTS  # noqa: E402
 from jvarlen.runtime.memory_fit import need_bytes  # noqa: E402
 from jvarlen.runtime.state import split_model  # noqa: E402
 from jvarlen.runtime.step import loss_and_grads  # noqa: E402
@@ -314,16 +314,23 @@ def long_tailed_batch(seed: int, workload: str, tokens: int, context: int, scale
     return out
 
 
+RESIDUAL_POLICY = "dots_and_attention"  # what the benchmark's stored layers keep
+
+
 def policy_cost(args, cfg):
-    """The shipped CPU profile of ``cfg``'s shape on Layout(1, pp, 1), with ``--budget-mb``."""
+    """The shipped CPU profile of ``cfg``'s shape on Layout(1, pp, 1), with ``--budget-mb``, and the
+    executor's stored residual bytes where the profile lacks them."""
     import glob
 
+    from jvarlen.parallel.pipeline.stage import stored_token_bytes
     from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
     from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
     shape = ModelShape.from_config(cfg)
     path = args.profile or sorted(glob.glob(f"{PACKAGE_PROFILES}/{shape.key()}__cpu__*.json"))[0]
     coeffs = CostCoefficients.load(path)
+    if not coeffs.m_stored_token:
+        coeffs = coeffs.replace(m_stored_token=stored_token_bytes(cfg, RESIDUAL_POLICY))
     if args.budget_mb:
         coeffs = coeffs.replace(memory_budget=args.budget_mb * 1e6)
     return CostModel(shape, Layout(1, args.pp, 1), coeffs), path
@@ -591,7 +598,7 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
         "model": dataclasses.asdict(cfg),
         "pp": args.pp,
         "repeats": args.repeats,
-        "residual_policy": "dots_and_attention",
+        "residual_policy": RESIDUAL_POLICY,
         "batches": [],
         "profile": profile,
         "processes": args.processes,

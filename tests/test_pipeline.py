@@ -23,8 +23,8 @@ from pipeline_helpers import (
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
-from jvarlen.parallel.pipeline.buffers import fuse_single_stage, op_ticks
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.buffers import fuse_single_stage, op_ticks
 
 
 def _cases(layout: Layout, num_layers: int):

@@ -15,9 +15,9 @@ from pipeline_helpers import reference_batch as _reference_batch
 from jvarlen.api import Session
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import chunk_links, split_documents
-from jvarlen.parallel.pipeline.buffers import op_ticks
 from jvarlen.parallel.pipeline.prepare import pad_plan
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.buffers import op_ticks
 from jvarlen.plan.plan import Plan
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step, single_program_grads

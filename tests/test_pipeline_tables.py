@@ -14,8 +14,8 @@ from pipeline_helpers import PLAN_A, plan_documents
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
-from jvarlen.parallel.pipeline.buffers import FUSED, assign_slots, colour, fuse_single_stage, op_ticks
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.buffers import FUSED, assign_slots, colour, fuse_single_stage, op_ticks
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jvarlen.parallel.pipeline.buffers import assign_slots
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.buffers import assign_slots
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, LANE_B, LANE_F, Op, Schedule, ScheduleError
 
 

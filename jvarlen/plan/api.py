@@ -15,9 +15,9 @@ policy         chunking                                          units / recompu
 ``dapple``     whole documents packed (batch-level)              one unit, uniform (least fit)
 =============  ================================================  ==========================
 
-A plan that cannot fit (DAPPLE with a long document, say) is still returned, with
-``stats["fits_memory"] = False`` and an event; :meth:`Plan.validate` rejects it.
-"""
+A plan that cannot fit (DAPPLE with a long document, say) is returned with ``stats["fits_memory"]
+= False`` and an event; EPP skips such candidates. Under the ``"paired"`` simulation that includes
+the executor's buffers (:func:`jvarlen.plan.assemble.fit_executor_memory`)."""
 
 from __future__ import annotations
 
@@ -271,17 +271,15 @@ def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int)
 
 def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, progress=None) -> Plan:
     """Alg. 1 + Eq. 14 + Alg. 2. N is tuned by simulating candidates (§3.2), largest first,
-    stopping at the first candidate slower than the best so far (or after
-    ``n_candidates``), then refined once: the geometric midpoint between the best N and
-    its faster coarse neighbour (an untried neighbour counts as faster) is simulated too
-    (:func:`refine_candidate`). During tuning the DP prices ranges with greedy
-    checkpointing, and the MILP then re-solves the chosen units.
+    stopping at the first candidate slower than the best so far (or after ``n_candidates``), then
+    refined once: the geometric midpoint between the best N and its faster coarse neighbour (an
+    untried neighbour counts as faster) is simulated too (:func:`refine_candidate`). During tuning
+    the DP prices ranges with greedy checkpointing, and the MILP then re-solves the chosen units.
 
     Under the ``"paired"`` simulation (jvarlen's executor, which pads every chunk of a step to one
-    token bucket; ``"ticks"`` does not model the padding) ``epp`` also cuts along bucket-sized slices
-    (:func:`jvarlen.plan.sequence_processor.bucket_mesh`): the sizes of :func:`bucket_candidates`
-    that are powers of two, then the two ``3·2^k`` sizes beside the best; the faster of the two
-    meshes' plans wins. Tuned times are keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket
+    token bucket) ``epp`` also cuts along bucket-sized slices (:func:`.sequence_processor.bucket_mesh`):
+    the sizes of :func:`bucket_candidates` that are powers of two, then the two ``3·2^k`` sizes
+    beside the best; the faster of the two meshes' plans wins. Tuned times are keyed ``"N"`` (equal-time mesh) and ``"b<tokens>"`` (bucket
     mesh). Where no equal-time mesh fits memory (a profile whose time is flat within a token bucket
     has no balanced slice shorter than the bucket), the bucket mesh alone is searched."""
     events: list[str] = []
@@ -301,6 +299,8 @@ def _plan_epp(policy: str, lengths, cost, options: PlannerOptions, mode: str, pr
         res, chunks, shapes, grouping = _epp_units(lengths, cost, options, tune_mode, n, slice_tokens)
         ordered = _ordered(grouping.units, shapes, cost, options)
         plan = assemble(policy, lengths, chunks, list(ordered.values()), cost, simulation=options.simulation)
+        if not plan.stats["fits_memory"]:  # the executor's buffers (paired), recomputing all they can
+            raise PlanningError(f"needs {plan.stats.get('executor_memory_bytes', 0) / 1e6:,.0f} MB per device")
         t = plan.stats["iteration_time_s"]
         key = str(n) if slice_tokens is None else f"b{slice_tokens}"
         tuned[key] = t

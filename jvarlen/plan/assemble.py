@@ -6,6 +6,7 @@ in how they chunk and how they choose recomputation.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from jvarlen.plan.checkpointing import SolverOptions, build_problem
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.executor_memory import executor_memory, fit_executor
 from jvarlen.plan.grouping import Unit
 from jvarlen.plan.plan import Plan, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
@@ -70,8 +72,29 @@ def assemble(
     for i, u in enumerate(units):
         if u.ckpt.source == "greedy":
             plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
+    if run_simulation and simulation == "paired":
+        plan = fit_executor_memory(plan, cost)
     if run_simulation:
         record_simulation(plan, cost, simulation)
+    return plan
+
+
+def fit_executor_memory(plan: Plan, cost) -> Plan:
+    """``plan`` with the recomputation under which the pipeline executor's account of it (its
+    static buffers and largest op, :func:`jvarlen.plan.executor_memory.executor_memory`) fits the
+    budget, raised where the simulator's time line fits but the executor's buffers do not; the
+    account goes into ``stats`` (``executor_memory_bytes``, per term ``executor_memory``), and a
+    plan that does not fit even when everything is recomputed keeps its table."""
+    ckpt, account, changed = fit_executor(plan, cost)
+    if changed and account.total <= cost.memory_budget:
+        plan = dataclasses.replace(plan, ckpt_layers=ckpt)
+        plan.events.append(
+            f"executor memory: {len(changed)} (chunk, stage) pairs recompute every layer so that the "
+            f"executor's buffers fit the budget: {account.describe()}"
+        )
+    elif changed:
+        account = executor_memory(plan, cost)
+    plan.stats.update(executor_memory_bytes=account.total, executor_memory=account.terms)
     return plan
 
 
@@ -103,7 +126,7 @@ def record_simulation(plan: Plan, cost, mode: str = "async") -> SimResult:
         bubble_ratio=float(sim.bubble_ratio),
         peak_memory_bytes=[float(x) for x in sim.peak_memory],
         memory_budget_bytes=float(sim.memory_budget),
-        fits_memory=bool(sim.fits),
+        fits_memory=bool(sim.fits) and plan.stats.get("executor_memory_bytes", 0.0) <= sim.memory_budget,
         recompute_s=[float(x) for x in sim.stage_recompute],
         stage_busy_s=[float(x) for x in sim.stage_busy],
         simulate_seconds=time.perf_counter() - t0,

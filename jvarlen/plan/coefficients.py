@@ -183,7 +183,11 @@ class CostCoefficients:
       for that degree, so Eq. 3 adds nothing on top (``ProfileMeta.source`` says so).
     * ``m_token``: activation bytes stored per token per layer on one device without
       checkpointing (Eq. 5 ``M_token / L``); divided by ``sp``. ``m_head_token``: bytes per token
-      the last stage keeps for the head (logits) until its backward.
+      the last stage keeps for the head (logits) until its backward. ``m_stored_token``: bytes per
+      token a *stored* layer of the pipeline executor keeps on one device under its residual policy
+      (what ``jax.checkpoint`` saves: matmul outputs and the attention's output and logsumexp under
+      ``dots_and_attention``; :func:`jvarlen.plan.executor_memory.executor_memory`), 0 where not
+      measured (``m_token`` is used then).
     * ``m_context_token``: bytes per *context* token per un-checkpointed layer that the attention
       backward keeps on top of ``m_token`` (the kernel reads ``[cached K/V; own K/V]`` as one
       concatenated array and autodiff saves it: ``2·e·kv_dim`` here; 0 for a kernel that reads the
@@ -235,6 +239,7 @@ class CostCoefficients:
     head_bwd: Optional[LayerTime] = None
     head_per_sp: Mapping[int, tuple[LayerTime, LayerTime]] = dataclasses.field(default_factory=dict)
     m_token: float = 0.0
+    m_stored_token: float = 0.0
     m_head_token: float = 0.0
     m_context_token: float = 0.0
     m_work_token: float = 0.0
@@ -331,6 +336,7 @@ class CostCoefficients:
         }
         for name in (
             "m_token",
+            "m_stored_token",
             "m_head_token",
             "m_context_token",
             "m_work_token",

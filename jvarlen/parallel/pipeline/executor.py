@@ -4,7 +4,7 @@ one program.
 See docs/design/pipeline.md. Static: the :class:`PipelineSignature` (layout, bucket, chunk count,
 tick count, context bucket, slot counts). Runtime data: the chunks, the tick table
 ``[ticks, pp, 2]`` from ``jvarlen.plan.schedule`` and the slot tables of
-:mod:`jvarlen.parallel.pipeline.buffers` (which also encode the recomputation table), built on
+:mod:`jvarlen.plan.buffers` (which also encode the recomputation table), built on
 the host by :mod:`jvarlen.parallel.pipeline.prepare`. Mesh axes ``(dp, pp, sp)`` of
 :mod:`jvarlen.parallel.layouts`; every pipeline (``dp`` index) has its own chunks and tables;
 Ulysses runs inside each stage over ``sp``.

@@ -13,17 +13,16 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from jvarlen.layout import Layout
-from jvarlen.parallel.pipeline.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage
 from jvarlen.parallel.pipeline.chunks import PackedChunks, pack_chunks, stack_pipelines
 from jvarlen.parallel.pipeline.signature import (
     GROWABLE,
     TABLE_KEYS,
     PipelineSignature,
-    _round_up,
     covers,
     round_signature,
 )
 from jvarlen.plan import schedule as sch
+from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage, round_up
 from jvarlen.plan.chunk import executor_buckets
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.schedule import Schedule, ScheduleError
@@ -51,7 +50,7 @@ def prepare_batch(
     a backward and a forward per stage and tick, the last stage's adjacent F and B fused), the
     default; False runs one op per stage and tick as given (a Schedule as its ASAP table
     ``to_ticks()``; with one stage adjacent F and B are still fused,
-    :func:`jvarlen.parallel.pipeline.buffers.fuse_single_stage`).
+    :func:`jvarlen.plan.buffers.fuse_single_stage`).
     ``fuse``: True fuses such an F and B where the plan recomputes no layer of the chunk on the
     last stage (a fused op holds every activation of its chunk, so fusing a recomputed chunk would
     break the plan's memory bound; the simulator's paired model fuses the same chunks); False keeps
@@ -207,7 +206,7 @@ def prepare_plans(
     if any(p.layout != layout for p in plans):
         raise ValueError("all pipelines of one iteration need the same layout")
     ls = num_layers // layout.pp
-    n = _round_up(max(p.n_chunks for p in plans), chunk_multiple)
+    n = round_up(max(p.n_chunks for p in plans), chunk_multiple)
     padded = [pad_plan(p, n, ls) for p in plans]
     first = None
     for size in chunk_buckets(plans, layout.sp, bucket):

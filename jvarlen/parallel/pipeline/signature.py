@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from jvarlen.layout import Layout
+from jvarlen.plan.buffers import round_buffers, round_up
 
 CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_base", "res_slot", "ckpt_slot", "recv_act", "recv_grad")
@@ -60,35 +59,10 @@ class PipelineSignature:
         return shapes
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m if x else 0
-
-
-def _round_quarter(x: int, unit: int) -> int:
-    """``x`` rounded up to ``unit`` times a multiple of a quarter of the largest power of two not
-    above ``x / unit`` (1, 2, ..., 8, 10, 12, 14, 16, 20, 24, ... units): under a quarter more."""
-    units = -(-x // unit)
-    quarter = max(1, (1 << (units.bit_length() - 1)) // 4) if units else 1
-    return _round_up(units, quarter) * unit
-
-
 def round_signature(sig: PipelineSignature) -> PipelineSignature:
     """Coarser signature so that nearby plans share one executable."""
     return dataclasses.replace(
-        sig,
-        n_ticks=_round_up(sig.n_ticks, 8),
-        context=sig.bucket * (1 << max(0, int(np.ceil(np.log2(max(sig.context // sig.bucket, 1))))))
-        if sig.context
-        else 0,
-        n_stash=_round_up(sig.n_stash, 2),
-        n_grad=_round_up(sig.n_grad, 2),
-        ctx_rows=_round_quarter(sig.ctx_rows, sig.bucket),
-        n_res=_round_up(sig.n_res, 2 * sig.layers_per_stage),
-        n_ckpt=_round_up(sig.n_ckpt, 2 * sig.layers_per_stage),
-        # a plan that stores residuals fuses the last stage's chunks it does not recompute in some
-        # iterations and not in others: one executable for both. A plan that recomputes every
-        # layer compiles no fused op, and so no stack of a chunk's residuals.
-        fused=sig.fused or sig.n_res > 0,
+        sig, n_ticks=round_up(sig.n_ticks, 8), **round_buffers(sig, sig.bucket, sig.layers_per_stage)
     )
 
 

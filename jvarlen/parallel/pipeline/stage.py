@@ -287,3 +287,25 @@ def maybe(pred, fn: Callable, zeros_like: Optional[Any] = None):
     shapes = jax.eval_shape(fn) if zeros_like is None else zeros_like
     zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     return zeros() if pred is False else jax.lax.cond(pred, fn, zeros)
+
+
+def stored_token_bytes(cfg: ModelConfig, residual: Optional[str], tokens: int = 128) -> float:
+    """Bytes per token that a stored layer of the pipeline executor keeps under the residual
+    policy ``residual`` (the name :func:`residual_policy` takes; None or ``"all"``: every
+    residual), on one device without sequence parallelism (``sp`` devices hold ``1/sp`` of it
+    each): the cost model's ``m_stored_token``, from the layer's residual shapes (abstract, no
+    compile)."""
+    from jvarlen.layout import Layout
+
+    sig = PipelineSignature(Layout(1, 1, 1), cfg.num_layers, tokens, 1, 1, 0, 0, 0, 0, 1)
+    policy = None if residual in (None, "all") else residual
+    s = stage_shapes(None, cfg, sig, residual_policy=policy)
+    _, stacked = nnx.split(abstract_model(cfg).layers, nnx.Param)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+    layer = jax.eval_shape(s.fns.weights.gather, one)
+    x = jax.ShapeDtypeStruct((tokens, s.d), s.compute_dtype)
+    ctx = jax.ShapeDtypeStruct((0, s.K, s.D), s.compute_dtype)
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    inputs = AttentionInputs(ids, ids)
+    shapes = residual_shapes(s.fns, layer, x, ctx, ctx, inputs, jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    return sum(r.size * r.dtype.itemsize for r in shapes) / tokens

@@ -20,7 +20,7 @@ from jvarlen.config import Config, ConfigError
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, prepare_plans, split_documents
 from jvarlen.parallel.pipeline.executor import DATA
-from jvarlen.parallel.pipeline.stage import residual_policy
+from jvarlen.parallel.pipeline.stage import residual_policy, stored_token_bytes
 from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
@@ -49,7 +49,9 @@ def planner_options(config: Config) -> PlannerOptions:
 def cost_model(config: Config, layout: Layout, say) -> CostModel:
     """The measured profile for this backend (``train.cost_profile``, see ``find_profile``) with this
     model's shape, else the analytic a800 model (plans are still valid); its memory model holds
-    1/(dp·sp) of a stage's weights per device under ``parallel.stage_weights="sharded"``."""
+    1/(dp·sp) of a stage's weights per device under ``parallel.stage_weights="sharded"``, and what
+    a stored layer keeps under ``parallel.residual_policy`` (``m_stored_token``, where the profile
+    has none)."""
     shape = ModelShape.from_config(config.model)
     sharded = config.parallel.stage_weights == "sharded"
     path = find_profile(config)
@@ -66,6 +68,8 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
     else:
         say(f"[jvarlen] planner cost model: {path}")
         coeffs = CostCoefficients.load(path)
+    if not coeffs.m_stored_token:  # what a stored layer keeps under this run's residual policy
+        coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
     return CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
 
 

@@ -33,7 +33,16 @@ import numpy as np
 
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 
-__all__ = ["FUSED", "SLOT_COUNTS", "SlotTables", "assign_slots", "as_paired", "fuse_single_stage", "op_ticks"]
+__all__ = [
+    "FUSED",
+    "SLOT_COUNTS",
+    "SlotTables",
+    "assign_slots",
+    "as_paired",
+    "fuse_single_stage",
+    "op_ticks",
+    "round_buffers",
+]
 
 # the slot counts of a table and of a signature (each excludes the dummy slot)
 SLOT_COUNTS = ("n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt")
@@ -318,3 +327,37 @@ def _peak(intervals) -> tuple[int, list]:
         if len(live) > best:
             best, when, who = len(live), start // 3, sorted(live)
     return when, who
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m if x else 0
+
+
+def round_quarter(x: int, unit: int) -> int:
+    """``x`` rounded up to ``unit`` times a multiple of a quarter of the largest power of two not
+    above ``x / unit`` (1, 2, ..., 8, 10, 12, 14, 16, 20, 24, ... units): under a quarter more."""
+    units = -(-x // unit)
+    quarter = max(1, (1 << (units.bit_length() - 1)) // 4) if units else 1
+    return round_up(units, quarter) * unit
+
+
+def round_buffers(sizes, bucket: int, layers_per_stage: int) -> dict:
+    """The buffer sizes a compiled step rounds ``sizes`` (a signature, or anything with its
+    ``context``, :data:`SLOT_COUNTS` and ``fused``) up to, so that nearby plans share one
+    executable: the context window to a bucket times a power of two, the pool rows by quarters
+    (:func:`round_quarter`), slots to even counts (residual and checkpoint slots to two per
+    layer of the stage)."""
+    ls = layers_per_stage
+    context = sizes.context
+    return dict(
+        context=bucket * (1 << max(0, int(np.ceil(np.log2(max(context // bucket, 1)))))) if context else 0,
+        n_stash=round_up(sizes.n_stash, 2),
+        n_grad=round_up(sizes.n_grad, 2),
+        ctx_rows=round_quarter(sizes.ctx_rows, bucket),
+        n_res=round_up(sizes.n_res, 2 * ls),
+        n_ckpt=round_up(sizes.n_ckpt, 2 * ls),
+        # a plan that stores residuals fuses the last stage's chunks it does not recompute in some
+        # iterations and not in others: one executable for both. A plan that recomputes every
+        # layer compiles no fused op, and so no stack of a chunk's residuals.
+        fused=sizes.fused or sizes.n_res > 0,
+    )

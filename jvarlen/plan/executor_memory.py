@@ -1,0 +1,151 @@
+"""What the pipeline executor's compiled step holds per device for a plan (numpy only).
+
+The simulator's memory (Eq. 6-10) is a time line: each chunk's activations from its forward to
+its backward, summed where they overlap. The executor is one static program: every buffer kind
+is a fixed number of slots (or pool rows) sized by that kind's own peak over the step
+(:func:`jvarlen.plan.buffers.assign_slots`), rounded like the compiled signature
+(:func:`jvarlen.plan.buffers.round_buffers`), and allocated for the whole step, plus what one op
+holds while it runs. Where the kinds peak at different times, the program holds more than the
+time line's peak. :func:`executor_memory` is that account, term by term:
+
+- ``stash``, ``grad``: ``(slots + 1) · T/sp · d · e`` (a dummy slot each);
+- ``context``: ``4 · L/pp · rows · K' · D · e``, the K, V, dK and dV pools (``K'``: kv heads per
+  device after the Ulysses all-to-all);
+- ``residuals``: ``slots · T/sp · m_stored``, one slot per stored layer of a chunk;
+- ``checkpoints``: ``slots · T/sp · d · e``, a recomputed layer's input (layers 1.. of them);
+- ``op``: the largest op's transients: a backward's working memory and layer gradients
+  (:meth:`CostModel.backward_memory` at the bucket, recomputing where the plan does), its stacked
+  context dK/dV ``2 · L/pp · Sc · K' · D · e``, and where the program holds the fused op, the
+  stack of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``;
+- ``states``: :meth:`CostModel.model_state_memory` of the largest stage.
+
+``m_stored`` is what the executor keeps per token and stored layer under its residual policy
+(``CostCoefficients.m_stored_token``; the profile's ``m_token`` where it is 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from jvarlen.plan.buffers import assign_slots, round_buffers
+from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
+from jvarlen.plan.schedule import paired_ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorMemory:
+    """Bytes per device, by term (see the module docstring), and the sizes they come from."""
+
+    terms: dict
+    sizes: dict
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.terms.values()))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in self.terms.items() if v)
+        return f"{self.total / 1e6:.1f} MB ({parts})"
+
+
+def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True) -> ExecutorMemory:
+    """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
+    as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
+    signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
+    the coefficients'."""
+    layout, model, c = cost.layout, cost.model, cost.coeffs
+    sp, ls, e = layout.sp, cost.layers_per_stage, c.bytes_per_element
+    shapes: list[ChunkShape] = plan.chunk_shapes()
+    ckpt = np.asarray(plan.ckpt_layers, np.int32)
+    bucket = executor_buckets(max(s.tokens for s in shapes), sp)[0]
+    ticks = paired_ticks(plan.schedule, fuse_last=fuse, keep=ckpt[:, -1] > 0)
+    slots = assign_slots(
+        ticks,
+        plan.schedule.chunk_prev,
+        ckpt,
+        ls,
+        uses_context=[s.context > 0 or not s.tail for s in shapes],
+        ctx_need=[s.context + (0 if s.tail else s.slices[0]) for s in shapes],
+    )
+    sizes = dict(
+        context=executor_context(shapes, bucket),
+        n_stash=slots.n_stash,
+        n_grad=slots.n_grad,
+        ctx_rows=slots.ctx_rows,
+        n_res=slots.n_res,
+        n_ckpt=slots.n_ckpt,
+        fused=slots.fused,
+    )
+    rounded = round_buffers(_Sizes(**sizes), bucket, ls)
+    tl = bucket / sp
+    stored = stored_bytes if stored_bytes is not None else (c.m_stored_token or c.m_token)
+    kv_heads = model.num_kv_heads * (sp // math.gcd(model.num_kv_heads, sp)) // sp  # after the all-to-all
+    kv_row = kv_heads * model.head_dim * e  # one layer's K (or V) of one token, per device
+    sc = rounded["context"]
+    recomputes = bool((ckpt > 0).any())
+    work = cost.backward_memory(ChunkShape(sc, (bucket,), tail=True), ls if recomputes else 0)
+    op = work + (2 * ls * sc * kv_row if sc else 0) + (ls * tl * stored if rounded["fused"] else 0)
+    terms = dict(
+        states=max(cost.model_state_memory(p) for p in range(layout.pp)),
+        stash=(rounded["n_stash"] + 1) * tl * model.d_model * e,
+        grad=(rounded["n_grad"] + 1) * tl * model.d_model * e,
+        context=4 * ls * rounded["ctx_rows"] * kv_row if sc else 0.0,
+        residuals=rounded["n_res"] * tl * stored,
+        checkpoints=rounded["n_ckpt"] * tl * model.d_model * e,
+        op=op,
+    )
+    return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    context: int
+    n_stash: int
+    n_grad: int
+    ctx_rows: int
+    n_res: int
+    n_ckpt: int
+    fused: bool
+
+
+def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True):
+    """Recomputation table under which the executor's account of ``plan`` fits ``cost``'s budget,
+    raised from the plan's own one (chunk, stage) at a time: while the account is over and some
+    layer is stored, a chunk that holds stored layers where the residual slots peak (the one with
+    the fewest tokens: its recomputation is the cheapest) recomputes every layer of that stage;
+    with no residual slot left, a chunk the last stage fuses does (the fused op's stack goes
+    with the last of them). -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs
+    changed). The account may still be over when everything is recomputed."""
+    ls, budget = cost.layers_per_stage, cost.memory_budget
+    ckpt = np.array(plan.ckpt_layers, np.int32)
+    shapes = plan.chunk_shapes()
+    changed = []
+    while True:
+        candidate = plan if not changed else dataclasses.replace(plan, ckpt_layers=ckpt.copy())
+        account = executor_memory(candidate, cost, stored_bytes, fuse)
+        if account.total <= budget:
+            return ckpt, account, changed
+        pick = _next_to_recompute(candidate, ckpt, shapes, ls, fuse)
+        if pick is None:
+            return ckpt, account, changed
+        ckpt[pick] = ls
+        changed.append(pick)
+
+
+def _next_to_recompute(plan, ckpt, shapes, ls: int, fuse: bool):
+    """(chunk, stage) whose full recomputation can lower the account next, or None."""
+    pp = ckpt.shape[1]
+    ticks = paired_ticks(plan.schedule, fuse_last=fuse, keep=ckpt[:, -1] > 0)
+    slots = assign_slots(ticks, plan.schedule.chunk_prev, ckpt, ls)
+    if slots.n_res:
+        stage, _, holders = slots.peaks["res"]
+        chunks = sorted({k for k, _ in holders})
+        return min(((k, stage) for k in chunks), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
+    fused = [k for k in range(len(shapes)) if ckpt[k, pp - 1] < ls]
+    if slots.fused and fused:
+        return min(((k, pp - 1) for k in fused), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
+    return None
