@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Optional
 
 import numpy as np
@@ -38,10 +39,12 @@ from jvarlen.plan.schedule import paired_ticks
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorMemory:
-    """Bytes per device, by term (see the module docstring), and the sizes they come from."""
+    """Bytes per device, by term (see the module docstring), the sizes they come from, and where
+    each slot kind peaks (``SlotTables.peaks``: kind -> (stage, tick, holders))."""
 
     terms: dict
     sizes: dict
+    peaks: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -80,7 +83,7 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
         n_ckpt=slots.n_ckpt,
         fused=slots.fused,
     )
-    rounded = round_buffers(_Sizes(**sizes), bucket, ls)
+    rounded = round_buffers(types.SimpleNamespace(**sizes), bucket, ls)
     tl = bucket / sp
     stored = stored_bytes if stored_bytes is not None else (c.m_stored_token or c.m_token)
     kv_heads = model.num_kv_heads * (sp // math.gcd(model.num_kv_heads, sp)) // sp  # after the all-to-all
@@ -98,18 +101,7 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
         checkpoints=rounded["n_ckpt"] * tl * model.d_model * e,
         op=op,
     )
-    return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sizes:
-    context: int
-    n_stash: int
-    n_grad: int
-    ctx_rows: int
-    n_res: int
-    n_ckpt: int
-    fused: bool
+    return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket), slots.peaks)
 
 
 def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True):
@@ -129,23 +121,21 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
         account = executor_memory(candidate, cost, stored_bytes, fuse)
         if account.total <= budget:
             return ckpt, account, changed
-        pick = _next_to_recompute(candidate, ckpt, shapes, ls, fuse)
+        pick = _next_to_recompute(account, ckpt, shapes, ls)
         if pick is None:
             return ckpt, account, changed
         ckpt[pick] = ls
         changed.append(pick)
 
 
-def _next_to_recompute(plan, ckpt, shapes, ls: int, fuse: bool):
-    """(chunk, stage) whose full recomputation can lower the account next, or None."""
+def _next_to_recompute(account: ExecutorMemory, ckpt, shapes, ls: int):
+    """(chunk, stage) whose full recomputation can lower ``account`` next, or None."""
     pp = ckpt.shape[1]
-    ticks = paired_ticks(plan.schedule, fuse_last=fuse, keep=ckpt[:, -1] > 0)
-    slots = assign_slots(ticks, plan.schedule.chunk_prev, ckpt, ls)
-    if slots.n_res:
-        stage, _, holders = slots.peaks["res"]
+    if account.sizes["n_res"]:
+        stage, _, holders = account.peaks["res"]
         chunks = sorted({k for k, _ in holders})
         return min(((k, stage) for k in chunks), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
     fused = [k for k in range(len(shapes)) if ckpt[k, pp - 1] < ls]
-    if slots.fused and fused:
+    if account.sizes["fused"] and fused:
         return min(((k, pp - 1) for k in fused), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
     return None

@@ -69,7 +69,11 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
         say(f"[jvarlen] planner cost model: {path}")
         coeffs = CostCoefficients.load(path)
     if not coeffs.m_stored_token:  # what a stored layer keeps under this run's residual policy
-        coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
+        try:
+            stored = stored_token_bytes(config.model, config.parallel.residual_policy)
+        except ValueError as error:
+            raise ConfigError(f"parallel.residual_policy: {error}") from None
+        coeffs = coeffs.replace(m_stored_token=stored)
     return CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
 
 
