@@ -82,7 +82,7 @@ class SlotTables:
         for name in SLOT_COUNTS:
             if getattr(sizes, name) < getattr(self, name):
                 raise ValueError(
-                    f"{name}={getattr(sizes, name)} is below the {getattr(self, name)} slots this plan needs"
+                    f"{name}={getattr(sizes, name)} is below the {getattr(self, name)} this plan needs"
                 )
 
         def move(a, old, new):
