@@ -81,9 +81,7 @@ class SlotTables:
         n_stash, n_grad, ctx_rows, n_res, n_ckpt = (getattr(sizes, name) for name in SLOT_COUNTS)
         for name in SLOT_COUNTS:
             if getattr(sizes, name) < getattr(self, name):
-                raise ValueError(
-                    f"{name}={getattr(sizes, name)} is below the {getattr(self, name)} this plan needs"
-                )
+                raise ValueError(f"{name}={getattr(sizes, name)} is below the {getattr(self, name)} this plan needs")
 
         def move(a, old, new):
             a = a.copy()
