@@ -246,7 +246,9 @@ class CostModel:
         """Eq. 10 for one stage: bytes one device of the stage keeps for ``chunk`` from the start
         of its forward to the end of its backward.
 
-        ``(L_s - l) · M_token · T/sp``  (Eq. 5 Act, un-checkpointed layers)
+        ``(L_s - l) · M_token · T/sp``  (Eq. 5 Act, un-checkpointed layers; ``M_token`` is
+        ``m_stored_token``, what the pipeline executor's stored layer keeps under its residual
+        policy, where the coefficients know it, else the profile's ``m_token``)
         ``+ (L_s - l) · m_context_token · C/sp``  (attention residual over the chunk's C context
         keys: the concatenated K/V the kernel reads; not in the paper's Eq. 5, measured here)
         ``+ (1 - I) · 2 · e_dkv · kv_dim · L_s · T/sp``  (Eq. 5 M_dkv)
@@ -260,7 +262,8 @@ class CostModel:
         c, m = self.coeffs, self.model
         t = chunk.tokens / self.layout.sp
         not_tail = 0 if chunk.tail else 1
-        act = (Ls - ckpt_layers) * (c.m_token * t + c.m_context_token * chunk.context / self.layout.sp)
+        stored = c.m_stored_token or c.m_token  # what the executor's stored layer keeps, where known
+        act = (Ls - ckpt_layers) * (stored * t + c.m_context_token * chunk.context / self.layout.sp)
         dkv = not_tail * 2 * c.dkv_bytes_per_element * m.kv_dim * Ls * t
         ckpt = ckpt_layers * c.bytes_per_element * (m.d_model + not_tail * 2 * m.kv_dim) * t
         head = c.m_head_token * t if self._is_last(stage) else 0.0
