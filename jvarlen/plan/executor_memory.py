@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.plan.buffers import assign_slots, round_buffers
+from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, round_buffers
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.schedule import paired_ticks
 
@@ -74,15 +74,8 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
         uses_context=[s.context > 0 or not s.tail for s in shapes],
         ctx_need=[s.context + (0 if s.tail else s.slices[0]) for s in shapes],
     )
-    sizes = dict(
-        context=executor_context(shapes, bucket),
-        n_stash=slots.n_stash,
-        n_grad=slots.n_grad,
-        ctx_rows=slots.ctx_rows,
-        n_res=slots.n_res,
-        n_ckpt=slots.n_ckpt,
-        fused=slots.fused,
-    )
+    sizes = {name: getattr(slots, name) for name in SLOT_COUNTS + ("fused",)}
+    sizes["context"] = executor_context(shapes, bucket)
     rounded = round_buffers(types.SimpleNamespace(**sizes), bucket, ls)
     tl = bucket / sp
     stored = stored_bytes if stored_bytes is not None else (c.m_stored_token or c.m_token)
