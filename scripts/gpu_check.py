@@ -1,14 +1,20 @@
-"""One-command check for whoever has a GPU node (never run by this project: it has no GPU).
+"""One-command check for whoever has a GPU node.
 
-    pip install -e '.[cuda12,test]' && python scripts/gpu_check.py --out runs/gpu_check
+    pip install -e '.[cuda12,test]' && python scripts/gpu_check.py --out runs/gpu_check \
+        --step configs/default.yaml --step configs/llama-7b.yaml,model.num_layers=8,data.tokens_per_batch=65536
 
-Writes to ``--out``: ``attention.json`` (varlen kernel vs ``jax.nn.dot_product_attention``
-with cuDNN on the same documents), ``memory.json`` (compiled step's ``memory_analysis()``
-vs the allocator's measured peak after running it), ``pipeline/`` (one EPP and one Seq1F1B
-run of the real executor through ``python -m jvarlen.train``, when there are >= 2 GPUs),
-``profile/`` (the cost-model profile fitted on this GPU by ``python -m jvarlen.profile``),
-and ``summary.md``: the table to paste into docs/benchmarks.md. Each part is independent:
-a failure is recorded in the summary and the next part runs.
+Writes to ``--out`` one JSON file per part, and ``summary.md``: the tables to paste into
+docs/benchmarks.md. Each part is independent: a failure is recorded and the next part runs.
+
+- ``step``: each ``--step CONFIG[,key=value,...]``'s data-parallel step compiled for one batch
+  of packed long-tailed documents and run: XLA's ``memory_analysis()`` against the allocator's
+  measured peak, step time, tokens/s, model TFLOP/s, losses.
+- ``attention``: the varlen kernel and cuDNN (``jax.nn.dot_product_attention``) on the same
+  documents, timed, and both checked against a float32 reference (output, dq, dk, dv).
+- ``train``: the main job, ``python -m jvarlen.train`` on its embedded default.
+- ``tests``: the kernel tests run on the GPU (compiled Triton instead of interpret mode).
+- ``pipeline``: one EPP and one Seq1F1B run of the real executor (>= 2 GPUs).
+- ``profile``: the cost-model profile fitted on this GPU by ``python -m jvarlen.profile``.
 
 Attention layouts: documents of the given lengths, packed into one row for the varlen
 kernel (segment ids, causal) and one document per row for cuDNN (``query_seq_lengths``,
@@ -19,6 +25,7 @@ kernel (segment ids, causal) and one document per row for cuDNN (``query_seq_len
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -48,28 +55,50 @@ def _time(fn, *args, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def _rel(got, want) -> float:
+    """||got - want||_F / ||want||_F in float64 (METHOD: bf16 lands near 1e-3..1e-2, f32 far below)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
 def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict]:
+    """Per layout: the varlen kernel and cuDNN timed (forward, forward + backward) and both checked
+    against a float32 reference (the XLA blockwise path on the same inputs upcast, matmuls at
+    HIGHEST precision): output and dq, dk, dv for one random cotangent, fresh inputs per layout.
+    The kernel in float32 is checked too (its dots' precision on the GPU)."""
     from jvarlen import kernels
 
     rows = []
-    for name, lengths in LAYOUTS.items():
+    for li, (name, lengths) in enumerate(LAYOUTS.items()):
         total, longest, n = sum(lengths), max(lengths), len(lengths)
         seg = np.concatenate([np.full(L, i + 1, np.int32) for i, L in enumerate(lengths)])
         pos = np.concatenate([np.arange(L, dtype=np.int32) for L in lengths])
         pairs = sum(L * (L + 1) // 2 for L in lengths)
-        key = jax.random.key(0)
-        q = jax.random.normal(key, (total, heads, head_dim), dtype)
-        k = jax.random.normal(key, (total, kv_heads, head_dim), dtype)
+        kq, kk, kv, kc = jax.random.split(jax.random.key(100 + li), 4)
+        q32 = jax.random.normal(kq, (total, heads, head_dim), jnp.float32)
+        k32 = jax.random.normal(kk, (total, kv_heads, head_dim), jnp.float32)
+        v32 = jax.random.normal(kv, (total, kv_heads, head_dim), jnp.float32)
+        ct32 = jax.random.normal(kc, (total, heads, head_dim), jnp.float32)
+        q, k, v, ct = (x.astype(dtype) for x in (q32, k32, v32, ct32))
         info = kernels.block_info_for(seg, seg, pos, pos)
 
-        def varlen(q, k, v, seg=seg, pos=pos, info=info):
+        def varlen(q, k, v, impl="pallas", seg=seg, pos=pos, info=info):
             return kernels.varlen_attention(
-                q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos, block_info=info
+                q,
+                k,
+                v,
+                q_segment_ids=seg,
+                kv_segment_ids=seg,
+                q_positions=pos,
+                kv_positions=pos,
+                block_info=info,
+                implementation=impl,
             )
 
         # the same documents, one per row, padded to the longest (cuDNN masks the padding)
         starts = np.cumsum([0] + lengths[:-1])
         idx = np.minimum(starts[:, None] + np.arange(longest)[None], total - 1)
+        keep = np.arange(longest)[None] < np.asarray(lengths)[:, None]
         lens = jnp.asarray(lengths, jnp.int32)
 
         def cudnn(qb, kb, vb, lens=lens):
@@ -83,12 +112,33 @@ def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict
                 implementation="cudnn",
             )
 
+        def unpad(x, keep=keep):  # [documents, longest, ...] -> the packed [total, ...] rows
+            return np.asarray(x, np.float32)[keep]
+
+        with jax.default_matmul_precision("highest"):
+            ref = _fwd_vjp(
+                functools.partial(varlen, impl="xla"),
+                q.astype(jnp.float32),
+                k.astype(jnp.float32),
+                v.astype(jnp.float32),
+                ct.astype(jnp.float32),
+            )
+            ref32 = _fwd_vjp(functools.partial(varlen, impl="xla"), q32, k32, v32, ct32)
         flops = 4.0 * head_dim * heads * pairs
-        # padded [documents, longest, heads, D] copies for cuDNN, gathered once outside the timing
-        qb, kb = q[idx], k[idx]
-        for impl, fn, args in (("varlen", varlen, (q, k, k)), ("cudnn", cudnn, (qb, kb, kb))):
-            row = {"layout": name, "implementation": impl, "tokens": total, "documents": n}
+        cases = (
+            ("varlen", varlen, (q, k, v), ct, ref, lambda x: np.asarray(x, np.float32)),
+            ("cudnn", cudnn, (q[idx], k[idx], v[idx]), ct[idx], ref, unpad),
+            ("varlen-f32", varlen, (q32, k32, v32), ct32, ref32, lambda x: np.asarray(x, np.float32)),
+        )
+        for impl, fn, args, cot, want, back in cases:
+            row = {"layout": name, "implementation": impl, "tokens": total, "documents": n, "dtype": str(args[0].dtype)}
             try:
+                got = _fwd_vjp(fn, *args, cot)
+                for part, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                    g = back(g)
+                    row[f"err_{part}"] = _rel(g, w)
+                    row.setdefault("nonfinite", 0)
+                    row["nonfinite"] += int((~np.isfinite(g)).sum())
                 fwd = jax.jit(fn)
                 grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
                 row["fwd_s"] = _time(fwd, *args)
@@ -102,9 +152,49 @@ def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict
     return rows
 
 
-def memory_part(config_path: str) -> dict:
-    """Compiles the data-parallel step on this node's GPUs, compares memory_analysis() with
-    the allocator's peak after two steps on random tokens."""
+def _fwd_vjp(fn, q, k, v, ct):
+    """-> (out, dq, dk, dv) of ``fn`` for cotangent ``ct``, jitted."""
+
+    @jax.jit
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(ct.astype(out.dtype)))
+
+    return jax.block_until_ready(run(q, k, v, ct))
+
+
+def _packed_rows(rng, rows: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Long-tailed documents packed into ``rows`` rows: log-normal lengths (median 1K tokens,
+    a few as long as the row), each row filled to the end. -> (segment ids, positions, the
+    visible (query, key) pairs of causal attention)."""
+    seg = np.zeros((rows, seq_len), np.int32)
+    pos = np.zeros((rows, seq_len), np.int32)
+    pairs = 0
+    for r in range(rows):
+        start, doc = 0, 1
+        while start < seq_len:
+            n = int(min(seq_len - start, max(16, rng.lognormal(np.log(1024), 1.5))))
+            seg[r, start : start + n], pos[r, start : start + n] = doc, np.arange(n)
+            pairs += n * (n + 1) // 2
+            start, doc = start + n, doc + 1
+    return seg, pos, pairs
+
+
+def _matmul_flops_per_token(model) -> float:
+    """Forward + backward FLOPs per token of the weight matmuls (6 per weight); the input
+    embedding is a gather, the output head a matmul."""
+    d, hd = model.d_model, model.head_dim
+    attn = d * hd * (2 * model.num_heads + 2 * model.num_kv_heads)
+    mlp = 3 * d * model.mlp_dim
+    return 6.0 * (model.num_layers * (attn + mlp) + d * model.vocab_size)
+
+
+def step_part(config_path: str, overrides: list[str], steps: int) -> dict:
+    """Compiles the data-parallel step of ``config_path`` (+ ``key=value`` overrides) on this
+    node's GPUs for one batch of packed long-tailed documents, runs it, and compares XLA's
+    memory_analysis() with the allocator's peak; times ``steps`` steps after two warm-ups
+    (tokens/s and model TFLOP/s: weight matmuls 6 per weight per token, attention 12·L·H·D per
+    visible pair, recomputation not counted)."""
     from jvarlen.api import Session
     from jvarlen.config import load_config
     from jvarlen.layout import Layout
@@ -112,37 +202,89 @@ def memory_part(config_path: str) -> dict:
     from jvarlen.runtime.memory_fit import check_fit
     from jvarlen.runtime.step import BATCH_KEYS
 
-    config = load_config(config_path, **{"parallel.pp": "1"})
+    config = load_config(config_path, **{"parallel.pp": "1", **dict(o.split("=", 1) for o in overrides)})
     session = Session.from_config(config)
     state = session.state
-    rows = max(jax.device_count(), config.data.tokens_per_batch // config.data.seq_len)
+    seq_len, model = config.data.seq_len, config.model
+    rows = max(jax.device_count(), config.data.tokens_per_batch // seq_len)
     rng = np.random.default_rng(0)
-    batch = {
-        "tokens": rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), dtype=np.int32),
-        "segment_ids": np.ones((rows, config.data.seq_len), np.int32),
-        "positions": np.tile(np.arange(config.data.seq_len, dtype=np.int32), (rows, 1)),
-        "loss_mask": np.ones((rows, config.data.seq_len), np.float32),
-    }
-    batch["targets"] = np.roll(batch["tokens"], -1, axis=1)
-    step = session.layout_step(Layout(dp=jax.device_count()), rows, config.data.seq_len)
+    seg, pos, pairs = _packed_rows(rng, rows, seq_len)
+    tokens = rng.integers(0, model.vocab_size, (rows, seq_len), dtype=np.int32)
+    batch = {"tokens": tokens, "segment_ids": seg, "positions": pos, "targets": np.roll(tokens, -1, axis=1)}
+    batch["loss_mask"] = (np.roll(seg, -1, axis=1) == seg).astype(np.float32)
+    step = session.layout_step(Layout(dp=jax.device_count()), rows, seq_len)
+    t0 = time.perf_counter()
     step_exe = step.compiled(step.from_arrays({k: batch[k] for k in BATCH_KEYS}))
+    compile_s = time.perf_counter() - t0
     placed = place_global({k: batch[k] for k in BATCH_KEYS}, step_exe.batch_shardings)
     compiled = step_exe.compiled
     fit = check_fit(compiled, jax.local_devices()[0])
-    for _ in range(2):
+    losses, times = [], []
+    for i in range(2 + steps):
+        t0 = time.perf_counter()
         state, metrics = compiled(state, placed)
-    jax.block_until_ready(metrics)
+        metrics = jax.device_get(metrics)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(metrics["loss_sum"] / max(float(metrics["target_tokens"]), 1.0)))
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
+    step_s = statistics.median(times)
+    flops = (
+        _matmul_flops_per_token(model) * rows * seq_len
+        + 12.0 * model.num_layers * model.num_heads * model.head_dim * pairs
+    )
     return {
         "config": config_path,
+        "overrides": overrides,
         "devices": jax.device_count(),
+        "rows": rows,
+        "seq_len": seq_len,
+        "documents": int(sum(len(np.unique(r)) for r in seg)),
+        "compile_s": compile_s,
+        "step_s_median": step_s,
+        "step_s_spread": [min(times), max(times)],
+        "tokens_per_s": rows * seq_len / step_s,
+        "model_tflops_per_s": flops / step_s / 1e12 / jax.device_count(),
+        "losses": losses,
         "compiled_need_bytes": fit.need_bytes,
         "allocator_limit_bytes": fit.limit_bytes,
         "measured_peak_bytes": peak,
         "error_of_compiled_figure": None if not peak else (fit.need_bytes - peak) / peak,
         "fit_message": fit.message,
     }
+
+
+def _child_env(**extra: str) -> dict:
+    """A subprocess's environment: this process's JAX holds its GPU memory (75 % preallocated by
+    default), so a child that preallocates the default too fails at its first allocation; it gets
+    a fifth of the device unless the caller set a fraction."""
+    env = {**os.environ, **extra}
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.2")
+    return env
+
+
+def train_part(out: str, steps: int, timeout_s: int = 600) -> dict:
+    """The main job, ``python -m jvarlen.train`` on its embedded default (the README's first
+    command), for ``steps`` steps on this node: its losses and step times."""
+    run_dir = os.path.join(out, "train")
+    cmd = [sys.executable, "-m", "jvarlen.train", f"--train.steps={steps}", f"--logging.run_dir={run_dir}"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env(), check=False)
+        code, err = proc.returncode, proc.stderr[-1500:]
+    except subprocess.TimeoutExpired:
+        code, err = "timeout", ""
+    row = {"returncode": code, "wall_s": time.perf_counter() - t0, "stderr_tail": err}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        recs = [r for r in recs if "loss" in r]
+        row["losses"] = [r["loss"] for r in recs]
+        warm = [r["step_time_s"] for r in recs[2:] if "step_time_s" in r]
+        row["median_step_s"] = statistics.median(warm) if warm else None
+    return row
 
 
 def pipeline_part(out: str, steps: int) -> list[dict]:
@@ -155,7 +297,7 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
         cmd = [sys.executable, "-m", "jvarlen.train", "--config", "configs/default.yaml", "--parallel.pp=2"]
         cmd += [f"--plan.policy={policy}", f"--train.steps={steps}", f"--logging.run_dir={run_dir}"]
         cmd += ["--plan.wait=true"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
         row = {"policy": policy, "returncode": proc.returncode}
         path = os.path.join(run_dir, "metrics.jsonl")
         if os.path.exists(path):
@@ -174,60 +316,144 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
 def profile_part(out: str) -> dict:
     cmd = [sys.executable, "-m", "jvarlen.profile", "--config", "configs/default.yaml"]
     cmd += ["--out_dir", os.path.join(out, "profile"), "--force", "true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
     files = sorted(os.listdir(os.path.join(out, "profile"))) if os.path.isdir(os.path.join(out, "profile")) else []
     return {"returncode": proc.returncode, "files": files, "stdout_tail": proc.stdout[-1500:]}
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.2f}" if x else "?"
+
+
+KERNEL_TESTS = ["tests/test_kernels_pallas.py", "tests/test_kernels_attention.py", "tests/test_kernels_properties.py"]
+
+
+def tests_part(out: str, timeout_s: int) -> dict:
+    """The kernel tests on this GPU (``JAX_PLATFORMS=cuda``: compiled Triton kernels instead of
+    interpret mode, the references at HIGHEST matmul precision), with a wall-clock limit."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", *KERNEL_TESTS]
+    env = _child_env(JAX_PLATFORMS="cuda")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+        text, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    with open(os.path.join(out, "tests.log"), "w", encoding="utf-8") as f:
+        f.write(text)
+    last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
+    return {
+        "returncode": code,
+        "summary": last[0],
+        "failures": [x for x in text.splitlines() if x.startswith("FAILED")],
+    }
 
 
 def summary(results: dict) -> str:
     dev = results["device"]
     lines = [f"## GPU check: {dev['kind']} x {dev['count']} (jax {jax.__version__})", ""]
     lines += [
-        "| layout | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-        "|---|---|---|---|---|---|",
+        "| layout | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | rel. error out / dq / dk / dv |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results.get("attention", []):
-        if "error" in r:
-            lines.append(f"| {r['layout']} | {r['implementation']} | error: {r['error'][:80]} | | | |")
+        errs = " / ".join(f"{r[f'err_{p}']:.1e}" for p in ("out", "dq", "dk", "dv") if f"err_{p}" in r)
+        if r.get("nonfinite"):
+            errs += f" ({r['nonfinite']} non-finite)"
+        if "fwd_s" not in r:
+            lines.append(f"| {r['layout']} | {r['implementation']} | error: {r.get('error', '')[:80]} | | | | {errs} |")
         else:
             lines.append(
                 f"| {r['layout']} | {r['implementation']} | {1e3 * r['fwd_s']:.2f} | {r['fwd_tflops']:.0f} | "
-                f"{1e3 * r['fwd_bwd_s']:.2f} | {r['fwd_bwd_tflops']:.0f} |"
+                f"{1e3 * r['fwd_bwd_s']:.2f} | {r['fwd_bwd_tflops']:.0f} | {errs} |"
             )
-    mem = results.get("memory", {})
-    if "compiled_need_bytes" in mem:
-        peak = mem["measured_peak_bytes"]
+    steps = results.get("step", [])
+    if steps:
         lines += [
             "",
-            f"Compiled step ({mem['config']}): memory_analysis {mem['compiled_need_bytes'] / 2**30:.2f} GiB per device, "
-            f"measured peak {peak / 2**30 if peak else float('nan'):.2f} GiB ({mem['error_of_compiled_figure']}).",
+            "| step | rows × seq | docs | compile s | step ms (min-max) | tokens/s | model TFLOP/s | memory_analysis GiB "
+            "| measured peak GiB | losses |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for s in steps:
+        if "step_s_median" not in s:
+            lines.append(f"| {s.get('name')} | error: {s.get('error', '')[-120:]} | | | | | | | | |")
+            continue
+        lo, hi = s["step_s_spread"]
+        lines.append(
+            f"| {s['name']} | {s['rows']} × {s['seq_len']} | {s['documents']} | {s['compile_s']:.0f} | "
+            f"{1e3 * s['step_s_median']:.1f} ({1e3 * lo:.1f}-{1e3 * hi:.1f}) | {s['tokens_per_s']:.0f} | "
+            f"{s['model_tflops_per_s']:.0f} | {_gib(s['compiled_need_bytes'])} | {_gib(s['measured_peak_bytes'])} | "
+            f"{s['losses'][0]:.4f} → {s['losses'][-1]:.4f} |"
+        )
+    if "tests" in results:
+        t = results["tests"]
+        lines += ["", f"Kernel tests on the GPU ({', '.join(KERNEL_TESTS)}): {t['summary']} (exit {t['returncode']})."]
+        lines += [f"- {x}" for x in t["failures"][:20]]
+    train = results.get("train")
+    if train:
+        losses = train.get("losses") or [float("nan")]
+        lines += [
+            "",
+            f"Main job (`python -m jvarlen.train`): exit {train['returncode']}, {len(losses)} steps, loss "
+            f"{losses[0]:.4f} → {losses[-1]:.4f}, median step {train.get('median_step_s')} s, {train['wall_s']:.0f} s wall.",
         ]
     for r in results.get("pipeline", []):
         lines.append(f"- pipeline: {r}")
-    lines.append(f"- profile: {results.get('profile', {}).get('files')}")
+    if "profile" in results:
+        lines.append(f"- profile: {results['profile'].get('files')}")
     for part, err in results.get("errors", {}).items():
         lines.append(f"- {part} failed: {err.splitlines()[-1] if err else ''}")
     return "\n".join(lines) + "\n"
 
 
+def _steps(specs: list[str]) -> list[dict]:
+    """Each ``CONFIG[,key=value,...]`` spec's step_part, an error recorded per spec."""
+    rows = []
+    for spec in specs:
+        path, *overrides = spec.split(",")
+        try:
+            row = step_part(path, overrides, steps=5)
+        except Exception:
+            row = {"error": traceback.format_exc()}
+        row["name"] = spec
+        rows.append(row)
+        print("[gpu_check] step", row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/gpu_check")
-    ap.add_argument("--config", default="configs/default.yaml", help="config whose step memory is checked")
+    ap.add_argument(
+        "--step",
+        action="append",
+        default=None,
+        help="CONFIG[,key=value,...]: a data-parallel step to compile, run and time (repeatable; "
+        "default configs/default.yaml)",
+    )
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv_heads", type=int, default=8)
     ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--train_steps", type=int, default=100)
     ap.add_argument("--pipeline_steps", type=int, default=8)
-    ap.add_argument("--skip", action="append", default=[], choices=["attention", "memory", "pipeline", "profile"])
+    ap.add_argument("--tests_timeout", type=int, default=600, help="seconds for the kernel tests on the GPU")
+    ap.add_argument(
+        "--skip", action="append", default=[], choices=["attention", "step", "train", "tests", "pipeline", "profile"]
+    )
+    ap.add_argument("--allow_cpu", action="store_true", help="run on a CPU backend too (a dry run of the script)")
     args = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" and not args.allow_cpu:
         print("gpu_check needs a GPU (jax.default_backend() is %r)" % jax.default_backend(), file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     results = {"device": {"kind": jax.devices()[0].device_kind, "count": jax.device_count()}, "errors": {}}
     parts = {
+        # steps first: the allocator's peak is per process, so each step's figure is read before
+        # anything larger ran (give --step specs smallest first)
+        "step": lambda: _steps(args.step or ["configs/default.yaml"]),
         "attention": lambda: attention_part(args.heads, args.kv_heads, args.head_dim, jnp.bfloat16),
-        "memory": lambda: memory_part(args.config),
+        "train": lambda: train_part(args.out, args.train_steps),
+        "tests": lambda: tests_part(args.out, args.tests_timeout),
         "pipeline": lambda: pipeline_part(args.out, args.pipeline_steps),
         "profile": lambda: profile_part(args.out),
     }
