@@ -10,8 +10,9 @@ fraction is exact; smaller tiles only trade speed for shared memory and register
 ``kernel_config(dtype, head_dim, target)`` picks from ``_TABLE``, keyed by the target's
 shared memory per block and compute capability. The rows were chosen with deviceless
 compiles (``scripts/gpu_compile_check.py``): the largest tiles whose Triton kernels fit the
-shared memory without register spills. Nothing here is timed: a GPU node should confirm
-them (``scripts/gpu_check.py``).
+shared memory without register spills. Only the Hopper bf16 row of head dims 65-128 has been
+timed on a GPU (at D = 128 on an H200, ``scripts/tune_kernel_tiles.py``, docs/benchmarks.md):
+its forward and dq tiles were the fastest candidates; the others are compile-checked only.
 
 The target is, in order: the one set by ``with compile_for(target):`` (deviceless
 compilation, or forcing a config), else the first device when JAX's default backend is a
