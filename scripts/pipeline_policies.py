@@ -71,15 +71,21 @@ def policy_cost(args, cfg):
 
 
 def plan_policies(lengths, cost, args, policies) -> dict:
-    """{policy: Plan}, every plan's prediction in the executor's model (paired ticks)."""
+    """{policy: Plan}, every plan's prediction in the executor's model (paired ticks). CP-SAT stops
+    on its deterministic limit only (``deterministic_options``): with the default 0.05 s wall-clock
+    limit, seeds 150 and 151 at 60 MB gave one of two EPP plans (3.536 or 3.624 s; 4.031 or 4.203
+    s) depending on the machine's load, in the same planning time (0.1-0.3 s)."""
     from jvarlen.plan.api import PlannerOptions, plan_iteration
     from jvarlen.plan.assemble import record_simulation, simulate
+    from jvarlen.plan.service import deterministic_options
 
-    options = PlannerOptions(
-        min_slice_tokens=args.min_slice,
-        simulation="paired",
-        seq1f1b_chunk_tokens=args.seq1f1b_chunk,
-        seq1f1b_reference_context=args.reference_context,
+    options = deterministic_options(
+        PlannerOptions(
+            min_slice_tokens=args.min_slice,
+            simulation="paired",
+            seq1f1b_chunk_tokens=args.seq1f1b_chunk,
+            seq1f1b_reference_context=args.reference_context,
+        )
     )
     plans = {}
     for policy in policies:
