@@ -60,6 +60,21 @@ def test_the_account_sizes_the_buffers_as_the_compiled_signature_does(plans, nam
         assert sizes[field] == getattr(sig, field), (field, sizes, sig)
 
 
+@pytest.mark.parametrize("name", ["free", "dapple"])
+def test_padding_a_plan_to_more_chunks_keeps_its_buffers(plans, name):
+    """The runtime pads chunk counts (``chunk_multiple``; with dp > 1, to the longest pipeline's
+    count). The empty chunks hold no more than the plan already does, so the account still holds:
+    DAPPLE's 3 chunks padded to 16 held 14 stash and gradient slots instead of 2 while they ran
+    in a GPipe tail."""
+    plan, cost = plans[name]
+    sizes = executor_memory(plan, cost).sizes
+    for multiple in (4, 16):
+        sig, _ = pl.prepare_plans([plan], [documents(SPLIT)], SHAPE.num_layers, chunk_multiple=multiple)
+        assert sig.n_chunks == -(-plan.n_chunks // multiple) * multiple  # padded
+        for field in ("n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt"):
+            assert getattr(sig, field) == sizes[field], (field, multiple, sig)
+
+
 def test_paired_plans_fit_the_executors_buffers(plans):
     """Under 60 MB the time line of EPP's checkpointing fits but the executor's buffers (each kind
     sized by its own peak, the fused op's stack) did not: the planner recomputes more until they do."""

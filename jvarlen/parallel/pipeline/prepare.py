@@ -162,15 +162,18 @@ def split_documents(plan: Plan) -> int:
 
 
 def pad_plan(plan: Plan, n_chunks: int, layers_per_stage: int):
-    """(chunks, schedule, ckpt) with empty chunks appended up to ``n_chunks`` (they run a GPipe
-    tail, carry only padding, recompute everything and contribute nothing)."""
+    """(chunks, schedule, ckpt) with empty chunks appended up to ``n_chunks`` (they run a 1F1B
+    tail, carry only padding, recompute everything and contribute nothing). 1F1B, not GPipe: a
+    stage holds at most ``pp`` of them at once, so a plan padded to another pipeline's chunk
+    count (dp > 1) keeps its stash and gradient slots; a GPipe tail of ``e`` empty chunks held
+    ``e`` of each (DAPPLE's 3 chunks padded to 16: 2 -> 14 stash slots)."""
     extra = n_chunks - plan.n_chunks
     if extra < 0:
         raise ValueError(f"plan has {plan.n_chunks} chunks, more than {n_chunks}")
     chunks = [list(c) for c in plan.chunks] + [[] for _ in range(extra)]
     sched, ckpt = plan.schedule, np.asarray(plan.ckpt_layers, np.int32)
     if extra:
-        sched = sch.sequential([sched, sch.gpipe(extra, plan.layout.pp)])
+        sched = sch.sequential([sched, sch.one_f_one_b(extra, plan.layout.pp)])
         ckpt = np.concatenate([ckpt, np.full((extra, plan.layout.pp), layers_per_stage, np.int32)])
     return chunks, sched, ckpt
 
