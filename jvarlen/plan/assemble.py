@@ -72,7 +72,7 @@ def assemble(
     for i, u in enumerate(units):
         if u.ckpt.source == "greedy":
             plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
-    if run_simulation and simulation == "paired":
+    if run_simulation and simulation in ("ticks", "paired"):  # both run on the paired executor
         plan = fit_executor_memory(plan, cost)
     if run_simulation:
         record_simulation(plan, cost, simulation)
