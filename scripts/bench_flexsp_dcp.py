@@ -15,7 +15,9 @@ Reference: the best *static* homogeneous layout (:func:`jvarlen.plan.homogeneous
 one SP degree for the whole workload, N/sp groups, LPT dispatch, the same Eq. 23-24 micro-batches,
 with the least recomputation per micro-batch (our strict reference) or every layer recomputed
 (the papers' protocol: DeepSpeed-Ulysses / bucket parallel with full activation checkpointing).
-Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
+The degree is chosen on the group model; every time, the references' as the policies', is that of
+the executor plans, whose recomputation is raised where the executor's buffers would not fit
+(docs/design/executor-memory.md; before 2026-11-27 neither side was). Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
 slowest group's propagation only (without the per-iteration step overhead, which includes the
 parameter pull and gradient push and is the same constant for every strategy here). Also measures planning time at
 ~200K tokens per iteration on 64 devices (the policies' per-iteration budget). Writes the
@@ -47,7 +49,7 @@ from jvarlen.plan.api import PlanningError, make_cost  # noqa: E402
 from jvarlen.plan.cost import CostModel, ModelShape  # noqa: E402
 from jvarlen.plan.flexsp import FlexSPOptions  # noqa: E402
 from jvarlen.plan.hardware import A800, H200  # noqa: E402
-from jvarlen.plan.homogeneous import HomogeneousOptions, best_static_sp, homogeneous_time  # noqa: E402
+from jvarlen.plan.homogeneous import HomogeneousOptions, best_static_sp, plan_homogeneous  # noqa: E402
 from jvarlen.plan.sp_groups import GroupCosts  # noqa: E402
 from jvarlen.plan.strategy import SchemeCosts, plan_strategy  # noqa: E402
 from jvarlen.plan.workloads import MIXTURES, LengthMixture, sample_batch  # noqa: E402
@@ -139,6 +141,12 @@ def propagation(iteration: float, gc: GroupCosts) -> float:
     return iteration - gc.base(gc.schemes[0])
 
 
+def executor_time(lengths, costs, options: HomogeneousOptions) -> float:
+    """The homogeneous layout's predicted iteration time from its executor plans (the same
+    assembly, executor-memory fit included, as every policy's plan)."""
+    return plan_homogeneous(lengths, costs, options).stats["iteration_time_s"]
+
+
 def run_setting(s: Setting, iterations: int, quiet: bool) -> dict:
     costs = s.costs()
     gc = GroupCosts(costs)
@@ -152,8 +160,16 @@ def run_setting(s: Setting, iterations: int, quiet: bool) -> dict:
     }
     for key, options in references.items():
         sp, times = best_static_sp(batches, costs, options)
-        rows[key] = {"sp": sp, "iter_s": times.get(sp) if sp else None, "per_sp": {str(k): v for k, v in times.items()}}
-    rows["dynamic"] = [min(homogeneous_time(b, gc, x.sp) for x in gc.schemes) for b in batches]
+        # the degree is chosen on the group model; its time is that of its executor plans, whose
+        # recomputation fits the executor's memory account, as the policies' plans are
+        iter_s = [executor_time(b, costs, dataclasses.replace(options, sp=sp)) for b in batches] if sp else None
+        rows[key] = {
+            "sp": sp,
+            "iter_s": iter_s,
+            "model_iter_s": times.get(sp) if sp else None,
+            "per_sp": {str(k): v for k, v in times.items()},
+        }
+    rows["dynamic"] = [executor_time(b, costs, HomogeneousOptions()) for b in batches]
     for policy, options in VARIANTS.items():
         recs = []
         for i, lengths in enumerate(batches):
