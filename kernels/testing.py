@@ -1,4 +1,4 @@
-"""Packed layouts and comparison helpers shared by the kernel tests and the benchmark.
+"""Packed layouts, comparison and timing helpers shared by the kernel tests and the benchmarks.
 
 A layout is a list of pieces ``(segment_id, first_position, length)``; segment 0 is
 padding (its positions are 0). ``context_layout`` builds the slice-attends-to-context
@@ -77,3 +77,25 @@ def rel_err(got, want) -> float:
     want = np.asarray(want, np.float64)
     scale = max(float(np.abs(want).max()), 1e-30)
     return float(np.abs(got - want).max()) / scale
+
+
+def rel_norm_err(got, want) -> float:
+    """||got - want||_F / ||want||_F (float64): bf16 rounding lands near 1e-3..1e-2, float32 far below."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def call_seconds(fn, *args, repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` calls of ``fn(*args)``, each waited for, after one warm-up
+    (compile) call."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times

@@ -55,13 +55,7 @@ def visible_pair_count(seg: np.ndarray, pos: np.ndarray) -> int:
 
 def timed(fn, *args, iters: int) -> float:
     """Median seconds of ``fn(*args)`` after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(kt.call_seconds(fn, *args, repeats=iters))
 
 
 def make_fns(name, ids, causal=True, block_sizes=None, info=None):

@@ -45,28 +45,13 @@ LAYOUTS = {  # document lengths (tokens)
 }
 
 
-def _time(fn, *args, repeats: int = 10) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _rel(got, want) -> float:
-    """||got - want||_F / ||want||_F in float64 (METHOD: bf16 lands near 1e-3..1e-2, f32 far below)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict]:
     """Per layout: the varlen kernel and cuDNN timed (forward, forward + backward) and both checked
     against a float32 reference (the XLA blockwise path on the same inputs upcast, matmuls at
     HIGHEST precision): output and dq, dk, dv for one random cotangent, fresh inputs per layout.
     The kernel in float32 is checked too (its dots' precision on the GPU)."""
     from jvarlen import kernels
+    from jvarlen.kernels import testing as kt
 
     rows = []
     for li, (name, lengths) in enumerate(LAYOUTS.items()):
@@ -136,13 +121,13 @@ def attention_part(heads: int, kv_heads: int, head_dim: int, dtype) -> list[dict
                 got = _fwd_vjp(fn, *args, cot)
                 for part, g, w in zip(("out", "dq", "dk", "dv"), got, want):
                     g = back(g)
-                    row[f"err_{part}"] = _rel(g, w)
+                    row[f"err_{part}"] = kt.rel_norm_err(g, w)
                     row.setdefault("nonfinite", 0)
                     row["nonfinite"] += int((~np.isfinite(g)).sum())
                 fwd = jax.jit(fn)
                 grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)))
-                row["fwd_s"] = _time(fwd, *args)
-                row["fwd_bwd_s"] = _time(grad, *args)
+                row["fwd_s"] = statistics.median(kt.call_seconds(fwd, *args, repeats=10))
+                row["fwd_bwd_s"] = statistics.median(kt.call_seconds(grad, *args, repeats=10))
                 row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
                 row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_s"] / 1e12
             except Exception as e:

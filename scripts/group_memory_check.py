@@ -29,6 +29,24 @@ from jvarlen.plan.workloads import MIXTURES
 GiB = 2**30
 
 
+def executor_costs(model, gpu: str, devices: int) -> SchemeCosts:
+    """The analytic ``gpu`` model of ``model`` on ``devices`` devices, a stored layer charged what
+    the executor keeps (``stage.stored_token_bytes`` under ``dots_and_attention``)."""
+    base = make_cost(ModelShape.from_config(model), gpu, Layout(devices, 1, 1))
+    stored = stored_token_bytes(model, "dots_and_attention")
+    return SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(m_stored_token=stored)), devices)
+
+
+def token_batch(rng, workload: str, tokens: int, longest: int) -> list[int]:
+    """Document lengths of ``workload`` (clipped to [64, ``longest``]) drawn until ``tokens``."""
+    lengths, total = [], 0
+    while total < tokens:
+        n = int(np.clip(MIXTURES[workload].sample(1, rng)[0], 64, longest))
+        lengths.append(n)
+        total += n
+    return lengths
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/llama-7b.yaml")
@@ -41,13 +59,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="hydraulis,flexsp,dcp,homogeneous")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config)
-    base = make_cost(ModelShape.from_config(cfg.model), args.gpu, Layout(args.devices, 1, 1))
-    stored = stored_token_bytes(cfg.model, "dots_and_attention")
-    cost = CostModel(base.model, base.layout, base.coeffs.replace(m_stored_token=stored))
-    costs = SchemeCosts(cost, args.devices)
+    costs = executor_costs(load_config(args.config).model, args.gpu, args.devices)
+    c = costs.coeffs
     print(
-        f"m_token {base.coeffs.m_token:.0f} B, m_stored_token {stored:.0f} B, budget {cost.memory_budget / GiB:.1f} GiB"
+        f"m_token {c.m_token:.0f} B, m_stored_token {c.m_stored_token:.0f} B, "
+        f"budget {costs.base.memory_budget / GiB:.1f} GiB"
     )
     print(
         "| batch | policy | predicted s | plan s | groups over budget | groups: (pp, sp) account / time-line peak GiB |"
@@ -55,11 +71,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     rng = np.random.default_rng(args.seed)
     for b in range(args.batches):
-        lengths, total = [], 0
-        while total < args.tokens:
-            n = int(np.clip(MIXTURES[args.workload].sample(1, rng)[0], 64, args.longest))
-            lengths.append(n)
-            total += n
+        lengths = token_batch(rng, args.workload, args.tokens, args.longest)
         for policy in [p for p in args.policies.split(",") if p]:
             t0 = time.perf_counter()
             plan = plan_strategy(policy, lengths, costs)

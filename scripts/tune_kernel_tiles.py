@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvarlen import kernels
+from jvarlen.kernels import testing as kt
 from jvarlen.kernels.gpu_config import KernelTiles, current_target, kernel_config
 
 LAYOUTS = {
@@ -43,18 +44,8 @@ CANDIDATES = {
 
 
 def _median_time(fn, *args, repeats: int) -> tuple[float, float, float]:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+    times = kt.call_seconds(fn, *args, repeats=repeats)
     return statistics.median(times), min(times), max(times)
-
-
-def _rel(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def tune_layout(name, lengths, heads, kv_heads, head_dim, dtype, repeats, deadline) -> list[dict]:
@@ -99,7 +90,7 @@ def tune_layout(name, lengths, heads, kv_heads, head_dim, dtype, repeats, deadli
             try:
                 fwd, fwd_bwd = runners(config)
                 got = jax.block_until_ready(fwd_bwd(q, k, v, ct))
-                row["max_rel_err_vs_table"] = max(_rel(a, b) for a, b in zip(got, ref))
+                row["max_rel_err_vs_table"] = max(kt.rel_norm_err(a, b) for a, b in zip(got, ref))
                 if kernel == "fwd":
                     row["ms"], lo, hi = (1e3 * x for x in _median_time(fwd, q, k, v, repeats=repeats))
                     row["tflops"] = flops / row["ms"] / 1e9

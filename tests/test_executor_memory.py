@@ -158,23 +158,17 @@ def test_group_plans_fit_the_executors_buffers():
     their recomputation is fitted to the executor's account too. On llama-7b over 16 A800s
     (``scripts/group_memory_check.py``) FlexSP's and Hydraulis' groups held 83-129 GiB against a
     67 GiB budget while reporting that they fit."""
-    from jvarlen.config import load_config
-    from jvarlen.plan.api import make_cost
-    from jvarlen.plan.strategy import SchemeCosts, plan_strategy
-    from jvarlen.plan.workloads import MIXTURES
+    import sys
+    from pathlib import Path
 
-    cfg = load_config("configs/llama-7b.yaml").model
-    base = make_cost(ModelShape.from_config(cfg), "a800", Layout(16, 1, 1))
-    costs = SchemeCosts(
-        CostModel(
-            base.model, base.layout, base.coeffs.replace(m_stored_token=stored_token_bytes(cfg, "dots_and_attention"))
-        ),
-        16,
-    )
-    rng = np.random.default_rng(0)
-    lengths = []
-    while sum(lengths) < 256 * 1024:
-        lengths.append(int(np.clip(MIXTURES["github"].sample(1, rng)[0], 64, 65536)))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from group_memory_check import executor_costs, token_batch
+
+    from jvarlen.config import load_config
+    from jvarlen.plan.strategy import plan_strategy
+
+    costs = executor_costs(load_config("configs/llama-7b.yaml").model, "a800", 16)
+    lengths = token_batch(np.random.default_rng(0), "github", 256 * 1024, 65536)
     for policy in ("flexsp", "hydraulis"):
         plan = plan_strategy(policy, lengths, costs)
         for g in plan.groups:
