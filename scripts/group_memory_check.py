@@ -1,18 +1,22 @@
 """The group policies' plans against the pipeline executor's memory account (planner only, no run).
 
     python scripts/group_memory_check.py [--config configs/llama-7b.yaml] [--devices 16] [--batches 3]
+    python scripts/group_memory_check.py --seed 1 --batches 10 --policies flexsp,hydraulis --compiles
 
 Plans long-tailed batches (a shipped workload's lengths, ``--tokens`` per batch) with each strategy
 policy on the analytic ``--gpu`` cost model of ``--config``'s model, the stored bytes per layer
 being what the executor keeps (``stage.stored_token_bytes``), and prints per (batch, policy) the
 predicted iteration time and, per group, its scheme, the executor account
 (``jvarlen.plan.executor_memory``) against the budget, and the time line's peak. A group whose
-account exceeds the budget would not fit the compiled step its plan says fits.
+account exceeds the budget would not fit the compiled step its plan says fits. ``--compiles``:
+also the executables the batches' group steps compile, per policy, when each reuses a compiled
+signature that covers it (``prepare_plans(known=...)``, as the step cache does).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import numpy as np
@@ -58,7 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="hydraulis,flexsp,dcp,homogeneous")
+    ap.add_argument("--compiles", action="store_true", help="count the executables the group steps compile")
     args = ap.parse_args(argv)
+    num_layers = load_config(args.config).model.num_layers
+    compiled = collections.defaultdict(lambda: collections.defaultdict(list))  # policy -> scheme -> signatures
+    steps, times = collections.Counter(), collections.defaultdict(list)
     costs = executor_costs(load_config(args.config).model, args.gpu, args.devices)
     c = costs.coeffs
     print(
@@ -76,6 +84,11 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             plan = plan_strategy(policy, lengths, costs)
             elapsed = time.perf_counter() - t0
+            times[policy].append(plan.stats.get("iteration_time_s", float("nan")))
+            if args.compiles:
+                for g in plan.groups:
+                    steps[policy] += 1
+                    compile_count(compiled[policy][g.scheme], g, lengths, num_layers)
             rows, over = [], 0
             for g in plan.groups:
                 account = executor_memory(g.plan, costs.cost(g.scheme)).total
@@ -88,7 +101,24 @@ def main(argv=None) -> int:
                 f"{over} of {len(rows)} | {', '.join(rows)} |",
                 flush=True,
             )
+    for policy in compiled:
+        n = sum(len(sigs) for sigs in compiled[policy].values())
+        print(
+            f"{policy}: {steps[policy]} group steps compiled {n} executables; "
+            f"mean predicted iteration {np.mean(times[policy]):.3f} s"
+        )
     return 0
+
+
+def compile_count(known: list, group, lengths, num_layers: int) -> None:
+    """Adds to ``known`` (the signatures compiled for ``group``'s layout so far) the one its step
+    compiles, unless a compiled one covers it."""
+    from jvarlen.parallel import pipeline as pl
+
+    docs = [np.zeros(lengths[d], np.int32) for d in group.documents]
+    sig, _ = pl.prepare_plans([group.plan], [docs], num_layers, known, chunk_multiple=1)
+    if sig not in known:
+        known.append(sig)
 
 
 if __name__ == "__main__":

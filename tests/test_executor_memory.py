@@ -88,7 +88,7 @@ def test_paired_plans_fit_the_executors_buffers(plans):
 
 
 def test_fitting_recomputes_the_cheapest_chunks_until_the_account_fits(plans):
-    """Raising a plan's recomputation one (chunk, stage) at a time lowers the account to the
+    """Raising a plan's recomputation (whole chunks or a cap on stored layers, the cheaper) lowers the account to the
     budget; a budget below the fully recomputed plan's account leaves the plan as it was."""
     plan, _ = plans["free"]
     loose = cost_of()
@@ -175,3 +175,50 @@ def test_group_plans_fit_the_executors_buffers():
             account = executor_memory(g.plan, costs.cost(g.scheme)).total
             assert account <= g.plan.stats["memory_budget_bytes"], (policy, g.scheme, account / 2**30)
             assert g.plan.stats["fits_memory"] and g.plan.stats["executor_memory_bytes"] == pytest.approx(account)
+
+
+def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
+    """A one-stage plan that stores every layer fuses its chunks, and the fused op holds a stack of
+    a chunk's residuals over all L/pp layers (17 GiB for FlexSP's (pp 1, sp 8) group of llama-7b
+    on A800s). Recomputing whole chunks only frees that stack once every chunk recomputes every
+    layer; capping the layers each chunk stores unfuses them all, and the signature then compiles
+    no fused op: the repair keeps the cheaper table, here 16 of 32 layers stored per chunk."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from group_memory_check import executor_costs, token_batch
+
+    from jvarlen.config import load_config
+    from jvarlen.plan.executor_memory import _repair_by_chunk
+    from jvarlen.plan.strategy import plan_strategy
+
+    costs = executor_costs(load_config("configs/llama-7b.yaml").model, "a800", 16)
+    lengths = token_batch(np.random.default_rng(0), "github", 256 * 1024, 65536)
+    plan = plan_strategy("flexsp", lengths, costs)
+    group = plan.groups[0]
+    cost = costs.cost(group.scheme)
+    ls, budget = cost.layers_per_stage, cost.memory_budget
+    assert group.scheme.pp == 1 and (group.plan.ckpt_layers < ls).all(), group.plan.ckpt_layers
+    assert not executor_memory(group.plan, cost).sizes["fused"]
+
+    stored = dataclasses.replace(group.plan, ckpt_layers=np.zeros_like(group.plan.ckpt_layers))
+    before = executor_memory(stored, cost)
+    assert before.sizes["fused"] and before.total > budget
+    zero = np.zeros_like(stored.ckpt_layers)
+    by_chunk, _ = _repair_by_chunk(
+        zero,
+        before,
+        stored.chunk_shapes(),
+        ls,
+        budget,
+        lambda t: executor_memory(dataclasses.replace(stored, ckpt_layers=t), cost),
+    )
+    assert (by_chunk == ls).all()  # the stack goes only with the last stored layer
+
+    ckpt, account, changed = fit_executor(stored, cost)
+    assert account.total <= budget and not account.sizes["fused"] and account.sizes["n_res"] > 0
+    assert (ckpt < ls).all() and len(changed) == (ckpt > 0).sum()
+    shapes = stored.chunk_shapes()
+    added = sum(cost.recompute_time(shapes[k], int(ckpt[k, 0])) for k in range(len(shapes)))
+    assert added < sum(cost.recompute_time(s, ls) for s in shapes)

@@ -4,6 +4,8 @@ compiled step, and a predicted signature compiles ahead of time in the backgroun
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,10 @@ def _plan(template, seed, schedule_kind, ckpt_seed):
     prev = chunk_links(chunks)
     sched = sch.token_level_1f1b(prev, LAYOUT.pp) if schedule_kind == "token" else sch.gpipe(n, LAYOUT.pp, prev)
     ckpt = np.random.default_rng(ckpt_seed).integers(0, 3, size=(n, LAYOUT.pp)).astype(np.int32)
+    if schedule_kind == "gpipe":
+        # the last stage runs GPipe's last chunk fused: its signature holds the fused op, which the
+        # token-level plans below need (a plan that fuses no chunk compiles none)
+        ckpt[-1, -1] = 0
     plan = Plan(
         policy="hand",
         layout=LAYOUT,
@@ -46,6 +52,16 @@ def _plan(template, seed, schedule_kind, ckpt_seed):
         stats={"bubble_ratio": 0.25, "iteration_time_s": 0.01},
     )
     return plan, docs
+
+
+def _unfused(*plans):
+    """``plans`` with their last chunk recomputing a layer on the last stage: none is fused."""
+    out = []
+    for plan in plans:
+        ckpt = np.array(plan.ckpt_layers)
+        ckpt[-1, -1] = 1
+        out.append(dataclasses.replace(plan, ckpt_layers=ckpt))
+    return out
 
 
 def _forwards(plan, n_chunks):
@@ -75,7 +91,9 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     step = session.plan_step(LAYOUT, bucket=32, residual_policy="all")
     # the first plan's signature is predicted and compiled ahead of time in the background
     (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
-    future = cache.precompile(step.prepare([pa, pb], [da, db]).key, step.strategy.compile)
+    key = step.prepare([pa, pb], [da, db]).key
+    assert key.fused and not step.prepare(_unfused(pa, pb), [da, db]).key.fused
+    future = cache.precompile(key, step.strategy.compile)
     future.result()
     (sig,) = cache.compiled_by
     assert cache.compiled_by[sig].startswith("step-aot")

@@ -87,10 +87,11 @@ def fit_executor_memory(plan: Plan, cost) -> Plan:
     plan that does not fit even when everything is recomputed keeps its table."""
     ckpt, account, changed = fit_executor(plan, cost)
     if changed and account.total <= cost.memory_budget:
+        added = int((ckpt - np.asarray(plan.ckpt_layers)).sum())
         plan = dataclasses.replace(plan, ckpt_layers=ckpt)
         plan.events.append(
-            f"executor memory: {len(changed)} (chunk, stage) pairs recompute every layer so that the "
-            f"executor's buffers fit the budget: {account.describe()}"
+            f"executor memory: {len(changed)} (chunk, stage) pairs recompute {added} more layers so that "
+            f"the executor's buffers fit the budget: {account.describe()}"
         )
     elif changed:
         account = executor_memory(plan, cost)

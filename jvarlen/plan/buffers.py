@@ -357,8 +357,9 @@ def round_buffers(sizes, bucket: int, layers_per_stage: int) -> dict:
         ctx_rows=round_quarter(sizes.ctx_rows, bucket),
         n_res=round_quarter(sizes.n_res, slot_unit),
         n_ckpt=round_quarter(sizes.n_ckpt, slot_unit),
-        # a plan that stores residuals fuses the last stage's chunks it does not recompute in some
-        # iterations and not in others: one executable for both. A plan that recomputes every
-        # layer compiles no fused op, and so no stack of a chunk's residuals.
-        fused=sizes.fused or sizes.n_res > 0,
+        # only a plan that fuses compiles the fused op and its stack of a chunk's residuals over
+        # the stage's L/pp layers (17 GiB for llama-7b at pp = 1, sp = 8): a plan that stores part
+        # of each chunk because memory is short must not hold it. A compiled step with the op
+        # covers plans without (``covers``): once one is compiled, those plans reuse it.
+        fused=bool(sizes.fused),
     )

@@ -99,26 +99,73 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
 
 def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True):
     """Recomputation table under which the executor's account of ``plan`` fits ``cost``'s budget,
-    raised from the plan's own one (chunk, stage) at a time: while the account is over and some
-    layer is stored, a chunk that holds stored layers where the residual slots peak (the one with
-    the fewest tokens: its recomputation is the cheapest) recomputes every layer of that stage;
-    with no residual slot left, a chunk the last stage fuses does (the fused op's stack goes
-    with the last of them). -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs
-    changed). The account may still be over when everything is recomputed."""
-    ls, budget = cost.layers_per_stage, cost.memory_budget
+    raised from the plan's own, the cheaper in recomputation time (:meth:`CostModel.recompute_time`)
+    of two repairs that fit:
+
+    - *by chunk*: while the account is over and some layer is stored, a chunk that holds stored
+      layers where the residual slots peak (the one with the fewest tokens: its recomputation is
+      the cheapest) recomputes every layer of that stage; with no residual slot left, a chunk the
+      last stage fuses does (the fused op's stack goes with the last of them);
+    - *by cap*: every chunk stores at most ``c`` layers of each stage, the largest ``c`` that fits
+      (binary search). Every chunk then recomputes a little instead of a few chunks everything, and
+      with ``c < L/pp`` no chunk is fused, so the program holds no stack of a chunk's ``L/pp``
+      layers' residuals: where that stack is most of the account (pp = 1 groups), only this
+      repair lets chunks keep stored layers.
+
+    -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs raised). With neither
+    fitting, the by-chunk table: the account may be over even when everything is recomputed."""
     ckpt = np.array(plan.ckpt_layers, np.int32)
+    account = executor_memory(plan, cost, stored_bytes, fuse)
+    if account.total <= cost.memory_budget:
+        return ckpt, account, []
     shapes = plan.chunk_shapes()
-    changed = []
-    while True:
-        candidate = plan if not changed else dataclasses.replace(plan, ckpt_layers=ckpt.copy())
-        account = executor_memory(candidate, cost, stored_bytes, fuse)
-        if account.total <= budget:
-            return ckpt, account, changed
+
+    def measure(table):
+        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse)
+
+    def added_time(table):
+        return sum(
+            cost.recompute_time(shapes[k], int(table[k, p])) - cost.recompute_time(shapes[k], int(ckpt[k, p]))
+            for k, p in zip(*np.nonzero(table != ckpt))
+        )
+
+    repairs = [_repair_by_chunk(ckpt, account, shapes, cost.layers_per_stage, cost.memory_budget, measure)]
+    capped = _repair_by_cap(ckpt, cost.layers_per_stage, cost.memory_budget, measure)
+    if capped is not None:
+        repairs.append(capped)
+    fitting = [r for r in repairs if r[1].total <= cost.memory_budget]
+    table, account = min(fitting, key=lambda r: added_time(r[0])) if fitting else repairs[0]
+    return table, account, [(int(k), int(p)) for k, p in zip(*np.nonzero(table != ckpt))]
+
+
+def _repair_by_chunk(ckpt, account, shapes, ls: int, budget: float, measure):
+    """The by-chunk repair of :func:`fit_executor` -> (ckpt, account)."""
+    ckpt = ckpt.copy()
+    while account.total > budget:
         pick = _next_to_recompute(account, ckpt, shapes, ls)
         if pick is None:
-            return ckpt, account, changed
+            break
         ckpt[pick] = ls
-        changed.append(pick)
+        account = measure(ckpt.copy())
+    return ckpt, account
+
+
+def _repair_by_cap(ckpt, ls: int, budget: float, measure):
+    """The by-cap repair of :func:`fit_executor` -> (ckpt, account), or None where even storing
+    nothing does not fit. The account falls as the cap does (fewer residual slots, then no fused
+    op) but for the checkpoint slots' few bytes, so the search may stop below the largest cap."""
+    stored = ls - int(ckpt.min())
+    lo, hi = 0, stored - 1  # caps below what the plan stores anywhere
+    best = None
+    while lo <= hi:
+        cap = (lo + hi) // 2
+        table = np.maximum(ckpt, ls - cap).astype(np.int32)
+        account = measure(table)
+        if account.total <= budget:
+            best, lo = (table, account), cap + 1
+        else:
+            hi = cap - 1
+    return best
 
 
 def _next_to_recompute(account: ExecutorMemory, ckpt, shapes, ls: int):
