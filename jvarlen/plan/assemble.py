@@ -73,19 +73,19 @@ def assemble(
         if u.ckpt.source == "greedy":
             plan.events.append(f"unit {i}: greedy checkpointing ({u.ckpt.status})")
     if run_simulation and simulation in ("ticks", "paired"):  # both run on the paired executor
-        plan = fit_executor_memory(plan, cost)
+        plan = fit_executor_memory(plan, cost, simulation)
     if run_simulation:
         record_simulation(plan, cost, simulation)
     return plan
 
 
-def fit_executor_memory(plan: Plan, cost) -> Plan:
+def fit_executor_memory(plan: Plan, cost, simulation: str = "paired") -> Plan:
     """``plan`` with the recomputation under which the pipeline executor's account of it (its
     static buffers and largest op, :func:`jvarlen.plan.executor_memory.executor_memory`) fits the
     budget, raised where the simulator's time line fits but the executor's buffers do not; the
     account goes into ``stats`` (``executor_memory_bytes``, per term ``executor_memory``), and a
     plan that does not fit even when everything is recomputed keeps its table."""
-    ckpt, account, changed = fit_executor(plan, cost)
+    ckpt, account, changed = fit_executor(plan, cost, mode=simulation)
     if changed and account.total <= cost.memory_budget:
         added = int((ckpt - np.asarray(plan.ckpt_layers)).sum())
         plan = dataclasses.replace(plan, ckpt_layers=ckpt)

@@ -35,6 +35,7 @@ import numpy as np
 from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, round_buffers
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.schedule import paired_ticks
+from jvarlen.plan.simulator import simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +98,10 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
     return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket), slots.peaks)
 
 
-def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True):
+def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, mode: str = "paired"):
     """Recomputation table under which the executor's account of ``plan`` fits ``cost``'s budget,
-    raised from the plan's own, the cheaper in recomputation time (:meth:`CostModel.recompute_time`)
-    of two repairs that fit:
+    raised from the plan's own: of two repairs that fit, the one whose plan the simulator
+    (``mode``, :func:`jvarlen.plan.simulator.simulate`) finds faster:
 
     - *by chunk*: while the account is over and some layer is stored, a chunk that holds stored
       layers where the residual slots peak (the one with the fewest tokens: its recomputation is
@@ -123,18 +124,15 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
     def measure(table):
         return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse)
 
-    def added_time(table):
-        return sum(
-            cost.recompute_time(shapes[k], int(table[k, p])) - cost.recompute_time(shapes[k], int(ckpt[k, p]))
-            for k, p in zip(*np.nonzero(table != ckpt))
-        )
+    def iteration_time(table):
+        return simulate(plan.schedule, shapes, table, cost, mode, validate=False).iteration_time
 
     repairs = [_repair_by_chunk(ckpt, account, shapes, cost.layers_per_stage, cost.memory_budget, measure)]
     capped = _repair_by_cap(ckpt, cost.layers_per_stage, cost.memory_budget, measure)
     if capped is not None:
         repairs.append(capped)
     fitting = [r for r in repairs if r[1].total <= cost.memory_budget]
-    table, account = min(fitting, key=lambda r: added_time(r[0])) if fitting else repairs[0]
+    table, account = min(fitting, key=lambda r: iteration_time(r[0])) if len(fitting) > 1 else (fitting or repairs)[0]
     return table, account, [(int(k), int(p)) for k, p in zip(*np.nonzero(table != ckpt))]
 
 
