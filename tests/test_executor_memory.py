@@ -222,3 +222,34 @@ def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
     shapes = stored.chunk_shapes()
     added = sum(cost.recompute_time(shapes[k], int(ckpt[k, 0])) for k in range(len(shapes)))
     assert added < sum(cost.recompute_time(s, ls) for s in shapes)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_the_fit_keeps_the_faster_of_the_two_repairs(plans, fraction):
+    """For budgets between the fully recomputed and the stored plan's account, the fitted table
+    fits, only raises the plan's recomputation, and is simulated no slower than the by-chunk
+    repair (the only one before the cap)."""
+    from jvarlen.plan.executor_memory import _repair_by_chunk
+    from jvarlen.plan.simulator import simulate
+
+    plan, loose = plans["free"]
+    ls = loose.layers_per_stage
+    everything = dataclasses.replace(plan, ckpt_layers=np.full_like(plan.ckpt_layers, ls))
+    floor, stored = executor_memory(everything, loose).total, executor_memory(plan, loose).total
+    cost = cost_of(floor + fraction * (stored - floor))
+    ckpt, account, _ = fit_executor(plan, cost)
+    assert account.total <= cost.memory_budget and (ckpt >= plan.ckpt_layers).all()
+
+    def measure(table):
+        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost)
+
+    start = np.asarray(plan.ckpt_layers, np.int32)
+    by_chunk, by_chunk_account = _repair_by_chunk(
+        start, measure(start), plan.chunk_shapes(), ls, cost.memory_budget, measure
+    )
+    assert by_chunk_account.total <= cost.memory_budget
+
+    def seconds(table):
+        return simulate(plan.schedule, plan.chunk_shapes(), table, cost, "paired").iteration_time
+
+    assert seconds(ckpt) <= seconds(by_chunk)
