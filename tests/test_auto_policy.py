@@ -9,7 +9,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.plan.api import make_cost
 from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions, EPPPipelinesOptions
-from jvarlen.plan.cost import ModelShape
+from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.strategy import SchemeCosts, plan_strategy
 
 LENGTHS = [6144, 3072, 1536, 900, 700, 512, 512, 300, 256, 200, 128, 100, 64, 40]
@@ -42,6 +42,24 @@ def test_epp_pipelines_screening_plans_the_shortlisted_schemes_exactly_as_withou
     assert set(kept) == set(shortlisted) and len(loads) == len(every)
     assert all(g.scheme.pp >= 2 for g in screened.groups)
     _check_partition(screened, len(LENGTHS))
+
+
+def test_a_screened_scheme_that_cannot_plan_hands_its_turn_to_the_next(costs):
+    """Under 2,060 MB per device the best-ranked scheme, (pp=2, sp=1), cannot plan the batch; the
+    screen then plans the next two of the ranking instead of one. (The 32B benchmark settings
+    ranked only schemes whose model states did not fit and got no plan at all.)"""
+    base = costs.base
+    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2060e6)), 8)
+    full = plan_strategy("epp-pipelines", LENGTHS, tight, EPPPipelinesOptions(screen=0))
+    screened = plan_strategy("epp-pipelines", LENGTHS, tight, EPPPipelinesOptions(screen=2))
+    every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
+    kept = {c["strategy"]: c["iteration_time_s"] for c in screened.stats["candidates"]}
+    loads = screened.stats["screened_load_s"]
+    ranking = sorted(loads, key=loads.get)
+    assert ranking[0] not in every and any(e.startswith(ranking[0]) for e in screened.events)
+    assert list(kept) == [s for s in ranking if s in every][:2]
+    assert all(every[s] == t for s, t in kept.items())
+    assert screened.stats["iteration_time_s"] == min(kept.values())
 
 
 def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):

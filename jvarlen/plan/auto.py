@@ -45,7 +45,8 @@ class EPPPipelinesOptions:
     fastest kept). ``screen``: without a scheme, only the ``screen`` schemes whose longest-first
     dispatch has the smallest largest pipeline load ``Σ T(l, P)`` are planned by EPP (an EPP plan
     per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
-    iteration; 0 plans every scheme). ``planner``: EPP's options (lock-step simulation: the
+    iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
+    not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned. ``planner``: EPP's options (lock-step simulation: the
     executor's model)."""
 
     scheme: Optional[Scheme] = None
@@ -100,7 +101,7 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
             )
             if s.pp >= 2 and costs.num_devices % s.num_devices == 0
         ]
-    screened = {}
+    screened, wanted = {}, len(schemes)
     if options.scheme is None and 0 < options.screen < len(schemes):
         for scheme in schemes:
             d = costs.num_devices // scheme.num_devices
@@ -109,9 +110,11 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
                 for g in dispatch_longest_first(lengths, costs, scheme, d)
             ]
             screened[scheme] = max(loads)
-        schemes = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp))[: options.screen]
+        schemes, wanted = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp)), options.screen
     best, tried, errors = None, {}, []
     for scheme in schemes:
+        if len(tried) == wanted:
+            break  # the screen's best schemes that plan; one that cannot hands its turn to the next
         try:
             groups = _epp_groups(lengths, costs, scheme, options)
         except PlanningError as error:
