@@ -63,6 +63,9 @@ class Setting:
     context: int
     half_rows: float = 0.0
     overlap: bool = False  # pull/push hidden behind propagation (Hydraulis §5.3 subgraph scheduling): no sync cost
+    # decoder layers sharded over each stage's devices (parallel.stage_weights="sharded"); replicated,
+    # a 32B stage of 64 A800s (pp <= 4: 60 layers) needs 68.5 GiB before any token, over the 67 GiB budget
+    sharded_stage_weights: bool = False
 
 
 def shape(model: str) -> ModelShape:
@@ -75,8 +78,8 @@ def costs_for(s: Setting) -> SchemeCosts:
     spec = A800_HYDRAULIS if s.cluster == "a800-ib200" else CLUSTERS[s.cluster]
     spec = dataclasses.replace(spec, gemm_half_rows=s.half_rows)
     base = make_cost(shape(s.model), spec, Layout(s.devices, 1, 1))
-    if s.overlap:
-        base = CostModel(base.model, base.layout, base.coeffs.replace(sync_bytes_per_param=0.0))
+    coeffs = base.coeffs.replace(sync_bytes_per_param=0.0) if s.overlap else base.coeffs
+    base = CostModel(base.model, base.layout, coeffs, stage_weights_sharded=s.sharded_stage_weights)
     return SchemeCosts(base, s.devices)
 
 
@@ -443,8 +446,10 @@ def settings(quick: bool) -> list[Setting]:
     for wl in ("commoncrawl", "github"):  # Hydraulis §8.2 (F2/F3: 32K context, 100K tokens per iteration)
         for model, devs in (("llama-7b", (8, 16)), ("llama-13b", (16, 32)), ("llama-32b", (32, 64))):
             for n in devs:
+                sharded = model == "llama-32b"
                 name = f"{wl} {model[6:].upper()} a800-ib200 {n} dev 100K tok 32K ctx, overlapped"
-                out.append(Setting(name, wl, model, "a800-ib200", n, 100_000, 32 * K, 0.0, True))
+                name += ", sharded stage weights" if sharded else ""
+                out.append(Setting(name, wl, model, "a800-ib200", n, 100_000, 32 * K, 0.0, True, sharded))
     # sensitivity: small GEMMs slower (jvarlen.plan.hardware, Hockney m_half); a longer context
     out.append(
         Setting(
