@@ -46,8 +46,8 @@ class EPPPipelinesOptions:
     dispatch has the smallest largest pipeline load ``Σ T(l, P)`` are planned by EPP (an EPP plan
     per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
     iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
-    not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned. ``planner``: EPP's options (lock-step simulation: the
-    executor's model)."""
+    not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
+    ``planner``: EPP's options (lock-step simulation: the executor's model)."""
 
     scheme: Optional[Scheme] = None
     max_pp: int = 8
