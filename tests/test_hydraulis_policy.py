@@ -135,3 +135,27 @@ def test_per_micro_batch_recomputation_as_given(costs):
     plan = build_group_plan("t", scheme, [1000, 2000, 500, 700], [[0], [1], [2], [3]], costs, ckpt=[0, 2, 0, 1])
     assert plan.ckpt_layers.tolist() == [[0, 0], [2, 2], [0, 0], [1, 1]]
     plan.validate(plan.lengths, costs.cost(scheme))
+
+
+def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simulated_too():
+    """The estimates leave out the recomputation that fits the executor's buffers (+17 % on these
+    (pp 1, sp 8) groups). On this batch (7B, 8 A800s, the benchmark's commoncrawl setting) the
+    third packed candidate, 1×(pp=1, sp=8), estimated at 3.31 s, was never simulated, and Hydraulis
+    returned a finalist simulated at 3.82 s; simulated, it takes 3.31 s, as the homogeneous policy
+    found."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_strategies as bench
+
+    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 7B a800-ib200 8 dev"))
+    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+    options = HydraulisOptions().for_corpus(pool, costs, setting.context)
+    batch = bench.token_batch(pool, setting.tokens, 1004)
+    plan = plan_strategy("hydraulis", batch, costs, options)
+    candidates = plan.stats["candidates"]
+    simulated = [c["iteration_time_s"] for c in candidates if c["estimate"] == "simulated"]
+    assert len(simulated) == 3 and plan.stats["iteration_time_s"] == min(simulated)
+    assert all(c["estimated_s"] >= min(simulated) for c in candidates if c["estimate"] == "packed")
+    assert plan.stats["iteration_time_s"] <= plan_strategy("homogeneous", batch, costs).stats["iteration_time_s"]

@@ -29,7 +29,9 @@ class AssignmentOptions:
     no-recomputation capacity run alone with the layers it must recompute (MaxLen with full
     recomputation), ``"none"`` never recomputes. ``pack_top``: candidates packed after dispatch;
     ``simulate_top``: of those, the best by Eq. 1 (within ``simulate_margin`` of the best estimate)
-    are planned and simulated, the fastest is returned (1: the paper's choice by estimate alone).
+    are planned and simulated, and then every other packed candidate whose estimate is below the
+    fastest simulated time; the fastest is returned (``simulate_top=1, pack_top=1``: the paper's
+    choice by estimate alone).
     ``simulation``: the executor model the group plans are simulated in (lock-step ``"ticks"``).
     """
 
