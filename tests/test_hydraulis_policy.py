@@ -159,3 +159,26 @@ def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simu
     assert len(simulated) == 3 and plan.stats["iteration_time_s"] == min(simulated)
     assert all(c["estimated_s"] >= min(simulated) for c in candidates if c["estimate"] == "packed")
     assert plan.stats["iteration_time_s"] <= plan_strategy("homogeneous", batch, costs).stats["iteration_time_s"]
+
+
+def test_per_iteration_homogeneous_is_no_slower_than_the_static_layout_its_estimate_misranks():
+    """7B on 64 A800s (the benchmark's commoncrawl setting, pull/push overlapped): the estimate
+    puts 8×(pp=1, sp=8) first (2.00 s, simulated 2.03 s with its executor-memory recomputation)
+    and 4×(pp=2, sp=8) 10.7 % behind (2.21 s, simulated 1.90 s). Within the 10 % margin only the
+    first was simulated, and the per-iteration choice was slower than that static layout."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_strategies as bench
+
+    setting = next(
+        s
+        for s in bench.settings(False)
+        if s.name == "commoncrawl 7B a800 64 dev 200K tok 32K ctx, pull/push overlapped"
+    )
+    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+    batch = bench.token_batch(pool, setting.tokens, 1001)
+    best = plan_strategy("homogeneous", batch, costs).stats["iteration_time_s"]
+    static = plan_strategy("homogeneous", batch, costs, HomogeneousOptions(scheme=Scheme(2, 8)))
+    assert best <= static.stats["iteration_time_s"] < static.stats["estimated_time_s"]

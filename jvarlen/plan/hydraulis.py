@@ -20,9 +20,10 @@ Per iteration (Hydraulis §4 steps 1-4), for the ``lengths`` of one batch:
    pipeline that received documents (``build_group_plan``: the packed micro-batches as one 1F1B
    unit, each micro-batch recomputing the layers its tokens need), devices from ``place_groups``;
    its ``iteration_time_s`` is the slowest group's simulated time, step overhead included
-   (``predicted_time``). A packed candidate whose estimate is below the fastest simulated time
-   is planned and simulated too (the estimates leave out the recomputation that fits the
-   executor's buffers), best estimate first, until none is; the fastest is returned.
+   (``predicted_time``). A candidate whose estimate is below the fastest simulated time is
+   packed (if it was not) and, if still below, planned and simulated too (the estimates leave out
+   the recomputation that fits the executor's buffers), best estimate first, until none is; the
+   fastest is returned.
    ``stats["candidates"]`` keeps every candidate's estimate (and the simulated times), an event
    names the choice.
 
@@ -195,6 +196,16 @@ def select(
     return finalists, evals
 
 
+def pack_again(
+    ev: Evaluation, candidate: Strategy, lengths: np.ndarray, table_of, costs: SchemeCosts, options: AssignmentOptions
+) -> Evaluation:
+    """A candidate priced by its dispatch bound alone, dispatched again and LPT-packed as
+    :func:`select` does for its ``pack_top`` best."""
+    if options.trials > options.rank_trials:
+        ev = dispatch_all(lengths, [candidate], table_of, costs, options.trials, options, options.local_search)[0]
+    return pack_all(ev, lengths, costs, dataclasses.replace(options.pack, ilp=False))
+
+
 def fixed_packing(
     lengths: np.ndarray, strategy: Strategy, tables: Sequence[SchemeTable], costs: SchemeCosts, options
 ) -> Evaluation:
@@ -314,14 +325,18 @@ def two_stage_plan(
     plans = [build_plan(policy, lengths, evals[k], costs, options) for k in finalists]
     while not fixed:
         # a finalist's simulated time includes what its estimate leaves out (the recomputation that
-        # fits the executor's buffers, +17 % on a 7B (pp 1, sp 8) group of 8 A800s); a packed
-        # candidate whose estimate is below the best simulated time may be faster: simulate it too
+        # fits the executor's buffers, +17 % on a 7B (pp 1, sp 8) group of 8 A800s); a candidate
+        # whose estimate is below the best simulated time may be faster: packed as the top ones
+        # were, and simulated where its packed estimate is still below
         fastest = min(p.stats["iteration_time_s"] for p in plans)
-        waiting = [k for k, e in enumerate(evals) if e.packs is not None and k not in finalists]
-        waiting = [k for k in waiting if evals[k].packed_s < fastest]
+        waiting = [k for k, e in enumerate(evals) if k not in finalists and e.estimate_s < fastest]
         if not waiting:
             break
-        k = min(waiting, key=lambda k: (evals[k].packed_s, k))
+        k = min(waiting, key=lambda k: (evals[k].estimate_s, k))
+        if evals[k].packs is None:
+            evals[k] = pack_again(evals[k], candidates[k], lengths, table_of, costs, options)
+            if evals[k].packed_s >= fastest:
+                continue
         if options.pack.ilp:
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
         finalists.append(k)
