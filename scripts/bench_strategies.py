@@ -498,12 +498,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench_strategies.json"))
     ap.add_argument("--no_write", action="store_true", help="print the section instead of writing docs/benchmarks.md")
+    ap.add_argument("--only", default="", help="--parts compare: only the settings whose name matches this regex")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]  # --parts "": rewrite the section from the JSON file
     path = pathlib.Path(args.json)
     record = json.loads(path.read_text()) if path.exists() and not args.quick else {}
     if "compare" in parts:
-        record["compare"] = [compare(s, args.iterations, False) for s in settings(args.quick)]
+        chosen = [s for s in settings(args.quick) if re.search(args.only, s.name)]
+        record["compare"] = [compare(s, args.iterations, False) for s in chosen]
     if "timing" in parts:
         record["timing"] = [timing(10, cl) for cl in ("h100", "a800")]
         for t in record["timing"]:
