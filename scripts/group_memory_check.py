@@ -64,10 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="hydraulis,flexsp,dcp,homogeneous")
     ap.add_argument("--compiles", action="store_true", help="count the executables the group steps compile")
     args = ap.parse_args(argv)
-    num_layers = load_config(args.config).model.num_layers
+    model = load_config(args.config).model
     compiled = collections.defaultdict(lambda: collections.defaultdict(list))  # policy -> scheme -> signatures
     steps, times = collections.Counter(), collections.defaultdict(list)
-    costs = executor_costs(load_config(args.config).model, args.gpu, args.devices)
+    costs = executor_costs(model, args.gpu, args.devices)
     c = costs.coeffs
     print(
         f"m_token {c.m_token:.0f} B, m_stored_token {c.m_stored_token:.0f} B, "
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             if args.compiles:
                 for g in plan.groups:
                     steps[policy] += 1
-                    compile_count(compiled[policy][g.scheme], g, lengths, num_layers)
+                    compile_count(compiled[policy][g.scheme], g, lengths, model.num_layers)
             rows, over = [], 0
             for g in plan.groups:
                 account = executor_memory(g.plan, costs.cost(g.scheme)).total
