@@ -168,6 +168,18 @@ def pack_all(ev: Evaluation, lengths: np.ndarray, costs: SchemeCosts, pack_optio
     return dataclasses.replace(ev, packs=packs, packed_s=packed)
 
 
+def pack_again(
+    ev: Evaluation, candidate: Strategy, lengths: np.ndarray, table_of, costs: SchemeCosts, options: AssignmentOptions
+) -> Evaluation:
+    """A candidate priced by its dispatch bound alone, dispatched again with ``trials`` trials (when
+    they are more than ``rank_trials``) and LPT-packed. A candidate's dispatch does not depend on the
+    others dispatched with it (the trial orders are the batch's), so one at a time gives the plans
+    that dispatching the ``pack_top`` best together gave."""
+    if options.trials > options.rank_trials:
+        ev = dispatch_all(lengths, [candidate], table_of, costs, options.trials, options, options.local_search)[0]
+    return pack_all(ev, lengths, costs, dataclasses.replace(options.pack, ilp=False))
+
+
 def select(
     lengths: np.ndarray, candidates: Sequence[Strategy], table_of, costs: SchemeCosts, options: AssignmentOptions
 ) -> tuple[list[int], list[Evaluation]]:
@@ -178,15 +190,8 @@ def select(
     evals = dispatch_all(lengths, candidates, table_of, costs, min(options.rank_trials, options.trials), options)
     order = sorted(range(len(evals)), key=lambda k: (evals[k].dispatch_s, k))
     top = order[: options.pack_top]
-    if options.trials > options.rank_trials:
-        again = dispatch_all(
-            lengths, [candidates[k] for k in top], table_of, costs, options.trials, options, options.local_search
-        )
-        for k, ev in zip(top, again):
-            evals[k] = ev
-    lpt = dataclasses.replace(options.pack, ilp=False)
     for k in top:
-        evals[k] = pack_all(evals[k], lengths, costs, lpt)
+        evals[k] = pack_again(evals[k], candidates[k], lengths, table_of, costs, options)
     ranked = sorted(top, key=lambda k: (evals[k].packed_s, k))
     margin = evals[ranked[0]].packed_s * (1 + options.simulate_margin)
     finalists = [k for k in ranked[: options.simulate_top] if evals[k].packed_s <= margin]
@@ -194,16 +199,6 @@ def select(
         for k in finalists:
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
     return finalists, evals
-
-
-def pack_again(
-    ev: Evaluation, candidate: Strategy, lengths: np.ndarray, table_of, costs: SchemeCosts, options: AssignmentOptions
-) -> Evaluation:
-    """A candidate priced by its dispatch bound alone, dispatched again and LPT-packed as
-    :func:`select` does for its ``pack_top`` best."""
-    if options.trials > options.rank_trials:
-        ev = dispatch_all(lengths, [candidate], table_of, costs, options.trials, options, options.local_search)[0]
-    return pack_all(ev, lengths, costs, dataclasses.replace(options.pack, ilp=False))
 
 
 def fixed_packing(
