@@ -15,7 +15,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import FUSED, assign_slots, colour, fuse_single_stage, op_ticks
+from jvarlen.plan.buffers import FUSED, _peak, assign_slots, colour, fuse_single_stage, op_ticks
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
@@ -136,6 +136,38 @@ def test_context_regions_live_at_once_never_share_a_row(case):
                     other = int(slots.ctx_base[q, p])
                     assert base + rows[r] <= other or other + rows[q] <= base, (p, r, q)
     assert slots.ctx_rows <= worst * max(rows.values(), default=0)
+
+
+_intervals = st.lists(
+    st.tuples(st.integers(0, 30), st.integers(-2, 12)).map(lambda se: (se[0], se[0] + se[1])), max_size=40
+).map(lambda ses: [(s, e, (i % 5, i)) for i, (s, e) in enumerate(ses)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(_intervals)
+def test_colouring_takes_the_lowest_free_slot_and_the_peak_is_the_first_fullest_start(intervals):
+    """Reference: the quadratic definitions. In order of (start, end), an interval takes the lowest
+    slot every earlier holder of which ended before it starts; the peak is the first start (in the
+    intervals' order) that most closed intervals hold, with the keys that hold it."""
+    ends: list[int] = []
+    slot_of = {}
+    for s, e, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        free = [j for j, end in enumerate(ends) if end < s]
+        j = free[0] if free else len(ends)
+        ends[j : j + 1] = [e]
+        slot_of[key] = j
+    assert colour(intervals) == (slot_of, len(ends))
+    live_at = [[key for s, e, key in intervals if s <= x <= e] for x, _, _ in intervals]
+    if intervals:
+        i = max(range(len(intervals)), key=lambda i: (len(live_at[i]), -i))
+        assert _peak(intervals) == (intervals[i][0] // 3, sorted(live_at[i]))
+    else:
+        assert _peak(intervals) == (0, [])
+    # no two intervals that meet share a slot
+    for a, (s0, e0, k0) in enumerate(intervals):
+        for s1, e1, k1 in intervals[a + 1 :]:
+            if s0 <= e1 and s1 <= e0 and s0 <= e0 and s1 <= e1:
+                assert slot_of[k0] != slot_of[k1]
 
 
 def test_recomputed_layers_get_the_dummy_slot():

@@ -27,6 +27,7 @@ input is the embedding); on a later stage it still needs the stash slot its inpu
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Optional, Sequence
 
 import numpy as np
@@ -154,19 +155,23 @@ def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> n
 
 
 def colour(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Greedy interval colouring: {key: slot}, number of slots. Closed intervals (start, end, key)."""
-    free_at: list[int] = []  # end phase of each slot's current holder
-    out = {}
+    """Greedy interval colouring: in order of (start, end), each interval takes the lowest slot whose
+    holder has ended before it starts. {key: slot}, number of slots. Closed intervals (start, end,
+    key). Heaps of holders and of free slots: O(N log N) (planning colours up to ~10^4 intervals
+    per stage and repair step)."""
+    holders: list[tuple[int, int]] = []  # (end, slot) of each slot's current holder
+    free: list[int] = []  # slots whose holder ended before the current start (starts only grow)
+    out, n = {}, 0
     for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for s, busy_until in enumerate(free_at):
-            if busy_until < start:
-                free_at[s] = end
-                out[key] = s
-                break
+        while holders and holders[0][0] < start:
+            heapq.heappush(free, heapq.heappop(holders)[1])
+        if free:
+            slot = heapq.heappop(free)
         else:
-            out[key] = len(free_at)
-            free_at.append(end)
-    return out, len(free_at)
+            slot, n = n, n + 1
+        out[key] = slot
+        heapq.heappush(holders, (end, slot))
+    return out, n
 
 
 def assign_slots(
@@ -220,10 +225,6 @@ def assign_slots(
         if uses_context[k]:
             rows[root[k]] = max(rows.get(root[k], 1), 1 if ctx_need is None else int(ctx_need[k]))
 
-    stash = np.zeros((n, pp), np.int32)
-    grad = np.zeros((n, pp), np.int32)
-    res = np.zeros((n, pp, ls), np.int32)
-    ckpt_slot = np.zeros((n, pp, ls), np.int32)
     counts = {"stash": 0, "grad": 0, "res": 0, "ckpt": 0}
     peaks = {}
     per_stage, iv_ctx_stage = [], []
@@ -251,15 +252,22 @@ def assign_slots(
         p = max(range(pp), key=lambda q: len(iv_ctx_stage[q]))
         peaks["ctx"] = (p,) + _peak(iv_ctx_stage[p])
     ctx = np.full((n, pp), ctx_rows, np.int32)
+    # what holds no slot gets the dummy slot (the count): recomputed layers, fused ops, empty chunks
+    stash = np.full((n, pp), counts["stash"], np.int32)
+    grad = np.full((n, pp), counts["grad"], np.int32)
+    res = np.full((n, pp, ls), counts["res"], np.int32)
+    ckpt_slot = np.full((n, pp, ls), counts["ckpt"], np.int32)
     for p, col in enumerate(per_stage):
+        for table, name in ((stash, "stash"), (grad, "grad")):
+            for k, slot in col[name].items():
+                table[k, p] = slot
+        for table, name in ((res, "res"), (ckpt_slot, "ckpt")):
+            if col[name]:
+                (k, l), slot = np.array(list(col[name])).T, np.fromiter(col[name].values(), np.int32)
+                table[k, p, l] = slot
         for k in range(n):
-            stash[k, p] = col["stash"].get(k, counts["stash"])
-            grad[k, p] = col["grad"].get(k, counts["grad"])
             if uses_context[k]:
                 ctx[k, p] = bases[p][root[k]]
-            for l in range(ls):
-                res[k, p, l] = col["res"].get((k, l), counts["res"])
-                ckpt_slot[k, p, l] = col["ckpt"].get((k, l), counts["ckpt"])
     recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
     recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
     for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
@@ -318,13 +326,20 @@ def context_pool(intervals: Sequence[Sequence[tuple[int, int, int]]], rows: dict
 
 
 def _peak(intervals) -> tuple[int, list]:
-    """(tick, holders) at the first phase where the most intervals are live."""
-    best, when, who = -1, 0, []
-    for start, _, _ in intervals:
-        live = [key for s, e, key in intervals if s <= start <= e]
-        if len(live) > best:
-            best, when, who = len(live), start // 3, sorted(live)
-    return when, who
+    """(tick, holders) at the first phase where the most intervals are live: of the intervals' starts,
+    in their order, the first where most closed intervals hold it (where the maximum is reached)."""
+    if not intervals:
+        return 0, []
+    starts = np.array([s for s, _, _ in intervals], np.int64)
+    ends = np.array([e for _, e, _ in intervals], np.int64)
+    valid = starts <= ends  # an empty range is never live
+    # live at x: valid intervals started by x and not ended before it
+    live = np.searchsorted(np.sort(starts[valid]), starts, "right") - np.searchsorted(
+        np.sort(ends[valid]), starts, "left"
+    )
+    i = int(np.argmax(live))
+    at = int(starts[i])
+    return at // 3, sorted(key for s, e, key in intervals if s <= at <= e)
 
 
 def round_up(x: int, m: int) -> int:

@@ -56,17 +56,21 @@ class ExecutorMemory:
         return f"{self.total / 1e6:.1f} MB ({parts})"
 
 
-def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True) -> ExecutorMemory:
+def executor_memory(
+    plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, ticks: Optional[np.ndarray] = None
+) -> ExecutorMemory:
     """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
     as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
     signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
-    the coefficients'."""
+    the coefficients'. ``ticks``: the plan's paired tick table (:func:`plan_ticks`), where the
+    caller has it."""
     layout, model, c = cost.layout, cost.model, cost.coeffs
     sp, ls, e = layout.sp, cost.layers_per_stage, c.bytes_per_element
     shapes: list[ChunkShape] = plan.chunk_shapes()
     ckpt = np.asarray(plan.ckpt_layers, np.int32)
     bucket = executor_buckets(max(s.tokens for s in shapes), sp)[0]
-    ticks = paired_ticks(plan.schedule, fuse_last=fuse, keep=ckpt[:, -1] > 0)
+    if ticks is None:
+        ticks = plan_ticks(plan.schedule, ckpt, fuse)
     slots = assign_slots(
         ticks,
         plan.schedule.chunk_prev,
@@ -98,6 +102,12 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
     return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket), slots.peaks)
 
 
+def plan_ticks(schedule, ckpt: np.ndarray, fuse: bool = True) -> np.ndarray:
+    """The executor's paired tick table of a plan: a chunk the plan recomputes on the last stage
+    is never fused."""
+    return paired_ticks(schedule, fuse_last=fuse, keep=np.asarray(ckpt)[:, -1] > 0)
+
+
 def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, mode: str = "paired"):
     """Recomputation table under which the executor's account of ``plan`` fits ``cost``'s budget,
     raised from the plan's own: of two repairs that fit, the one whose plan the simulator
@@ -121,8 +131,15 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
         return ckpt, account, []
     shapes = plan.chunk_shapes()
 
+    tick_tables = {}  # the tick table changes only with the chunks kept apart on the last stage
+
     def measure(table):
-        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse)
+        key = (table[:, -1] > 0).tobytes()
+        if key not in tick_tables:
+            tick_tables[key] = plan_ticks(plan.schedule, table, fuse)
+        return executor_memory(
+            dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks=tick_tables[key]
+        )
 
     def iteration_time(table):
         return simulate(plan.schedule, shapes, table, cost, mode, validate=False).iteration_time
