@@ -170,6 +170,32 @@ def test_colouring_takes_the_lowest_free_slot_and_the_peak_is_the_first_fullest_
                 assert slot_of[k0] != slot_of[k1]
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    _split_batches(),
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(0, 99), st.integers(0, 3), st.integers(0, 4)), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_slots_with_a_memo_kept_across_recomputation_tables_are_the_slots_without(case, ls, changes, fuse):
+    """The executor-memory repair keeps one memo per tick table while it raises (chunk, stage)
+    entries: every table's slots must be those of a fresh call."""
+    prev, need, pp, kind = case
+    n = len(prev)
+    sched = sch.gpipe(n, pp, prev) if kind == "gpipe" else sch.token_level_1f1b(prev, pp)
+    ckpt = np.zeros((n, pp), np.int32)
+    memo: dict = {}
+    for k, p, layers in changes:
+        ckpt = ckpt.copy()
+        ckpt[k % n, p % pp] = min(layers, ls)
+        ticks = sch.paired_ticks(sched, fuse_last=fuse, keep=ckpt[:, -1] > 0)
+        kept = assign_slots(ticks, prev, ckpt, ls, ctx_need=need, memo=memo)
+        fresh = assign_slots(ticks, prev, ckpt, ls, ctx_need=need)
+        for field in dataclasses.fields(fresh):
+            a, b = getattr(kept, field.name), getattr(fresh, field.name)
+            assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, field.name
+
+
 def test_recomputed_layers_get_the_dummy_slot():
     n, pp, ls = 3, 2, 4
     ckpt = np.array([[0, 4], [2, 1], [4, 0]], np.int32)

@@ -183,18 +183,23 @@ def assign_slots(
     uses_context: Optional[Sequence[bool]] = None,
     ctx_need: Optional[Sequence[int]] = None,
     empty: Optional[Sequence[bool]] = None,
+    memo: Optional[dict] = None,
 ) -> SlotTables:
     """Slots for one pipeline.
 
-    ticks ``[T, pp, 2, 2]`` (paired) or ``[T, pp, 2]`` (one op per tick) of (op, chunk); chunk_prev ``[n]`` token-level links; ckpt_layers
-    ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of stage p are recomputed for chunk k,
-    the others keep their residuals. ``uses_context[k]``: chunk k reads or writes KV context
-    (default: it is linked to another chunk). ``ctx_need[k]``: context-pool rows chunk k reads or
-    writes (its C, plus its own tokens where a later slice continues it; default 1, which counts
-    documents). ``empty[k]``: chunk k holds no token (a plan padded
-    to the signature's chunk count); it gets no checkpoint slots: its cotangents are zero, so its
-    recomputed layers' gradients are zero whatever finite input they are rebuilt from, and a
+    ticks ``[T, pp, 2, 2]`` (paired) or ``[T, pp, 2]`` (one op per tick) of (op, chunk); chunk_prev
+    ``[n]`` token-level links; ckpt_layers ``[n, pp]``: the first ``ckpt_layers[k, p]`` layers of
+    stage p are recomputed for chunk k, the others keep their residuals. ``uses_context[k]``: chunk
+    k reads or writes KV context (default: it is linked to another chunk). ``ctx_need[k]``:
+    context-pool rows chunk k reads or writes (its C, plus its own tokens where a later slice
+    continues it; default 1, which counts documents). ``empty[k]``: chunk k holds no token (a plan
+    padded to the signature's chunk count); it gets no checkpoint slots: its cotangents are zero,
+    so its recomputed layers' gradients are zero whatever finite input they are rebuilt from, and a
     padded plan then needs no more slots than the plan it pads.
+    ``memo``: a dict kept between calls on one pipeline whose recomputation table changes (the
+    executor-memory repair raises one (chunk, stage) per step): what does not depend on the table,
+    and each stage's residual and checkpoint colouring per column of it, are computed once. It is
+    emptied when the tick table or the chunks change.
     """
     ticks = as_paired(ticks)
     n = len(chunk_prev)
@@ -203,55 +208,45 @@ def assign_slots(
     ckpt = np.asarray(ckpt_layers).reshape(n, pp)
     if (ckpt < 0).any() or (ckpt > ls).any():
         raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
-    tf, tb = op_ticks(ticks, n)
-    fused = tf == tb  # [n, pp]: F and B in one op, nothing kept between ticks
-    # phases: lane 0 (B, FUSED) at 3t, lane 1 (F) at 3t + 1, filing of received messages at 3t + 2
-    f_phase = 3 * tf + np.where(fused, 0, 1)
-    b_phase = 3 * tb
-    nxt = [-1] * n
-    for k, j in enumerate(chunk_prev):
-        if j >= 0:
-            nxt[j] = k
-    root = []
-    for k in range(n):
-        r = k
-        while chunk_prev[r] >= 0:
-            r = chunk_prev[r]
-        root.append(r)
-    if uses_context is None:
-        uses_context = [chunk_prev[k] >= 0 or nxt[k] >= 0 for k in range(n)]
-    rows = {}  # a document's region: the most rows any of its chunks needs
-    for k in range(n):
-        if uses_context[k]:
-            rows[root[k]] = max(rows.get(root[k], 1), 1 if ctx_need is None else int(ctx_need[k]))
+    memo = {} if memo is None else memo
+    key = (
+        ticks.shape,
+        ticks.tobytes(),
+        tuple(chunk_prev),
+        *(None if x is None else tuple(x) for x in (uses_context, ctx_need, empty)),
+    )
+    if memo.get("pipeline") != key:
+        memo.clear()
+        memo["pipeline"], memo["fixed"] = key, _Pipeline.build(ticks, chunk_prev, uses_context, ctx_need, empty)
+    fx: _Pipeline = memo["fixed"]
+
+    def coloured(p: int, name: str) -> _Coloured:
+        if name in fx.stages[p]:
+            return fx.stages[p][name]
+        column = (p, name, ls, ckpt[:, p].tobytes())
+        if column not in memo:
+            f, b, first = fx.f_phase[:, p], fx.b_phase[:, p], ckpt[:, p]
+            if name == "res":
+                iv = [(f[k], b[k], (k, l)) for k in fx.staged[p] for l in range(int(first[k]), ls)]
+            else:
+                iv = [(f[k], b[k], (k, l)) for k in fx.holders[p] for l in range(1, int(first[k]))]
+            memo[column] = _Coloured(iv)
+        return memo[column]
 
     counts = {"stash": 0, "grad": 0, "res": 0, "ckpt": 0}
     peaks = {}
-    per_stage, iv_ctx_stage = [], []
+    per_stage = []
     for p in range(pp):
-        staged = [k for k in range(n) if not fused[k, p]]
-        inputs = staged if p == 0 else list(range(n))  # a fused op on a later stage reads its input
-        iv_stash = [((3 * tf[k, p - 1] + 2) if p else f_phase[k, p], b_phase[k, p], k) for k in inputs]
-        iv_grad = [((3 * tb[k, p + 1] + 2) if p < pp - 1 else f_phase[k, p], b_phase[k, p], k) for k in staged]
-        roots = sorted({root[k] for k in range(n) if uses_context[k]})
-        iv_ctx = [(f_phase[r, p], b_phase[r, p], r) for r in roots]
-        iv_res = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in staged for l in range(int(ckpt[k, p]), ls)]
-        holders = [k for k in staged if empty is None or not empty[k]]
-        iv_ckpt = [(f_phase[k, p], b_phase[k, p], (k, l)) for k in holders for l in range(1, int(ckpt[k, p]))]
         col = {}
-        kinds = (("stash", iv_stash), ("grad", iv_grad), ("res", iv_res), ("ckpt", iv_ckpt))
-        for name, iv in kinds:
-            col[name], c = colour(iv)
-            if c > counts[name] or name not in peaks:
-                peaks[name] = (p,) + _peak(iv)
-            counts[name] = max(counts[name], c)
+        for name in counts:
+            entry = coloured(p, name)
+            col[name] = entry.slots
+            if entry.count > counts[name] or name not in peaks:
+                peaks[name] = (p,) + entry.peak()
+            counts[name] = max(counts[name], entry.count)
         per_stage.append(col)
-        iv_ctx_stage.append(iv_ctx)
-    ctx_rows, bases = context_pool(iv_ctx_stage, rows)
-    if iv_ctx_stage and any(iv_ctx_stage):
-        p = max(range(pp), key=lambda q: len(iv_ctx_stage[q]))
-        peaks["ctx"] = (p,) + _peak(iv_ctx_stage[p])
-    ctx = np.full((n, pp), ctx_rows, np.int32)
+    if fx.ctx_peak is not None:
+        peaks["ctx"] = fx.ctx_peak
     # what holds no slot gets the dummy slot (the count): recomputed layers, fused ops, empty chunks
     stash = np.full((n, pp), counts["stash"], np.int32)
     grad = np.full((n, pp), counts["grad"], np.int32)
@@ -265,9 +260,6 @@ def assign_slots(
             if col[name]:
                 (k, l), slot = np.array(list(col[name])).T, np.fromiter(col[name].values(), np.int32)
                 table[k, p, l] = slot
-        for k in range(n):
-            if uses_context[k]:
-                ctx[k, p] = bases[p][root[k]]
     recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
     recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
     for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
@@ -279,19 +271,96 @@ def assign_slots(
     return SlotTables(
         stash_slot=stash,
         grad_slot=grad,
-        ctx_base=ctx,
+        ctx_base=fx.ctx.copy(),
         res_slot=res,
         ckpt_slot=ckpt_slot,
         recv_act=recv_act,
         recv_grad=recv_grad,
         n_stash=counts["stash"],
         n_grad=counts["grad"],
-        ctx_rows=ctx_rows,
+        ctx_rows=fx.ctx_rows,
         n_res=counts["res"],
         n_ckpt=counts["ckpt"],
-        fused=bool(fused.any()),
+        fused=bool(fx.fused.any()),
         peaks=peaks,
     )
+
+
+class _Coloured:
+    """One stage's intervals of one kind, coloured (:func:`colour`); the peak when asked."""
+
+    def __init__(self, intervals: list):
+        self.intervals = intervals
+        self.slots, self.count = colour(intervals)
+        self._peak: Optional[tuple[int, list]] = None
+
+    def peak(self) -> tuple[int, list]:
+        if self._peak is None:
+            self._peak = _peak(self.intervals)
+        return self._peak
+
+
+@dataclasses.dataclass
+class _Pipeline:
+    """What of a pipeline's slots the recomputation table does not change: the ops' phases, the
+    stashed inputs' and cotangent inboxes' colourings and the context pool."""
+
+    f_phase: np.ndarray  # [n, pp]
+    b_phase: np.ndarray  # [n, pp]
+    fused: np.ndarray  # [n, pp] bool
+    staged: list  # per stage: chunks not fused there (they hold residual slots)
+    holders: list  # per stage: staged chunks that hold tokens (they hold checkpoint slots)
+    stages: list  # per stage: {"stash": _Coloured, "grad": _Coloured}
+    ctx: np.ndarray  # [n, pp] base row of each chunk's region (ctx_rows: none)
+    ctx_rows: int
+    ctx_peak: Optional[tuple]
+
+    @classmethod
+    def build(cls, ticks, chunk_prev, uses_context, ctx_need, empty) -> "_Pipeline":
+        n, pp = len(chunk_prev), ticks.shape[1]
+        tf, tb = op_ticks(ticks, n)
+        fused = tf == tb  # [n, pp]: F and B in one op, nothing kept between ticks
+        # phases: lane 0 (B, FUSED) at 3t, lane 1 (F) at 3t + 1, filing of received messages at 3t + 2
+        f_phase = 3 * tf + np.where(fused, 0, 1)
+        b_phase = 3 * tb
+        nxt = [-1] * n
+        for k, j in enumerate(chunk_prev):
+            if j >= 0:
+                nxt[j] = k
+        root = []
+        for k in range(n):
+            r = k
+            while chunk_prev[r] >= 0:
+                r = chunk_prev[r]
+            root.append(r)
+        if uses_context is None:
+            uses_context = [chunk_prev[k] >= 0 or nxt[k] >= 0 for k in range(n)]
+        rows = {}  # a document's region: the most rows any of its chunks needs
+        for k in range(n):
+            if uses_context[k]:
+                rows[root[k]] = max(rows.get(root[k], 1), 1 if ctx_need is None else int(ctx_need[k]))
+        roots = sorted({root[k] for k in range(n) if uses_context[k]})
+        staged, holders, stages, iv_ctx_stage = [], [], [], []
+        for p in range(pp):
+            on = [k for k in range(n) if not fused[k, p]]
+            inputs = on if p == 0 else list(range(n))  # a fused op on a later stage reads its input
+            iv_stash = [((3 * tf[k, p - 1] + 2) if p else f_phase[k, p], b_phase[k, p], k) for k in inputs]
+            iv_grad = [((3 * tb[k, p + 1] + 2) if p < pp - 1 else f_phase[k, p], b_phase[k, p], k) for k in on]
+            staged.append(on)
+            holders.append([k for k in on if empty is None or not empty[k]])
+            stages.append({"stash": _Coloured(iv_stash), "grad": _Coloured(iv_grad)})
+            iv_ctx_stage.append([(f_phase[r, p], b_phase[r, p], r) for r in roots])
+        ctx_rows, bases = context_pool(iv_ctx_stage, rows)
+        ctx_peak = None
+        if iv_ctx_stage and any(iv_ctx_stage):
+            p = max(range(pp), key=lambda q: len(iv_ctx_stage[q]))
+            ctx_peak = (p,) + _peak(iv_ctx_stage[p])
+        ctx = np.full((n, pp), ctx_rows, np.int32)
+        for p in range(pp):
+            for k in range(n):
+                if uses_context[k]:
+                    ctx[k, p] = bases[p][root[k]]
+        return cls(f_phase, b_phase, fused, staged, holders, stages, ctx, ctx_rows, ctx_peak)
 
 
 def context_pool(intervals: Sequence[Sequence[tuple[int, int, int]]], rows: dict) -> tuple[int, list[dict]]:

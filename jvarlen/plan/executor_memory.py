@@ -57,13 +57,19 @@ class ExecutorMemory:
 
 
 def executor_memory(
-    plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, ticks: Optional[np.ndarray] = None
+    plan,
+    cost,
+    stored_bytes: Optional[float] = None,
+    fuse: bool = True,
+    ticks: Optional[np.ndarray] = None,
+    memo: Optional[dict] = None,
 ) -> ExecutorMemory:
     """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
     as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
     signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
     the coefficients'. ``ticks``: the plan's paired tick table (:func:`plan_ticks`), where the
-    caller has it."""
+    caller has it; ``memo``: :func:`jvarlen.plan.buffers.assign_slots`'s, kept by a caller that
+    measures one plan under several recomputation tables."""
     layout, model, c = cost.layout, cost.model, cost.coeffs
     sp, ls, e = layout.sp, cost.layers_per_stage, c.bytes_per_element
     shapes: list[ChunkShape] = plan.chunk_shapes()
@@ -78,6 +84,7 @@ def executor_memory(
         ls,
         uses_context=[s.context > 0 or not s.tail for s in shapes],
         ctx_need=[s.context + (0 if s.tail else s.slices[0]) for s in shapes],
+        memo=memo,
     )
     sizes = {name: getattr(slots, name) for name in SLOT_COUNTS + ("fused",)}
     sizes["context"] = executor_context(shapes, bucket)
@@ -136,10 +143,9 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
     def measure(table):
         key = (table[:, -1] > 0).tobytes()
         if key not in tick_tables:
-            tick_tables[key] = plan_ticks(plan.schedule, table, fuse)
-        return executor_memory(
-            dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks=tick_tables[key]
-        )
+            tick_tables[key] = plan_ticks(plan.schedule, table, fuse), {}
+        ticks, memo = tick_tables[key]
+        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks, memo)
 
     def iteration_time(table):
         return simulate(plan.schedule, shapes, table, cost, mode, validate=False).iteration_time
