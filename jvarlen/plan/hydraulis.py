@@ -186,15 +186,25 @@ def select(
     """Steps 2-3: every candidate dispatched with ``rank_trials`` trials and priced by its Eq. 1
     bound; the ``pack_top`` best dispatched again with ``trials`` trials and LPT-packed (Eq. 1
     objective); the ``simulate_top`` best of those (the finalists, best first) packed with the ILP.
+    The same for the ``homogeneous_top`` best homogeneous candidates (``d × P`` as
+    :func:`homogeneous_strategies` lays them out), whose finalists follow.
     Returns the finalists' indices and every evaluation."""
     evals = dispatch_all(lengths, candidates, table_of, costs, min(options.rank_trials, options.trials), options)
-    order = sorted(range(len(evals)), key=lambda k: (evals[k].dispatch_s, k))
-    top = order[: options.pack_top]
-    for k in top:
-        evals[k] = pack_again(evals[k], candidates[k], lengths, table_of, costs, options)
-    ranked = sorted(top, key=lambda k: (evals[k].packed_s, k))
-    margin = evals[ranked[0]].packed_s * (1 + options.simulate_margin)
-    finalists = [k for k in ranked[: options.simulate_top] if evals[k].packed_s <= margin]
+
+    def best_of(members: Sequence[int], pack_top: int, simulate_top: int) -> list[int]:
+        top = sorted(members, key=lambda k: (evals[k].dispatch_s, k))[:pack_top]
+        for k in top:
+            if evals[k].packs is None:
+                evals[k] = pack_again(evals[k], candidates[k], lengths, table_of, costs, options)
+        ranked = sorted(top, key=lambda k: (evals[k].packed_s, k))
+        margin = evals[ranked[0]].packed_s * (1 + options.simulate_margin)
+        return [k for k in ranked[:simulate_top] if evals[k].packed_s <= margin]
+
+    finalists = best_of(range(len(evals)), options.pack_top, options.simulate_top)
+    homogeneous = [k for k, c in enumerate(candidates) if c == (c[0],) * (costs.num_devices // c[0].num_devices)]
+    if homogeneous and options.homogeneous_top:
+        top = options.homogeneous_top
+        finalists += [k for k in best_of(homogeneous, top, top) if k not in finalists]
     if options.pack.ilp:
         for k in finalists:
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)

@@ -33,6 +33,11 @@ class AssignmentOptions:
     fastest simulated time; the fastest is returned. The margin is 20 %: Eq. 1 charges a
     pipeline up to ~15 % more than the lock-step simulation, and a pp = 1 group's simulation adds
     its executor-memory recomputation (docs/design/heterogeneous.md, "One iteration").
+    ``homogeneous_top``: among the candidates, the best this many homogeneous ones (every group
+    of one scheme) are also packed and simulated (within the margin of the best of them). Their
+    estimates rank each other worst (pipelines of different depths): on 64 H100s, 2×(pp=4, sp=8)
+    ranked fourth by estimate and simulated 8 % below the chosen layout. So ``hydraulis``, whose
+    candidates include the homogeneous layouts, simulates what ``homogeneous`` does (0: off).
     ``simulation``: the executor model the group plans are simulated in (lock-step ``"ticks"``).
     """
 
@@ -50,6 +55,7 @@ class AssignmentOptions:
     pack_top: int = 3
     simulate_top: int = 2
     simulate_margin: float = 0.2
+    homogeneous_top: int = 4
     simulation: str = "ticks"
 
     def __post_init__(self):
@@ -59,6 +65,8 @@ class AssignmentOptions:
             raise ValueError(f"simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
         if min(self.trials, self.rank_trials, self.pack_top, self.simulate_top) < 1:
             raise ValueError("trials, rank_trials, pack_top and simulate_top must be >= 1")
+        if self.homogeneous_top < 0:
+            raise ValueError(f"homogeneous_top must be >= 0, got {self.homogeneous_top}")
         if not 0 < self.util_threshold < 1:
             raise ValueError(f"util_threshold must be in (0, 1), got {self.util_threshold}")
 
