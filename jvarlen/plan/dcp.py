@@ -27,7 +27,8 @@ Per iteration:
    whose groups are slowest while that does not slow them (lowering Eq. 3's idle sum). Short
    buckets thus get few small groups that accumulate many micro-batches while a long document
    runs once on a large group.
-3. Several bucket widths are tried and the exact predicted times decide.
+3. Several bucket widths are tried; each is planned for the executor and the faster simulated
+   one is kept (:func:`~jvarlen.plan.sp_groups.assemble_fastest`).
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -46,7 +47,7 @@ from jvarlen.plan.chunking import chunk_group, sorted_order
 from jvarlen.plan.sp_groups import (
     GroupChoice,
     GroupCosts,
-    assemble_strategy,
+    assemble_fastest,
     candidate_record,
     infeasible_documents,
     too_long_message,
@@ -392,7 +393,7 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
     if bad:
         raise PlanningError(too_long_message(policy, lengths, gc, bad))
     events: list[str] = []
-    candidates, best = [], None
+    candidates, options_of = [], []
     bucketings = [(ratio, buckets_of(lengths, ratio)) for ratio in options.bucket_ratios]
     if options.scheme_buckets:
         bucketings.append(("by-p", buckets_by_scheme(lengths, gc, options)))
@@ -427,26 +428,26 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
             ],
         )
         candidates.append(record)
-        if best is None or record["iteration_time_s"] < best[0] - 1e-12:
-            best = (record["iteration_time_s"], ratio, choices, record["buckets"])
-    if best is None:
+        options_of.append((choices, record))
+    if not candidates:
         raise PlanningError(f"{policy}: no bucketing of this batch fits {gc.num_devices} devices ({'; '.join(events)})")
-    _, ratio, choices, buckets = best
+    best, plan = assemble_fastest(policy, lengths, gc, options_of, options.simulation, t0, {"candidates": candidates})
+    choices, record = options_of[best]
     idle = gc.num_devices - sum(c.scheme.sp for c in choices)
     if idle:
         events.append(f"{policy}: {idle} device(s) idle: no further group makes any bucket's slowest group faster")
     eq3_s, idle_ratio = eq3(
         [gc.group_time(lengths, c) for c in choices], [c.scheme.sp for c in choices], gc.num_devices
     )
-    stats = {
-        "bucket_ratio": ratio,
-        "buckets": buckets,
-        "accumulation": [len(c.micro_batches) for c in choices],
-        "eq3_s": eq3_s,
-        "imbalance_ratio": idle_ratio,
-        "candidates": candidates,
-    }
-    return assemble_strategy(policy, lengths, gc, choices, options.simulation, t0, stats, events)
+    plan.stats.update(
+        bucket_ratio=record["bucket_ratio"],
+        buckets=record["buckets"],
+        accumulation=[len(c.micro_batches) for c in choices],
+        eq3_s=eq3_s,
+        imbalance_ratio=idle_ratio,
+    )
+    plan.events[:0] = events
+    return plan
 
 
 @register_policy("dcp", DCPOptions)

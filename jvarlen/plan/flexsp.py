@@ -19,8 +19,9 @@ a MILP that minimises the slowest group's time under the groups' memory. Here, p
    the heuristic (:func:`heuristic`) is the fallback;
 4. **extract**: each used slot becomes a group, its documents cut into micro-batches by the
    memory-balanced chunking DP (Eq. 23-24, :mod:`jvarlen.plan.chunking`) over length-sorted
-   documents, each micro-batch with the least recomputation that fits; the exact predicted
-   times of the MILP's, the heuristic's and the best homogeneous layout's groups decide.
+   documents, each micro-batch with the least recomputation that fits; the MILP's and the
+   heuristic's groups are planned for the executor and the faster simulated one is kept
+   (:func:`~jvarlen.plan.sp_groups.assemble_fastest`).
 
 The heuristic walks the multisets of group sizes from "all devices in the largest groups"
 down by splitting one group in two (the split whose LPT dispatch is fastest, the best multiset
@@ -46,7 +47,7 @@ from jvarlen.plan.sp_groups import (
     GroupChoice,
     GroupCosts,
     WorkTable,
-    assemble_strategy,
+    assemble_fastest,
     candidate_record,
     infeasible_documents,
     too_long_message,
@@ -476,23 +477,22 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
             finalists["milp"] = groups
     elif options.milp and n_vars > options.milp_max_vars:
         events.append(f"flexsp: MILP skipped ({n_vars} assignment variables > milp_max_vars={options.milp_max_vars})")
-    candidates, best = [], None
+    candidates, options_of = [], []
     for name, groups in finalists.items():
         choices = extract(lengths, gc, problem, groups)
         record = candidate_record(lengths, gc, choices, source=name, model_makespan_s=problem.makespan_us(groups) / _US)
         candidates.append(record)
-        if best is None or record["iteration_time_s"] < best[0] - 1e-12:
-            best = (record["iteration_time_s"], name, choices)
-    _, source, choices = best
+        options_of.append((choices, record))
     stats = {
-        "source": source,
         "milp_status": status,
         "milp_vars": n_vars,
         "heuristic_seconds": t_heur,
         "candidates": candidates,
         "heuristic_gap": candidates[0]["model_makespan_s"] / min(c["model_makespan_s"] for c in candidates) - 1.0,
     }
-    return assemble_strategy("flexsp", lengths, gc, choices, options.simulation, t0, stats, events)
+    best, plan = assemble_fastest("flexsp", lengths, gc, options_of, options.simulation, t0, stats, events)
+    plan.stats["source"] = candidates[best]["source"]
+    return plan
 
 
 __all__ = ["FlexSPOptions", "FlexSPProblem", "heuristic", "plan", "solve"]

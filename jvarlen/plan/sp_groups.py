@@ -464,10 +464,45 @@ def assemble_strategy(
     return out
 
 
+def assemble_fastest(
+    policy: str,
+    lengths: Sequence[int],
+    gc: GroupCosts,
+    candidates: Sequence[tuple[Sequence[GroupChoice], dict]],
+    simulation: str,
+    t0: float,
+    stats: Optional[dict] = None,
+    events: Optional[list] = None,
+) -> tuple[int, StrategyPlan]:
+    """The candidates' :class:`StrategyPlan` (:func:`assemble_strategy`), the fastest simulated one
+    kept (ties: the first). The group model that ranks them leaves out the recomputation that
+    fits the executor's buffers, so two candidates a few per cent apart by it may swap once
+    simulated. Each candidate's record (its ``candidate_record``) gets ``simulated_s``.
+    -> (index of the kept candidate, its plan); ``solve_seconds`` counts until the first
+    assembly."""
+    if not candidates:
+        raise ValueError("assemble_fastest needs at least one candidate")
+    solve_seconds = time.perf_counter() - t0
+    plans: list[StrategyPlan] = []
+    for i, (choices, _) in enumerate(candidates):
+        same = next((j for j in range(i) if candidates[j][0] == choices), None)  # (the MILP may return the hint)
+        plans.append(
+            plans[same]
+            if same is not None
+            else assemble_strategy(policy, lengths, gc, choices, simulation, t0, stats, events)
+        )
+    for (_, record), plan in zip(candidates, plans):
+        record["simulated_s"] = plan.stats["iteration_time_s"]
+    best = min(range(len(plans)), key=lambda i: (plans[i].stats["iteration_time_s"], i))
+    plans[best].stats["solve_seconds"] = solve_seconds
+    return best, plans[best]
+
+
 __all__ = [
     "GroupChoice",
     "WorkTable",
     "GroupCosts",
+    "assemble_fastest",
     "assemble_strategy",
     "candidate_record",
     "describe_schemes",
