@@ -235,16 +235,12 @@ def assign_slots(
 
     counts = {"stash": 0, "grad": 0, "res": 0, "ckpt": 0}
     peaks = {}
-    per_stage = []
     for p in range(pp):
-        col = {}
         for name in counts:
             entry = coloured(p, name)
-            col[name] = entry.slots
             if entry.count > counts[name] or name not in peaks:
                 peaks[name] = (p,) + entry.peak()
             counts[name] = max(counts[name], entry.count)
-        per_stage.append(col)
     if fx.ctx_peak is not None:
         peaks["ctx"] = fx.ctx_peak
     # what holds no slot gets the dummy slot (the count): recomputed layers, fused ops, empty chunks
@@ -252,22 +248,22 @@ def assign_slots(
     grad = np.full((n, pp), counts["grad"], np.int32)
     res = np.full((n, pp, ls), counts["res"], np.int32)
     ckpt_slot = np.full((n, pp, ls), counts["ckpt"], np.int32)
-    for p, col in enumerate(per_stage):
-        for table, name in ((stash, "stash"), (grad, "grad")):
-            for k, slot in col[name].items():
-                table[k, p] = slot
-        for table, name in ((res, "res"), (ckpt_slot, "ckpt")):
-            if col[name]:
-                (k, l), slot = np.array(list(col[name])).T, np.fromiter(col[name].values(), np.int32)
-                table[k, p, l] = slot
+    for p in range(pp):
+        for table, name in ((stash, "stash"), (grad, "grad"), (res, "res"), (ckpt_slot, "ckpt")):
+            keys, slots = coloured(p, name).arrays()
+            if len(slots):
+                table[(keys[:, 0], p) + tuple(keys[:, 1:].T)] = slots
+    # what arrives at the end of tick t: a stage's forward output on the next stage, its backward's
+    # (or fused op's) input cotangent on the previous one (one forward and one backward lane per
+    # stage and tick, so no cell is written twice)
     recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
     recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
-    for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
-        op, k = int(ticks[t, p, lane, 0]), int(ticks[t, p, lane, 1])
-        if op == FWD and p + 1 < pp:
-            recv_act[t, p + 1] = stash[k, p + 1]
-        if op in (BWD, FUSED) and p > 0:
-            recv_grad[t, p - 1] = grad[k, p - 1]
+    t, p, lane = np.nonzero(ticks[..., 0] != IDLE)
+    op, k = ticks[t, p, lane, 0], ticks[t, p, lane, 1]
+    sent = (op == FWD) & (p + 1 < pp)
+    recv_act[t[sent], p[sent] + 1] = stash[k[sent], p[sent] + 1]
+    sent = ((op == BWD) | (op == FUSED)) & (p > 0)
+    recv_grad[t[sent], p[sent] - 1] = grad[k[sent], p[sent] - 1]
     return SlotTables(
         stash_slot=stash,
         grad_slot=grad,
@@ -293,11 +289,20 @@ class _Coloured:
         self.intervals = intervals
         self.slots, self.count = colour(intervals)
         self._peak: Optional[tuple[int, list]] = None
+        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def peak(self) -> tuple[int, list]:
         if self._peak is None:
             self._peak = _peak(self.intervals)
         return self._peak
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys ``[m, 1 or 2]``: chunk, or chunk and layer; their slots ``[m]``)."""
+        if self._arrays is None:
+            keys = np.array(list(self.slots), np.int64)
+            keys = keys.reshape(len(keys), -1) if len(keys) else np.zeros((0, 1), np.int64)
+            self._arrays = keys, np.fromiter(self.slots.values(), np.int32, len(self.slots))
+        return self._arrays
 
 
 @dataclasses.dataclass

@@ -278,55 +278,66 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     A dependency met at tick ``t`` allows the op at ``t + 1`` (messages are filed at the end of a
     tick), as in :meth:`Schedule.to_ticks`.
     """
-    pp = sched.pp
-    progs = [list(p) for p in sched.stages]
-    index = [{op: i for i, op in enumerate(prog)} for prog in progs]
-    f_queue = [[op for op in prog if op.kind == "F"] for prog in progs]
-    b_queue = [[op for op in prog if op.kind == "B"] for prog in progs]
+    pp, n, last = sched.pp, sched.n_chunks, sched.pp - 1
+    prev, nxt = sched.chunk_prev, sched.chunk_next
+    # chunk ids and program positions per stage: the loop runs per tick and stage, so it reads
+    # plain lists (dependencies() and dicts of Op cost 10x more on thousand-chunk plans)
+    f_queue = [[op.chunk for op in prog if op.kind == "F"] for prog in sched.stages]
+    b_queue = [[op.chunk for op in prog if op.kind == "B"] for prog in sched.stages]
+    pos_f, pos_b = [[-1] * n for _ in range(pp)], [[-1] * n for _ in range(pp)]
+    for p, prog in enumerate(sched.stages):
+        for i, op in enumerate(prog):
+            (pos_f if op.kind == "F" else pos_b)[p][op.chunk] = i
+    remaining = sum(len(prog) for prog in sched.stages)
+    never = remaining + 1  # beyond any tick: every tick runs an op
+    done_f, done_b = [[never] * n for _ in range(pp)], [[never] * n for _ in range(pp)]
+    fusable = [  # on the last stage: F(k) directly followed by B(k) in the program, not kept
+        fuse_last and (keep is None or not keep[k]) and pos_f[last][k] >= 0 and pos_b[last][k] == pos_f[last][k] + 1
+        for k in range(n)
+    ]
+
+    def ready_f(p: int, k: int, t: int) -> bool:  # dependencies(): the previous stage, the previous slice
+        return (p == 0 or done_f[p - 1][k] < t) and (prev[k] < 0 or done_f[p][prev[k]] < t)
+
+    def ready_b(p: int, k: int, t: int) -> bool:  # its forward, the next stage, the next slice
+        return done_f[p][k] < t and (p == last or done_b[p + 1][k] < t) and (nxt[k] < 0 or done_b[p][nxt[k]] < t)
+
     fi, bi = [0] * pp, [0] * pp
-    done: dict[tuple[int, Op], int] = {}
-    total = sum(len(p) for p in progs)
     rows = []
     t = 0
-
-    def ready(p: int, op: Op) -> bool:
-        return all(done.get(d, t) < t for d in dependencies(sched, p, op))
-
-    def fusable(p: int, op: Optional[Op]) -> bool:
-        """``op`` is a forward on the last stage directly followed by its backward (and not kept)."""
-        if not fuse_last or p != pp - 1 or op is None or (keep is not None and keep[op.chunk]):
-            return False
-        i = index[p][op] + 1
-        return i < len(progs[p]) and progs[p][i] == Op("B", op.chunk)
-
-    while len(done) < total:
+    while remaining:
         row = np.zeros((pp, 2, 2), np.int32)
         row[..., 1] = -1
-        ran = []
+        ran = 0  # ops done at t are never "< t": updating at once is updating after the tick
         for p in range(pp):
-            nf = f_queue[p][fi[p]] if fi[p] < len(f_queue[p]) else None
-            nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
-            if fusable(p, nf) and nb == Op("B", nf.chunk) and ready(p, nf):
-                row[p, LANE_B] = (FUSED, nf.chunk)
-                ran += [(p, nf), (p, nb)]
+            fq, bq = f_queue[p], b_queue[p]
+            nf = fq[fi[p]] if fi[p] < len(fq) else -1
+            nb = bq[bi[p]] if bi[p] < len(bq) else -1
+            fuse = p == last and nf >= 0 and fusable[nf]
+            if fuse and nb == nf and ready_f(p, nf, t):
+                row[p, LANE_B] = (FUSED, nf)
+                done_f[p][nf] = done_b[p][nb] = t
                 fi[p] += 1
                 bi[p] += 1
-                nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
-                nf = f_queue[p][fi[p]] if fi[p] < len(f_queue[p]) else None
-            elif nb is not None and ready(p, nb):
-                row[p, LANE_B] = (BWD, nb.chunk)
-                ran.append((p, nb))
+                ran += 2
+                nb = bq[bi[p]] if bi[p] < len(bq) else -1
+                nf = fq[fi[p]] if fi[p] < len(fq) else -1
+                fuse = p == last and nf >= 0 and fusable[nf]
+            elif nb >= 0 and ready_b(p, nb, t):
+                row[p, LANE_B] = (BWD, nb)
+                done_b[p][nb] = t
                 bi[p] += 1
-                nb = b_queue[p][bi[p]] if bi[p] < len(b_queue[p]) else None
+                ran += 1
+                nb = bq[bi[p]] if bi[p] < len(bq) else -1
             # a fusable forward waits to run fused in lane 0 of a later tick (see the docstring)
-            if nf is not None and (nb is None or index[p][nb] > index[p][nf]) and ready(p, nf) and not fusable(p, nf):
-                row[p, LANE_F] = (FWD, nf.chunk)
-                ran.append((p, nf))
+            if nf >= 0 and (nb < 0 or pos_b[p][nb] > pos_f[p][nf]) and ready_f(p, nf, t) and not fuse:
+                row[p, LANE_F] = (FWD, nf)
+                done_f[p][nf] = t
                 fi[p] += 1
+                ran += 1
         if not ran:
             raise ScheduleError(f"deadlock at paired tick {t}")  # to_ticks() (validate) names the ops
-        for p, op in ran:
-            done[(p, op)] = t
+        remaining -= ran
         rows.append(row)
         t += 1
     return np.stack(rows) if rows else np.zeros((0, pp, 2, 2), np.int32)
