@@ -15,7 +15,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import FUSED, _peak, assign_slots, colour, fuse_single_stage, op_ticks
+from jvarlen.plan.buffers import FUSED, _Live, _peak, assign_slots, colour, fuse_single_stage, op_ticks, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
@@ -191,9 +191,27 @@ def test_slots_with_a_memo_kept_across_recomputation_tables_are_the_slots_withou
         ticks = sch.paired_ticks(sched, fuse_last=fuse, keep=ckpt[:, -1] > 0)
         kept = assign_slots(ticks, prev, ckpt, ls, ctx_need=need, memo=memo)
         fresh = assign_slots(ticks, prev, ckpt, ls, ctx_need=need)
+        counted = slot_counts(ticks, prev, ckpt, ls, ctx_need=need, memo=memo)
+        for name in ("n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt", "fused", "peaks"):
+            assert getattr(counted, name) == getattr(fresh, name), name
         for field in dataclasses.fields(fresh):
             a, b = getattr(kept, field.name), getattr(fresh, field.name)
             assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, field.name
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12), st.integers(0, 4), st.integers(0, 4)), max_size=25))
+def test_the_sweep_counts_what_the_colouring_uses(ranges):
+    """A kind's slot count without colouring: the most live ranges at one phase, each chunk
+    weighted by its stored layers; equal to the greedy colouring's count and peak on the
+    expanded intervals (one per layer)."""
+    chunks = list(range(len(ranges)))
+    layers = [(lo, lo + w) for _, _, lo, w in ranges]
+    live = _Live(chunks, [s for s, _, _, _ in ranges], [s + d for s, d, _, _ in ranges], layers)
+    expanded = [(s, s + d, (k, l)) for k, (s, d, lo, w) in enumerate(ranges) for l in range(lo, lo + w)]
+    assert live.count == colour(expanded)[1]
+    assert live.peak() == _peak(expanded)
+    assert live.slots == colour(expanded)[0]
 
 
 def test_recomputed_layers_get_the_dummy_slot():

@@ -37,9 +37,11 @@ from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 __all__ = [
     "FUSED",
     "SLOT_COUNTS",
+    "SlotCounts",
     "SlotTables",
     "assign_slots",
     "as_paired",
+    "slot_counts",
     "fuse_single_stage",
     "op_ticks",
     "round_buffers",
@@ -174,6 +176,40 @@ def colour(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
     return out, n
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotCounts:
+    """The slot counts of :class:`SlotTables` (and its ``fused`` and ``peaks``) without the tables:
+    what the planner's account of the executor's memory reads."""
+
+    n_stash: int
+    n_grad: int
+    ctx_rows: int
+    n_res: int
+    n_ckpt: int
+    fused: bool
+    peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
+
+
+def slot_counts(
+    ticks: np.ndarray,
+    chunk_prev: Sequence[int],
+    ckpt_layers: np.ndarray,
+    layers_per_stage: int,
+    *,
+    uses_context: Optional[Sequence[bool]] = None,
+    ctx_need: Optional[Sequence[int]] = None,
+    empty: Optional[Sequence[bool]] = None,
+    memo: Optional[dict] = None,
+) -> SlotCounts:
+    """:func:`assign_slots`' counts, fused flag and peaks, without colouring anything: a slot
+    kind's count on a stage is the most live ranges that meet at one phase (greedy colouring in
+    order of start is optimal on intervals), summed per chunk (a chunk's stored layers share one
+    range). ``memo``: as in :func:`assign_slots`; the executor-memory repair measures one plan
+    under hundreds of recomputation tables, and each step then costs a sweep over one stage's
+    chunks."""
+    return _Slots(ticks, chunk_prev, ckpt_layers, layers_per_stage, uses_context, ctx_need, empty, memo).counts()
+
+
 def assign_slots(
     ticks: np.ndarray,
     chunk_prev: Sequence[int],
@@ -198,66 +234,27 @@ def assign_slots(
     padded plan then needs no more slots than the plan it pads.
     ``memo``: a dict kept between calls on one pipeline whose recomputation table changes (the
     executor-memory repair raises one (chunk, stage) per step): what does not depend on the table,
-    and each stage's residual and checkpoint colouring per column of it, are computed once. It is
+    and each stage's residual and checkpoint ranges per column of it, are computed once. It is
     emptied when the tick table or the chunks change.
     """
-    ticks = as_paired(ticks)
-    n = len(chunk_prev)
-    pp = ticks.shape[1]
-    ls = layers_per_stage
-    ckpt = np.asarray(ckpt_layers).reshape(n, pp)
-    if (ckpt < 0).any() or (ckpt > ls).any():
-        raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
-    memo = {} if memo is None else memo
-    key = (
-        ticks.shape,
-        ticks.tobytes(),
-        tuple(chunk_prev),
-        *(None if x is None else tuple(x) for x in (uses_context, ctx_need, empty)),
-    )
-    if memo.get("pipeline") != key:
-        memo.clear()
-        memo["pipeline"], memo["fixed"] = key, _Pipeline.build(ticks, chunk_prev, uses_context, ctx_need, empty)
-    fx: _Pipeline = memo["fixed"]
-
-    def coloured(p: int, name: str) -> _Coloured:
-        if name in fx.stages[p]:
-            return fx.stages[p][name]
-        column = (p, name, ls, ckpt[:, p].tobytes())
-        if column not in memo:
-            f, b, first = fx.f_phase[:, p], fx.b_phase[:, p], ckpt[:, p]
-            if name == "res":
-                iv = [(f[k], b[k], (k, l)) for k in fx.staged[p] for l in range(int(first[k]), ls)]
-            else:
-                iv = [(f[k], b[k], (k, l)) for k in fx.holders[p] for l in range(1, int(first[k]))]
-            memo[column] = _Coloured(iv)
-        return memo[column]
-
-    counts = {"stash": 0, "grad": 0, "res": 0, "ckpt": 0}
-    peaks = {}
-    for p in range(pp):
-        for name in counts:
-            entry = coloured(p, name)
-            if entry.count > counts[name] or name not in peaks:
-                peaks[name] = (p,) + entry.peak()
-            counts[name] = max(counts[name], entry.count)
-    if fx.ctx_peak is not None:
-        peaks["ctx"] = fx.ctx_peak
+    slots = _Slots(ticks, chunk_prev, ckpt_layers, layers_per_stage, uses_context, ctx_need, empty, memo)
+    counts = slots.counts()
+    ticks, fx, n, pp, ls = slots.ticks, slots.fx, slots.n, slots.pp, slots.ls
     # what holds no slot gets the dummy slot (the count): recomputed layers, fused ops, empty chunks
-    stash = np.full((n, pp), counts["stash"], np.int32)
-    grad = np.full((n, pp), counts["grad"], np.int32)
-    res = np.full((n, pp, ls), counts["res"], np.int32)
-    ckpt_slot = np.full((n, pp, ls), counts["ckpt"], np.int32)
+    stash = np.full((n, pp), counts.n_stash, np.int32)
+    grad = np.full((n, pp), counts.n_grad, np.int32)
+    res = np.full((n, pp, ls), counts.n_res, np.int32)
+    ckpt_slot = np.full((n, pp, ls), counts.n_ckpt, np.int32)
     for p in range(pp):
         for table, name in ((stash, "stash"), (grad, "grad"), (res, "res"), (ckpt_slot, "ckpt")):
-            keys, slots = coloured(p, name).arrays()
-            if len(slots):
-                table[(keys[:, 0], p) + tuple(keys[:, 1:].T)] = slots
+            keys, assigned = slots.live(p, name).arrays()
+            if len(assigned):
+                table[(keys[:, 0], p) + tuple(keys[:, 1:].T)] = assigned
     # what arrives at the end of tick t: a stage's forward output on the next stage, its backward's
     # (or fused op's) input cotangent on the previous one (one forward and one backward lane per
     # stage and tick, so no cell is written twice)
-    recv_act = np.full((ticks.shape[0], pp), counts["stash"], np.int32)
-    recv_grad = np.full((ticks.shape[0], pp), counts["grad"], np.int32)
+    recv_act = np.full((ticks.shape[0], pp), counts.n_stash, np.int32)
+    recv_grad = np.full((ticks.shape[0], pp), counts.n_grad, np.int32)
     t, p, lane = np.nonzero(ticks[..., 0] != IDLE)
     op, k = ticks[t, p, lane, 0], ticks[t, p, lane, 1]
     sent = (op == FWD) & (p + 1 < pp)
@@ -272,29 +269,138 @@ def assign_slots(
         ckpt_slot=ckpt_slot,
         recv_act=recv_act,
         recv_grad=recv_grad,
-        n_stash=counts["stash"],
-        n_grad=counts["grad"],
-        ctx_rows=fx.ctx_rows,
-        n_res=counts["res"],
-        n_ckpt=counts["ckpt"],
-        fused=bool(fx.fused.any()),
-        peaks=peaks,
+        n_stash=counts.n_stash,
+        n_grad=counts.n_grad,
+        ctx_rows=counts.ctx_rows,
+        n_res=counts.n_res,
+        n_ckpt=counts.n_ckpt,
+        fused=counts.fused,
+        peaks=counts.peaks,
     )
 
 
-class _Coloured:
-    """One stage's intervals of one kind, coloured (:func:`colour`); the peak when asked."""
+class _Slots:
+    """One call of :func:`slot_counts` or :func:`assign_slots`: the arguments checked, the
+    table-free part from the memo (or built), each stage's live ranges per kind on demand."""
 
-    def __init__(self, intervals: list):
-        self.intervals = intervals
-        self.slots, self.count = colour(intervals)
-        self._peak: Optional[tuple[int, list]] = None
+    def __init__(self, ticks, chunk_prev, ckpt_layers, ls, uses_context, ctx_need, empty, memo):
+        self.ticks = ticks = as_paired(ticks)
+        n, pp = len(chunk_prev), ticks.shape[1]
+        self.n, self.pp, self.ls = n, pp, ls
+        ckpt = np.asarray(ckpt_layers).reshape(n, pp)
+        if (ckpt < 0).any() or (ckpt > ls).any():
+            raise ValueError(f"ckpt_layers must be in [0, {ls}] (layers per stage), got {ckpt.min()}..{ckpt.max()}")
+        self.ckpt = ckpt.astype(np.int64)
+        self.memo = memo = {} if memo is None else memo
+        key = (
+            ticks.shape,
+            ticks.tobytes(),
+            tuple(chunk_prev),
+            *(None if x is None else tuple(x) for x in (uses_context, ctx_need, empty)),
+        )
+        if memo.get("pipeline") != key:
+            memo.clear()
+            memo["pipeline"], memo["fixed"] = key, _Pipeline.build(ticks, chunk_prev, uses_context, ctx_need, empty)
+        self.fx: _Pipeline = memo["fixed"]
+
+    def live(self, p: int, name: str) -> "_Live":
+        fx = self.fx
+        if name in fx.stages[p]:
+            return fx.stages[p][name]
+        first = self.ckpt[:, p]
+        column = (p, name, self.ls, first.tobytes())
+        if column not in self.memo:
+            if name == "res":  # stored layers first..ls-1
+                chunks = fx.staged[p]
+                layers = [(int(first[k]), self.ls) for k in chunks]
+            else:  # checkpoints: recomputed layers 1..first-1 (layer 0's input is the stash slot)
+                chunks = fx.holders[p]
+                layers = [(1, int(first[k])) for k in chunks]
+            self.memo[column] = _Live(chunks, fx.f_phase[chunks, p], fx.b_phase[chunks, p], layers)
+        return self.memo[column]
+
+    def counts(self) -> SlotCounts:
+        counts, peaks = {}, {}
+        for name in ("stash", "grad", "res", "ckpt"):
+            per_stage = [self.live(p, name).count for p in range(self.pp)]
+            p = int(np.argmax(per_stage))  # the first stage where the kind peaks
+            counts[name], peaks[name] = per_stage[p], (p,) + self.live(p, name).peak()
+        if self.fx.ctx_peak is not None:
+            peaks["ctx"] = self.fx.ctx_peak
+        return SlotCounts(
+            n_stash=counts["stash"],
+            n_grad=counts["grad"],
+            ctx_rows=self.fx.ctx_rows,
+            n_res=counts["res"],
+            n_ckpt=counts["ckpt"],
+            fused=bool(self.fx.fused.any()),
+            peaks=peaks,
+        )
+
+
+class _Live:
+    """One stage's live ranges of one slot kind: chunk ``chunks[i]`` holds one slot per layer of
+    ``layers[i] = (lo, hi)`` (keys ``(k, l)``), or one slot (key ``k``, ``layers`` None), over the
+    closed phase range ``[start[i], end[i]]``. The count and the peak come from a sweep over the
+    chunks; the greedy colouring (:func:`colour`), which has that many slots, only when asked."""
+
+    def __init__(self, chunks, start, end, layers=None):
+        weight = np.ones(len(chunks), np.int64) if layers is None else np.array([h - l for l, h in layers], np.int64)
+        held = weight > 0
+        self.chunks = [k for k, h in zip(chunks, held) if h]
+        self.layers = None if layers is None else [x for x, h in zip(layers, held) if h]
+        self.start = np.asarray(start, np.int64)[held]
+        self.end = np.asarray(end, np.int64)[held]
+        self.weight = weight[held]
+        self.count, self._first = 0, -1
+        if len(self.chunks):
+            if (self.start > self.end).any():  # (not from a tick table) an empty range still takes a slot
+                self.count = colour(self.intervals())[1]
+                self._first = int(np.argmax(self._live_at_starts()))
+            else:
+                live = self._live_at_starts()
+                self._first = int(np.argmax(live))
+                self.count = int(live[self._first])
+        self._slots: Optional[dict] = None
         self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
 
+    def _live_at_starts(self) -> np.ndarray:
+        """Weight of the (non-empty) ranges that hold each chunk's start."""
+        ok = self.start <= self.end
+        by_start, by_end = np.argsort(self.start[ok], kind="stable"), np.argsort(self.end[ok], kind="stable")
+        started = np.concatenate([[0], np.cumsum(self.weight[ok][by_start])])
+        ended = np.concatenate([[0], np.cumsum(self.weight[ok][by_end])])
+        s, e = self.start[ok][by_start], self.end[ok][by_end]
+        return started[np.searchsorted(s, self.start, "right")] - ended[np.searchsorted(e, self.start, "left")]
+
+    def intervals(self) -> list:
+        if self.layers is None:
+            return [(s, e, k) for k, s, e in zip(self.chunks, self.start.tolist(), self.end.tolist())]
+        return [
+            (s, e, (k, l))
+            for k, s, e, (lo, hi) in zip(self.chunks, self.start.tolist(), self.end.tolist(), self.layers)
+            for l in range(lo, hi)
+        ]
+
     def peak(self) -> tuple[int, list]:
-        if self._peak is None:
-            self._peak = _peak(self.intervals)
-        return self._peak
+        """(tick, holders) at the first chunk start (in order) where the most slots are held, as
+        :func:`_peak` finds on :meth:`intervals`."""
+        if self._first < 0:
+            return 0, []
+        at = int(self.start[self._first])
+        live = (self.start <= at) & (at <= self.end)
+        if self.layers is None:
+            keys = [k for k, h in zip(self.chunks, live) if h]
+        else:
+            keys = [(k, l) for k, h, (lo, hi) in zip(self.chunks, live, self.layers) if h for l in range(lo, hi)]
+        return at // 3, sorted(keys)
+
+    @property
+    def slots(self) -> dict:
+        if self._slots is None:
+            self._slots, count = colour(self.intervals())
+            assert count == self.count, (count, self.count)  # greedy in order of start is optimal
+        return self._slots
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys ``[m, 1 or 2]``: chunk, or chunk and layer; their slots ``[m]``)."""
@@ -308,14 +414,14 @@ class _Coloured:
 @dataclasses.dataclass
 class _Pipeline:
     """What of a pipeline's slots the recomputation table does not change: the ops' phases, the
-    stashed inputs' and cotangent inboxes' colourings and the context pool."""
+    stashed inputs' and cotangent inboxes' live ranges and the context pool."""
 
     f_phase: np.ndarray  # [n, pp]
     b_phase: np.ndarray  # [n, pp]
     fused: np.ndarray  # [n, pp] bool
     staged: list  # per stage: chunks not fused there (they hold residual slots)
     holders: list  # per stage: staged chunks that hold tokens (they hold checkpoint slots)
-    stages: list  # per stage: {"stash": _Coloured, "grad": _Coloured}
+    stages: list  # per stage: {"stash": _Live, "grad": _Live}
     ctx: np.ndarray  # [n, pp] base row of each chunk's region (ctx_rows: none)
     ctx_rows: int
     ctx_peak: Optional[tuple]
@@ -349,11 +455,16 @@ class _Pipeline:
         for p in range(pp):
             on = [k for k in range(n) if not fused[k, p]]
             inputs = on if p == 0 else list(range(n))  # a fused op on a later stage reads its input
-            iv_stash = [((3 * tf[k, p - 1] + 2) if p else f_phase[k, p], b_phase[k, p], k) for k in inputs]
-            iv_grad = [((3 * tb[k, p + 1] + 2) if p < pp - 1 else f_phase[k, p], b_phase[k, p], k) for k in on]
+            stash_from = 3 * tf[inputs, p - 1] + 2 if p else f_phase[inputs, p]
+            grad_from = 3 * tb[on, p + 1] + 2 if p < pp - 1 else f_phase[on, p]
             staged.append(on)
             holders.append([k for k in on if empty is None or not empty[k]])
-            stages.append({"stash": _Coloured(iv_stash), "grad": _Coloured(iv_grad)})
+            stages.append(
+                {
+                    "stash": _Live(inputs, stash_from, b_phase[inputs, p]),
+                    "grad": _Live(on, grad_from, b_phase[on, p]),
+                }
+            )
             iv_ctx_stage.append([(f_phase[r, p], b_phase[r, p], r) for r in roots])
         ctx_rows, bases = context_pool(iv_ctx_stage, rows)
         ctx_peak = None

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, round_buffers
+from jvarlen.plan.buffers import SLOT_COUNTS, round_buffers, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.schedule import paired_ticks
 from jvarlen.plan.simulator import simulate
@@ -63,21 +63,22 @@ def executor_memory(
     fuse: bool = True,
     ticks: Optional[np.ndarray] = None,
     memo: Optional[dict] = None,
+    shapes: Optional[list[ChunkShape]] = None,
 ) -> ExecutorMemory:
     """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
     as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
     signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
     the coefficients'. ``ticks``: the plan's paired tick table (:func:`plan_ticks`), where the
-    caller has it; ``memo``: :func:`jvarlen.plan.buffers.assign_slots`'s, kept by a caller that
-    measures one plan under several recomputation tables."""
+    caller has it; ``memo``: :func:`jvarlen.plan.buffers.slot_counts`', kept by a caller that
+    measures one plan under several recomputation tables, and the plan's ``chunk_shapes()``."""
     layout, model, c = cost.layout, cost.model, cost.coeffs
     sp, ls, e = layout.sp, cost.layers_per_stage, c.bytes_per_element
-    shapes: list[ChunkShape] = plan.chunk_shapes()
+    shapes = plan.chunk_shapes() if shapes is None else shapes
     ckpt = np.asarray(plan.ckpt_layers, np.int32)
     bucket = executor_buckets(max(s.tokens for s in shapes), sp)[0]
     if ticks is None:
         ticks = plan_ticks(plan.schedule, ckpt, fuse)
-    slots = assign_slots(
+    slots = slot_counts(
         ticks,
         plan.schedule.chunk_prev,
         ckpt,
@@ -145,7 +146,9 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
         if key not in tick_tables:
             tick_tables[key] = plan_ticks(plan.schedule, table, fuse), {}
         ticks, memo = tick_tables[key]
-        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks, memo)
+        return executor_memory(
+            dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks, memo, shapes
+        )
 
     def iteration_time(table):
         return simulate(plan.schedule, shapes, table, cost, mode, validate=False).iteration_time
