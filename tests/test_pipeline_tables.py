@@ -15,9 +15,10 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import FUSED, _Live, _peak, assign_slots, colour, fuse_single_stage, op_ticks, slot_counts
+from jvarlen.plan.buffers import FUSED, assign_slots, fuse_single_stage, op_ticks, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
+from jvarlen.plan.live_ranges import Live, colour, peak_of
 from jvarlen.plan.schedule import BWD, FWD, IDLE, ScheduleError
 from jvarlen.plan.simulator import simulate
 from jvarlen.plan.units import PlannedChunk
@@ -160,9 +161,9 @@ def test_colouring_takes_the_lowest_free_slot_and_the_peak_is_the_first_fullest_
     live_at = [[key for s, e, key in intervals if s <= x <= e] for x, _, _ in intervals]
     if intervals:
         i = max(range(len(intervals)), key=lambda i: (len(live_at[i]), -i))
-        assert _peak(intervals) == (intervals[i][0] // 3, sorted(live_at[i]))
+        assert peak_of(intervals) == (intervals[i][0] // 3, sorted(live_at[i]))
     else:
-        assert _peak(intervals) == (0, [])
+        assert peak_of(intervals) == (0, [])
     # no two intervals that meet share a slot
     for a, (s0, e0, k0) in enumerate(intervals):
         for s1, e1, k1 in intervals[a + 1 :]:
@@ -207,10 +208,10 @@ def test_the_sweep_counts_what_the_colouring_uses(ranges):
     expanded intervals (one per layer)."""
     chunks = list(range(len(ranges)))
     layers = [(lo, lo + w) for _, _, lo, w in ranges]
-    live = _Live(chunks, [s for s, _, _, _ in ranges], [s + d for s, d, _, _ in ranges], layers)
+    live = Live(chunks, [s for s, _, _, _ in ranges], [s + d for s, d, _, _ in ranges], layers)
     expanded = [(s, s + d, (k, l)) for k, (s, d, lo, w) in enumerate(ranges) for l in range(lo, lo + w)]
     assert live.count == colour(expanded)[1]
-    assert live.peak() == _peak(expanded)
+    assert live.peak() == peak_of(expanded)
     assert live.slots == colour(expanded)[0]
 
 

@@ -27,11 +27,11 @@ input is the embedding); on a later stage it still needs the stash slot its inpu
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Optional, Sequence
 
 import numpy as np
 
+from jvarlen.plan.live_ranges import Live, context_pool, peak_of
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
 
 __all__ = [
@@ -154,26 +154,6 @@ def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> n
             rows[t + 1][0] = (FUSED, k)
     kept = [r for r in rows if r[0, 0] != IDLE]
     return np.stack(kept) if kept else ticks[:1]
-
-
-def colour(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Greedy interval colouring: in order of (start, end), each interval takes the lowest slot whose
-    holder has ended before it starts. {key: slot}, number of slots. Closed intervals (start, end,
-    key). Heaps of holders and of free slots: O(N log N) (planning colours up to ~10^4 intervals
-    per stage and repair step)."""
-    holders: list[tuple[int, int]] = []  # (end, slot) of each slot's current holder
-    free: list[int] = []  # slots whose holder ended before the current start (starts only grow)
-    out, n = {}, 0
-    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        while holders and holders[0][0] < start:
-            heapq.heappush(free, heapq.heappop(holders)[1])
-        if free:
-            slot = heapq.heappop(free)
-        else:
-            slot, n = n, n + 1
-        out[key] = slot
-        heapq.heappush(holders, (end, slot))
-    return out, n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +283,7 @@ class _Slots:
             memo["pipeline"], memo["fixed"] = key, _Pipeline.build(ticks, chunk_prev, uses_context, ctx_need, empty)
         self.fx: _Pipeline = memo["fixed"]
 
-    def live(self, p: int, name: str) -> "_Live":
+    def live(self, p: int, name: str) -> "Live":
         fx = self.fx
         if name in fx.stages[p]:
             return fx.stages[p][name]
@@ -316,7 +296,7 @@ class _Slots:
             else:  # checkpoints: recomputed layers 1..first-1 (layer 0's input is the stash slot)
                 chunks = fx.holders[p]
                 layers = [(1, int(first[k])) for k in chunks]
-            self.memo[column] = _Live(chunks, fx.f_phase[chunks, p], fx.b_phase[chunks, p], layers)
+            self.memo[column] = Live(chunks, fx.f_phase[chunks, p], fx.b_phase[chunks, p], layers)
         return self.memo[column]
 
     def counts(self) -> SlotCounts:
@@ -338,79 +318,6 @@ class _Slots:
         )
 
 
-class _Live:
-    """One stage's live ranges of one slot kind: chunk ``chunks[i]`` holds one slot per layer of
-    ``layers[i] = (lo, hi)`` (keys ``(k, l)``), or one slot (key ``k``, ``layers`` None), over the
-    closed phase range ``[start[i], end[i]]``. The count and the peak come from a sweep over the
-    chunks; the greedy colouring (:func:`colour`), which has that many slots, only when asked."""
-
-    def __init__(self, chunks, start, end, layers=None):
-        weight = np.ones(len(chunks), np.int64) if layers is None else np.array([h - l for l, h in layers], np.int64)
-        held = weight > 0
-        self.chunks = [k for k, h in zip(chunks, held) if h]
-        self.layers = None if layers is None else [x for x, h in zip(layers, held) if h]
-        self.start = np.asarray(start, np.int64)[held]
-        self.end = np.asarray(end, np.int64)[held]
-        self.weight = weight[held]
-        self.count, self._first = 0, -1
-        if len(self.chunks):
-            if (self.start > self.end).any():  # (not from a tick table) an empty range still takes a slot
-                self.count = colour(self.intervals())[1]
-                self._first = int(np.argmax(self._live_at_starts()))
-            else:
-                live = self._live_at_starts()
-                self._first = int(np.argmax(live))
-                self.count = int(live[self._first])
-        self._slots: Optional[dict] = None
-        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
-
-    def _live_at_starts(self) -> np.ndarray:
-        """Weight of the (non-empty) ranges that hold each chunk's start."""
-        ok = self.start <= self.end
-        by_start, by_end = np.argsort(self.start[ok], kind="stable"), np.argsort(self.end[ok], kind="stable")
-        started = np.concatenate([[0], np.cumsum(self.weight[ok][by_start])])
-        ended = np.concatenate([[0], np.cumsum(self.weight[ok][by_end])])
-        s, e = self.start[ok][by_start], self.end[ok][by_end]
-        return started[np.searchsorted(s, self.start, "right")] - ended[np.searchsorted(e, self.start, "left")]
-
-    def intervals(self) -> list:
-        if self.layers is None:
-            return [(s, e, k) for k, s, e in zip(self.chunks, self.start.tolist(), self.end.tolist())]
-        return [
-            (s, e, (k, l))
-            for k, s, e, (lo, hi) in zip(self.chunks, self.start.tolist(), self.end.tolist(), self.layers)
-            for l in range(lo, hi)
-        ]
-
-    def peak(self) -> tuple[int, list]:
-        """(tick, holders) at the first chunk start (in order) where the most slots are held, as
-        :func:`_peak` finds on :meth:`intervals`."""
-        if self._first < 0:
-            return 0, []
-        at = int(self.start[self._first])
-        live = (self.start <= at) & (at <= self.end)
-        if self.layers is None:
-            keys = [k for k, h in zip(self.chunks, live) if h]
-        else:
-            keys = [(k, l) for k, h, (lo, hi) in zip(self.chunks, live, self.layers) if h for l in range(lo, hi)]
-        return at // 3, sorted(keys)
-
-    @property
-    def slots(self) -> dict:
-        if self._slots is None:
-            self._slots, count = colour(self.intervals())
-            assert count == self.count, (count, self.count)  # greedy in order of start is optimal
-        return self._slots
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys ``[m, 1 or 2]``: chunk, or chunk and layer; their slots ``[m]``)."""
-        if self._arrays is None:
-            keys = np.array(list(self.slots), np.int64)
-            keys = keys.reshape(len(keys), -1) if len(keys) else np.zeros((0, 1), np.int64)
-            self._arrays = keys, np.fromiter(self.slots.values(), np.int32, len(self.slots))
-        return self._arrays
-
-
 @dataclasses.dataclass
 class _Pipeline:
     """What of a pipeline's slots the recomputation table does not change: the ops' phases, the
@@ -421,7 +328,7 @@ class _Pipeline:
     fused: np.ndarray  # [n, pp] bool
     staged: list  # per stage: chunks not fused there (they hold residual slots)
     holders: list  # per stage: staged chunks that hold tokens (they hold checkpoint slots)
-    stages: list  # per stage: {"stash": _Live, "grad": _Live}
+    stages: list  # per stage: {"stash": Live, "grad": Live}
     ctx: np.ndarray  # [n, pp] base row of each chunk's region (ctx_rows: none)
     ctx_rows: int
     ctx_peak: Optional[tuple]
@@ -461,8 +368,8 @@ class _Pipeline:
             holders.append([k for k in on if empty is None or not empty[k]])
             stages.append(
                 {
-                    "stash": _Live(inputs, stash_from, b_phase[inputs, p]),
-                    "grad": _Live(on, grad_from, b_phase[on, p]),
+                    "stash": Live(inputs, stash_from, b_phase[inputs, p]),
+                    "grad": Live(on, grad_from, b_phase[on, p]),
                 }
             )
             iv_ctx_stage.append([(f_phase[r, p], b_phase[r, p], r) for r in roots])
@@ -470,61 +377,13 @@ class _Pipeline:
         ctx_peak = None
         if iv_ctx_stage and any(iv_ctx_stage):
             p = max(range(pp), key=lambda q: len(iv_ctx_stage[q]))
-            ctx_peak = (p,) + _peak(iv_ctx_stage[p])
+            ctx_peak = (p,) + peak_of(iv_ctx_stage[p])
         ctx = np.full((n, pp), ctx_rows, np.int32)
         for p in range(pp):
             for k in range(n):
                 if uses_context[k]:
                     ctx[k, p] = bases[p][root[k]]
         return cls(f_phase, b_phase, fused, staged, holders, stages, ctx, ctx_rows, ctx_peak)
-
-
-def context_pool(intervals: Sequence[Sequence[tuple[int, int, int]]], rows: dict) -> tuple[int, list[dict]]:
-    """Base rows of the split documents' regions in the context pool, and the pool's rows.
-
-    ``intervals[p]``: (start, end, root) per document live on stage p (closed phase ranges);
-    ``rows[root]``: its region's rows. First fit in order of start: each region takes the lowest
-    base where it overlaps no region live at the same time (regions of documents whose live
-    ranges do not meet may share rows). Where first fit fragments past what equal slots of the
-    largest region would take (one per document in flight), the slots are used instead, so the
-    pool never exceeds them. -> (rows, ``[{root: base}]`` per stage)."""
-    biggest = max(rows.values(), default=0)
-    fit, slotted, fit_rows, slot_rows = [], [], 0, 0
-    for iv in intervals:
-        placed: list[tuple[int, int, int]] = []  # (base, rows, end) of the regions placed so far
-        bases = {}
-        for start, end, r in sorted(iv, key=lambda x: (x[0], x[1])):
-            live = sorted((b, b + size) for b, size, e in placed if e >= start)
-            base = 0
-            for lo, hi in live:
-                if base + rows[r] <= lo:
-                    break
-                base = max(base, hi)
-            bases[r] = base
-            placed.append((base, rows[r], end))
-            fit_rows = max(fit_rows, base + rows[r])
-        fit.append(bases)
-        col, c = colour(iv)
-        slotted.append({r: s * biggest for r, s in col.items()})
-        slot_rows = max(slot_rows, c * biggest)
-    return (fit_rows, fit) if fit_rows <= slot_rows else (slot_rows, slotted)
-
-
-def _peak(intervals) -> tuple[int, list]:
-    """(tick, holders) at the first phase where the most intervals are live: of the intervals' starts,
-    in their order, the first where most closed intervals hold it (where the maximum is reached)."""
-    if not intervals:
-        return 0, []
-    starts = np.array([s for s, _, _ in intervals], np.int64)
-    ends = np.array([e for _, e, _ in intervals], np.int64)
-    valid = starts <= ends  # an empty range is never live
-    # live at x: valid intervals started by x and not ended before it
-    live = np.searchsorted(np.sort(starts[valid]), starts, "right") - np.searchsorted(
-        np.sort(ends[valid]), starts, "left"
-    )
-    i = int(np.argmax(live))
-    at = int(starts[i])
-    return at // 3, sorted(key for s, e, key in intervals if s <= at <= e)
 
 
 def round_up(x: int, m: int) -> int:

@@ -28,7 +28,7 @@ Per iteration:
    buckets thus get few small groups that accumulate many micro-batches while a long document
    runs once on a large group.
 3. Several bucket widths are tried; each is planned for the executor and the faster simulated
-   one is kept (:func:`~jvarlen.plan.sp_groups.assemble_fastest`).
+   one is kept (:func:`~jvarlen.plan.sp_assemble.assemble_fastest`).
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -44,14 +44,8 @@ from typing import Mapping, Optional, Sequence
 from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.chunking import chunk_group, sorted_order
-from jvarlen.plan.sp_groups import (
-    GroupChoice,
-    GroupCosts,
-    assemble_fastest,
-    candidate_record,
-    infeasible_documents,
-    too_long_message,
-)
+from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan, register_policy
 
 

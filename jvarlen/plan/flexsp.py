@@ -19,11 +19,11 @@ a MILP that minimises the slowest group's time under the groups' memory. Here, p
    the heuristic (:func:`heuristic`) is the fallback;
 4. **extract**: each used slot becomes a group, its documents cut into micro-batches by the
    memory-balanced chunking DP (Eq. 23-24, :mod:`jvarlen.plan.chunking`) over length-sorted
-   documents, each micro-batch with the least recomputation that fits; the MILP's and the
-   heuristic's groups are planned for the executor and the faster simulated one is kept
-   (:func:`~jvarlen.plan.sp_groups.assemble_fastest`).
+   documents, each micro-batch with the least recomputation that fits; the MILP's, the
+   heuristic's and the ``homogeneous_top`` best one-degree layouts' groups are planned for the
+   executor and the fastest simulated one is kept (:func:`~jvarlen.plan.sp_assemble.assemble_fastest`).
 
-The heuristic walks the multisets of group sizes from "all devices in the largest groups"
+The heuristic (:mod:`jvarlen.plan.flexsp_heuristic`) walks the multisets of group sizes from "all devices in the largest groups"
 down by splitting one group in two (the split whose LPT dispatch is fastest, the best multiset
 seen kept), also tries every homogeneous multiset, then improves the best assignment by moves
 and swaps off the slowest group.
@@ -43,15 +43,9 @@ from ortools.sat.python import cp_model
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import balanced_split
-from jvarlen.plan.sp_groups import (
-    GroupChoice,
-    GroupCosts,
-    WorkTable,
-    assemble_fastest,
-    candidate_record,
-    infeasible_documents,
-    too_long_message,
-)
+from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
+from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, WorkTable, infeasible_documents, too_long_message
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, register_policy
 
 _US = 1e6
@@ -70,7 +64,9 @@ class FlexSPOptions:
     relaxation; see :func:`solve`). ``max_sp``: largest group. ``micro_batch_tokens``: cap on
     a micro-batch's tokens below what memory allows. ``max_recompute``: the most layers a
     micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all). ``patience``: split steps without improvement
-    before the heuristic stops. ``simulation``: the executor model of the group plans.
+    before the heuristic stops. ``homogeneous_top``: the best this many one-degree layouts by
+    the group model are planned for the executor as well (:func:`homogeneous_finalists`).
+    ``simulation``: the executor model of the group plans.
     """
 
     milp: bool = True
@@ -86,6 +82,7 @@ class FlexSPOptions:
     max_recompute: Optional[int] = None
     patience: int = 6
     local_search: bool = True
+    homogeneous_top: int = 2
     simulation: str = "ticks"
 
     def __post_init__(self):
@@ -147,65 +144,6 @@ class FlexSPProblem:
         if rows != list(range(self.n_docs)) or sum(int(self.sp[s]) for s, r in groups if r) > self.num_devices:
             return math.inf
         return max((self.load_us(s, r) for s, r in groups if r), default=0)
-
-
-# --------------------------------------------------------------------------- heuristic
-
-
-def _sizes_of(counts: Sequence[int]) -> list[int]:
-    """Scheme indices of the groups of a multiset, largest first."""
-    return [s for s in range(len(counts) - 1, -1, -1) for _ in range(counts[s])]
-
-
-def _dispatch(problem: FlexSPProblem, counts: Sequence[int]):
-    sizes = _sizes_of(counts)
-    members = problem.table.lpt(sizes)
-    if members is None:
-        return math.inf, sizes, None
-    return problem.table.makespan(sizes, members), sizes, members
-
-
-def heuristic(problem: FlexSPProblem, patience: int = 6, local_search: bool = True) -> list[tuple[int, list[int]]]:
-    """Greedy groups ``[(scheme index, rows)]``: the best LPT dispatch over the homogeneous multisets
-    and the multisets met while splitting groups top-down, then local search. Raises ValueError
-    when no multiset holds every document."""
-    n, sp, d = problem.num_devices, problem.sp, problem.n_docs
-    seen: dict[tuple, tuple] = {}
-
-    def evaluate(counts):
-        key = tuple(counts)
-        if key not in seen:
-            seen[key] = _dispatch(problem, counts)
-        return seen[key][0]
-
-    for s in range(len(sp)):  # homogeneous multisets
-        counts = [0] * len(sp)
-        counts[s] = max(1, min(n // int(sp[s]), d))
-        evaluate(counts)
-    counts, left = [0] * len(sp), n  # all devices in the largest groups
-    for s in range(len(sp) - 1, -1, -1):
-        counts[s], left = left // int(sp[s]), left % int(sp[s])
-    current, best, stall = counts, evaluate(counts), 0
-    while stall <= patience:
-        options = []
-        for s in range(len(sp) - 1, 0, -1):
-            if current[s] and sum(current) + 1 <= d and int(sp[s - 1]) * 2 == int(sp[s]):
-                nxt = list(current)
-                nxt[s] -= 1
-                nxt[s - 1] += 2
-                options.append((evaluate(nxt), -s, nxt))
-        if not options:
-            break
-        value, _, current = min(options)
-        stall = 0 if value < best else stall + 1
-        best = min(best, value)
-    value, key = min((v[0], k) for k, v in seen.items())
-    if not math.isfinite(value):
-        raise ValueError("no multiset of SP groups holds every document")
-    _, sizes, members = seen[key]
-    if local_search:
-        members = problem.table.improve(sizes, members)
-    return [(s, list(m)) for s, m in zip(sizes, members) if m]
 
 
 # --------------------------------------------------------------------------- model
@@ -477,22 +415,24 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
             finalists["milp"] = groups
     elif options.milp and n_vars > options.milp_max_vars:
         events.append(f"flexsp: MILP skipped ({n_vars} assignment variables > milp_max_vars={options.milp_max_vars})")
+    finalists.update(homogeneous_finalists(problem, options.homogeneous_top, options.local_search))
     candidates, options_of = [], []
     for name, groups in finalists.items():
         choices = extract(lengths, gc, problem, groups)
         record = candidate_record(lengths, gc, choices, source=name, model_makespan_s=problem.makespan_us(groups) / _US)
         candidates.append(record)
         options_of.append((choices, record))
+    searched = [c["model_makespan_s"] for c in candidates if c["source"] in ("heuristic", "milp")]
     stats = {
         "milp_status": status,
         "milp_vars": n_vars,
         "heuristic_seconds": t_heur,
         "candidates": candidates,
-        "heuristic_gap": candidates[0]["model_makespan_s"] / min(c["model_makespan_s"] for c in candidates) - 1.0,
+        "heuristic_gap": searched[0] / min(searched) - 1.0,
     }
     best, plan = assemble_fastest("flexsp", lengths, gc, options_of, options.simulation, t0, stats, events)
     plan.stats["source"] = candidates[best]["source"]
     return plan
 
 
-__all__ = ["FlexSPOptions", "FlexSPProblem", "heuristic", "plan", "solve"]
+__all__ = ["FlexSPOptions", "FlexSPProblem", "heuristic", "homogeneous_finalists", "plan", "solve"]

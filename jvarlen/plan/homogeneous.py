@@ -25,7 +25,8 @@ import time
 from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, WorkTable, assemble_strategy, infeasible_documents
+from jvarlen.plan.sp_assemble import assemble_strategy
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, WorkTable, infeasible_documents
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
 
 

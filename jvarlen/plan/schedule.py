@@ -280,10 +280,9 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     """
     pp, n, last = sched.pp, sched.n_chunks, sched.pp - 1
     prev, nxt = sched.chunk_prev, sched.chunk_next
-    # chunk ids and program positions per stage: the loop runs per tick and stage, so it reads
-    # plain lists (dependencies() and dicts of Op cost 10x more on thousand-chunk plans)
-    f_queue = [[op.chunk for op in prog if op.kind == "F"] for prog in sched.stages]
-    b_queue = [[op.chunk for op in prog if op.kind == "B"] for prog in sched.stages]
+    # plain lists per stage (Op dicts and dependencies() cost 10x more on thousand-chunk plans)
+    f_queue = [[op.chunk for op in prog if op.kind == "F"] + [-1] for prog in sched.stages]  # -1: done
+    b_queue = [[op.chunk for op in prog if op.kind == "B"] + [-1] for prog in sched.stages]
     pos_f, pos_b = [[-1] * n for _ in range(pp)], [[-1] * n for _ in range(pp)]
     for p, prog in enumerate(sched.stages):
         for i, op in enumerate(prog):
@@ -292,8 +291,7 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     never = remaining + 1  # beyond any tick: every tick runs an op
     done_f, done_b = [[never] * n for _ in range(pp)], [[never] * n for _ in range(pp)]
     fusable = [  # on the last stage: F(k) directly followed by B(k) in the program, not kept
-        fuse_last and (keep is None or not keep[k]) and pos_f[last][k] >= 0 and pos_b[last][k] == pos_f[last][k] + 1
-        for k in range(n)
+        fuse_last and (keep is None or not keep[k]) and 0 <= pos_f[last][k] == pos_b[last][k] - 1 for k in range(n)
     ]
 
     def ready_f(p: int, k: int, t: int) -> bool:  # dependencies(): the previous stage, the previous slice
@@ -302,39 +300,29 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     def ready_b(p: int, k: int, t: int) -> bool:  # its forward, the next stage, the next slice
         return done_f[p][k] < t and (p == last or done_b[p + 1][k] < t) and (nxt[k] < 0 or done_b[p][nxt[k]] < t)
 
-    fi, bi = [0] * pp, [0] * pp
-    rows = []
-    t = 0
+    fi, bi, rows, t = [0] * pp, [0] * pp, [], 0
     while remaining:
-        row = np.zeros((pp, 2, 2), np.int32)
-        row[..., 1] = -1
+        row = np.tile(np.array([IDLE, -1], np.int32), (pp, 2, 1))
         ran = 0  # ops done at t are never "< t": updating at once is updating after the tick
         for p in range(pp):
-            fq, bq = f_queue[p], b_queue[p]
-            nf = fq[fi[p]] if fi[p] < len(fq) else -1
-            nb = bq[bi[p]] if bi[p] < len(bq) else -1
+            nf, nb = f_queue[p][fi[p]], b_queue[p][bi[p]]
             fuse = p == last and nf >= 0 and fusable[nf]
             if fuse and nb == nf and ready_f(p, nf, t):
                 row[p, LANE_B] = (FUSED, nf)
                 done_f[p][nf] = done_b[p][nb] = t
-                fi[p] += 1
-                bi[p] += 1
-                ran += 2
-                nb = bq[bi[p]] if bi[p] < len(bq) else -1
-                nf = fq[fi[p]] if fi[p] < len(fq) else -1
+                fi[p], bi[p], ran = fi[p] + 1, bi[p] + 1, ran + 2
+                nf, nb = f_queue[p][fi[p]], b_queue[p][bi[p]]
                 fuse = p == last and nf >= 0 and fusable[nf]
             elif nb >= 0 and ready_b(p, nb, t):
                 row[p, LANE_B] = (BWD, nb)
                 done_b[p][nb] = t
-                bi[p] += 1
-                ran += 1
-                nb = bq[bi[p]] if bi[p] < len(bq) else -1
+                bi[p], ran = bi[p] + 1, ran + 1
+                nb = b_queue[p][bi[p]]
             # a fusable forward waits to run fused in lane 0 of a later tick (see the docstring)
             if nf >= 0 and (nb < 0 or pos_b[p][nb] > pos_f[p][nf]) and ready_f(p, nf, t) and not fuse:
                 row[p, LANE_F] = (FWD, nf)
                 done_f[p][nf] = t
-                fi[p] += 1
-                ran += 1
+                fi[p], ran = fi[p] + 1, ran + 1
         if not ran:
             raise ScheduleError(f"deadlock at paired tick {t}")  # to_ticks() (validate) names the ops
         remaining -= ran
