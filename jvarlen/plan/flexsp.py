@@ -88,8 +88,10 @@ class FlexSPOptions:
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:
             raise ValueError(f"FlexSPOptions.simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
-        if self.workers < 1 or self.patience < 0 or self.deterministic_time < 0 or self.time_limit_s < 0:
-            raise ValueError("FlexSPOptions: workers >= 1, patience, deterministic_time, time_limit_s >= 0")
+        if min(self.patience, self.deterministic_time, self.time_limit_s, self.homogeneous_top) < 0 or self.workers < 1:
+            raise ValueError(
+                "FlexSPOptions: workers >= 1; patience, deterministic_time, time_limit_s, homogeneous_top >= 0"
+            )
 
 
 # --------------------------------------------------------------------------- data
