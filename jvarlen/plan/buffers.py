@@ -249,13 +249,7 @@ def assign_slots(
         ckpt_slot=ckpt_slot,
         recv_act=recv_act,
         recv_grad=recv_grad,
-        n_stash=counts.n_stash,
-        n_grad=counts.n_grad,
-        ctx_rows=counts.ctx_rows,
-        n_res=counts.n_res,
-        n_ckpt=counts.n_ckpt,
-        fused=counts.fused,
-        peaks=counts.peaks,
+        **{f.name: getattr(counts, f.name) for f in dataclasses.fields(SlotCounts)},  # its counts, fused, peaks
     )
 
 
