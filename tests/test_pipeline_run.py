@@ -19,7 +19,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import chunk_links, split_documents
 from jvarlen.parallel.pipeline.prepare import pad_plan
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import op_ticks
+from jvarlen.plan.buffers import op_ticks, plan_ticks
 from jvarlen.plan.plan import Plan
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step, single_program_grads
@@ -67,7 +67,7 @@ def _unfused(*plans):
 def _forwards(plan, n_chunks):
     """Layer forwards per stage the executor runs for ``plan`` padded to ``n_chunks``."""
     _, sched, ckpt = pad_plan(plan, n_chunks, 2)
-    tf, tb = op_ticks(sch.paired_ticks(sched, keep=np.asarray(ckpt)[:, -1] > 0), n_chunks)
+    tf, tb = op_ticks(plan_ticks(sched, ckpt), n_chunks)
     ckpt = np.where(tf == tb, 0, ckpt)
     return n_chunks * 2 + ckpt.sum(0)
 

@@ -15,7 +15,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline import pack_chunks
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import FUSED, assign_slots, fuse_single_stage, op_ticks, slot_counts
+from jvarlen.plan.buffers import FUSED, assign_slots, fuse_single_stage, op_ticks, plan_ticks, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
 from jvarlen.plan.live_ranges import Live, colour, peak_of
@@ -189,7 +189,7 @@ def test_slots_with_a_memo_kept_across_recomputation_tables_are_the_slots_withou
     for k, p, layers in changes:
         ckpt = ckpt.copy()
         ckpt[k % n, p % pp] = min(layers, ls)
-        ticks = sch.paired_ticks(sched, fuse_last=fuse, keep=ckpt[:, -1] > 0)
+        ticks = plan_ticks(sched, ckpt, fuse)
         kept = assign_slots(ticks, prev, ckpt, ls, ctx_need=need, memo=memo)
         fresh = assign_slots(ticks, prev, ckpt, ls, ctx_need=need)
         counted = slot_counts(ticks, prev, ckpt, ls, ctx_need=need, memo=memo)

@@ -2,6 +2,9 @@
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from schedule_strategies import schedules
 
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
@@ -189,6 +192,65 @@ def test_slowest_pipeline_sets_the_iteration():
     multi = simulate_pipelines([fast, slow], cost())
     assert multi.slowest == 1
     assert multi.iteration_time == multi.results[1].iteration_time == 2 * (2 + 1) * 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1), st.sampled_from(["async", "ticks", "paired"]))
+def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(sched, seed, mode):
+    """``timeline=False`` (the planner's calls) leaves out the events and nothing else; the busy
+    and recompute seconds are the events' durations and the makespan is where the last one ends."""
+    assume(12 % sched.pp == 0)
+    rng = np.random.default_rng(seed)
+    links = [j >= 0 for j in sched.chunk_prev]
+    shapes = [
+        ChunkShape(int(rng.integers(1, 40)) if linked else 0, tuple(rng.integers(1, 30, 2).tolist()))
+        for linked in links
+    ]
+    ckpt = rng.integers(0, 12 // sched.pp + 1, (sched.n_chunks, sched.pp))
+    coeffs = CostCoefficients(
+        fwd=LayerTime(1e-3, 1.0, 0.5),
+        bwd=LayerTime(2e-3, 2.0, 1.0),
+        m_token=10.0,
+        master_bytes_per_param=0.0,
+        stage_bytes_per_param=1.0,
+        workspace_bytes=100.0,
+        memory_budget=float(rng.choice([1e9, 2e3])),  # 2e3: some stages over budget
+        p2p_intra=Link(1e3, 0.3),
+        p2p_inter=Link(1e3, 0.3),
+        step_overhead=0.1,
+        tick_overhead=0.05,
+        op_overhead=0.01,
+        tick_recompute_factor=0.5,
+    )
+    model = ModelShape(num_layers=12, d_model=8, num_heads=4, num_kv_heads=4, head_dim=4, mlp_dim=16, vocab_size=10)
+    c = CostModel(model, Layout(1, sched.pp, 2), coeffs)
+    full = simulate(sched, shapes, ckpt, c, mode)
+    lean = simulate(sched, shapes, ckpt, c, mode, timeline=False)
+    assert lean.events == [] and full.events
+    assert (lean.makespan, lean.iteration_time, lean.bubble_ratio) == (
+        full.makespan,
+        full.iteration_time,
+        full.bubble_ratio,
+    )
+    for a, b in (
+        (lean.stage_busy, full.stage_busy),
+        (lean.stage_recompute, full.stage_recompute),
+        (lean.peak_memory, full.peak_memory),
+    ):
+        np.testing.assert_array_equal(a, b)
+    for (t1, v1), (t2, v2) in zip(lean.memory, full.memory, strict=True):
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(v1, v2)
+    assert lean.over_budget == full.over_budget
+    busy, redo = np.zeros(sched.pp), np.zeros(sched.pp)
+    for e in full.events:
+        busy[e.stage] += e.duration if e.kind in ("F", "B", "R", "A2A") else 0.0
+        redo[e.stage] += e.duration if e.kind == "R" else 0.0
+    np.testing.assert_allclose(full.stage_busy, busy, rtol=1e-12)
+    np.testing.assert_allclose(full.stage_recompute, redo, rtol=1e-12, atol=1e-15)
+    ops = [e for e in full.events if e.kind in ("F", "B", "R", "A2A")]
+    start = 0.0 if mode != "async" else min(e.start for e in ops)
+    assert max(e.end for e in ops) - start == pytest.approx(full.makespan, rel=1e-12)
 
 
 def test_simulate_input_errors():

@@ -23,10 +23,13 @@ from jvarlen.plan.simulator import simulate as simulate_schedule
 from jvarlen.plan.units import PlannedChunk, unit_schedule
 
 
-def simulate(plan: Plan, cost, mode: str = "async") -> SimResult:
+def simulate(plan: Plan, cost, mode: str = "async", timeline: bool = True) -> SimResult:
     """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost``; ``mode``:
-    the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: lock-step, one op per tick; ``"paired"``: jvarlen's executor)."""
-    return simulate_schedule(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode)
+    the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: lock-step, one op per tick; ``"paired"``: jvarlen's executor).
+    ``timeline=False``: no events (:func:`jvarlen.plan.simulator.simulate`)."""
+    return simulate_schedule(
+        plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode, timeline=timeline
+    )
 
 
 def assemble(
@@ -119,7 +122,7 @@ def concatenate(schedules: Sequence[Schedule]) -> Schedule:
 
 def record_simulation(plan: Plan, cost, mode: str = "async") -> SimResult:
     t0 = time.perf_counter()
-    sim = simulate(plan, cost, mode)
+    sim = simulate(plan, cost, mode, timeline=False)
     plan.stats.update(
         simulation=mode,
         iteration_time_s=float(sim.iteration_time),

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.live_ranges import Live, context_pool, peak_of
-from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes
+from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes, paired_ticks
 
 __all__ = [
     "FUSED",
@@ -43,7 +43,9 @@ __all__ = [
     "as_paired",
     "slot_counts",
     "fuse_single_stage",
+    "kept_apart",
     "op_ticks",
+    "plan_ticks",
     "round_buffers",
 ]
 
@@ -122,16 +124,28 @@ def op_ticks(ticks: np.ndarray, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     pp = ticks.shape[1]
     tf = np.full((n_chunks, pp), -1, np.int64)
     tb = np.full((n_chunks, pp), -1, np.int64)
-    for t, p, lane in zip(*np.nonzero(ticks[..., 0] != IDLE)):
-        op, k = int(ticks[t, p, lane, 0]), int(ticks[t, p, lane, 1])
-        if op in (FWD, FUSED):
-            tf[k, p] = t
-        if op in (BWD, FUSED):
-            tb[k, p] = t
+    t, p, lane = np.nonzero(ticks[..., 0] != IDLE)
+    op, k = ticks[t, p, lane, 0], ticks[t, p, lane, 1]
+    f, b = (op == FWD) | (op == FUSED), (op == BWD) | (op == FUSED)
+    tf[k[f], p[f]] = t[f]
+    tb[k[b], p[b]] = t[b]
     if (tf < 0).any() or (tb < 0).any():
         k, p = np.argwhere((tf < 0) | (tb < 0))[0]
         raise ValueError(f"tick table lacks F or B of chunk {k} on stage {p}")
     return tf, tb
+
+
+def kept_apart(ckpt) -> np.ndarray:
+    """``[n]`` bool: the chunks the executor never fuses, those a plan's ``ckpt [n, pp]`` recomputes
+    on the last stage (a fused op holds every activation of its chunk, which would ignore the
+    plan's memory choice)."""
+    return np.asarray(ckpt)[:, -1] > 0
+
+
+def plan_ticks(schedule, ckpt, fuse: bool = True) -> np.ndarray:
+    """The executor's paired tick table of a plan (:func:`jvarlen.plan.schedule.paired_ticks`), its
+    last stage fusing every chunk but those :func:`kept_apart`."""
+    return paired_ticks(schedule, fuse_last=fuse, keep=kept_apart(ckpt))
 
 
 def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> np.ndarray:
@@ -140,8 +154,7 @@ def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> n
 
     With one stage nothing is sent between ticks, so fusing cannot delay another stage, and
     the fused chunk's residuals never leave the tick (no slot traffic, no recomputation).
-    ``keep [n]`` (bool): chunks left unfused — those whose recomputation the plan asks for (a
-    fused op keeps every activation of its chunk, so it would ignore the plan's memory choice).
+    ``keep [n]`` (bool): chunks left unfused (the plan's: :func:`kept_apart`).
     """
     ticks = np.asarray(ticks, np.int32)
     if ticks.shape[1] != 1:

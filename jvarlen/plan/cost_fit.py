@@ -83,7 +83,7 @@ def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mo
     def time(**overhead) -> float:
         coeffs = cost.coeffs.replace(**{**dict.fromkeys(EXECUTOR_TERMS, 0.0), **overhead})
         model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
-        return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False).iteration_time
+        return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False, timeline=False).iteration_time
 
     base, h = time(), 1e-6
     return (base, *((time(**{name: h}) - base) / h for name in EXECUTOR_TERMS))
@@ -232,7 +232,7 @@ class OnlineRefit:
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
         return simulate(
-            sched, list(chunk_shapes), ckpt_layers, cost, mode or self.mode, validate=schedule is None
+            sched, list(chunk_shapes), ckpt_layers, cost, mode or self.mode, validate=schedule is None, timeline=False
         ).iteration_time
 
     def observe(

@@ -32,9 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.plan.buffers import SLOT_COUNTS, round_buffers, slot_counts
+from jvarlen.plan.buffers import SLOT_COUNTS, kept_apart, plan_ticks, round_buffers, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
-from jvarlen.plan.schedule import paired_ticks
 from jvarlen.plan.simulator import simulate
 
 
@@ -110,12 +109,6 @@ def executor_memory(
     return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket), slots.peaks)
 
 
-def plan_ticks(schedule, ckpt: np.ndarray, fuse: bool = True) -> np.ndarray:
-    """The executor's paired tick table of a plan: a chunk the plan recomputes on the last stage
-    is never fused."""
-    return paired_ticks(schedule, fuse_last=fuse, keep=np.asarray(ckpt)[:, -1] > 0)
-
-
 def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, mode: str = "paired"):
     """Recomputation table under which the executor's account of ``plan`` fits ``cost``'s budget,
     raised from the plan's own: of two repairs that fit, the one whose plan the simulator
@@ -142,7 +135,7 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
     tick_tables = {}  # the tick table changes only with the chunks kept apart on the last stage
 
     def measure(table):
-        key = (table[:, -1] > 0).tobytes()
+        key = kept_apart(table).tobytes()
         if key not in tick_tables:
             tick_tables[key] = plan_ticks(plan.schedule, table, fuse), {}
         ticks, memo = tick_tables[key]
@@ -151,7 +144,7 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
         )
 
     def iteration_time(table):
-        return simulate(plan.schedule, shapes, table, cost, mode, validate=False).iteration_time
+        return simulate(plan.schedule, shapes, table, cost, mode, validate=False, timeline=False).iteration_time
 
     repairs = [_repair_by_chunk(ckpt, account, shapes, cost.layers_per_stage, cost.memory_budget, measure)]
     capped = _repair_by_cap(ckpt, cost.layers_per_stage, cost.memory_budget, measure)

@@ -108,6 +108,7 @@ class Live:
                 self._first = int(np.argmax(live))
                 self.count = int(live[self._first])
         self._slots: Optional[dict] = None
+        self._peak: Optional[tuple[int, list]] = None
         self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def _live_at_starts(self) -> np.ndarray:
@@ -130,16 +131,22 @@ class Live:
 
     def peak(self) -> tuple[int, list]:
         """(tick, holders) at the first chunk start (in order) where the most slots are held, as
-        :func:`peak_of` finds on :meth:`intervals`."""
-        if self._first < 0:
-            return 0, []
-        at = int(self.start[self._first])
-        live = (self.start <= at) & (at <= self.end)
-        if self.layers is None:
-            keys = [k for k, h in zip(self.chunks, live) if h]
-        else:
-            keys = [(k, l) for k, h, (lo, hi) in zip(self.chunks, live, self.layers) if h for l in range(lo, hi)]
-        return at // 3, sorted(keys)
+        :func:`peak_of` finds on :meth:`intervals` (computed once: a memo serves one range set to
+        many calls)."""
+        if self._peak is None:
+            if self._first < 0:
+                self._peak = 0, []
+            else:
+                at = int(self.start[self._first])
+                live = (self.start <= at) & (at <= self.end)
+                if self.layers is None:
+                    keys = [k for k, h in zip(self.chunks, live) if h]
+                else:
+                    keys = [
+                        (k, l) for k, h, (lo, hi) in zip(self.chunks, live, self.layers) if h for l in range(lo, hi)
+                    ]
+                self._peak = at // 3, sorted(keys)
+        return self._peak
 
     @property
     def slots(self) -> dict:

@@ -225,38 +225,58 @@ def dependencies(sched: Schedule, stage: int, op: Op) -> list[tuple[int, Op]]:
     return deps
 
 
+def _progress(sched: Schedule, never: int):
+    """(done_f, done_b, ready_f, ready_b): ``[pp][n]`` ticks F(k), B(k) ran (``never`` before) and
+    :func:`dependencies` met before tick ``t`` (``ready_x(p, k, t)``), on lists (Op dicts: 10x slower)."""
+    pp, n, last = sched.pp, sched.n_chunks, sched.pp - 1
+    prev, nxt = sched.chunk_prev, sched.chunk_next
+    done_f, done_b = [[never] * n for _ in range(pp)], [[never] * n for _ in range(pp)]
+
+    def ready_f(p: int, k: int, t: int) -> bool:  # the previous stage, the previous slice
+        return (p == 0 or done_f[p - 1][k] < t) and (prev[k] < 0 or done_f[p][prev[k]] < t)
+
+    def ready_b(p: int, k: int, t: int) -> bool:  # its forward, the next stage, the next slice
+        return done_f[p][k] < t and (p == last or done_b[p + 1][k] < t) and (nxt[k] < 0 or done_b[p][nxt[k]] < t)
+
+    return done_f, done_b, ready_f, ready_b
+
+
+def _table(placed: list, shape: tuple) -> np.ndarray:
+    """int32 ``[*shape, 2]`` of ``(op, chunk)``, idle but where ``placed`` (index..., op, chunk) puts an op."""
+    table = np.tile(np.array([IDLE, -1], np.int32), shape + (1,))
+    if placed:
+        *index, op, chunk = np.array(placed, np.int32).T
+        table[tuple(index)] = np.stack([op, chunk], axis=1)
+    return table
+
+
 def _ticks(sched: Schedule) -> np.ndarray:
-    pp = sched.pp
-    done: dict[tuple[int, Op], int] = {}
-    pos = [0] * pp
-    rows = []
-    total = sum(len(p) for p in sched.stages)
-    t = 0
-    while len(done) < total:
-        row = np.zeros((pp, 2), np.int32)
-        row[:, 1] = -1
-        ran = []
-        for p in range(pp):
-            if pos[p] >= len(sched.stages[p]):
-                continue
-            op = sched.stages[p][pos[p]]
-            if all(done.get(d, t) < t for d in dependencies(sched, p, op)):
-                row[p] = (_CODE[op.kind], op.chunk)
-                ran.append((p, op))
+    pp, total, pos, placed, t = sched.pp, sum(len(p) for p in sched.stages), [0] * sched.pp, [], 0
+    done_f, done_b, ready_f, ready_b = _progress(sched, total + 1)  # placed: (tick, stage, op, chunk)
+    while len(placed) < total:
+        ran = [
+            (p, op)
+            for p, op in ((p, sched.stages[p][pos[p]]) for p in range(pp) if pos[p] < len(sched.stages[p]))
+            if (ready_f if op.kind == "F" else ready_b)(p, op.chunk, t)
+        ]
         if not ran:
             waiting = []
             for p in range(pp):
                 if pos[p] < len(sched.stages[p]):
                     op = sched.stages[p][pos[p]]
-                    missing = [f"{o} on stage {q}" for q, o in dependencies(sched, p, op) if (q, o) not in done]
+                    missing = [
+                        f"{o} on stage {q}"
+                        for q, o in dependencies(sched, p, op)
+                        if (done_f if o.kind == "F" else done_b)[q][o.chunk] > t
+                    ]
                     waiting.append(f"stage {p} waits at {op} (chunk {op.chunk}) for {', '.join(missing)}")
             raise ScheduleError(f"deadlock at tick {t}: " + "; ".join(waiting))
         for p, op in ran:
-            done[(p, op)] = t
+            (done_f if op.kind == "F" else done_b)[p][op.chunk] = t
+            placed.append((t, p, _CODE[op.kind], op.chunk))
             pos[p] += 1
-        rows.append(row)
         t += 1
-    return np.stack(rows) if rows else np.zeros((0, pp, 2), np.int32)
+    return _table(placed, (t, pp))
 
 
 def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequence[bool]] = None) -> np.ndarray:
@@ -273,14 +293,11 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
     chunk is fused: its forward is never started alone in lane 1 (its backward could not run
     before the next tick, where the fused op ends at the same time), so the table has as many
     ticks as without the rule.
-    ``keep [n]`` (bool): chunks never fused (e.g. those the plan recomputes on the last stage: a
-    fused op holds every activation of its chunk, which would ignore the plan's memory choice).
+    ``keep [n]`` (bool): chunks never fused (a plan's: :func:`jvarlen.plan.buffers.kept_apart`).
     A dependency met at tick ``t`` allows the op at ``t + 1`` (messages are filed at the end of a
     tick), as in :meth:`Schedule.to_ticks`.
     """
     pp, n, last = sched.pp, sched.n_chunks, sched.pp - 1
-    prev, nxt = sched.chunk_prev, sched.chunk_next
-    # plain lists per stage (Op dicts and dependencies() cost 10x more on thousand-chunk plans)
     f_queue = [[op.chunk for op in prog if op.kind == "F"] + [-1] for prog in sched.stages]  # -1: done
     b_queue = [[op.chunk for op in prog if op.kind == "B"] + [-1] for prog in sched.stages]
     pos_f, pos_b = [[-1] * n for _ in range(pp)], [[-1] * n for _ in range(pp)]
@@ -288,55 +305,45 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
         for i, op in enumerate(prog):
             (pos_f if op.kind == "F" else pos_b)[p][op.chunk] = i
     remaining = sum(len(prog) for prog in sched.stages)
-    never = remaining + 1  # beyond any tick: every tick runs an op
-    done_f, done_b = [[never] * n for _ in range(pp)], [[never] * n for _ in range(pp)]
+    done_f, done_b, ready_f, ready_b = _progress(sched, remaining + 1)  # never: every tick runs an op
     fusable = [  # on the last stage: F(k) directly followed by B(k) in the program, not kept
         fuse_last and (keep is None or not keep[k]) and 0 <= pos_f[last][k] == pos_b[last][k] - 1 for k in range(n)
     ]
 
-    def ready_f(p: int, k: int, t: int) -> bool:  # dependencies(): the previous stage, the previous slice
-        return (p == 0 or done_f[p - 1][k] < t) and (prev[k] < 0 or done_f[p][prev[k]] < t)
-
-    def ready_b(p: int, k: int, t: int) -> bool:  # its forward, the next stage, the next slice
-        return done_f[p][k] < t and (p == last or done_b[p + 1][k] < t) and (nxt[k] < 0 or done_b[p][nxt[k]] < t)
-
-    fi, bi, rows, t = [0] * pp, [0] * pp, [], 0
+    fi, bi, t = [0] * pp, [0] * pp, 0
+    placed: list[tuple[int, int, int, int, int]] = []  # (tick, stage, lane, op, chunk): one array at the end
     while remaining:
-        row = np.tile(np.array([IDLE, -1], np.int32), (pp, 2, 1))
         ran = 0  # ops done at t are never "< t": updating at once is updating after the tick
         for p in range(pp):
             nf, nb = f_queue[p][fi[p]], b_queue[p][bi[p]]
             fuse = p == last and nf >= 0 and fusable[nf]
             if fuse and nb == nf and ready_f(p, nf, t):
-                row[p, LANE_B] = (FUSED, nf)
+                placed.append((t, p, LANE_B, FUSED, nf))
                 done_f[p][nf] = done_b[p][nb] = t
                 fi[p], bi[p], ran = fi[p] + 1, bi[p] + 1, ran + 2
                 nf, nb = f_queue[p][fi[p]], b_queue[p][bi[p]]
                 fuse = p == last and nf >= 0 and fusable[nf]
             elif nb >= 0 and ready_b(p, nb, t):
-                row[p, LANE_B] = (BWD, nb)
+                placed.append((t, p, LANE_B, BWD, nb))
                 done_b[p][nb] = t
                 bi[p], ran = bi[p] + 1, ran + 1
                 nb = b_queue[p][bi[p]]
             # a fusable forward waits to run fused in lane 0 of a later tick (see the docstring)
             if nf >= 0 and (nb < 0 or pos_b[p][nb] > pos_f[p][nf]) and ready_f(p, nf, t) and not fuse:
-                row[p, LANE_F] = (FWD, nf)
+                placed.append((t, p, LANE_F, FWD, nf))
                 done_f[p][nf] = t
                 fi[p], ran = fi[p] + 1, ran + 1
         if not ran:
             raise ScheduleError(f"deadlock at paired tick {t}")  # to_ticks() (validate) names the ops
-        remaining -= ran
-        rows.append(row)
-        t += 1
-    return np.stack(rows) if rows else np.zeros((0, pp, 2, 2), np.int32)
+        remaining, t = remaining - ran, t + 1
+    return _table(placed, (t, pp, 2))
 
 
 def lanes(table: np.ndarray) -> np.ndarray:
     """A single-op tick table ``[ticks, pp, 2]`` (codes IDLE/F/B/FUSED) in paired form
     ``[ticks, pp, 2, 2]``: B and FUSED in lane 0, F in lane 1, one op per stage and tick."""
     table = np.asarray(table, np.int32)
-    out = np.zeros(table.shape[:2] + (2, 2), np.int32)
-    out[..., 1] = -1
+    out = np.tile(np.array([IDLE, -1], np.int32), table.shape[:2] + (2, 1))
     is_f = table[..., 0] == FWD
     out[..., LANE_F, :] = np.where(is_f[..., None], table, out[..., LANE_F, :])
     out[..., LANE_B, :] = np.where((table[..., 0] != IDLE)[..., None] & ~is_f[..., None], table, out[..., LANE_B, :])
@@ -356,8 +363,7 @@ def check_paired_table(table: np.ndarray, sched: Schedule) -> None:
                 code, k = int(table[t, p, lane, 0]), int(table[t, p, lane, 1])
                 if code == IDLE:
                     continue
-                allowed = (FWD,) if lane == LANE_F else (BWD, FUSED)
-                if code not in allowed:
+                if code not in ((FWD,) if lane == LANE_F else (BWD, FUSED)):
                     raise ScheduleError(f"tick {t}, stage {p}: op code {code} in lane {lane}")
                 if code == FUSED and p != sched.pp - 1:
                     raise ScheduleError(f"tick {t}, stage {p}: FUSED only runs on the last stage")
@@ -400,16 +406,11 @@ def _check_tick_table(table: np.ndarray, sched: Schedule) -> None:
 
 def _backward_order(chunk_prev: Sequence[int]) -> list[int]:
     """Seq1F1B order: documents in forward order, the slices of one document in reverse."""
-    nxt = [-1] * len(chunk_prev)
-    for k, j in enumerate(chunk_prev):
-        if j >= 0:
-            nxt[j] = k
+    nxt = {j: k for k, j in enumerate(chunk_prev) if j >= 0}
     order = []
-    for k, j in enumerate(chunk_prev):
-        if j >= 0:
-            continue
+    for k in (k for k, j in enumerate(chunk_prev) if j < 0):
         chain = [k]
-        while nxt[chain[-1]] >= 0:
+        while chain[-1] in nxt:
             chain.append(nxt[chain[-1]])
         order.extend(reversed(chain))
     return order

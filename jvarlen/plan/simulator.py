@@ -38,9 +38,10 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
+from jvarlen.plan.buffers import plan_ticks
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.cost import CostModel
-from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Op, Schedule, dependencies, paired_ticks
+from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, dependencies
 
 EVENT_KINDS = ("F", "B", "R", "A2A", "P2P", "idle")
 
@@ -95,14 +96,28 @@ class MultiSimResult:
         return all(r.fits for r in self.results)
 
 
-def _durations(
-    cost: CostModel, chunk: ChunkShape, stage: int, op: Op, ckpt: int, extra: float = 0.0, lockstep: bool = False
-) -> list[tuple[str, float]]:
-    a2a = cost.alltoall_time(chunk)
-    if op.kind == "F":
-        return [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
-    recompute = cost.executor_recompute_time(chunk, ckpt) if lockstep else cost.recompute_time(chunk, ckpt)
-    return [("R", recompute), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+class _Durations:
+    """Per-op durations ``[(kind, seconds), ...]`` of one simulation, each chunk's cost terms asked
+    of the cost model once (an op's terms depend on its stage only through the last stage's head)."""
+
+    def __init__(self, cost: CostModel, shapes: Sequence[ChunkShape], extra: float, lockstep: bool):
+        self.cost, self.shapes, self.extra, self.lockstep = cost, shapes, extra, lockstep
+        self.last = cost.layout.pp - 1
+        self.memo: dict = {}
+
+    def __call__(self, stage: int, kind: str, k: int, layers: int) -> list[tuple[str, float]]:
+        key = (kind, k, stage == self.last, layers)
+        got = self.memo.get(key)
+        if got is None:
+            cost, chunk, extra = self.cost, self.shapes[k], self.extra
+            a2a = cost.alltoall_time(chunk)
+            if kind == "F":
+                got = [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+            else:
+                redo = cost.executor_recompute_time if self.lockstep else cost.recompute_time
+                got = [("R", redo(chunk, layers)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+            self.memo[key] = got
+        return got
 
 
 def simulate(
@@ -112,10 +127,12 @@ def simulate(
     cost: CostModel,
     mode: Literal["async", "ticks", "paired"] = "async",
     validate: bool = True,
+    timeline: bool = True,
 ) -> SimResult:
     """Simulates one pipeline. ``ckpt_layers``: int array ``[n_chunks, pp]`` of recomputed layers
     per chunk and stage (None = no recomputation). ``validate=False`` skips the schedule check
-    (for callers that re-simulate an already validated schedule many times)."""
+    (for callers that re-simulate an already validated schedule many times). ``timeline=False``
+    leaves :attr:`SimResult.events` empty (the planner reads times and memory only)."""
     pp, n = schedule.pp, schedule.n_chunks
     if pp != cost.layout.pp:
         raise ValueError(f"schedule has {pp} stages but the cost model's layout has pp={cost.layout.pp}")
@@ -131,150 +148,153 @@ def simulate(
     if mode == "paired" and cost.pad_to is None:
         cost = cost.padded(executor_buckets(max(c.tokens for c in chunk_shapes), cost.layout.sp)[0])
 
-    spans: dict[tuple[int, Op], tuple[float, float]] = {}
+    # start and end of F(k) and B(k) on each stage: begin[side][p][k], end[side][p][k], side 0 = F, 1 = B
+    begin = [[[None] * n for _ in range(pp)] for _ in range(2)]
+    end = [[[None] * n for _ in range(pp)] for _ in range(2)]
     events: list[Event] = []
+    busy, recompute = [0.0] * pp, [0.0] * pp
+    emitted: list[tuple[int, str, int]] = []  # (stage, kind, chunk) in the order they ran (async timeline)
+    layers_of = ckpt.tolist()
 
     op_extra = cost.op_overhead() if mode != "async" else 0.0
     context = executor_context(chunk_shapes, cost.pad_to) if mode == "paired" else 0
     tick_extra = cost.tick_overhead(context) if mode != "async" else 0.0
+    durations = _Durations(cost, chunk_shapes, op_extra, mode != "async")
 
-    def emit(stage: int, op: Op, start: float, recompute: bool = True) -> float:
+    def emit(stage: int, kind: str, k: int, start: float, recompute_layers: bool = True) -> float:
         t = start
-        layers = int(ckpt[op.chunk, stage]) if recompute else 0
-        for kind, d in _durations(cost, chunk_shapes[op.chunk], stage, op, layers, op_extra, mode != "async"):
+        for what, d in durations(stage, kind, k, layers_of[k][stage] if recompute_layers and kind == "B" else 0):
             if d > 0:
-                events.append(Event(stage, kind, op.chunk, t, t + d))
+                if timeline:
+                    events.append(Event(stage, what, k, t, t + d))
+                took = (t + d) - t  # Event.duration (not d: the sums stay those of the events)
+                busy[stage] += took
+                if what == "R":
+                    recompute[stage] += took
             t += d
-        spans[(stage, op)] = (start, t)
+        side = 0 if kind == "F" else 1
+        begin[side][stage][k], end[side][stage][k] = start, t
+        if timeline:
+            emitted.append((stage, kind, k))
         return t
 
     def p2p(src: int, dst: int, chunk: int) -> float:
         return cost.p2p_time(chunk_shapes[chunk], min(src, dst))
 
+    def send(stage: int, kind: str, k: int, t: float) -> float:
+        """The P2P of ``kind``'s output leaving ``stage`` at ``t`` (0 when it leaves no stage)."""
+        dst = stage + 1 if kind == "F" else stage - 1
+        if not 0 <= dst < pp:
+            return 0.0
+        d = p2p(stage, dst, k)
+        if timeline:
+            events.append(Event(stage, "P2P", k, t, t + d))
+        return d
+
     if mode == "async":
-        free = [0.0] * pp
-        pos = [0] * pp
-        total = sum(len(p) for p in schedule.stages)
-        while len(spans) < total:
+        free, pos = [0.0] * pp, [0] * pp
+        total, placed = sum(len(p) for p in schedule.stages), 0
+        while placed < total:
             progressed = False
             for p in range(pp):
-                while pos[p] < len(schedule.stages[p]):
-                    op = schedule.stages[p][pos[p]]
-                    deps = dependencies(schedule, p, op)
-                    if any(d not in spans for d in deps):
+                prog = schedule.stages[p]
+                while pos[p] < len(prog):
+                    op = prog[pos[p]]
+                    k = op.chunk
+                    deps = [(0 if d.kind == "F" else 1, q, d.chunk) for q, d in dependencies(schedule, p, op)]
+                    if any(end[s][q][j] is None for s, q, j in deps):
                         break
                     ready = free[p]
-                    for q, dop in deps:
-                        end = spans[(q, dop)][1]
-                        ready = max(ready, end + (p2p(q, p, op.chunk) if q != p else 0.0))
-                    free[p] = emit(p, op, ready)
+                    for s, q, j in deps:
+                        ready = max(ready, end[s][q][j] + (p2p(q, p, k) if q != p else 0.0))
+                    free[p] = emit(p, op.kind, k, ready)
                     pos[p] += 1
+                    placed += 1
                     progressed = True
             if not progressed:  # validate() rules this out
                 raise RuntimeError("simulator made no progress")
-        for (q, op), (_, e) in list(spans.items()):
-            dst = q + 1 if op.kind == "F" else q - 1
-            if 0 <= dst < pp:
-                events.append(Event(q, "P2P", op.chunk, e, e + p2p(q, dst, op.chunk)))
+        if timeline:
+            for q, kind, k in emitted:
+                send(q, kind, k, end[0 if kind == "F" else 1][q][k])
     elif mode == "ticks":
-        table = schedule.to_ticks()
         t0 = 0.0
-        for row in table:
+        for row in schedule.to_ticks().tolist():
             t0 += tick_extra  # the executor's own work of the tick (slot gathers, switches, ...)
             ends, sends = [], [0.0]
             for p in range(pp):
-                code, k = int(row[p, 0]), int(row[p, 1])
-                if code == 0:
+                code, k = row[p]
+                if code == IDLE:
                     continue
-                op = Op("F" if code == 1 else "B", k)
-                ends.append(emit(p, op, t0))
-                dst = p + 1 if op.kind == "F" else p - 1
-                if 0 <= dst < pp:
-                    sends.append(p2p(p, dst, k))
-                    end = spans[(p, op)][1]
-                    events.append(Event(p, "P2P", k, end, end + sends[-1]))
+                kind = "F" if code == FWD else "B"
+                ends.append(emit(p, kind, k, t0))
+                sends.append(send(p, kind, k, ends[-1]))
             t0 = max(ends, default=t0) + max(sends)
     elif mode == "paired":
-        table = paired_ticks(schedule, keep=ckpt[:, -1] > 0)  # fused as the executor fuses
         t0 = 0.0
-        for row in table:
+        for row in plan_ticks(schedule, ckpt).tolist():  # fused as the executor fuses
             t0 += tick_extra
             ends, sends = [], [0.0]
             for p in range(pp):
                 t = t0
                 for lane in (LANE_B, LANE_F):
-                    code, k = int(row[p, lane, 0]), int(row[p, lane, 1])
+                    code, k = row[p][lane]
                     if code == IDLE:
                         continue
                     if code == FUSED:  # F then B of one chunk, nothing recomputed
-                        t = emit(p, Op("B", k), emit(p, Op("F", k), t), recompute=False)
+                        t = emit(p, "B", k, emit(p, "F", k, t), recompute_layers=False)
                         kind = "B"
                     else:
                         kind = "F" if code == FWD else "B"
-                        t = emit(p, Op(kind, k), t)
-                    dst = p + 1 if kind == "F" else p - 1
-                    if 0 <= dst < pp:
-                        sends.append(p2p(p, dst, k))
-                        events.append(Event(p, "P2P", k, t, t + sends[-1]))
+                        t = emit(p, kind, k, t)
+                    sends.append(send(p, kind, k, t))
                 ends.append(t)
             t0 = max(ends, default=t0) + max(sends)
     else:
         raise ValueError(f"mode must be 'async', 'ticks' or 'paired', got {mode!r}")
 
-    start = 0.0 if mode != "async" else min(s for s, _ in spans.values())  # lock-step: from the first tick
-    makespan = max(e for _, e in spans.values()) - start
-    busy = np.zeros(pp)
-    recompute = np.zeros(pp)
-    for e in events:
-        if e.kind in ("F", "B", "R", "A2A"):
-            busy[e.stage] += e.duration
-        if e.kind == "R":
-            recompute[e.stage] += e.duration
-    # idle gaps per stage
-    for p in range(pp):
-        t = start
-        for s, e in sorted(v for (q, _), v in spans.items() if q == p):
-            if s > t + 1e-15:
-                events.append(Event(p, "idle", -1, t, s))
-            t = max(t, e)
-        if start + makespan > t + 1e-15:
-            events.append(Event(p, "idle", -1, t, start + makespan))
-    bubble = 1.0 - busy.sum() / (pp * makespan) if makespan > 0 else 0.0
+    start = (
+        0.0 if mode != "async" else min(min(min(row) for row in side) for side in begin)
+    )  # lock-step: the first tick
+    makespan = max(max(max(row) for row in side) for side in end) - start
+    if timeline:  # idle gaps per stage
+        for p in range(pp):
+            t = start
+            for s, e in sorted(zip(begin[0][p] + begin[1][p], end[0][p] + end[1][p])):
+                if s > t + 1e-15:
+                    events.append(Event(p, "idle", -1, t, s))
+                t = max(t, e)
+            if start + makespan > t + 1e-15:
+                events.append(Event(p, "idle", -1, t, start + makespan))
+        events.sort(key=lambda e: (e.stage, e.start, EVENT_KINDS.index(e.kind)))
+    busy_a = np.asarray(busy)
+    bubble = 1.0 - busy_a.sum() / (pp * makespan) if makespan > 0 else 0.0
 
     memory, peaks, over = [], np.zeros(pp), []
     budget = cost.memory_budget
     for p in range(pp):
         base = cost.model_state_memory(p)
-        deltas = []
+        at, flag, dm = [], [], []
         for k in range(n):
-            m = cost.activation_memory(chunk_shapes[k], int(ckpt[k, p]), p)
-            w = cost.backward_memory(chunk_shapes[k], int(ckpt[k, p]))
-            b0, b1 = spans[(p, Op("B", k))]
-            deltas.append((spans[(p, Op("F", k))][0], 1, m))
-            deltas.append((b0, 1, w))
-            deltas.append((b1, 0, -m - w))  # frees sort before allocations at a tie
-        deltas.sort(key=lambda x: (x[0], x[1]))
-        times, values, cur = [start], [base], base
-        for t, _, dm in deltas:
-            cur += dm
-            if times[-1] == t:
-                values[-1] = cur
-            else:
-                times.append(t)
-                values.append(cur)
-        times_a, values_a = np.asarray(times), np.asarray(values)
+            layers = layers_of[k][p]
+            m = cost.activation_memory(chunk_shapes[k], layers, p)
+            w = cost.backward_memory(chunk_shapes[k], layers)
+            at += (begin[0][p][k], begin[1][p][k], end[1][p][k])
+            flag += (1, 1, 0)  # frees sort before allocations at a tie
+            dm += (m, w, -m - w)
+        order = np.lexsort((flag, at))  # stable: ties keep the order above
+        times = np.concatenate([[start], np.asarray(at)[order]])
+        values = np.cumsum(np.concatenate([[base], np.asarray(dm)[order]]))  # one sum at a time, in order
+        last = np.append(times[1:] != times[:-1], True)  # of equal times the value after the last change
+        times_a, values_a = times[last], values[last]
         memory.append((times_a, values_a))
         peaks[p] = values_a.max()
-        for t, v in zip(times_a, values_a):
-            if v > budget:
-                over.append((p, float(t), float(v)))
-    events.sort(key=lambda e: (e.stage, e.start, EVENT_KINDS.index(e.kind)))
+        over += [(p, float(times_a[i]), float(values_a[i])) for i in np.nonzero(values_a > budget)[0]]
     return SimResult(
         events=events,
         makespan=makespan,
         iteration_time=makespan + cost.step_overhead(),
-        stage_busy=busy,
-        stage_recompute=recompute,
+        stage_busy=busy_a,
+        stage_recompute=np.asarray(recompute),
         bubble_ratio=float(bubble),
         memory=memory,
         peak_memory=peaks,

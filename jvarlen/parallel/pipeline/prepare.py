@@ -22,7 +22,7 @@ from jvarlen.parallel.pipeline.signature import (
     round_signature,
 )
 from jvarlen.plan import schedule as sch
-from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage, round_up
+from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage, kept_apart, plan_ticks, round_up
 from jvarlen.plan.chunk import executor_buckets
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.schedule import Schedule, ScheduleError
@@ -77,13 +77,12 @@ def prepare_batch(
         ckpt = np.asarray(ckpt, np.int32)
         if ckpt.shape != (pack.n_chunks, layout.pp):
             raise ValueError(f"ckpt_layers must be [n_chunks, pp] = {(pack.n_chunks, layout.pp)}, got {ckpt.shape}")
-        keep = ckpt[:, -1] > 0
         if paired:
-            ticks = sch.paired_ticks(base, fuse_last=fuse, keep=keep)
+            ticks = plan_ticks(base, ckpt, fuse)
         else:
             ticks = base.to_ticks() if ticks is None else ticks
             if layout.pp == 1 and fuse:
-                ticks = fuse_single_stage(ticks, keep=keep)
+                ticks = fuse_single_stage(ticks, keep=kept_apart(ckpt))
             ticks = sch.lanes(ticks)
         seg = pack.arrays["segment_ids"]
         own = ((seg == seg[:, :1]) & (seg > 0)).sum(axis=1)  # tokens of the chunk's first piece
