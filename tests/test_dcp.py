@@ -1,5 +1,7 @@
 """DCP policies: Alg. 1 and the accumulation search (Eq. 3) on hand-computed cases, and the plans they return."""
 
+import math
+
 import numpy as np
 import pytest
 from test_flexsp import check_plan, scheme_costs
@@ -81,7 +83,10 @@ LENGTHS = [20000] + [2000] * 20 + [300] * 20
 def test_long_batch_runs_once_short_groups_accumulate(policy, n_short):
     costs = scheme_costs(8)
     lengths = [20000] + [2000] * n_short + [300] * n_short  # full recomputation packs more per batch
-    options = (DCPOptions if policy == "dcp" else DCPInterOptions)(bucket_ratios=(16.0,), scheme_buckets=False)
+    # one bucketing only (ratio 16: two buckets), the one-class finalists left out: the bucket search's plan
+    options = (DCPOptions if policy == "dcp" else DCPInterOptions)(
+        bucket_ratios=(16.0,), scheme_buckets=False, homogeneous_top=0
+    )
     plan = plan_strategy(policy, lengths, costs, options)
     check_plan(plan, lengths, costs)
     long = next(g for g in plan.groups if 0 in g.documents)
@@ -146,3 +151,34 @@ def test_the_bucketing_kept_is_the_fastest_simulated_not_the_best_estimated():
     assert plan.stats["iteration_time_s"] == fastest < by_estimate["simulated_s"]
     kept = next(c for c in candidates if c["simulated_s"] == fastest)
     assert plan.stats["bucket_ratio"] == kept["bucket_ratio"] != by_estimate["bucket_ratio"]
+
+
+def test_the_best_one_degree_layouts_of_the_one_class_bucketing_are_simulated_too():
+    """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 1004): for the one-class
+    bucketing the search picks 2×(pp=1, sp=4) by the group model, whose executor plans simulate at
+    3.83 s; those of 1×(pp=1, sp=8) take 3.37 s (the model leaves out the recomputation that fits
+    the executor's buffers). The best two degrees are planned alone too, the fastest kept."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_strategies as bench
+
+    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 7B a800-ib200 8 dev"))
+    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+    batch = bench.token_batch(pool, setting.tokens, 1004)
+    plan = plan_strategy("dcp", batch, costs)
+    candidates = {c["bucket_ratio"]: c for c in plan.stats["candidates"]}
+    assert plan.stats["bucket_ratio"] == "inf, p=8" and plan.describe() == "1×(pp=1, sp=8)"
+    assert plan.stats["iteration_time_s"] == min(c["simulated_s"] for c in candidates.values())
+    assert candidates[math.inf]["strategy"] == "2×(pp=1, sp=4)"  # the search's pick by the model
+    assert candidates[math.inf]["iteration_time_s"] < candidates["inf, p=8"]["iteration_time_s"]
+    before = plan_strategy("dcp", batch, costs, DCPOptions(homogeneous_top=0))
+    assert before.describe() == "2×(pp=1, sp=4)"
+    assert not any(str(c["bucket_ratio"]).startswith("inf, p=") for c in before.stats["candidates"])
+    assert before.stats["iteration_time_s"] > 1.1 * plan.stats["iteration_time_s"]
+
+
+def test_options_reject_a_negative_homogeneous_top():
+    with pytest.raises(ValueError, match="homogeneous_top"):
+        DCPOptions(homogeneous_top=-1)

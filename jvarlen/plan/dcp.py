@@ -27,8 +27,11 @@ Per iteration:
    whose groups are slowest while that does not slow them (lowering Eq. 3's idle sum). Short
    buckets thus get few small groups that accumulate many micro-batches while a long document
    runs once on a large group.
-3. Several bucket widths are tried; each is planned for the executor and the faster simulated
-   one is kept (:func:`~jvarlen.plan.sp_assemble.assemble_fastest`).
+3. Several bucket widths are tried, and the one-class bucketing on each of its best
+   ``homogeneous_top`` SP degrees by the group model (:func:`one_degree_finalists`); each is
+   planned for the executor and the fastest simulated one is kept
+   (:func:`~jvarlen.plan.sp_assemble.assemble_fastest`). Alg. 1 and the profile it reads are in
+   :mod:`jvarlen.plan.dcp_alg1`.
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -39,11 +42,11 @@ import dataclasses
 import heapq
 import math
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError
-from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.chunking import chunk_group, sorted_order
+from jvarlen.plan.dcp_alg1 import ProfileEntry, Setting, alg1, batch_grid, profile_entry
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
 from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan, register_policy
@@ -60,7 +63,10 @@ class DCPOptions:
     length classes tried (``inf``: one class); ``scheme_buckets``: also try buckets of the documents
     that prefer the same SP degree (:func:`buckets_by_scheme`). ``max_batch_docs``: largest b profiled.
     ``max_sp``: largest group. ``micro_batch_tokens``: cap on a micro-batch's tokens.
-    ``simulation``: the executor model of the group plans.
+    ``simulation``: the executor model of the group plans. ``homogeneous_top``: the one-class
+    bucketing's best this many SP degrees by the group model are planned as well, each alone
+    (:func:`one_degree_finalists`): the search picks the degree by that model, which can misrank
+    two degrees that the simulated plans order the other way.
     """
 
     intra: bool = True
@@ -72,6 +78,7 @@ class DCPOptions:
     max_sp: Optional[int] = None
     micro_batch_tokens: Optional[int] = None
     simulation: str = "ticks"
+    homogeneous_top: int = 2
 
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:
@@ -82,78 +89,11 @@ class DCPOptions:
             raise ValueError(f"DCPOptions.bucket_ratios must be > 1, got {self.bucket_ratios}")
         if self.max_batch_docs < 1:
             raise ValueError("DCPOptions.max_batch_docs must be >= 1")
+        if self.homogeneous_top < 0:
+            raise ValueError(f"DCPOptions.homogeneous_top must be >= 0, got {self.homogeneous_top}")
 
 
-# --------------------------------------------------------------------------- Alg. 1
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileEntry:
-    """Alg. 1's profile of one (b, p) (§3.5): ``t_f`` seconds to recompute one layer of the batch,
-    ``m`` bytes per device one layer keeps beyond its checkpoint when not recomputed, ``T`` seconds
-    and ``M`` bytes per device of the batch with every layer recomputed (Eq. 4, 6 with r = L)."""
-
-    t_f: float
-    m: float
-    T: float
-    M: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """A chosen (b, p, r): batch size, SP degree, recomputed layers, time of one batch, throughput."""
-
-    b: int
-    p: int
-    r: int
-    time: float
-    throughput: float
-
-
-def alg1(
-    capacity: float, layers: int, candidates: Mapping[tuple[int, int], ProfileEntry], seq_len: float
-) -> Optional[Setting]:
-    """DCP-intra, Alg. 1: for each (b, p), the most layers that can skip recomputation within the
-    memory ``capacity`` (``M + k·m <= capacity``, so ``r = L - k`` recomputed layers, Eq. 6), the
-    time ``T - k·t_f`` (Eq. 4-5), and the (b, p) of highest throughput ``b·s / (p·time)`` (Eq. 1;
-    ties: smaller p, then smaller b). The paper's loop breaks at the *first* k that fits, which
-    would keep a single layer; we take the largest (what the text describes). (b, p) whose fully
-    recomputed batch exceeds the capacity are skipped; None when none fits."""
-    best = None
-    for (b, p), e in sorted(candidates.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if e.M > capacity:
-            continue
-        k = layers if e.m <= 0 else int(min(layers, math.floor((capacity - e.M) / e.m)))
-        t = e.T - k * e.t_f
-        thr = b * seq_len / (p * t)
-        if best is None or thr > best.throughput * (1 + 1e-12):
-            best = Setting(b, p, layers - k, t, thr)
-    return best
-
-
-def profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> ProfileEntry:
-    """The cost model's answer to DCP's dual-layer profile for ``b`` sequences of ``seq_len`` on ``scheme``."""
-    cost = gc.costs.cost(scheme)
-    chunk = ChunkShape(0, (int(seq_len),) * int(b))
-    L = gc.layers
-    full = cost.peak_memory(chunk, L, 0)
-    return ProfileEntry(
-        t_f=cost.recompute_time(chunk, 1),
-        m=cost.peak_memory(chunk, L - 1, 0) - full,
-        T=gc.micro_batch_time(chunk.slices, scheme, L),
-        M=cost.memory_floor(0) + full,
-    )
-
-
-def batch_grid(n: int, cap: int) -> list[int]:
-    """Batch sizes profiled: 1, 2, 3, 4, 6, 8, 12, ... up to ``min(n, cap)``, and that bound itself."""
-    hi = max(1, min(n, cap))
-    out, x = {1, hi}, 2
-    while x < hi:
-        out.add(x)
-        out.add(min(hi, x * 3 // 2))
-        x *= 2
-    return sorted(out)
+# --------------------------------------------------------------------------- (b, p, r) per bucket
 
 
 def best_setting(gc: GroupCosts, scheme: Scheme, seq_len: int, n: int, options: DCPOptions) -> Optional[Setting]:
@@ -346,6 +286,35 @@ def search(per_bucket: list[list[_Option]], num_devices: int) -> Optional[list[_
             return chosen
 
 
+def choose(
+    policy, lengths, buckets, gc: GroupCosts, options: DCPOptions, label, events: list
+) -> Optional[list[_Option]]:
+    """:func:`search` over the buckets' options, ``G_max`` lifted (with an event) where the devices
+    cannot otherwise hold the iteration; None (with an event) where they cannot at all."""
+    chosen = search([bucket_options(lengths, b, gc, options, options.g_max) for b in buckets], gc.num_devices)
+    if chosen is None and options.g_max is not None:
+        chosen = search([bucket_options(lengths, b, gc, options, None) for b in buckets], gc.num_devices)
+        if chosen is not None:
+            events.append(f"{policy}: bucket ratio {label}: G_max={options.g_max} lifted (too few devices otherwise)")
+    if chosen is None:
+        events.append(f"{policy}: bucket ratio {label}: {len(buckets)} buckets need more than {gc.num_devices} devices")
+    return chosen
+
+
+def one_degree_finalists(lengths: Sequence[int], docs: list[int], gc: GroupCosts, options: DCPOptions) -> list[_Option]:
+    """The ``options.homogeneous_top`` SP degrees whose fastest option for the bucket ``docs``
+    (:func:`bucket_options`, ``G_max`` lifted where no option keeps it) the group model finds
+    fastest, fastest first (ties: the smaller degree)."""
+    per_scheme = bucket_options(lengths, docs, gc, options, options.g_max) or bucket_options(
+        lengths, docs, gc, options, None
+    )
+    best: dict[int, _Option] = {}
+    for o in per_scheme:
+        if o.scheme.sp not in best or o.span < best[o.scheme.sp].span:
+            best[o.scheme.sp] = o
+    return sorted(best.values(), key=lambda o: (o.span, o.scheme.sp))[: options.homogeneous_top]
+
+
 def realise(lengths: Sequence[int], gc: GroupCosts, chosen: list[_Option], options: DCPOptions) -> list[GroupChoice]:
     """Each group's documents, length-sorted, cut by Eq. 23-24 into its g micro-batches; each
     micro-batch recomputes the least layers that fit (DCP-intra) or all of them (DCP-inter)."""
@@ -391,18 +360,16 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
     bucketings = [(ratio, buckets_of(lengths, ratio)) for ratio in options.bucket_ratios]
     if options.scheme_buckets:
         bucketings.append(("by-p", buckets_by_scheme(lengths, gc, options)))
+    picked = []  # (label, buckets, the option chosen for each)
     for ratio, buckets in bucketings:
-        g_max = options.g_max
-        chosen = search([bucket_options(lengths, b, gc, options, g_max) for b in buckets], gc.num_devices)
-        if chosen is None and g_max is not None:
-            chosen = search([bucket_options(lengths, b, gc, options, None) for b in buckets], gc.num_devices)
-            if chosen is not None:
-                events.append(f"{policy}: bucket ratio {ratio}: G_max={g_max} lifted (too few devices otherwise)")
-        if chosen is None:
-            events.append(
-                f"{policy}: bucket ratio {ratio}: {len(buckets)} buckets need more than {gc.num_devices} devices"
-            )
-            continue
+        chosen = choose(policy, lengths, buckets, gc, options, ratio, events)
+        if chosen is not None:
+            picked.append((ratio, buckets, chosen))
+    if options.homogeneous_top:
+        one = buckets_of(lengths, math.inf)[0]
+        for o in one_degree_finalists(lengths, one, gc, options):
+            picked.append((f"inf, p={o.scheme.sp}", [one], [o]))
+    for ratio, buckets, chosen in picked:
         choices = realise(lengths, gc, chosen, options)
         record = candidate_record(
             lengths,
@@ -463,4 +430,16 @@ def plan_inter(lengths: Sequence[int], costs: SchemeCosts, options: Optional[DCP
     return _plan("dcp-inter", lengths, costs, options or DCPInterOptions())
 
 
-__all__ = ["DCPInterOptions", "DCPOptions", "ProfileEntry", "Setting", "alg1", "eq3", "plan", "plan_inter", "search"]
+__all__ = [
+    "DCPInterOptions",
+    "DCPOptions",
+    "ProfileEntry",
+    "Setting",
+    "alg1",
+    "choose",
+    "eq3",
+    "one_degree_finalists",
+    "plan",
+    "plan_inter",
+    "search",
+]
