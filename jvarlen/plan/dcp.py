@@ -287,7 +287,13 @@ def search(per_bucket: list[list[_Option]], num_devices: int) -> Optional[list[_
 
 
 def choose(
-    policy, lengths, buckets, gc: GroupCosts, options: DCPOptions, label, events: list
+    policy: str,
+    lengths: Sequence[int],
+    buckets: list[list[int]],
+    gc: GroupCosts,
+    options: DCPOptions,
+    label: object,
+    events: list[str],
 ) -> Optional[list[_Option]]:
     """:func:`search` over the buckets' options, ``G_max`` lifted (with an event) where the devices
     cannot otherwise hold the iteration; None (with an event) where they cannot at all."""
