@@ -297,12 +297,12 @@ class _Slots:
         first = self.ckpt[:, p]
         column = (p, name, self.ls, first.tobytes())
         if column not in self.memo:
+            chunks = fx.staged[p] if name == "res" else fx.holders[p]
+            lo = first[chunks]
             if name == "res":  # stored layers first..ls-1
-                chunks = fx.staged[p]
-                layers = [(int(first[k]), self.ls) for k in chunks]
+                layers = np.stack([lo, np.full_like(lo, self.ls)], axis=1)
             else:  # checkpoints: recomputed layers 1..first-1 (layer 0's input is the stash slot)
-                chunks = fx.holders[p]
-                layers = [(1, int(first[k])) for k in chunks]
+                layers = np.stack([np.ones_like(lo), lo], axis=1)
             self.memo[column] = Live(chunks, fx.f_phase[chunks, p], fx.b_phase[chunks, p], layers)
         return self.memo[column]
 
@@ -333,8 +333,8 @@ class _Pipeline:
     f_phase: np.ndarray  # [n, pp]
     b_phase: np.ndarray  # [n, pp]
     fused: np.ndarray  # [n, pp] bool
-    staged: list  # per stage: chunks not fused there (they hold residual slots)
-    holders: list  # per stage: staged chunks that hold tokens (they hold checkpoint slots)
+    staged: list  # per stage: chunks not fused there (they hold residual slots), int64 arrays
+    holders: list  # per stage: staged chunks that hold tokens (they hold checkpoint slots), int64 arrays
     stages: list  # per stage: {"stash": Live, "grad": Live}
     ctx: np.ndarray  # [n, pp] base row of each chunk's region (ctx_rows: none)
     ctx_rows: int
@@ -371,8 +371,8 @@ class _Pipeline:
             inputs = on if p == 0 else list(range(n))  # a fused op on a later stage reads its input
             stash_from = 3 * tf[inputs, p - 1] + 2 if p else f_phase[inputs, p]
             grad_from = 3 * tb[on, p + 1] + 2 if p < pp - 1 else f_phase[on, p]
-            staged.append(on)
-            holders.append([k for k in on if empty is None or not empty[k]])
+            staged.append(np.asarray(on, np.int64))
+            holders.append(np.asarray([k for k in on if empty is None or not empty[k]], np.int64))
             stages.append(
                 {
                     "stash": Live(inputs, stash_from, b_phase[inputs, p]),

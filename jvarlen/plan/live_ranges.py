@@ -91,10 +91,13 @@ class Live:
     chunks; the greedy colouring (:func:`colour`), which has that many slots, only when asked."""
 
     def __init__(self, chunks, start, end, layers=None):
-        weight = np.ones(len(chunks), np.int64) if layers is None else np.array([h - l for l, h in layers], np.int64)
+        chunks = np.asarray(chunks, np.int64)
+        layers = None if layers is None else np.asarray(layers, np.int64).reshape(-1, 2)  # rows (lo, hi)
+        weight = np.ones(len(chunks), np.int64) if layers is None else layers[:, 1] - layers[:, 0]
         held = weight > 0
-        self.chunks = [k for k, h in zip(chunks, held) if h]
-        self.layers = None if layers is None else [x for x, h in zip(layers, held) if h]
+        self._chunks = chunks[held]
+        self.chunks = self._chunks.tolist()
+        self.layers = None if layers is None else layers[held]
         self.start = np.asarray(start, np.int64)[held]
         self.end = np.asarray(end, np.int64)[held]
         self.weight = weight[held]
@@ -125,7 +128,7 @@ class Live:
             return [(s, e, k) for k, s, e in zip(self.chunks, self.start.tolist(), self.end.tolist())]
         return [
             (s, e, (k, l))
-            for k, s, e, (lo, hi) in zip(self.chunks, self.start.tolist(), self.end.tolist(), self.layers)
+            for k, s, e, (lo, hi) in zip(self.chunks, self.start.tolist(), self.end.tolist(), self.layers.tolist())
             for l in range(lo, hi)
         ]
 
@@ -139,13 +142,16 @@ class Live:
             else:
                 at = int(self.start[self._first])
                 live = (self.start <= at) & (at <= self.end)
+                chunks = self._chunks[live]
                 if self.layers is None:
-                    keys = [k for k, h in zip(self.chunks, live) if h]
-                else:
-                    keys = [
-                        (k, l) for k, h, (lo, hi) in zip(self.chunks, live, self.layers) if h for l in range(lo, hi)
-                    ]
-                self._peak = at // 3, sorted(keys)
+                    keys = sorted(chunks.tolist())
+                else:  # (chunk, layer) for the layers lo..hi-1 of each live chunk, sorted
+                    lo, hi = self.layers[live].T
+                    k = np.repeat(chunks, hi - lo)
+                    layer = np.arange(len(k)) - np.repeat(np.cumsum(hi - lo) - (hi - lo) - lo, hi - lo)
+                    order = np.lexsort((layer, k))
+                    keys = list(zip(k[order].tolist(), layer[order].tolist()))
+                self._peak = at // 3, keys
         return self._peak
 
     @property
