@@ -112,16 +112,14 @@ def run_plan(policy: str, lengths, costs, options) -> dict:
     except PlanningError as e:
         return {"error": str(e)}
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    stats = [g.plan.stats for g in plan.groups]
-    spans = [st["makespan_s"] for st in stats]
-    peak = max(max(st["peak_memory_bytes"]) / st["memory_budget_bytes"] for st in stats)
+    summary = plan.group_summary()
     return {
         "iter_s": plan.stats["iteration_time_s"],
-        "prop_s": max(spans),
-        "imbalance": (max(spans) - min(spans)) / max(spans) if max(spans) > 0 else 0.0,
-        "bubble": max(st["bubble_ratio"] for st in stats),
-        "headroom": 1 - peak,
-        "fits": all(st["fits_memory"] for st in stats),
+        "prop_s": summary["propagation_s"],
+        "imbalance": summary["imbalance"],
+        "bubble": summary["bubble_ratio"],
+        "headroom": 1 - summary["peak_memory_fraction"],
+        "fits": summary["fits_memory"],
         "cpu_s": cpu,
         "wall_s": wall,
         "strategy": plan.describe(),

@@ -1,11 +1,12 @@
-"""``python -m jvarlen.plan --policy hydraulis|homogeneous``: strategy plans from the planner CLI."""
+"""``python -m jvarlen.plan --policy <strategy policy>``: strategy plans from the planner CLI, every
+registered policy reporting the same summary."""
 
 import json
 
 import pytest
 
 from jvarlen.plan.__main__ import main
-from jvarlen.plan.strategy import StrategyPlan, load_any
+from jvarlen.plan.strategy import StrategyPlan, load_any, strategy_policies
 
 CONFIG = """
 model:
@@ -21,7 +22,7 @@ parallel:
 """
 
 
-@pytest.mark.parametrize("policy", ["hydraulis", "homogeneous"])
+@pytest.mark.parametrize("policy", sorted(strategy_policies()))
 def test_cli_plans_strategies(tmp_path, capsys, policy):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(x) for x in [30_000, 9_000, 4_000, 1_500, 800, 300, 120, 64] * 8) + "\n")
@@ -35,8 +36,9 @@ def test_cli_plans_strategies(tmp_path, capsys, policy):
     assert f"policy {policy}" in printed and "median solve" in printed
     data = json.loads(out.read_text())
     assert data["policy"] == policy and data["iterations_planned"] == 2
-    for key in ("solve_seconds", "iteration_time_s", "propagation_s", "strategy", "fits_memory"):
-        assert key in data["iterations"][0], key
+    for key in ("solve_seconds", "iteration_time_s", "propagation_s", "strategy", "fits_memory", "imbalance"):
+        assert data["iterations"][0][key] is not None, key
+    assert data["bubble_ratio"] >= 0 and 0 < data["peak_memory_fraction"] and data["tokens_in"] > 0
     plan = load_any(plan_path)
     assert isinstance(plan, StrategyPlan) and plan.num_devices == 16
     plan.validate(list(plan.lengths))

@@ -115,7 +115,7 @@ def draw_strategy_gantt(
     scale, unit = _time_unit(end)
     y, ticks, labels = 0.0, [], []
     for gi, (g, r) in enumerate(zip(groups, sims)):
-        docs = g.plan.schedule.docs()
+        first_doc = [pieces[0][0] for pieces in g.plan.chunks]  # the group's own document index
         t0 = min((e.start for e in r.events), default=0.0)
         pp = g.scheme.pp
         for e in r.events:
@@ -124,7 +124,7 @@ def draw_strategy_gantt(
                 continue
             yy = y + (pp - 1 - e.stage)
             if e.kind in ("F", "B"):
-                colour = cmap(g.documents[docs[e.chunk][0]] % 20)
+                colour = cmap(g.documents[first_doc[e.chunk]] % 20)
                 ax.barh(
                     yy,
                     w,

@@ -285,26 +285,17 @@ def build_plan(
         groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))
         events.extend(plan.events)
     sp = StrategyPlan(policy, costs.num_devices, tuple(int(x) for x in lengths), tuple(groups), events=events)
-    makespans = [g.plan.stats["makespan_s"] for g in groups]
     sp.stats.update(
         policy=policy,
         strategy=sp.describe(),
         iteration_time_s=predicted_time(groups, costs),
         estimated_time_s=chosen.estimate_s,
-        propagation_s=max(makespans),
-        overhead_s=predicted_time(groups, costs) - max(makespans),
-        imbalance=(max(makespans) - min(makespans)) / max(makespans) if max(makespans) > 0 else 0.0,
-        bubble_ratio=max(g.plan.stats["bubble_ratio"] for g in groups),
-        fits_memory=all(g.plan.stats["fits_memory"] for g in groups),
-        peak_memory_fraction=max(
-            max(g.plan.stats["peak_memory_bytes"]) / g.plan.stats["memory_budget_bytes"] for g in groups
-        ),
-        tokens_in=int(lengths.sum()),
         micro_batches=[g.plan.n_chunks for g in groups],
         pack_ilp_solves=solves,
         pack_sources=sources,
         trials=options.trials,
     )
+    sp.stats.update(sp.group_summary())
     return sp
 
 

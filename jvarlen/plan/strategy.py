@@ -170,6 +170,25 @@ class StrategyPlan:
             counts[s] = counts.get(s, 0) + 1
         return " + ".join(f"{d}×{s}" for s, d in sorted(counts.items(), key=lambda kv: (-kv[0].num_devices, kv[0])))
 
+    def group_summary(self) -> dict[str, Any]:
+        """What every policy's plan reports alike, from its groups' simulated plans (and
+        ``stats["iteration_time_s"]``): the slowest group's propagation, the overhead on top, the
+        groups' makespan imbalance, the worst bubble, whether all fit memory, the highest peak
+        as a fraction of its budget, and the tokens planned."""
+        makespans = [g.plan.stats["makespan_s"] for g in self.groups]
+        top = max(makespans)
+        return dict(
+            propagation_s=top,
+            overhead_s=float(self.stats["iteration_time_s"]) - top,
+            imbalance=(top - min(makespans)) / top if top > 0 else 0.0,
+            bubble_ratio=max(g.plan.stats["bubble_ratio"] for g in self.groups),
+            fits_memory=all(g.plan.stats["fits_memory"] for g in self.groups),
+            peak_memory_fraction=max(
+                max(g.plan.stats["peak_memory_bytes"]) / g.plan.stats["memory_budget_bytes"] for g in self.groups
+            ),
+            tokens_in=int(sum(self.lengths)),
+        )
+
     def signature(self) -> tuple:
         """What distinguishes strategies for logging and caching: the schemes on their devices."""
         return tuple((g.scheme.pp, g.scheme.sp, g.devices[0]) for g in self.groups)
@@ -421,12 +440,16 @@ def strategy_policies() -> dict[str, tuple[StrategyPolicy, type]]:
 
 
 def plan_strategy(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: Any = None) -> StrategyPlan:
-    """Plans one iteration of ``lengths`` with the strategy policy ``policy`` (default options when None)."""
+    """Plans one iteration of ``lengths`` with the strategy policy ``policy`` (default options when None);
+    its stats hold :meth:`StrategyPlan.group_summary` whatever the policy."""
     policies = strategy_policies()
     if policy not in policies:
         raise ValueError(f"unknown strategy policy {policy!r}; choose one of {', '.join(sorted(policies))}")
     fn, options_type = policies[policy]
-    return fn([int(x) for x in lengths], costs, options_type() if options is None else options)
+    plan = fn([int(x) for x in lengths], costs, options_type() if options is None else options)
+    for key, value in plan.group_summary().items():  # what a policy leaves out, from its groups
+        plan.stats.setdefault(key, value)
+    return plan
 
 
 def load_any(path: str | os.PathLike):
