@@ -97,6 +97,16 @@ def test_tick_table_round_trip():
     assert Schedule.from_ticks(t, s.chunk_prev) == s
 
 
+def test_ticks_of_an_unvalidated_program_name_a_repeated_op_and_an_unknown_code():
+    twice = Schedule(((Op("F", 0), Op("F", 0), Op("B", 0)),), (-1,))  # nobody called validate()
+    with pytest.raises(ScheduleError, match=r"stage 0: F0 \(chunk 0\) runs twice"):
+        twice.to_ticks()
+    t = one_f_one_b(2, 2).to_ticks()
+    t[1, 0, 0] = 3  # FUSED has no place in a single-op table
+    with pytest.raises(ScheduleError, match="tick 1, stage 0: unknown op code 3"):
+        Schedule.from_ticks(t, (-1, -1))
+
+
 def test_from_ticks_rejects_same_tick_dependency():
     t = one_f_one_b(2, 2).to_ticks()
     bad = t.copy()

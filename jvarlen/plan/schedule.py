@@ -158,17 +158,12 @@ class Schedule:
         table = np.asarray(table)
         if table.ndim != 3 or table.shape[2] != 2:
             raise ScheduleError(f"tick table must be [ticks, stages, 2], got shape {table.shape}")
-        stages = []
-        for p in range(table.shape[1]):
-            prog = []
-            for t in range(table.shape[0]):
-                code, chunk = int(table[t, p, 0]), int(table[t, p, 1])
-                if code == IDLE:
-                    continue
-                if code not in _KIND:
-                    raise ScheduleError(f"tick {t}, stage {p}: unknown op code {code}")
-                prog.append(Op(_KIND[code], chunk))
-            stages.append(tuple(prog))
+        bad = np.argwhere(~np.isin(table[..., 0].T, (IDLE, FWD, BWD)))  # stage by stage, as programs are read
+        if len(bad):
+            raise ScheduleError(
+                f"tick {bad[0][1]}, stage {bad[0][0]}: unknown op code {table[bad[0][1], bad[0][0], 0]}"
+            )
+        stages = [tuple(Op(_KIND[int(c)], int(k)) for c, k in table[:, p] if c != IDLE) for p in range(table.shape[1])]
         sched = cls(tuple(stages), tuple(chunk_prev), None if chunk_docs is None else tuple(map(tuple, chunk_docs)))
         sched.validate()
         _check_tick_table(table, sched)
@@ -272,7 +267,10 @@ def _ticks(sched: Schedule) -> np.ndarray:
                     waiting.append(f"stage {p} waits at {op} (chunk {op.chunk}) for {', '.join(missing)}")
             raise ScheduleError(f"deadlock at tick {t}: " + "; ".join(waiting))
         for p, op in ran:
-            (done_f if op.kind == "F" else done_b)[p][op.chunk] = t
+            done = done_f if op.kind == "F" else done_b
+            if done[p][op.chunk] <= total:  # a program that repeats an op (validate() names its position)
+                raise ScheduleError(f"stage {p}: {op} (chunk {op.chunk}) runs twice")
+            done[p][op.chunk] = t
             placed.append((t, p, _CODE[op.kind], op.chunk))
             pos[p] += 1
         t += 1
