@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from test_flexsp import check_plan, scheme_costs
+from test_flexsp import check_plan, scheme_costs, strategies_batch
 
 from jvarlen.plan import dcp
 from jvarlen.plan.dcp import DCPInterOptions, DCPOptions, ProfileEntry, Setting, alg1, batch_grid, best_setting, eq3
@@ -158,15 +158,7 @@ def test_the_best_one_degree_layouts_of_the_one_class_bucketing_are_simulated_to
     bucketing the search picks 2×(pp=1, sp=4) by the group model, whose executor plans simulate at
     3.83 s; those of 1×(pp=1, sp=8) take 3.37 s (the model leaves out the recomputation that fits
     the executor's buffers). The best two degrees are planned alone too, the fastest kept."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_strategies as bench
-
-    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 7B a800-ib200 8 dev"))
-    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
-    batch = bench.token_batch(pool, setting.tokens, 1004)
+    costs, batch = strategies_batch("commoncrawl 7B a800-ib200 8 dev", 1004)
     plan = plan_strategy("dcp", batch, costs)
     candidates = {c["bucket_ratio"]: c for c in plan.stats["candidates"]}
     assert plan.stats["bucket_ratio"] == "inf, p=8" and plan.describe() == "1×(pp=1, sp=8)"

@@ -189,21 +189,27 @@ def test_a_document_at_the_memory_cap_passes_the_executor_replay(policy):
     assert plan.validate([longest, 100], costs) is None
 
 
-def test_the_best_one_degree_layouts_are_simulated_too():
-    """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 1004): the group model
-    ranks 2×(pp=1, sp=4) first (3.310 s against 3.321 s) and both the heuristic and the MILP
-    return it, but its executor plans simulate at 3.83 s and those of 1×(pp=1, sp=8) at 3.32 s:
-    the model leaves out the recomputation that fits the executor's buffers. The best two
-    one-degree layouts are planned for the executor too, and the fastest simulated is kept."""
+def strategies_batch(setting_prefix: str, seed: int):
+    """(SchemeCosts, document lengths) of ``scripts/bench_strategies.py``'s setting whose name starts
+    with ``setting_prefix``, its batch of ``seed``."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_strategies as bench
 
-    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 7B a800-ib200 8 dev"))
-    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
-    batch = bench.token_batch(pool, setting.tokens, 1004)
+    setting = next(s for s in bench.settings(False) if s.name.startswith(setting_prefix))
+    pool = bench.corpus(setting.workload, setting.context)
+    return bench.costs_for(setting), bench.token_batch(pool, setting.tokens, seed)
+
+
+def test_the_best_one_degree_layouts_are_simulated_too():
+    """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 1004): the group model
+    ranks 2×(pp=1, sp=4) first (3.310 s against 3.321 s) and both the heuristic and the MILP
+    return it, but its executor plans simulate at 3.83 s and those of 1×(pp=1, sp=8) at 3.32 s:
+    the model leaves out the recomputation that fits the executor's buffers. The best two
+    one-degree layouts are planned for the executor too, and the fastest simulated is kept."""
+    costs, batch = strategies_batch("commoncrawl 7B a800-ib200 8 dev", 1004)
     plan = plan_strategy("flexsp", batch, costs)
     candidates = {c["source"]: c for c in plan.stats["candidates"]}
     assert plan.stats["source"] == "sp=8" and plan.describe() == "1×(pp=1, sp=8)"
