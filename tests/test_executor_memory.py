@@ -209,7 +209,7 @@ def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
     by_chunk, _ = _repair_by_chunk(
         zero,
         before,
-        stored.chunk_shapes(),
+        [s.tokens for s in stored.chunk_shapes()],
         ls,
         budget,
         lambda t: executor_memory(dataclasses.replace(stored, ckpt_layers=t), cost),
@@ -244,12 +244,33 @@ def test_the_fit_keeps_the_faster_of_the_two_repairs(plans, fraction):
         return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost)
 
     start = np.asarray(plan.ckpt_layers, np.int32)
-    by_chunk, by_chunk_account = _repair_by_chunk(
-        start, measure(start), plan.chunk_shapes(), ls, cost.memory_budget, measure
-    )
+    tokens = [s.tokens for s in plan.chunk_shapes()]
+    by_chunk, by_chunk_account = _repair_by_chunk(start, measure(start), tokens, ls, cost.memory_budget, measure)
     assert by_chunk_account.total <= cost.memory_budget
 
     def seconds(table):
         return simulate(plan.schedule, plan.chunk_shapes(), table, cost, "paired").iteration_time
 
     assert seconds(ckpt) <= seconds(by_chunk)
+
+
+@pytest.mark.parametrize("name", ["free", "tight", "dapple"])
+def test_one_account_measuring_many_tables_gives_each_tables_own_account(plans, name):
+    """The repairs measure one plan under thousands of recomputation tables with one account that
+    keeps a tick table per set of fusable chunks kept apart: each measurement must equal the
+    account of the plan with that table, measured afresh (including where the slots peak)."""
+    from jvarlen.plan.executor_memory import _Account
+
+    plan, cost = plans[name]
+    ls, (n, pp) = cost.layers_per_stage, np.shape(plan.ckpt_layers)
+    accounts = _Account(plan, cost, None, True)
+    rng = np.random.default_rng(0)
+    table = np.asarray(plan.ckpt_layers, np.int32)
+    for _ in range(40):
+        table = table.copy()
+        k, p = rng.integers(n), pp - 1 if rng.random() < 0.5 else rng.integers(pp)  # the last stage changes the ticks
+        table[k, p] = max(table[k, p], rng.integers(ls + 1))
+        kept, fresh = accounts.measure(table), executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost)
+        assert kept.terms == fresh.terms and kept.sizes == fresh.sizes and dict(kept.peaks) == dict(fresh.peaks)
+        stage, chunks = kept.peaks.chunks("res")
+        assert (stage, chunks) == (fresh.peaks["res"][0], sorted({k for k, _ in fresh.peaks["res"][2]}))

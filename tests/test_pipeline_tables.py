@@ -212,6 +212,7 @@ def test_the_sweep_counts_what_the_colouring_uses(ranges):
     expanded = [(s, s + d, (k, l)) for k, (s, d, lo, w) in enumerate(ranges) for l in range(lo, lo + w)]
     assert live.count == colour(expanded)[1]
     assert live.peak() == peak_of(expanded)
+    assert live.peak_chunks() == sorted({k for k, _ in peak_of(expanded)[1]})
     assert live.slots == colour(expanded)[0]
 
 

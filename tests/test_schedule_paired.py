@@ -85,3 +85,18 @@ def test_kept_chunks_are_never_fused(sched, seed):
     sch.check_paired_table(table, sched)
     fused = table[:, -1, LANE_B, 1][table[:, -1, LANE_B, 0] == FUSED]
     assert not keep[fused].any()
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1))
+def test_only_fusable_chunks_kept_apart_change_the_table(sched, seed):
+    """``Schedule.fusable`` are the chunks the last stage fuses where none is kept, and keeping a
+    chunk apart that is not fusable leaves the table as it is (the executor-memory repair keys its
+    tick tables by the fusable chunks kept apart)."""
+    table = sch.paired_ticks(sched)
+    fused = set(table[:, -1, LANE_B, 1][table[:, -1, LANE_B, 0] == FUSED].tolist())
+    assert fused == {k for k, f in enumerate(sched.fusable) if f}
+    keep = np.random.default_rng(seed).random(sched.n_chunks) < 0.5
+    assert np.array_equal(
+        sch.paired_ticks(sched, keep=keep), sch.paired_ticks(sched, keep=keep & np.array(sched.fusable))
+    )

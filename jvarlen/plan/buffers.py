@@ -27,6 +27,7 @@ input is the embedding); on a later stage it still needs the stash slot its inpu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes, paired_ticks
 
 __all__ = [
     "FUSED",
+    "Peaks",
     "SLOT_COUNTS",
     "SlotCounts",
     "SlotTables",
@@ -78,7 +80,7 @@ class SlotTables:
     n_res: int
     n_ckpt: int
     fused: bool
-    peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
+    peaks: Mapping = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, holders)
 
     def with_counts(self, sizes) -> "SlotTables":
         """The same assignment inside the bigger buffers of ``sizes`` (a signature, or anything with
@@ -180,7 +182,7 @@ class SlotCounts:
     n_res: int
     n_ckpt: int
     fused: bool
-    peaks: dict = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, chunks)
+    peaks: Mapping = dataclasses.field(default_factory=dict, compare=False)  # kind -> (stage, tick, holders)
 
 
 def slot_counts(
@@ -311,9 +313,7 @@ class _Slots:
         for name in ("stash", "grad", "res", "ckpt"):
             per_stage = [self.live(p, name).count for p in range(self.pp)]
             p = int(np.argmax(per_stage))  # the first stage where the kind peaks
-            counts[name], peaks[name] = per_stage[p], (p,) + self.live(p, name).peak()
-        if self.fx.ctx_peak is not None:
-            peaks["ctx"] = self.fx.ctx_peak
+            counts[name], peaks[name] = per_stage[p], (p, self.live(p, name))
         return SlotCounts(
             n_stash=counts["stash"],
             n_grad=counts["grad"],
@@ -321,8 +321,35 @@ class _Slots:
             n_res=counts["res"],
             n_ckpt=counts["ckpt"],
             fused=bool(self.fx.fused.any()),
-            peaks=peaks,
+            peaks=Peaks(peaks, self.fx.ctx_peak),
         )
+
+
+class Peaks(Mapping):
+    """Slot kind -> (stage, tick, holders) at the first stage and phase where the kind's slots peak
+    (holders: chunks, or (chunk, layer) keys), read when asked: the planner's executor-memory repair
+    measures thousands of tables and reads one kind's peak chunks (:meth:`chunks`) of each."""
+
+    def __init__(self, lives: dict, ctx_peak: Optional[tuple]):
+        self._lives = lives  # kind -> (stage, Live)
+        self._ctx = {} if ctx_peak is None else {"ctx": ctx_peak}
+
+    def __getitem__(self, kind: str) -> tuple:
+        if kind in self._ctx:
+            return self._ctx[kind]
+        stage, live = self._lives[kind]
+        return (stage,) + live.peak()
+
+    def __iter__(self):
+        return iter(list(self._lives) + list(self._ctx))
+
+    def __len__(self) -> int:
+        return len(self._lives) + len(self._ctx)
+
+    def chunks(self, kind: str) -> tuple[int, list[int]]:
+        """(stage, chunks holding ``kind``'s slots at its peak, ascending) of a slot kind."""
+        stage, live = self._lives[kind]
+        return stage, live.peak_chunks()
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Mapping
 from typing import Optional
 
 import numpy as np
@@ -40,11 +41,11 @@ from jvarlen.plan.simulator import simulate
 @dataclasses.dataclass(frozen=True)
 class ExecutorMemory:
     """Bytes per device, by term (see the module docstring), the sizes they come from, and where
-    each slot kind peaks (``SlotTables.peaks``: kind -> (stage, tick, holders))."""
+    each slot kind peaks (:class:`jvarlen.plan.buffers.Peaks`: kind -> (stage, tick, holders))."""
 
     terms: dict
     sizes: dict
-    peaks: dict = dataclasses.field(default_factory=dict)
+    peaks: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -55,58 +56,76 @@ class ExecutorMemory:
         return f"{self.total / 1e6:.1f} MB ({parts})"
 
 
-def executor_memory(
-    plan,
-    cost,
-    stored_bytes: Optional[float] = None,
-    fuse: bool = True,
-    ticks: Optional[np.ndarray] = None,
-    memo: Optional[dict] = None,
-    shapes: Optional[list[ChunkShape]] = None,
-) -> ExecutorMemory:
+def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True) -> ExecutorMemory:
     """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
     as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
     signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
-    the coefficients'. ``ticks``: the plan's paired tick table (:func:`plan_ticks`), where the
-    caller has it; ``memo``: :func:`jvarlen.plan.buffers.slot_counts`', kept by a caller that
-    measures one plan under several recomputation tables, and the plan's ``chunk_shapes()``."""
-    layout, model, c = cost.layout, cost.model, cost.coeffs
-    sp, ls, e = layout.sp, cost.layers_per_stage, c.bytes_per_element
-    shapes = plan.chunk_shapes() if shapes is None else shapes
-    ckpt = np.asarray(plan.ckpt_layers, np.int32)
-    bucket = executor_buckets(max(s.tokens for s in shapes), sp)[0]
-    if ticks is None:
-        ticks = plan_ticks(plan.schedule, ckpt, fuse)
-    slots = slot_counts(
-        ticks,
-        plan.schedule.chunk_prev,
-        ckpt,
-        ls,
-        uses_context=[s.context > 0 or not s.tail for s in shapes],
-        ctx_need=[s.context + (0 if s.tail else s.slices[0]) for s in shapes],
-        memo=memo,
-    )
-    sizes = {name: getattr(slots, name) for name in SLOT_COUNTS + ("fused",)}
-    sizes["context"] = executor_context(shapes, bucket)
-    rounded = round_buffers(types.SimpleNamespace(**sizes), bucket, ls)
-    tl = bucket / sp
-    stored = stored_bytes if stored_bytes is not None else (c.m_stored_token or c.m_token)
-    kv_heads = model.num_kv_heads * (sp // math.gcd(model.num_kv_heads, sp)) // sp  # after the all-to-all
-    kv_row = kv_heads * model.head_dim * e  # one layer's K (or V) of one token, per device
-    sc = rounded["context"]
-    recomputes = bool((ckpt > 0).any())
-    work = cost.backward_memory(ChunkShape(sc, (bucket,), tail=True), ls if recomputes else 0)
-    op = work + (2 * ls * sc * kv_row if sc else 0) + (ls * tl * stored if rounded["fused"] else 0)
-    terms = dict(
-        states=max(cost.model_state_memory(p) for p in range(layout.pp)),
-        stash=(rounded["n_stash"] + 1) * tl * model.d_model * e,
-        grad=(rounded["n_grad"] + 1) * tl * model.d_model * e,
-        context=4 * ls * rounded["ctx_rows"] * kv_row if sc else 0.0,
-        residuals=rounded["n_res"] * tl * stored,
-        checkpoints=rounded["n_ckpt"] * tl * model.d_model * e,
-        op=op,
-    )
-    return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=bucket), slots.peaks)
+    the coefficients'."""
+    return _Account(plan, cost, stored_bytes, fuse).measure(plan.ckpt_layers)
+
+
+class _Account:
+    """:func:`executor_memory` of one plan under any recomputation table: what the table does not
+    change (the chunks' bucket and context, the model states, the largest op's working memory) is
+    computed once, and each tick table's slot memo is kept (the table changes only with the chunks
+    kept apart that the last stage could fuse), so that :func:`fit_executor`'s repairs measure
+    thousands of tables."""
+
+    def __init__(self, plan, cost, stored_bytes: Optional[float], fuse: bool):
+        layout, model, c = cost.layout, cost.model, cost.coeffs
+        self.plan, self.cost, self.fuse = plan, cost, fuse
+        self.ls, self.e, self.d_model = cost.layers_per_stage, c.bytes_per_element, model.d_model
+        self.shapes = shapes = plan.chunk_shapes()
+        self.tokens = [s.tokens for s in shapes]
+        self.bucket = executor_buckets(max(self.tokens), layout.sp)[0]
+        self.uses_context = [s.context > 0 or not s.tail for s in shapes]
+        self.ctx_need = [s.context + (0 if s.tail else s.slices[0]) for s in shapes]
+        self.context = executor_context(shapes, self.bucket)
+        self.tl = self.bucket / layout.sp
+        self.stored = stored_bytes if stored_bytes is not None else (c.m_stored_token or c.m_token)
+        kv_heads = model.num_kv_heads * (layout.sp // math.gcd(model.num_kv_heads, layout.sp)) // layout.sp
+        self.kv_row = kv_heads * model.head_dim * self.e  # one layer's K (or V) of one token, per device
+        self.states = max(cost.model_state_memory(p) for p in range(layout.pp))
+        self._work: dict = {}  # (context rows, recomputes) -> the largest backward's working memory
+        self._ticks: dict = {}  # fusable chunks kept apart -> (paired tick table, slot memo)
+        self.fusable = np.asarray(plan.schedule.fusable, bool) & fuse  # only these can change the table
+
+    def measure(self, ckpt) -> ExecutorMemory:
+        ckpt = np.asarray(ckpt, np.int32)
+        key = (kept_apart(ckpt) & self.fusable).tobytes()
+        if key not in self._ticks:
+            self._ticks[key] = plan_ticks(self.plan.schedule, ckpt, self.fuse), {}
+        ticks, memo = self._ticks[key]
+        ls, tl, d, e = self.ls, self.tl, self.d_model, self.e
+        slots = slot_counts(
+            ticks,
+            self.plan.schedule.chunk_prev,
+            ckpt,
+            ls,
+            uses_context=self.uses_context,
+            ctx_need=self.ctx_need,
+            memo=memo,
+        )
+        sizes = {name: getattr(slots, name) for name in SLOT_COUNTS + ("fused",)}
+        sizes["context"] = self.context
+        rounded = round_buffers(types.SimpleNamespace(**sizes), self.bucket, ls)
+        sc = rounded["context"]
+        recomputes = bool((ckpt > 0).any())
+        if (sc, recomputes) not in self._work:
+            shape = ChunkShape(sc, (self.bucket,), tail=True)
+            self._work[sc, recomputes] = self.cost.backward_memory(shape, ls if recomputes else 0)
+        op = self._work[sc, recomputes] + (2 * ls * sc * self.kv_row if sc else 0)
+        op += ls * tl * self.stored if rounded["fused"] else 0
+        terms = dict(
+            states=self.states,
+            stash=(rounded["n_stash"] + 1) * tl * d * e,
+            grad=(rounded["n_grad"] + 1) * tl * d * e,
+            context=4 * ls * rounded["ctx_rows"] * self.kv_row if sc else 0.0,
+            residuals=rounded["n_res"] * tl * self.stored,
+            checkpoints=rounded["n_ckpt"] * tl * d * e,
+            op=op,
+        )
+        return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=self.bucket), slots.peaks)
 
 
 def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True, mode: str = "paired"):
@@ -127,39 +146,31 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
     -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs raised). With neither
     fitting, the by-chunk table: the account may be over even when everything is recomputed."""
     ckpt = np.array(plan.ckpt_layers, np.int32)
-    account = executor_memory(plan, cost, stored_bytes, fuse)
+    accounts = _Account(plan, cost, stored_bytes, fuse)
+    account = accounts.measure(ckpt)
     if account.total <= cost.memory_budget:
         return ckpt, account, []
-    shapes = plan.chunk_shapes()
-
-    tick_tables = {}  # the tick table changes only with the chunks kept apart on the last stage
-
-    def measure(table):
-        key = kept_apart(table).tobytes()
-        if key not in tick_tables:
-            tick_tables[key] = plan_ticks(plan.schedule, table, fuse), {}
-        ticks, memo = tick_tables[key]
-        return executor_memory(
-            dataclasses.replace(plan, ckpt_layers=table), cost, stored_bytes, fuse, ticks, memo, shapes
-        )
 
     def iteration_time(table):
-        return simulate(plan.schedule, shapes, table, cost, mode, validate=False, timeline=False).iteration_time
+        return simulate(
+            plan.schedule, accounts.shapes, table, cost, mode, validate=False, timeline=False
+        ).iteration_time
 
-    repairs = [_repair_by_chunk(ckpt, account, shapes, cost.layers_per_stage, cost.memory_budget, measure)]
-    capped = _repair_by_cap(ckpt, cost.layers_per_stage, cost.memory_budget, measure)
+    ls, budget = cost.layers_per_stage, cost.memory_budget
+    repairs = [_repair_by_chunk(ckpt, account, accounts.tokens, ls, budget, accounts.measure)]
+    capped = _repair_by_cap(ckpt, ls, budget, accounts.measure)
     if capped is not None:
         repairs.append(capped)
-    fitting = [r for r in repairs if r[1].total <= cost.memory_budget]
+    fitting = [r for r in repairs if r[1].total <= budget]
     table, account = min(fitting, key=lambda r: iteration_time(r[0])) if len(fitting) > 1 else (fitting or repairs)[0]
     return table, account, [(int(k), int(p)) for k, p in zip(*np.nonzero(table != ckpt))]
 
 
-def _repair_by_chunk(ckpt, account, shapes, ls: int, budget: float, measure):
-    """The by-chunk repair of :func:`fit_executor` -> (ckpt, account)."""
+def _repair_by_chunk(ckpt, account, tokens, ls: int, budget: float, measure):
+    """The by-chunk repair of :func:`fit_executor` -> (ckpt, account); ``tokens [n]``: per chunk."""
     ckpt = ckpt.copy()
     while account.total > budget:
-        pick = _next_to_recompute(account, ckpt, shapes, ls)
+        pick = _next_to_recompute(account, ckpt, tokens, ls)
         if pick is None:
             break
         ckpt[pick] = ls
@@ -185,14 +196,13 @@ def _repair_by_cap(ckpt, ls: int, budget: float, measure):
     return best
 
 
-def _next_to_recompute(account: ExecutorMemory, ckpt, shapes, ls: int):
+def _next_to_recompute(account: ExecutorMemory, ckpt, tokens, ls: int):
     """(chunk, stage) whose full recomputation can lower ``account`` next, or None."""
     pp = ckpt.shape[1]
     if account.sizes["n_res"]:
-        stage, _, holders = account.peaks["res"]
-        chunks = sorted({k for k, _ in holders})
-        return min(((k, stage) for k in chunks), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
-    fused = [k for k in range(len(shapes)) if ckpt[k, pp - 1] < ls]
+        stage, chunks = account.peaks.chunks("res")
+        return min(chunks, key=lambda k: (tokens[k], k)), stage
+    fused = [k for k in range(len(tokens)) if ckpt[k, pp - 1] < ls]
     if account.sizes["fused"] and fused:
-        return min(((k, pp - 1) for k in fused), key=lambda kp: (shapes[kp[0]].tokens, kp[0]))
+        return min(fused, key=lambda k: (tokens[k], k)), pp - 1
     return None

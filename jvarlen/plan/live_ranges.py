@@ -137,22 +137,31 @@ class Live:
         :func:`peak_of` finds on :meth:`intervals` (computed once: a memo serves one range set to
         many calls)."""
         if self._peak is None:
-            if self._first < 0:
-                self._peak = 0, []
-            else:
-                at = int(self.start[self._first])
-                live = (self.start <= at) & (at <= self.end)
-                chunks = self._chunks[live]
-                if self.layers is None:
-                    keys = sorted(chunks.tolist())
-                else:  # (chunk, layer) for the layers lo..hi-1 of each live chunk, sorted
-                    lo, hi = self.layers[live].T
-                    k = np.repeat(chunks, hi - lo)
-                    layer = np.arange(len(k)) - np.repeat(np.cumsum(hi - lo) - (hi - lo) - lo, hi - lo)
-                    order = np.lexsort((layer, k))
-                    keys = list(zip(k[order].tolist(), layer[order].tolist()))
-                self._peak = at // 3, keys
+            at, chunks = self._at_peak()
+            if self.layers is None:
+                keys = sorted(chunks.tolist())
+            else:  # (chunk, layer) for the layers lo..hi-1 of each live chunk, sorted
+                lo, hi = self.layers[self._live_at(at)].T
+                k = np.repeat(chunks, hi - lo)
+                layer = np.arange(len(k)) - np.repeat(np.cumsum(hi - lo) - (hi - lo) - lo, hi - lo)
+                order = np.lexsort((layer, k))
+                keys = list(zip(k[order].tolist(), layer[order].tolist()))
+            self._peak = at // 3, keys
         return self._peak
+
+    def peak_chunks(self) -> list[int]:
+        """The chunks among :meth:`peak`'s holders, ascending (without a key per layer)."""
+        return sorted(self._at_peak()[1].tolist())
+
+    def _at_peak(self) -> tuple[int, np.ndarray]:
+        """(phase of the peak, chunks live there); (0, none) without ranges."""
+        if self._first < 0:
+            return 0, self._chunks[:0]
+        at = int(self.start[self._first])
+        return at, self._chunks[self._live_at(at)]
+
+    def _live_at(self, at: int) -> np.ndarray:
+        return (self.start <= at) & (at <= self.end)
 
     @property
     def slots(self) -> dict:

@@ -90,6 +90,13 @@ class Schedule:
                 nxt[j] = k
         return tuple(nxt)
 
+    @functools.cached_property
+    def fusable(self) -> tuple[bool, ...]:
+        """``[n]``: the last stage's program runs B(k) right after F(k) (:func:`paired_ticks` fuses them)."""
+        last = self.stages[-1]
+        pairs = {a.chunk for a, b in zip(last, last[1:]) if a.kind == "F" and b.kind == "B" and a.chunk == b.chunk}
+        return tuple(k in pairs for k in range(self.n_chunks))
+
     def docs(self) -> tuple[tuple[int, ...], ...]:
         """Document ids per chunk; without ``chunk_docs`` a chain of linked chunks is one document."""
         if self.chunk_docs is not None:
@@ -149,10 +156,7 @@ class Schedule:
 
     @classmethod
     def from_ticks(
-        cls,
-        table: np.ndarray,
-        chunk_prev: Sequence[int],
-        chunk_docs: Optional[Sequence[Sequence[int]]] = None,
+        cls, table: np.ndarray, chunk_prev: Sequence[int], chunk_docs: Optional[Sequence[Sequence[int]]] = None
     ) -> "Schedule":
         """Inverse of :meth:`to_ticks` (drops idle ticks); checks the tick order is feasible."""
         table = np.asarray(table)
@@ -304,9 +308,7 @@ def paired_ticks(sched: Schedule, fuse_last: bool = True, keep: Optional[Sequenc
             (pos_f if op.kind == "F" else pos_b)[p][op.chunk] = i
     remaining = sum(len(prog) for prog in sched.stages)
     done_f, done_b, ready_f, ready_b = _progress(sched, remaining + 1)  # never: every tick runs an op
-    fusable = [  # on the last stage: F(k) directly followed by B(k) in the program, not kept
-        fuse_last and (keep is None or not keep[k]) and 0 <= pos_f[last][k] == pos_b[last][k] - 1 for k in range(n)
-    ]
+    fusable = [fuse_last and f and (keep is None or not keep[k]) for k, f in enumerate(sched.fusable)]
 
     fi, bi, t = [0] * pp, [0] * pp, 0
     placed: list[tuple[int, int, int, int, int]] = []  # (tick, stage, lane, op, chunk): one array at the end
