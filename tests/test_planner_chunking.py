@@ -5,6 +5,8 @@ import pytest
 from conftest import small_cost
 
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.cost import CostModel
+from jvarlen.plan.hardware import H100, analytic_coefficients
 from jvarlen.plan.sequence_processor import Mesh, bucket_mesh, chunk_batch, split_document, split_mesh
 from jvarlen.plan.units import families_of
 from jvarlen.plan.workloads import sample_batch
@@ -38,6 +40,20 @@ def test_mesh_slices_have_equal_backward_time_and_shrink(n):
     # Equal up to one token's worth of time (slices are integers) plus the smaller tail.
     assert max(times[:-1], default=times[0]) - min(times[:-1], default=times[0]) < 1e-3 * max(times)
     assert mesh.token_threshold == mesh.slices[0]
+
+
+def test_a_cost_models_meshes_are_kept_and_are_what_the_bisection_gives():
+    """The planner asks for one mesh per group and per batch: the cost model keeps it, equal to
+    the bisection's; a cost model of other coefficients has its own."""
+    from jvarlen.plan.sequence_processor import _split_mesh
+
+    cost = small_cost()
+    mesh = split_mesh(cost, 40_000, 5)
+    assert split_mesh(cost, 40_000, 5) is mesh and mesh == _split_mesh(cost, 40_000, 5, 16)
+    assert split_mesh(cost, 40_000, 6) == _split_mesh(cost, 40_000, 6, 16) != mesh
+    faster = CostModel(cost.model, cost.layout, analytic_coefficients(cost.model, H100))  # small_cost: A800
+    assert split_mesh(faster, 40_000, 5) == _split_mesh(faster, 40_000, 5, 16)
+    assert split_mesh(faster, 40_000, 5).time_threshold < mesh.time_threshold
 
 
 def _check_invariants(lengths, result, cost, max_perturbation):

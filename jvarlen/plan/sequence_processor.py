@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -124,10 +125,22 @@ def split_mesh(cost, max_length: int, n_slices: int, iters: int = 16) -> Mesh:
 
     Bisection on the time target τ: each slice is the longest one whose backward
     time (given its causal context) is ≤ τ; the least τ that needs ≤ N slices wins.
+    Kept per cost model (its costs are fixed when it is built): the planner asks for the same
+    mesh for each group of a layout and each batch whose longest document is the context cap.
     """
     if n_slices < 1 or max_length < 1:
         raise ValueError(f"need n_slices >= 1 and max_length >= 1, got {n_slices}, {max_length}")
-    n_slices = min(n_slices, max_length)
+    meshes = _MESHES.setdefault(cost, {})
+    key = (int(max_length), min(int(n_slices), int(max_length)), int(iters))
+    if key not in meshes:
+        meshes[key] = _split_mesh(cost, *key)
+    return meshes[key]
+
+
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cost model -> {(length, N, iters): Mesh}
+
+
+def _split_mesh(cost, max_length: int, n_slices: int, iters: int) -> Mesh:
     # Equal-time slices take about T(whole)/N each (plus per-chunk constants): bracket around that.
     whole = cost.bwd_time(ChunkShape(0, (max_length,)))
     hi = 2.0 * whole / n_slices
