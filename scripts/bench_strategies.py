@@ -353,8 +353,9 @@ def auto_part(iterations: int, quick: bool) -> list[dict]:
         rows = []
         for i in range(iterations):
             batch = token_batch(pool, setting.tokens, 3000 + i)
+            planned = run_plan("auto", batch, costs, auto)  # first: what the cost models keep is of earlier batches
             singles = {p: run_plan(p, batch, costs, given.get(p)) for p in AUTO_POLICIES}
-            rows.append({"auto": run_plan("auto", batch, costs, auto), "singles": singles})
+            rows.append({"auto": planned, "singles": singles})
         out.append({"setting": setting.name, "batches": rows})
         print(setting.name, [(r["auto"].get("iter_s"), r["auto"].get("cpu_s")) for r in rows], flush=True)
     return out
