@@ -58,7 +58,8 @@ _WORKER: dict = {}  # in a worker process: the solver its service started it wit
 def _start_worker(parent_pid: int, solve: Callable) -> None:
     """Worker initializer: :func:`exit_with_parent`, and the solver, sent once and kept, so that
     what its cost models keep between calls (slice meshes, the schemes' cost tables) serves every
-    batch the worker plans (sent with each batch, a fresh copy planned ~1.4× slower)."""
+    batch the worker plans (a copy sent with each batch started cold: 1.27× the planning time,
+    docs/benchmarks.md, "Strategies")."""
     exit_with_parent(parent_pid)
     _WORKER["solve"] = solve
 
