@@ -70,3 +70,25 @@ def test_failed_worker_falls_back():
         assert plan.stats["service_source"] == "fallback:failed"
         assert svc.events[0].kind == "failed" and "ValueError" in svc.events[0].detail
         plan.validate(batch, cost)
+
+
+class _Counting:
+    """A solver that numbers the batches it has planned."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, lengths):
+        self.calls += 1
+        plan = plan_iteration(lengths, cost=_cost(), policy="epp-fast", options=OPTS)
+        plan.stats["solver_calls"] = self.calls
+        return plan
+
+
+def test_a_worker_keeps_its_solver_between_batches():
+    """The solver is sent to a worker once, so what its cost models keep between calls (slice
+    meshes, the schemes' cost tables) serves every later batch; one copy sent per batch would
+    start each cold."""
+    with PlanningService(None, workers=1, solve=_Counting()) as svc:
+        plans = list(svc.stream(iter([[3000, 2000, 1000]] * 3), ahead=2, wait=True))
+    assert [p.stats["solver_calls"] for p in plans] == [1, 2, 3]
