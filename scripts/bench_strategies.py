@@ -6,7 +6,7 @@ on it once (``options.for_corpus``: Hydraulis' Eq. 4 proposal, timed) and K batc
 ``tokens`` tokens (documents drawn until the batch holds that many) are planned with
 every policy of :func:`jvarlen.plan.strategy.strategy_policies` and with every static homogeneous
 layout ``d × P``. Reported per policy: mean simulated iteration time (the slowest group's, its step
-overhead with the parameter pull and gradient push included; lock-step executor), speedup over the best *static* homogeneous layout (one scheme for every
+overhead with the parameter pull and gradient push included; the executor's paired model), speedup over the best *static* homogeneous layout (one scheme for every
 batch, the best on average that fits every batch) and over the best homogeneous layout *per
 iteration*, propagation-only speedup (slowest group, no pull/push), imbalance between groups,
 bubble, solve time (CPU seconds of one process), memory headroom. Speedups are ratios of mean
@@ -529,8 +529,9 @@ def main() -> int:
 def section(record, args) -> str:
     out = [
         "Strategy policies (device groups of different schemes in one iteration; issue 15) against the "
-        "homogeneous layouts, all on analytic profiles (`jvarlen.plan.hardware`), simulated in the lock-step "
-        f"executor model. `python scripts/bench_strategies.py --iterations {args.iterations}` "
+        "homogeneous layouts, all on analytic profiles (`jvarlen.plan.hardware`), simulated in the executor's "
+        "model (paired ticks, every chunk of a group's step padded to one bucket; the policies' default "
+        f"since 2026-11-28). `python scripts/bench_strategies.py --iterations {args.iterations}` "
         "(2-core CPU machine shared with other jobs; timing with `taskset -c 1 python "
         "scripts/bench_strategies.py --parts timing`). Design and reading of the results: "
         '`docs/design/heterogeneous.md`, "Hydraulis policy". "pull/push overlapped": the per-iteration '

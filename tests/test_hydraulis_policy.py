@@ -154,14 +154,17 @@ def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simu
     costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
     # without the homogeneous layouts' own finalists (which hold 1×(pp=1, sp=8) now): the rule
     # for candidates whose estimate beats the simulated finalists
-    options = dataclasses.replace(HydraulisOptions().for_corpus(pool, costs, setting.context), homogeneous_top=0)
+    # (found in the lock-step model without the executor's padding, "ticks")
+    hydraulis = HydraulisOptions(simulation="ticks").for_corpus(pool, costs, setting.context)
+    options = dataclasses.replace(hydraulis, homogeneous_top=0)
     batch = bench.token_batch(pool, setting.tokens, 1004)
     plan = plan_strategy("hydraulis", batch, costs, options)
     candidates = plan.stats["candidates"]
     simulated = [c["iteration_time_s"] for c in candidates if c["estimate"] == "simulated"]
     assert len(simulated) == 3 and plan.stats["iteration_time_s"] == min(simulated)
     assert all(c["estimated_s"] >= min(simulated) for c in candidates if c["estimate"] == "packed")
-    assert plan.stats["iteration_time_s"] <= plan_strategy("homogeneous", batch, costs).stats["iteration_time_s"]
+    homogeneous = plan_strategy("homogeneous", batch, costs, HomogeneousOptions(simulation="ticks"))
+    assert plan.stats["iteration_time_s"] <= homogeneous.stats["iteration_time_s"]
 
 
 def test_per_iteration_homogeneous_is_no_slower_than_the_static_layout_its_estimate_misranks():
@@ -201,10 +204,12 @@ def test_hydraulis_and_homogeneous_simulate_the_homogeneous_layout_ranked_fourth
     setting = next(s for s in bench.settings(False) if s.name == "stdlib 7B h100 64 dev 200K tok 32K ctx")
     costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
     batch = bench.token_batch(pool, setting.tokens, 1002)
-    static = plan_strategy("homogeneous", batch, costs, HomogeneousOptions(scheme=Scheme(4, 8)))
-    homogeneous = plan_strategy("homogeneous", batch, costs)
-    hydraulis = plan_strategy("hydraulis", batch, costs, HydraulisOptions().for_corpus(pool, costs, setting.context))
+    ticks = HomogeneousOptions(simulation="ticks")  # found in the lock-step model without padding
+    static = plan_strategy("homogeneous", batch, costs, dataclasses.replace(ticks, scheme=Scheme(4, 8)))
+    homogeneous = plan_strategy("homogeneous", batch, costs, ticks)
+    options = HydraulisOptions(simulation="ticks").for_corpus(pool, costs, setting.context)
+    hydraulis = plan_strategy("hydraulis", batch, costs, options)
     assert homogeneous.stats["iteration_time_s"] <= static.stats["iteration_time_s"]
     assert hydraulis.stats["iteration_time_s"] <= homogeneous.stats["iteration_time_s"]
-    off = plan_strategy("homogeneous", batch, costs, HomogeneousOptions(homogeneous_top=0))
+    off = plan_strategy("homogeneous", batch, costs, dataclasses.replace(ticks, homogeneous_top=0))
     assert off.stats["iteration_time_s"] > 1.05 * static.stats["iteration_time_s"]  # what the option fixes

@@ -47,7 +47,8 @@ class EPPPipelinesOptions:
     per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
     iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
     not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
-    ``planner``: EPP's options (lock-step simulation: the executor's model)."""
+    ``planner``: EPP's options (the executor's model, ``"paired"``: EPP then cuts bucket-sized
+    slices, which the executor pads least)."""
 
     scheme: Optional[Scheme] = None
     max_pp: int = 8
@@ -56,7 +57,7 @@ class EPPPipelinesOptions:
     planner: PlannerOptions = PlannerOptions(
         min_slice_tokens=512,
         n_candidates=2,
-        simulation="ticks",
+        simulation="paired",
         solver=SolverOptions(time_limit_s=5.0, deterministic_time=0.2),
     )
 

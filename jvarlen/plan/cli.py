@@ -52,7 +52,7 @@ class PlanCli:
     n_slices: int = 0  # fix Alg. 1's N (0: tune)
     # execution model: "async" (InfiniPipe's simulator), "ticks" (one op per stage and tick) or "paired"
     # (jvarlen's pipeline executor: a backward and a forward per tick); default: "async" for
-    # the elastic-pipeline policies, the policy's own default (lock-step "ticks") for strategy policies
+    # the elastic-pipeline policies, the policy's own default ("paired") for strategy policies
     simulation: Optional[str] = None
     devices: int = 0  # strategy policies: devices of the run (0: the config's dp * pp * sp)
 

@@ -77,7 +77,7 @@ class DCPOptions:
     max_batch_docs: int = 512
     max_sp: Optional[int] = None
     micro_batch_tokens: Optional[int] = None
-    simulation: str = "ticks"
+    simulation: str = "paired"
     homogeneous_top: int = 2
 
     def __post_init__(self):

@@ -83,7 +83,7 @@ class FlexSPOptions:
     patience: int = 6
     local_search: bool = True
     homogeneous_top: int = 2
-    simulation: str = "ticks"
+    simulation: str = "paired"
 
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:

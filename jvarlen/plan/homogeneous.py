@@ -43,7 +43,7 @@ class HomogeneousOptions:
     micro_batch_tokens: Optional[int] = None
     max_recompute: Optional[int] = None
     local_search: bool = True
-    simulation: str = "ticks"
+    simulation: str = "paired"
 
 
 def homogeneous_groups(

@@ -32,6 +32,9 @@ model) and caches them per ``SchemeCosts`` object.
   ``(PP - 1 + κ V)`` slowest micro-batches (``simulation="ticks"``, pp > 1; measured on uniform
   micro-batches: 1.27-1.29 per micro-batch). Every solver charges a pipeline's micro-batches κ times
   (:mod:`jvarlen.plan.hydraulis_pack`, :mod:`jvarlen.plan.hydraulis_dispatch`, the proposal).
+  The executor's own model (``simulation="paired"``, the default) runs a backward and a forward
+  per stage and tick, κ = 1, but pads every micro-batch of a group's step to one bucket, which
+  ``T(l, P)`` leaves out: only the simulation of the finalists charges it.
 * **UtilLen (App. C).** The shortest micro-batch whose GEMM part runs at ``util_threshold`` of
   its asymptotic efficiency: ``b l / (b l + c) ≥ θ``, i.e. ``l ≥ θ c / ((1 - θ) b)``. (Our
   throughput curve ``l / T(l)`` peaks and then falls because of the quadratic term, so the

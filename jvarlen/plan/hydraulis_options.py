@@ -14,7 +14,7 @@ from jvarlen.plan.hydraulis_pack import PackOptions
 from jvarlen.plan.strategy import Scheme, SchemeCosts, enumerate_schemes
 
 RECOMPUTE = ("auto", "none")
-SIMULATIONS = ("ticks", "async")
+SIMULATIONS = ("paired", "ticks", "async")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,10 @@ class AssignmentOptions:
     estimates rank each other worst (pipelines of different depths): on 64 H100s, 2×(pp=4, sp=8)
     ranked fourth by estimate and simulated 8 % below the chosen layout. So ``hydraulis``, whose
     candidates include the homogeneous layouts, simulates what ``homogeneous`` does (0: off).
-    ``simulation``: the executor model the group plans are simulated in (lock-step ``"ticks"``).
+    ``simulation``: the executor model the group plans are simulated in: ``"paired"`` (the
+    executor's: paired ticks, every chunk of a group's step padded to one bucket), ``"ticks"`` (one
+    op per tick, no padding: these policies' model before 2026-11-28, up to 2× below the
+    executor's time on the strategies benchmark) or ``"async"``.
     """
 
     schemes: Optional[tuple[Scheme, ...]] = None
@@ -56,7 +59,7 @@ class AssignmentOptions:
     simulate_top: int = 2
     simulate_margin: float = 0.2
     homogeneous_top: int = 4
-    simulation: str = "ticks"
+    simulation: str = "paired"
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:

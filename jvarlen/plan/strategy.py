@@ -334,7 +334,7 @@ def build_group_plan(
     micro_batches: Sequence[Sequence[int]],
     costs: SchemeCosts,
     ckpt: str | Sequence[int] = "fit",
-    simulation: str = "ticks",
+    simulation: str = "paired",
     solver=None,
     stats: Optional[dict] = None,
     events: Optional[list] = None,
