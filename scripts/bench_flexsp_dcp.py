@@ -17,7 +17,9 @@ with the least recomputation per micro-batch (our strict reference) or every lay
 (the papers' protocol: DeepSpeed-Ulysses / bucket parallel with full activation checkpointing).
 The degree is chosen on the group model; every time, the references' as the policies', is that of
 the executor plans, whose recomputation is raised where the executor's buffers would not fit
-(docs/design/executor-memory.md; before 2026-11-27 neither side was). Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
+(docs/design/executor-memory.md; before 2026-11-27 neither side was), simulated in the executor's
+model (paired ticks, every micro-batch of a group's step padded to one bucket; before 2026-11-28
+the lock-step model without padding). Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
 slowest group's propagation only (without the per-iteration step overhead, which includes the
 parameter pull and gradient push and is the same constant for every strategy here). Also measures planning time at
 ~200K tokens per iteration on 64 devices (the policies' per-iteration budget). Writes the
@@ -347,10 +349,13 @@ add is heterogeneity. What limits the gains here: (1) intra-node all-to-all is c
 A800/H200 models (sp <= 8 scales almost linearly), so only groups crossing nodes lose much;
 (2) Ulysses needs sp | heads: GPT-13B (40 heads) has groups of at most 8 devices, its 256K documents
 then bound every layout alike (1.00×); (3) the per-iteration step overhead (gradient sync, parameter
-pull) is a constant that dilutes the iteration speedups, hence the propagation columns; (4) DCP's groups each run one bucket of lengths,
-which fragments the devices (FlexSP mixes lengths in a group and is at least as fast on every row).
-The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation for DCP's baseline) give the
-larger ratios, as in the papers."""
+pull) is a constant that dilutes the iteration speedups, hence the propagation columns; (4) the
+executor pads every micro-batch of a group's step to one bucket, which the policies' group model does
+not price (only the simulated plans pay it): FlexSP, whose groups mix lengths, pads most, and DCP,
+whose groups each run one bucket of lengths, least (in the lock-step model without padding FlexSP
+was at least as fast as DCP on every row; docs/design/heterogeneous.md, "Group plans in the
+executor's model"). The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation
+for DCP's baseline) give the larger ratios, as in the papers."""
 
 
 def write_section(text: str, path: pathlib.Path = ROOT / "docs" / "benchmarks.md") -> None:
