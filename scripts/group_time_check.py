@@ -21,14 +21,12 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_strategies as bench  # noqa: E402
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError  # noqa: E402
+from jvarlen.plan.assemble import simulate  # noqa: E402
 from jvarlen.plan.auto import AUTO_POLICIES  # noqa: E402
-from jvarlen.plan.simulator import simulate  # noqa: E402
 from jvarlen.plan.strategy import plan_strategy, strategy_policies  # noqa: E402
 
 
@@ -42,18 +40,7 @@ def options_in(policy: str, mode: str, pool, costs, context: int):
 
 
 def slowest_group(plan, costs, mode: str) -> float:
-    return max(
-        simulate(
-            g.plan.schedule,
-            g.plan.chunk_shapes(),
-            np.asarray(g.plan.ckpt_layers),
-            costs.cost(g.scheme),
-            mode,
-            validate=False,
-            timeline=False,
-        ).iteration_time
-        for g in plan.groups
-    )
+    return max(simulate(g.plan, costs.cost(g.scheme), mode, timeline=False).iteration_time for g in plan.groups)
 
 
 def main() -> int:
