@@ -1,5 +1,6 @@
-"""Chunk buckets of the pipeline path: quarter steps of the next power of two (less padding than
-power-of-two buckets), falling back to the power of two when sp does not divide the step."""
+"""Chunk buckets of the pipeline path: eighth steps of the next power of two (less padding than
+power-of-two buckets), coarser steps where sp does not divide an eighth, the power of two when sp
+divides no step."""
 
 import types
 
@@ -15,23 +16,24 @@ def _plans(*chunk_tokens):
 @pytest.mark.parametrize(
     "longest, sp, expected",
     [
-        (700, 1, [768, 1024]),
-        (520, 2, [768, 1024]),
-        (513, 1, [768, 1024]),
+        (700, 1, [768, 896, 1024]),
+        (520, 2, [640, 768, 896, 1024]),
+        (513, 1, [640, 768, 896, 1024]),
         (512, 1, [512]),
         (1024, 4, [1024]),
-        (1100, 1, [1536, 2048]),
-        (1600, 2, [2048]),
-        (1400, 2, [1536, 2048]),
+        (1100, 1, [1280, 1536, 1792, 2048]),
+        (1600, 2, [1792, 2048]),
+        (1400, 2, [1536, 1792, 2048]),
         (20, 1, [32]),
-        (700, 3, [1024]),  # 256-token steps are not divisible by sp = 3: power of two only
+        (90, 32, [96, 128]),  # an eighth of 128 (16) is not divisible by sp = 32: quarters
+        (700, 3, [1024]),  # no step of 1024 is divisible by sp = 3: power of two only
     ],
 )
 def test_bucket_candidates(longest, sp, expected):
     assert chunk_buckets(_plans(longest // 2, longest, longest // 3), sp) == expected
-    # padding with the smallest candidate stays under a quarter of the power of two
+    # padding with the smallest candidate stays under an eighth of the power of two
     if sp in (1, 2, 4):
-        assert expected[0] - longest < max(16, expected[-1] // 4)
+        assert expected[0] - longest < max(16, expected[-1] // 8)
 
 
 def test_a_fixed_bucket_is_the_only_candidate():

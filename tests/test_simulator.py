@@ -116,7 +116,7 @@ def test_paired_mode_runs_one_backward_and_one_forward_per_tick():
     assert over.makespan == pytest.approx(r.makespan + 0.5 * 8 + 0.25 * (1 + 2 * 6 + 1))
     # every chunk's matmuls run over the step's one bucket: 16 tokens here (the smallest)
     assert simulate(one_f_one_b(n, 2), one(n), None, cost(), mode="paired").makespan == 16 * r.makespan
-    mixed = [ChunkShape(0, (20,)), ChunkShape(0, (100,))]  # bucket 112: a quarter step of 128
+    mixed = [ChunkShape(0, (20,)), ChunkShape(0, (100,))]  # bucket 112: seven 16-token steps (an eighth of 128)
     assert simulate(one_f_one_b(2, 2), mixed, None, cost(), mode="paired").makespan == pytest.approx(
         simulate(one_f_one_b(2, 2), [ChunkShape(0, (112,))] * 2, None, cost(), mode="paired").makespan
     )

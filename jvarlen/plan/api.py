@@ -235,12 +235,12 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
 
 
 def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
-    """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest
-    first: the buckets the executor pads to (:func:`jvarlen.plan.chunk.executor_buckets`: ``2^k``
-    and ``3·2^(k-2)``, or powers of two where sp does not divide the step) from ``min_slice_tokens`` (and
-    the profile's smallest measured token bucket: below it the cost model extrapolates, and on CPU
-    it under-predicted a 384-token step by 23 %) up to twice the power of two that holds the longest
-    document (sizes above it split nothing and pack short documents into larger chunks)."""
+    """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest first:
+    two executor buckets per power of two (:func:`jvarlen.plan.chunk.executor_buckets` of ``2^k`` and
+    ``3·2^(k-2)``; more would add planning time) from ``min_slice_tokens`` (and the profile's smallest
+    measured token bucket: below it the cost model extrapolates, and on CPU it under-predicted a
+    384-token step by 23 %) up to twice the power of two that holds the longest document (sizes
+    above it split nothing and pack short documents into larger chunks)."""
     measured = min(cost.coeffs.token_buckets, default=0)
     lo, longest, sp = max(16, options.min_slice_tokens, measured), max(lengths), cost.layout.sp
     top = 2 << max(0, (longest - 1).bit_length())

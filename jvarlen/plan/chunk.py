@@ -44,13 +44,26 @@ class ChunkShape:
         return (self.context + s0) ** 2 - self.context**2 + sum(s * s for s in rest)
 
 
-def executor_buckets(longest: int, sp: int = 1) -> list[int]:
+BUCKET_STEPS = 8
+"""Steps per power of two of the executor's token buckets. Eighths rather than quarters: on the
+64-device H100 settings of ``scripts/bench_strategies.py`` the pp = 1 policies' iterations
+simulate 3-17 % faster, and with the runtime's reuse of compiled buckets a run compiles a few more
+programs (``scripts/bucket_steps.py``; docs/design/pipeline.md, "Chunk buckets")."""
+
+
+def executor_buckets(longest: int, sp: int = 1, steps: int | None = None) -> list[int]:
     """Token buckets the pipeline executor may pad a plan's chunks to, smallest first: every chunk of
     a step is padded to one bucket that holds the plan's longest chunk (``longest`` tokens), a
-    multiple of a quarter of the next power of two p (at least 16 tokens, divisible by ``sp``) up to p
-    itself, so padding stays under a quarter of p."""
+    multiple of ``1/steps`` of the next power of two p (at least 16 tokens) up to p, so padding
+    stays under ``p/steps``. The step must be divisible by ``sp``: where it is not, coarser steps
+    (halving ``steps``), and p itself where none is. ``steps``: :data:`BUCKET_STEPS` when None
+    (read at call time, so that a what-if script may change it)."""
+    steps = BUCKET_STEPS if steps is None else int(steps)
     top = max(16, sp, 1 << max(0, (max(longest, 1) - 1).bit_length()))
-    step = max(16, top // 4)
+    step = max(16, top // steps)
+    while step % sp and steps > 1:
+        steps //= 2
+        step = max(16, top // steps)
     if step % sp:
         return [top]
     first = -(-max(longest, 1) // step) * step

@@ -178,9 +178,9 @@ def pad_plan(plan: Plan, n_chunks: int, layers_per_stage: int):
 
 
 def chunk_buckets(plans: Sequence[Plan], sp: int, fixed: Optional[int] = None) -> list[int]:
-    """Token buckets that hold the largest chunk, smallest first: multiples of a quarter of the
-    next power of two p (at least 16 tokens, divisible by sp) up to p itself, so padding stays
-    under a quarter of p instead of up to half of it. ``fixed``: that bucket only."""
+    """Token buckets that hold the largest chunk, smallest first (:func:`jvarlen.plan.chunk.executor_buckets`:
+    multiples of an eighth of the next power of two p up to p itself, so padding stays under an
+    eighth of p instead of up to half of it). ``fixed``: that bucket only."""
     if fixed is not None:
         return [fixed]
     return executor_buckets(max(sum(p[2] for p in c) for plan in plans for c in plan.chunks), sp)

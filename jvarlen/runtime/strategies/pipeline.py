@@ -21,6 +21,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, prepare_plans, split_documents
 from jvarlen.parallel.pipeline.executor import DATA
 from jvarlen.parallel.pipeline.stage import residual_policy, stored_token_bytes
+from jvarlen.plan import chunk
 from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
@@ -181,8 +182,8 @@ class PipelineStrategy(ExecutionStrategy):
 
     def describe(self) -> str:
         return (
-            f"elastic pipeline: {self.layout}, policy {self.policy}, chunks padded to buckets in quarter steps "
-            "of a power of two"
+            f"elastic pipeline: {self.layout}, policy {self.policy}, chunks padded to buckets in 1/{chunk.BUCKET_STEPS} "
+            "steps of a power of two"
         )
 
     def close(self) -> None:
