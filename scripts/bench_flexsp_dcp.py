@@ -350,12 +350,15 @@ A800/H200 models (sp <= 8 scales almost linearly), so only groups crossing nodes
 (2) Ulysses needs sp | heads: GPT-13B (40 heads) has groups of at most 8 devices, its 256K documents
 then bound every layout alike (1.00×); (3) the per-iteration step overhead (gradient sync, parameter
 pull) is a constant that dilutes the iteration speedups, hence the propagation columns; (4) the
-executor pads every micro-batch of a group's step to one bucket, which the policies' group model does
-not price (only the simulated plans pay it): FlexSP, whose groups mix lengths, pads most, and DCP,
-whose groups each run one bucket of lengths, least (in the lock-step model without padding FlexSP
-was at least as fast as DCP on every row; docs/design/heterogeneous.md, "Group plans in the
-executor's model"). The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation
-for DCP's baseline) give the larger ratios, as in the papers."""
+executor pads every micro-batch of a group's step to one bucket (in eighths of a power of two since
+2026-11-28, quarters before), which the policies' group model does not price (only the simulated
+plans pay it): FlexSP, whose groups mix lengths, pads most, and its finalists are ranked by that
+model, so on commoncrawl 7B it can simulate slower than the static layout (0.98×) although its
+finalists include that model's best one-degree layouts; DCP, whose groups each run one bucket of
+lengths, pads least (in the lock-step model without padding FlexSP was at least as fast as DCP on
+every row; docs/design/heterogeneous.md, "Group plans in the executor's model"). The papers'
+protocols (no recomputation for FlexSP's GPT-7B, full recomputation for DCP's baseline) give the
+larger ratios, as in the papers."""
 
 
 def write_section(text: str, path: pathlib.Path = ROOT / "docs" / "benchmarks.md") -> None:

@@ -109,8 +109,9 @@ def main() -> int:
             layers = bench.shape(reuse[0].model).num_layers
             programs[n] = compiles(reuse[0], args.reuse_policy, args.reuse_batches, layers)
     base = steps[0]
-    print(f"\niteration time / time with {base} steps, per policy (median, range over {len(times[base])} batches):")
-    for n in steps[1:]:
+    if times[base]:
+        print(f"\niteration time / time with {base} steps, per policy (median, range over {len(times[base])} batches):")
+    for n in steps[1:] if times[base] else ():
         cells = []
         for policy in (*AUTO_POLICIES, "auto"):
             r = [

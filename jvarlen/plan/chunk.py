@@ -46,9 +46,9 @@ class ChunkShape:
 
 BUCKET_STEPS = 8
 """Steps per power of two of the executor's token buckets. Eighths rather than quarters: on the
-64-device H100 settings of ``scripts/bench_strategies.py`` the pp = 1 policies' iterations
-simulate 3-17 % faster, and with the runtime's reuse of compiled buckets a run compiles a few more
-programs (``scripts/bucket_steps.py``; docs/design/pipeline.md, "Chunk buckets")."""
+64-device H100 settings of ``scripts/bench_strategies.py`` homogeneous, Hydraulis and FlexSP plans
+simulate 8-13 % faster (median), and with the runtime's reuse of compiled buckets a run compiles
+about as many programs (``scripts/bucket_steps.py``; docs/design/pipeline.md, "Chunk buckets")."""
 
 
 def executor_buckets(longest: int, sp: int = 1, steps: int | None = None) -> list[int]:
