@@ -357,7 +357,12 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = GroupCosts(costs, max_sp=options.max_sp, micro_batch_tokens=options.micro_batch_tokens)
+    gc = GroupCosts(
+        costs,
+        max_sp=options.max_sp,
+        micro_batch_tokens=options.micro_batch_tokens,
+        padded=options.simulation == "paired",
+    )
     bad = infeasible_documents(lengths, gc)
     if bad:
         raise PlanningError(too_long_message(policy, lengths, gc, bad))

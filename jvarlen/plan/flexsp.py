@@ -20,7 +20,8 @@ a MILP that minimises the slowest group's time under the groups' memory. Here, p
 4. **extract**: each used slot becomes a group, its documents cut into micro-batches by the
    memory-balanced chunking DP (Eq. 23-24, :mod:`jvarlen.plan.chunking`) over length-sorted
    documents, each micro-batch with the least recomputation that fits; the MILP's, the
-   heuristic's and the ``homogeneous_top`` best one-degree layouts' groups are planned for the
+   heuristic's and the ``homogeneous_top`` best one-degree layouts' groups (ranked by the exact
+   group model, :meth:`GroupCosts.strategy_time`, which pads like the executor) are planned for the
    executor and the fastest simulated one is kept (:func:`~jvarlen.plan.sp_assemble.assemble_fastest`).
 
 The heuristic (:mod:`jvarlen.plan.flexsp_heuristic`) walks the multisets of group sizes from "all devices in the largest groups"
@@ -65,7 +66,7 @@ class FlexSPOptions:
     a micro-batch's tokens below what memory allows. ``max_recompute``: the most layers a
     micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all). ``patience``: split steps without improvement
     before the heuristic stops. ``homogeneous_top``: the best this many one-degree layouts by
-    the group model are planned for the executor as well (:func:`homogeneous_finalists`).
+    the exact group model are planned for the executor as well (:func:`homogeneous_finalists`).
     ``simulation``: the executor model of the group plans.
     """
 
@@ -390,7 +391,11 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
     gc = GroupCosts(
-        costs, max_sp=options.max_sp, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute
+        costs,
+        max_sp=options.max_sp,
+        micro_batch_tokens=options.micro_batch_tokens,
+        max_recompute=options.max_recompute,
+        padded=options.simulation == "paired",
     )
     bad = infeasible_documents(lengths, gc)
     if bad:
@@ -417,7 +422,11 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
             finalists["milp"] = groups
     elif options.milp and n_vars > options.milp_max_vars:
         events.append(f"flexsp: MILP skipped ({n_vars} assignment variables > milp_max_vars={options.milp_max_vars})")
-    finalists.update(homogeneous_finalists(problem, options.homogeneous_top, options.local_search))
+
+    def exact_time(groups) -> float:  # the group model with the executor's padding (where simulated so)
+        return gc.strategy_time(lengths, extract(lengths, gc, problem, groups))
+
+    finalists.update(homogeneous_finalists(problem, options.homogeneous_top, options.local_search, exact_time))
     candidates, options_of = [], []
     for name, groups in finalists.items():
         choices = extract(lengths, gc, problem, groups)

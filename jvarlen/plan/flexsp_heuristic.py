@@ -74,17 +74,27 @@ def heuristic(problem, patience: int = 6, local_search: bool = True) -> list[tup
     return [(s, list(m)) for s, m in zip(sizes, members) if m]
 
 
-def homogeneous_finalists(problem, top: int, local_search: bool = True) -> dict[str, list]:
-    """The ``top`` one-degree layouts (``N / sp`` groups) whose LPT dispatch the group model finds
-    fastest, as groups ``[(scheme index, rows)]`` named ``"sp=<degree>"``."""
-    ranked = sorted(
-        ((_dispatch(problem, counts), s) for s, counts in _homogeneous(problem)), key=lambda x: (x[0][0], x[1])
-    )
-    out = {}
-    for (value, sizes, members), s in ranked[:top]:
+def homogeneous_finalists(problem, top: int, local_search: bool = True, rank=None) -> dict[str, list]:
+    """The ``top`` one-degree layouts (``N / sp`` groups) whose LPT dispatch is fastest, as groups
+    ``[(scheme index, rows)]`` named ``"sp=<degree>"``. ``rank``: a function of such groups giving
+    the time they are ranked by (the exact group model, padding included); None: the additive
+    makespan of the dispatch."""
+    layouts = []
+    for s, counts in _homogeneous(problem):
+        value, sizes, members = _dispatch(problem, counts)
         if math.isfinite(value):
-            members = problem.table.improve(sizes, members) if local_search else members
-            out[f"sp={int(problem.sp[s])}"] = [(g, list(m)) for g, m in zip(sizes, members) if m]
+            members = problem.table.improve(sizes, members) if local_search and rank else members
+            layouts.append((value, s, sizes, members))
+    if rank is not None:
+        layouts = [
+            (rank([(g, list(m)) for g, m in zip(sizes, members) if m]), s, sizes, members)
+            for _, s, sizes, members in layouts
+        ]
+    out = {}
+    for _, s, sizes, members in sorted(layouts, key=lambda x: (x[0], x[1]))[:top]:
+        if local_search and rank is None:
+            members = problem.table.improve(sizes, members)
+        out[f"sp={int(problem.sp[s])}"] = [(g, list(m)) for g, m in zip(sizes, members) if m]
     return out
 
 

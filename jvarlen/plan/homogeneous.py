@@ -46,6 +46,16 @@ class HomogeneousOptions:
     simulation: str = "paired"
 
 
+def group_costs(costs: SchemeCosts, options: HomogeneousOptions) -> GroupCosts:
+    """The group model of ``options`` (padded as the executor pads where it simulates ``"paired"``)."""
+    return GroupCosts(
+        costs,
+        micro_batch_tokens=options.micro_batch_tokens,
+        max_recompute=options.max_recompute,
+        padded=options.simulation == "paired",
+    )
+
+
 def homogeneous_groups(
     lengths: Sequence[int], gc: GroupCosts, sp: int, local_search: bool = True, full_recompute: bool = False
 ) -> Optional[list[GroupChoice]]:
@@ -80,7 +90,7 @@ def best_static_sp(
     the whole run must hold every batch), and every degree's per-batch times (``inf``: a document
     does not fit). Returns ``(None, times)`` when no degree holds every batch."""
     options = options or HomogeneousOptions()
-    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute)
+    gc = group_costs(costs, options)
     times = {
         s.sp: [homogeneous_time(b, gc, s.sp, options.local_search, options.full_recompute) for b in batches]
         for s in gc.schemes
@@ -96,7 +106,7 @@ def plan_homogeneous(lengths: Sequence[int], costs: SchemeCosts, options: Homoge
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = GroupCosts(costs, micro_batch_tokens=options.micro_batch_tokens, max_recompute=options.max_recompute)
+    gc = group_costs(costs, options)
     degrees = [s.sp for s in gc.schemes] if options.sp is None else [int(options.sp)]
     candidates, best = [], None
     for sp in degrees:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, executor_buckets
 from jvarlen.plan.chunking import chunk_group
 from jvarlen.plan.strategy import (
     Scheme,
@@ -58,7 +58,10 @@ class GroupCosts:
     ``schemes``: every ``Scheme(1, sp)`` with ``sp`` a power of two dividing the heads, at most
     ``max_sp`` and the device count. ``micro_batch_tokens`` optionally caps a micro-batch's
     tokens below what memory allows (a runtime bucket limit, say). ``max_recompute``: the most
-    layers a micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all).
+    layers a micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all). ``padded``:
+    :meth:`group_time` runs every micro-batch of a group over the executor's bucket of the group's
+    largest one, as the paired executor pads them (the ``"paired"`` simulation); False: each over its
+    own token bucket (``"ticks"``, ``"async"``). The additive :meth:`work` model is unpadded.
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class GroupCosts:
         max_sp: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
         max_recompute: Optional[int] = None,
+        padded: bool = True,
     ):
         self.costs = costs
+        self.padded = bool(padded)
         self.num_devices = costs.num_devices
         model = costs.model
         self.schemes = enumerate_schemes(
@@ -187,17 +192,19 @@ class GroupCosts:
             return math.inf
         return self.doc_time(length, scheme) + self.recompute_time(length, scheme, r)
 
-    def micro_batch_time(self, lengths: Sequence[int], scheme: Scheme, ckpt: int) -> float:
-        return self.costs.micro_batch_time([int(x) for x in lengths], scheme, int(ckpt))
+    def micro_batch_time(
+        self, lengths: Sequence[int], scheme: Scheme, ckpt: int, pad_to: Optional[int] = None
+    ) -> float:
+        return self.costs.micro_batch_time([int(x) for x in lengths], scheme, int(ckpt), pad_to)
 
     def group_time(self, lengths: Sequence[int], choice: GroupChoice) -> float:
-        """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``):
-        its micro-batches one after the other plus its step overhead."""
+        """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``
+        where the executor's memory fit raises no recomputation): its micro-batches one after the
+        other, padded to the group's bucket where :attr:`padded`, plus its step overhead."""
         docs = choice.documents
-        t = sum(
-            self.micro_batch_time([lengths[docs[i]] for i in mb], choice.scheme, r)
-            for mb, r in zip(choice.micro_batches, choice.ckpt)
-        )
+        mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
+        bucket = executor_buckets(max(sum(mb) for mb in mbs), choice.scheme.sp)[0] if self.padded else None
+        t = sum(self.micro_batch_time(mb, choice.scheme, r, bucket) for mb, r in zip(mbs, choice.ckpt))
         return t + self.base(choice.scheme)
 
     def strategy_time(self, lengths: Sequence[int], choices: Sequence[GroupChoice]) -> float:

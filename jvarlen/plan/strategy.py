@@ -303,10 +303,18 @@ class SchemeCosts:
         last = scheme.pp - 1
         return cost.fwd_time(chunk, last) + cost.bwd_time(chunk, last)
 
-    def micro_batch_time(self, lengths: Sequence[int], scheme: Scheme, ckpt_layers: int = 0) -> float:
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def padded_cost(self, scheme: Scheme, bucket: int) -> CostModel:
+        """:meth:`cost` with every chunk's matmuls over ``bucket`` tokens (the executor's padding)."""
+        return self.cost(scheme).padded(int(bucket))
+
+    def micro_batch_time(
+        self, lengths: Sequence[int], scheme: Scheme, ckpt_layers: int = 0, pad_to: Optional[int] = None
+    ) -> float:
         """Forward + backward (+ recomputation of ``ckpt_layers`` layers) of one stage for one
-        micro-batch packing whole documents of ``lengths`` (varlen attention: Σ lᵢ², one GEMM of Σ lᵢ)."""
-        cost = self.cost(scheme)
+        micro-batch packing whole documents of ``lengths`` (varlen attention: Σ lᵢ², one GEMM of Σ lᵢ);
+        ``pad_to``: its matmuls over that many tokens, as the executor pads a step's chunks."""
+        cost = self.cost(scheme) if pad_to is None else self.padded_cost(scheme, pad_to)
         chunk = ChunkShape(0, tuple(int(x) for x in lengths))
         last = scheme.pp - 1
         return cost.fwd_time(chunk, last) + cost.bwd_time(chunk, last) + cost.recompute_time(chunk, ckpt_layers)
