@@ -351,12 +351,14 @@ A800/H200 models (sp <= 8 scales almost linearly), so only groups crossing nodes
 then bound every layout alike (1.00×); (3) the per-iteration step overhead (gradient sync, parameter
 pull) is a constant that dilutes the iteration speedups, hence the propagation columns; (4) the
 executor pads every micro-batch of a group's step to one bucket (in eighths of a power of two since
-2026-11-28, quarters before), which the policies' group model does not price (only the simulated
-plans pay it): FlexSP, whose groups mix lengths, pads most, and its finalists are ranked by that
-model, so on commoncrawl 7B it can simulate slower than the static layout (0.98×) although its
-finalists include that model's best one-degree layouts; DCP, whose groups each run one bucket of
-lengths, pads least (in the lock-step model without padding FlexSP was at least as fast as DCP on
-every row; docs/design/heterogeneous.md, "Group plans in the executor's model"). The papers'
+2026-11-28, quarters before), which the policies' searches do not price (the simulated plans do,
+and since 2026-11-28 the exact group model that ranks FlexSP's one-degree finalists and the
+homogeneous degrees): FlexSP, whose groups mix lengths, pads most, and DCP, whose groups
+each run one bucket of lengths, least (in the lock-step model without padding FlexSP was at least
+as fast as DCP on every row; docs/design/heterogeneous.md, "Group plans in the executor's model");
+(5) the recomputation the executor's memory fit adds is seen by no model before the simulation:
+on commoncrawl 7B the best degree per iteration by the group model simulates 0.94× of the static
+sp = 8, and FlexSP, whose finalists are ranked the same way, 0.99×. The papers'
 protocols (no recomputation for FlexSP's GPT-7B, full recomputation for DCP's baseline) give the
 larger ratios, as in the papers."""
 
