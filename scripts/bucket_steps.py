@@ -37,7 +37,7 @@ from jvarlen.parallel.pipeline import prepare_plans  # noqa: E402
 from jvarlen.plan import chunk  # noqa: E402
 from jvarlen.plan.api import PlanningError  # noqa: E402
 from jvarlen.plan.auto import AUTO_POLICIES  # noqa: E402
-from jvarlen.plan.strategy import plan_strategy, strategy_policies  # noqa: E402
+from jvarlen.plan.strategy import plan_strategy  # noqa: E402
 
 
 def policy_times(settings, seeds) -> dict:
@@ -49,9 +49,8 @@ def policy_times(settings, seeds) -> dict:
             batch = bench.token_batch(pool, setting.tokens, seed)
             row = {}
             for policy in AUTO_POLICIES:
-                options = extra.get(policy) or strategy_policies()[policy][1]()
-                try:
-                    row[policy] = plan_strategy(policy, batch, costs, options).stats["iteration_time_s"]
+                try:  # options: Hydraulis' corpus proposal, the defaults otherwise
+                    row[policy] = plan_strategy(policy, batch, costs, extra.get(policy)).stats["iteration_time_s"]
                 except PlanningError:
                     row[policy] = float("nan")
             finite = [t for t in row.values() if np.isfinite(t)]
@@ -64,7 +63,7 @@ def compiles(setting, policy: str, batches: int, num_layers: int) -> tuple[int, 
     """(programs compiled, Σ token rows run / Σ token rows of the plans' smallest buckets, the
     largest per-batch ratio) over ``batches`` batches in order, as the groups runtime picks buckets."""
     costs, pool, extra = bench.auto_setup(setting)
-    options = extra.get(policy) or strategy_policies()[policy][1]()
+    options = extra.get(policy)  # None: the policy's defaults
     known: dict = {}
     ran = planned = 0
     worst = 1.0
@@ -79,7 +78,7 @@ def compiles(setting, policy: str, batches: int, num_layers: int) -> tuple[int, 
             longest = max(sum(p[2] for p in c) for c in g.plan.chunks)
             rows = g.plan.n_chunks * g.scheme.num_devices
             ran_b += sig.bucket * rows
-            planned_b += chunk.executor_buckets(longest, g.scheme.sp)[0] * rows
+            planned_b += chunk.executor_bucket(longest, g.scheme.sp) * rows
         ran, planned, worst = ran + ran_b, planned + planned_b, max(worst, ran_b / planned_b)
     return sum(len(v) for v in known.values()), ran / planned, worst
 

@@ -30,7 +30,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.checkpointing import SolverOptions
-from jvarlen.plan.chunk import ChunkShape, executor_buckets
+from jvarlen.plan.chunk import ChunkShape, executor_bucket
 from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.grouping import group, lockstep_order, order_families, resolve_unit
 from jvarlen.plan.plan import Plan
@@ -236,7 +236,7 @@ def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> lis
 
 def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
     """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest first:
-    two executor buckets per power of two (:func:`jvarlen.plan.chunk.executor_buckets` of ``2^k`` and
+    two executor buckets per power of two (:func:`jvarlen.plan.chunk.executor_bucket` of ``2^k`` and
     ``3·2^(k-2)``; more would add planning time) from ``min_slice_tokens`` (and the profile's smallest
     measured token bucket: below it the cost model extrapolates, and on CPU it under-predicted a
     384-token step by 23 %) up to twice the power of two that holds the longest document (sizes
@@ -246,7 +246,7 @@ def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
     top = 2 << max(0, (longest - 1).bit_length())
     out, p = set(), 16
     while p <= top:
-        out |= {executor_buckets(v, sp)[0] for v in (3 * p // 4, p)}
+        out |= {executor_bucket(v, sp) for v in (3 * p // 4, p)}
         p *= 2
     return sorted((b for b in out if lo <= b <= top), reverse=True)
 

@@ -70,6 +70,12 @@ def executor_buckets(longest: int, sp: int = 1, steps: int | None = None) -> lis
     return list(range(first, top + 1, step))
 
 
+def executor_bucket(longest: int, sp: int = 1) -> int:
+    """The bucket the executor pads a step to whose longest chunk holds ``longest`` tokens: the
+    smallest of :func:`executor_buckets` (a compiled larger one may be reused at run time)."""
+    return executor_buckets(longest, sp)[0]
+
+
 def executor_context(shapes: Sequence[ChunkShape], bucket: int) -> int:
     """Context tokens the pipeline executor's K/V buffers hold for a step of these chunks padded to
     ``bucket``: max(C + bucket) over chunks of split documents (with context, or continuing into a

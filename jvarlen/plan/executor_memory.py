@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from jvarlen.plan.buffers import SLOT_COUNTS, kept_apart, plan_ticks, round_buffers, slot_counts
-from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
+from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.simulator import simulate
 
 
@@ -77,7 +77,7 @@ class _Account:
         self.ls, self.e, self.d_model = cost.layers_per_stage, c.bytes_per_element, model.d_model
         self.shapes = shapes = plan.chunk_shapes()
         self.tokens = [s.tokens for s in shapes]
-        self.bucket = executor_buckets(max(self.tokens), layout.sp)[0]
+        self.bucket = executor_bucket(max(self.tokens), layout.sp)
         self.uses_context = [s.context > 0 or not s.tail for s in shapes]
         self.ctx_need = [s.context + (0 if s.tail else s.slices[0]) for s in shapes]
         self.context = executor_context(shapes, self.bucket)

@@ -79,21 +79,22 @@ def homogeneous_finalists(problem, top: int, local_search: bool = True, rank=Non
     ``[(scheme index, rows)]`` named ``"sp=<degree>"``. ``rank``: a function of such groups giving
     the time they are ranked by (the exact group model, padding included); None: the additive
     makespan of the dispatch."""
-    layouts = []
+
+    def improved(sizes, members):
+        return problem.table.improve(sizes, members) if local_search else members
+
+    layouts = []  # (time it is ranked by, scheme index, group sizes, members)
     for s, counts in _homogeneous(problem):
         value, sizes, members = _dispatch(problem, counts)
-        if math.isfinite(value):
-            members = problem.table.improve(sizes, members) if local_search and rank else members
-            layouts.append((value, s, sizes, members))
-    if rank is not None:
-        layouts = [
-            (rank([(g, list(m)) for g, m in zip(sizes, members) if m]), s, sizes, members)
-            for _, s, sizes, members in layouts
-        ]
+        if not math.isfinite(value):
+            continue
+        if rank is not None:  # the exact model ranks the dispatch as it will be planned (improved)
+            members = improved(sizes, members)
+            value = rank([(g, list(m)) for g, m in zip(sizes, members) if m])
+        layouts.append((value, s, sizes, members))
     out = {}
     for _, s, sizes, members in sorted(layouts, key=lambda x: (x[0], x[1]))[:top]:
-        if local_search and rank is None:
-            members = problem.table.improve(sizes, members)
+        members = members if rank is not None else improved(sizes, members)
         out[f"sp={int(problem.sp[s])}"] = [(g, list(m)) for g, m in zip(sizes, members) if m]
     return out
 

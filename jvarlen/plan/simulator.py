@@ -13,7 +13,7 @@ Two execution models:
   a stage runs a backward (or, on the last stage, a fused forward + backward of a chunk of which
   the plan recomputes no layer there) and then a forward; a tick lasts as long as its busiest
   stage, plus the slowest P2P sent in it. Every chunk's matmuls run over the step's one token bucket
-  (:func:`jvarlen.plan.chunk.executor_buckets` of the longest chunk), as the executor pads them.
+  (:func:`jvarlen.plan.chunk.executor_bucket` of the longest chunk), as the executor pads them.
 
 In both lock-step modes every tick also costs ``CostModel.tick_overhead()`` (the executor's own
 per-tick work: slot gathers and scatters, the ``ppermute`` pair, the switch), every op
@@ -39,7 +39,7 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.buffers import plan_ticks
-from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
+from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, dependencies
 
@@ -146,7 +146,7 @@ def simulate(
     if validate:
         schedule.validate()
     if mode == "paired" and cost.pad_to is None:
-        cost = cost.padded(executor_buckets(max(c.tokens for c in chunk_shapes), cost.layout.sp)[0])
+        cost = cost.padded(executor_bucket(max(c.tokens for c in chunk_shapes), cost.layout.sp))
 
     # start and end of F(k) and B(k) on each stage: begin[side][p][k], end[side][p][k], side 0 = F, 1 = B
     begin = [[[None] * n for _ in range(pp)] for _ in range(2)]

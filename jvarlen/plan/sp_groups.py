@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape, executor_buckets
+from jvarlen.plan.chunk import ChunkShape, executor_bucket
 from jvarlen.plan.chunking import chunk_group
 from jvarlen.plan.strategy import (
     Scheme,
@@ -203,7 +203,7 @@ class GroupCosts:
         other, padded to the group's bucket where :attr:`padded`, plus its step overhead."""
         docs = choice.documents
         mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
-        bucket = executor_buckets(max(sum(mb) for mb in mbs), choice.scheme.sp)[0] if self.padded else None
+        bucket = executor_bucket(max(sum(mb) for mb in mbs), choice.scheme.sp) if self.padded else None
         t = sum(self.micro_batch_time(mb, choice.scheme, r, bucket) for mb, r in zip(mbs, choice.ckpt))
         return t + self.base(choice.scheme)
 
