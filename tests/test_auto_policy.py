@@ -91,15 +91,11 @@ def test_group_plans_are_timed_as_the_executor_runs_them(costs, policy):
     """The executor runs a group's step as a paired tick table with every chunk padded to one
     bucket; each policy's group plans are simulated so by default (in the lock-step model without
     the padding, ``"ticks"``, the benchmark's batches took up to 2× their estimate on it)."""
-    import numpy as np
-
-    from jvarlen.plan.simulator import simulate
+    from jvarlen.plan.assemble import simulate
 
     lengths = LENGTHS + [5000, 2500, 1200, 800, 333, 90]
     plan = plan_strategy(policy, lengths, costs)
     for g in plan.groups:
         assert g.plan.stats["simulation"] == "paired"
-        sim = simulate(
-            g.plan.schedule, g.plan.chunk_shapes(), np.asarray(g.plan.ckpt_layers), costs.cost(g.scheme), "paired"
-        )
+        sim = simulate(g.plan, costs.cost(g.scheme), "paired", timeline=False)
         assert g.plan.stats["iteration_time_s"] == pytest.approx(sim.iteration_time)
