@@ -131,12 +131,14 @@ def test_dcp_is_deterministic():
     assert strip(dcp.plan(lengths, costs)) == strip(dcp.plan(lengths, costs))
 
 
-def test_the_bucketing_kept_is_the_fastest_simulated_not_the_best_estimated():
+def test_every_bucketing_simulates_to_its_group_model_and_the_fastest_is_kept():
     """DCP's setting of the benchmark (Transformer-1D on 32 H200s at 80 GB, short-dominated data,
-    seed 0): the group model (which pads like the executor) puts one bucket per document length
-    (ratio inf, 11.665 s) ahead of its best degree alone (``inf, p=8``, 11.681 s), but their
-    executor plans simulate at 12.69 s and 11.87 s: the model leaves out the recomputation that
-    fits the executor's buffers. The plan kept is the fastest simulated (ratio 4: 11.83 s)."""
+    seed 0): the group model runs every micro-batch of a group over the group's bucket with the
+    recomputation that bucket needs in the executor's buffers, so every bucketing's plans simulate
+    to its estimate, and the fastest (ratio 4, 11.83 s) is kept. Until the model charged that
+    recomputation, it put the one-class bucketing (11.665 s) ahead of its best degree alone
+    (``inf, p=8``, 11.681 s) whose plans simulated at 12.69 s and 11.87 s; cut at their buckets,
+    the one-class groups now take 11.92 s (ratio 16: 23.50 s before, 11.93 s)."""
     import sys
     from pathlib import Path
 
@@ -147,30 +149,30 @@ def test_the_bucketing_kept_is_the_fastest_simulated_not_the_best_estimated():
     lengths = bench.sample_tokens(setting.workload, setting.tokens, setting.context, 0)
     plan = plan_strategy("dcp", lengths, setting.costs())
     candidates = {c["bucket_ratio"]: c for c in plan.stats["candidates"]}
+    for c in candidates.values():
+        assert c["iteration_time_s"] == pytest.approx(c["simulated_s"], rel=1e-9), c
     fastest = min(c["simulated_s"] for c in candidates.values())
-    assert plan.stats["iteration_time_s"] == fastest
-    assert candidates[plan.stats["bucket_ratio"]]["simulated_s"] == fastest
-    one, alone = candidates[math.inf], candidates["inf, p=8"]
-    assert one["iteration_time_s"] < alone["iteration_time_s"] and one["simulated_s"] > alone["simulated_s"]
+    assert plan.stats["iteration_time_s"] == fastest == candidates[4.0]["simulated_s"]
+    assert candidates[math.inf]["simulated_s"] < 12.0 and candidates[16.0]["simulated_s"] < 12.0
 
 
 def test_the_best_one_degree_layouts_of_the_one_class_bucketing_are_simulated_too():
     """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 1004): for the one-class
     bucketing the search picks 2×(pp=1, sp=4) by its own model (without padding), whose plans simulate
-    at 4.92 s; those of 1×(pp=1, sp=8) take 4.21 s (padded to its groups' buckets, and with the
-    recomputation that fits the executor's buffers). The best two degrees are planned alone too,
-    the fastest kept."""
+    at 4.013 s; those of 1×(pp=1, sp=8) take 3.993 s (each group's micro-batches run over its
+    bucket, with the recomputation that bucket needs in the executor's buffers). The best two
+    degrees are planned alone too, the fastest kept."""
     costs, batch = strategies_batch("commoncrawl 7B a800-ib200 8 dev", 1004)
     plan = plan_strategy("dcp", batch, costs)
     candidates = {c["bucket_ratio"]: c for c in plan.stats["candidates"]}
     assert plan.stats["bucket_ratio"] == "inf, p=8" and plan.describe() == "1×(pp=1, sp=8)"
     assert plan.stats["iteration_time_s"] == min(c["simulated_s"] for c in candidates.values())
     assert candidates[math.inf]["strategy"] == "2×(pp=1, sp=4)"  # the search's pick
-    assert candidates[math.inf]["simulated_s"] > 1.1 * candidates["inf, p=8"]["simulated_s"]
+    assert candidates[math.inf]["simulated_s"] > candidates["inf, p=8"]["simulated_s"]
     before = plan_strategy("dcp", batch, costs, DCPOptions(homogeneous_top=0))
     assert before.describe() == "2×(pp=1, sp=4)"
     assert not any(str(c["bucket_ratio"]).startswith("inf, p=") for c in before.stats["candidates"])
-    assert before.stats["iteration_time_s"] > 1.1 * plan.stats["iteration_time_s"]
+    assert before.stats["iteration_time_s"] > plan.stats["iteration_time_s"]
 
 
 def test_options_reject_a_negative_homogeneous_top():

@@ -179,10 +179,11 @@ def test_group_plans_fit_the_executors_buffers():
 
 def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
     """A one-stage plan that stores every layer fuses its chunks, and the fused op holds a stack of
-    a chunk's residuals over all L/pp layers (17 GiB for FlexSP's (pp 1, sp 8) group of llama-7b
-    on A800s). Recomputing whole chunks only frees that stack once every chunk recomputes every
-    layer; capping the layers each chunk stores unfuses them all, and the signature then compiles
-    no fused op: the repair keeps the cheaper table, here 16 of 32 layers stored per chunk."""
+    a chunk's residuals over all L/pp layers (17 GiB for a (pp 1, sp 8) group of llama-7b on A800s,
+    cut into FlexSP's micro-batches that fit without recomputation). Recomputing whole chunks only
+    frees that stack once every chunk recomputes every layer; capping the layers each chunk stores
+    unfuses them all, and the signature then compiles no fused op: the repair keeps the cheaper
+    table, here 16 of 32 layers stored per chunk."""
     import sys
     from pathlib import Path
 
@@ -190,19 +191,24 @@ def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
     from group_memory_check import executor_costs, token_batch
 
     from jvarlen.config import load_config
+    from jvarlen.plan.chunking import chunk_group
     from jvarlen.plan.executor_memory import _repair_by_chunk
-    from jvarlen.plan.strategy import plan_strategy
+    from jvarlen.plan.homogeneous import homogeneous_groups
+    from jvarlen.plan.sp_groups import GroupCosts
+    from jvarlen.plan.strategy import Scheme, build_group_plan
 
     costs = executor_costs(load_config("configs/llama-7b.yaml").model, "a800", 16)
     lengths = token_batch(np.random.default_rng(0), "github", 256 * 1024, 65536)
-    plan = plan_strategy("flexsp", lengths, costs)
-    group = plan.groups[0]
-    cost = costs.cost(group.scheme)
+    gc, scheme = GroupCosts(costs), Scheme(1, 8)
+    local = [lengths[d] for d in homogeneous_groups(lengths, gc, scheme.sp)[0].documents]
+    mbs = chunk_group(local, gc.cap_none(scheme))
+    group = build_group_plan("flexsp", scheme, local, mbs, costs, [0] * len(mbs), "paired")
+    cost = costs.cost(scheme)
     ls, budget = cost.layers_per_stage, cost.memory_budget
-    assert group.scheme.pp == 1 and (group.plan.ckpt_layers < ls).all(), group.plan.ckpt_layers
-    assert not executor_memory(group.plan, cost).sizes["fused"]
+    assert len(mbs) > 1 and (group.ckpt_layers < ls).all(), group.ckpt_layers
+    assert not executor_memory(group, cost).sizes["fused"]
 
-    stored = dataclasses.replace(group.plan, ckpt_layers=np.zeros_like(group.plan.ckpt_layers))
+    stored = dataclasses.replace(group, ckpt_layers=np.zeros_like(group.ckpt_layers))
     before = executor_memory(stored, cost)
     assert before.sizes["fused"] and before.total > budget
     zero = np.zeros_like(stored.ckpt_layers)

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from jvarlen.parallel.pipeline.prepare import chunk_buckets
+from jvarlen.plan.chunk import executor_bucket, executor_bucket_below
 
 
 def _plans(*chunk_tokens):
@@ -38,3 +39,12 @@ def test_bucket_candidates(longest, sp, expected):
 
 def test_a_fixed_bucket_is_the_only_candidate():
     assert chunk_buckets(_plans(10), 1, fixed=32) == [32]
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4, 8, 32])
+def test_the_bucket_below_is_the_largest_bucket_at_most_the_tokens(sp):
+    """``executor_bucket_below`` against every bucket the executor pads to (brute force)."""
+    grid = sorted({executor_bucket(x, sp) for x in range(1, 1 << 14)})
+    for tokens in range(1, 1 << 13):
+        want = max((b for b in grid if b <= tokens), default=None)
+        assert executor_bucket_below(tokens, sp) == want, tokens

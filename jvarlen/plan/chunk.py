@@ -6,7 +6,7 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,20 @@ def executor_bucket(longest: int, sp: int = 1) -> int:
     """The bucket the executor pads a step to whose longest chunk holds ``longest`` tokens: the
     smallest of :func:`executor_buckets` (a compiled larger one may be reused at run time)."""
     return executor_buckets(longest, sp)[0]
+
+
+def executor_bucket_below(tokens: int, sp: int = 1) -> Optional[int]:
+    """The largest bucket the executor may pad a step to that is at most ``tokens`` (None: none is),
+    so that a step whose chunks hold at most that many tokens pads to no more than ``tokens``."""
+    bucket = executor_bucket(tokens, sp)
+    if bucket <= tokens:
+        return bucket
+    top = executor_buckets(bucket, sp)[-1]
+    below = [b for b in executor_buckets(top // 2 + 1, sp) if b <= tokens]  # the bucket's power of two
+    if below:
+        return below[-1]
+    half = top // 2  # the top of the power of two below
+    return half if half >= 1 and executor_bucket(half, sp) == half else None
 
 
 def executor_context(shapes: Sequence[ChunkShape], bucket: int) -> int:

@@ -189,7 +189,7 @@ def bucket_options(
     the throughput-optimal (b, r) at that length (:func:`best_setting`, its micro-batch cap
     :func:`_micro_batch_cap`), then n = 1, 2, ... groups (LPT of the documents by their time),
     while more groups still shorten the slowest group and n·p fits the devices. Times use the
-    additive model of :class:`~jvarlen.plan.sp_groups.WorkTable` (per document, per micro-batch,
+    additive model of :class:`~jvarlen.plan.work_table.WorkTable` (per document, per micro-batch,
     per group)."""
     s_max = max(lengths[d] for d in docs)
     out = []
@@ -323,20 +323,21 @@ def one_degree_finalists(lengths: Sequence[int], docs: list[int], gc: GroupCosts
 
 def realise(lengths: Sequence[int], gc: GroupCosts, chosen: list[_Option], options: DCPOptions) -> list[GroupChoice]:
     """Each group's documents, length-sorted, cut by Eq. 23-24 into its g micro-batches; each
-    micro-batch recomputes the least layers that fit (DCP-intra) or all of them (DCP-inter)."""
+    micro-batch recomputes the least layers that fit (DCP-intra) or all of them (DCP-inter).
+    DCP-intra's groups are cut at their executor bucket instead where the group model finds that
+    faster (:meth:`GroupCosts.fastest_cut`)."""
     out = []
     for opt in chosen:
         for grp in opt.groups:
             local = [lengths[d] for d in grp]
             mbs = chunk_group(local, opt.budget, options.g_min)
-            ckpt = []
-            for mb in mbs:
-                tokens = sum(local[i] for i in mb)
-                r = gc.least_recompute(opt.scheme, tokens) if options.intra else gc.layers
-                if r is None or tokens > gc.cap_full(opt.scheme):
-                    raise ValueError(f"dcp: a micro-batch of {tokens} tokens does not fit {opt.scheme}")
-                ckpt.append(r)
-            out.append(GroupChoice(opt.scheme, tuple(grp), tuple(tuple(mb) for mb in mbs), tuple(ckpt)))
+            if options.intra:
+                out.append(gc.fastest_cut(lengths, opt.scheme, grp, mbs, options.g_min, options.g_max))
+                continue
+            too_long = [n for n in (sum(local[i] for i in mb) for mb in mbs) if n > gc.cap_full(opt.scheme)]
+            if too_long:
+                raise ValueError(f"dcp: a micro-batch of {too_long[0]} tokens does not fit {opt.scheme}")
+            out.append(GroupChoice(opt.scheme, tuple(grp), tuple(tuple(mb) for mb in mbs), (gc.layers,) * len(mbs)))
     return out
 
 

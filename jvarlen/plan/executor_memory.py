@@ -64,6 +64,13 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
     return _Account(plan, cost, stored_bytes, fuse).measure(plan.ckpt_layers)
 
 
+def executor_memory_under(plan, cost, tables) -> list[ExecutorMemory]:
+    """:func:`executor_memory` of ``plan`` under each recomputation table of ``tables`` (one account:
+    the bucket, the context and the slot memos are worked out once)."""
+    account = _Account(plan, cost, None, True)
+    return [account.measure(t) for t in tables]
+
+
 class _Account:
     """:func:`executor_memory` of one plan under any recomputation table: what the table does not
     change (the chunks' bucket and context, the model states, the largest op's working memory) is

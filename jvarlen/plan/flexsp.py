@@ -8,7 +8,7 @@ a MILP that minimises the slowest group's time under the groups' memory. Here, p
 1. **data** (:class:`FlexSPProblem`): every document's additive time on every scheme
    ``Scheme(1, sp)`` from the fitted cost model (all-to-all per layer included; ``inf`` where it
    does not fit even with full recomputation), micro-batch tokens without recomputation, the
-   per-micro-batch and per-group constants (:class:`~jvarlen.plan.sp_groups.WorkTable`), in µs;
+   per-micro-batch and per-group constants (:class:`~jvarlen.plan.work_table.WorkTable`), in µs;
 2. **model** (:func:`_cp_model`): group slots ``(s, j)``, ``j < N / sp_s``; ``y[s,j]`` slot used,
    ``x[i,s,j]`` document i on it, ``m[s,j]`` its shared micro-batches; ``Σ_g x[i,g] = 1``,
    ``x ≤ y``, ``Σ sp_s·y ≤ N``, ``cap_s·m ≥ Σ tokens·x`` (memory: Eq. 23-24 micro-batches that fit
@@ -46,8 +46,9 @@ from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import balanced_split
 from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, WorkTable, infeasible_documents, too_long_message
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, register_policy
+from jvarlen.plan.work_table import WorkTable
 
 _US = 1e6
 

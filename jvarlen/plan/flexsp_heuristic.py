@@ -1,6 +1,6 @@
 """FlexSP's greedy groups (the MILP's hint and fallback) and the one-degree layouts planned beside
 them (:mod:`jvarlen.plan.flexsp`): LPT dispatch of the documents onto a multiset of SP groups, in
-the group model's additive times (:class:`~jvarlen.plan.sp_groups.WorkTable`). ``problem`` is a
+the group model's additive times (:class:`~jvarlen.plan.work_table.WorkTable`). ``problem`` is a
 :class:`~jvarlen.plan.flexsp.FlexSPProblem` (not imported: that module imports this one).
 
 Pure Python/numpy: nothing here imports JAX.

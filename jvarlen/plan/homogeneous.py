@@ -3,7 +3,7 @@
 What FlexSP and DCP are measured against (FlexSP §5: DeepSpeed-Ulysses at one SP degree; DCP
 §4.1: one parallel size for every batch): every group is ``Scheme(1, sp)`` for one ``sp``, the
 documents are dispatched greedily (LPT on the additive time model of
-:class:`~jvarlen.plan.sp_groups.WorkTable`, then the same local search FlexSP's heuristic uses),
+:class:`~jvarlen.plan.work_table.WorkTable`, then the same local search FlexSP's heuristic uses),
 and each group is cut into micro-batches by the same Eq. 23-24 chunking with the least
 recomputation that fits (:meth:`GroupCosts.flex_group`). So the reference differs from FlexSP
 only in the group sizes.
@@ -26,8 +26,9 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
 from jvarlen.plan.sp_assemble import assemble_strategy
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, WorkTable, infeasible_documents
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
+from jvarlen.plan.work_table import WorkTable
 
 
 @dataclasses.dataclass(frozen=True)

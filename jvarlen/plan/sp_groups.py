@@ -13,6 +13,8 @@ cost model (:class:`~jvarlen.plan.strategy.SchemeCosts`, all-to-all per layer in
   per document, which is what the assignment searches use (:meth:`work`); the exact time of a
   group (:meth:`group_time`) re-evaluates its actual micro-batches.
 
+:class:`~jvarlen.plan.work_table.WorkTable` tabulates the additive model for the searches.
+
 :mod:`jvarlen.plan.sp_assemble` turns the chosen groups into a
 :class:`~jvarlen.plan.strategy.StrategyPlan`.
 
@@ -23,19 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape, executor_bucket
+from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group
-from jvarlen.plan.strategy import (
-    Scheme,
-    SchemeCosts,
-    enumerate_schemes,
-)
+from jvarlen.plan.executor_memory import executor_memory_under
+from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, enumerate_schemes
 
 _SAFETY = 1.0 - 1e-9  # float headroom so that a cap computed here also passes Plan.validate
 
@@ -50,6 +48,29 @@ class GroupChoice:
     documents: tuple[int, ...]
     micro_batches: tuple[tuple[int, ...], ...]
     ckpt: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
+def executor_caps(costs: SchemeCosts, scheme: Scheme) -> np.ndarray:
+    """``[L + 1]`` the largest bucket (tokens) a ``pp = 1`` group's step may pad its micro-batches to
+    when every one recomputes ``r`` layers, by the executor's memory account
+    (:func:`~jvarlen.plan.executor_memory.executor_memory`: slots sized by the bucket, the largest
+    op). With one stage and no split document the account is affine in the bucket, so two probe
+    buckets give it (read-only)."""
+    if scheme.pp != 1:
+        raise ValueError(f"executor_caps is for one-stage groups, got {scheme}")
+    cost = costs.cost(scheme)
+    probes = (4096 * scheme.sp, 8192 * scheme.sp)
+    tables = [np.full((2, 1), r, np.int32) for r in range(cost.layers_per_stage + 1)]
+    totals = []
+    for b in probes:
+        plan = build_group_plan("probe", scheme, [b, b], [[0], [1]], costs, [0, 0], simulation="async")
+        totals.append(np.array([m.total for m in executor_memory_under(plan, cost, tables)]))
+    slope = (totals[1] - totals[0]) / (probes[1] - probes[0])
+    fixed = totals[0] - slope * probes[0]
+    out = np.maximum(0, np.floor((cost.memory_budget * _SAFETY - fixed) / slope)).astype(np.int64)
+    out.setflags(write=False)
+    return out
 
 
 class GroupCosts:
@@ -198,190 +219,111 @@ class GroupCosts:
         return self.costs.micro_batch_time([int(x) for x in lengths], scheme, int(ckpt), pad_to)
 
     def group_time(self, lengths: Sequence[int], choice: GroupChoice) -> float:
-        """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``
-        where the executor's memory fit raises no recomputation): its micro-batches one after the
-        other, padded to the group's bucket where :attr:`padded`, plus its step overhead."""
-        docs = choice.documents
+        """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``):
+        its micro-batches one after the other plus its step overhead. Where :attr:`padded`, every
+        micro-batch runs over the group's bucket and recomputes at least what that bucket needs
+        in the executor's buffers (:meth:`bucket_recompute`), as the executor's memory fit raises it."""
+        docs, scheme = choice.documents, choice.scheme
         mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
-        bucket = executor_bucket(max(sum(mb) for mb in mbs), choice.scheme.sp) if self.padded else None
-        t = sum(self.micro_batch_time(mb, choice.scheme, r, bucket) for mb, r in zip(mbs, choice.ckpt))
-        return t + self.base(choice.scheme)
+        bucket, ckpt = None, choice.ckpt
+        if self.padded:
+            bucket = executor_bucket(max(sum(mb) for mb in mbs), scheme.sp)
+            floor = self.bucket_recompute(scheme, bucket) or 0
+            ckpt = [max(int(r), floor) for r in ckpt]
+        t = sum(self.micro_batch_time(mb, scheme, r, bucket) for mb, r in zip(mbs, ckpt))
+        return t + self.base(scheme)
 
     def strategy_time(self, lengths: Sequence[int], choices: Sequence[GroupChoice]) -> float:
         """Predicted iteration time: the slowest group's (as :func:`predicted_time`)."""
         return max(self.group_time(lengths, c) for c in choices)
+
+    # ---- the executor's buckets
+    def executor_caps(self, scheme: Scheme) -> np.ndarray:
+        """``[L + 1]`` the largest bucket (tokens) a group's step may pad its micro-batches to when
+        every one recomputes ``r`` layers, by the executor's memory account (:func:`executor_caps`)."""
+        return executor_caps(self.costs, scheme)
+
+    def bucket_recompute(self, scheme: Scheme, bucket: int) -> Optional[int]:
+        """The fewest layers every micro-batch of a step padded to ``bucket`` recomputes so that the
+        executor's buffers fit (what the executor's memory fit raises a group to); None if none does."""
+        fit = np.flatnonzero(self.executor_caps(scheme) >= int(bucket))
+        return int(fit[0]) if fit.size else None
+
+    def bucket_caps(self, scheme: Scheme, longest: int) -> list[int]:
+        """Micro-batch caps (tokens) worth cutting a padded group at whose longest document holds
+        ``longest`` tokens: the bucket that document sets, and for no recomputation, for the least
+        the document's bucket needs and for each level at which the executor's cap rises, the
+        largest bucket that level holds in both memory accounts (:meth:`executor_caps`,
+        :meth:`caps`). Within a level a larger bucket is fewer micro-batches for the same
+        recomputation."""
+        sp, ex, tl = scheme.sp, self.executor_caps(scheme), self.caps(scheme)
+        own = executor_bucket(int(longest), sp)
+        levels = {0, self.bucket_recompute(scheme, own) or 0}
+        levels.update(r for r in range(1, self.max_recompute + 1) if ex[r] > ex[r - 1])
+        out = {min(own, self.cap_full(scheme))}
+        for r in sorted(x for x in levels if x <= self.max_recompute):
+            b = executor_bucket_below(int(min(ex[r], tl[r])), sp)
+            if b is not None and b >= longest:
+                out.add(b)
+        return sorted(x for x in out if x >= longest)
 
     # ---- FlexSP / homogeneous micro-batching
     def flex_group(
         self, lengths: Sequence[int], scheme: Scheme, documents: Sequence[int], full_recompute: bool = False
     ) -> GroupChoice:
         """A group of ``documents`` on ``scheme`` cut by Eq. 23-24 into micro-batches that fit without
-        recomputation (a longer document alone, with its least recomputation). ``full_recompute``:
-        every layer recomputed and micro-batches as large as that allows (the usual static setting)."""
+        recomputation (a longer document alone, with its least recomputation), or where
+        :attr:`padded` at the group's bucket if that is faster (:meth:`fastest_cut`).
+        ``full_recompute``: every layer recomputed and micro-batches as large as that allows (the
+        usual static setting)."""
         docs = tuple(int(d) for d in documents)
         local = [int(lengths[d]) for d in docs]
-        mbs = chunk_group(local, self.cap_full(scheme) if full_recompute else self.cap_none(scheme))
+        if full_recompute:
+            return self._cut(scheme, docs, local, chunk_group(local, self.cap_full(scheme)), full_recompute=True)
+        return self.fastest_cut(lengths, scheme, docs, chunk_group(local, self.cap_none(scheme)))
+
+    def fastest_cut(
+        self,
+        lengths: Sequence[int],
+        scheme: Scheme,
+        documents: Sequence[int],
+        micro_batches,
+        min_batches: int = 1,
+        max_batches: Optional[int] = None,
+    ) -> GroupChoice:
+        """The group of ``documents`` cut into ``micro_batches`` (a policy's cut: lists of indices into
+        ``documents``), each recomputing the least layers that fit it, or a faster cut of
+        ``min_batches`` to ``max_batches`` micro-batches.
+
+        Where :attr:`padded`, every micro-batch runs over the bucket of the group's largest and
+        recomputes what that bucket needs (:meth:`group_time`): a long document sets both for the
+        short ones. So the group is also cut by Eq. 23-24 at each of :meth:`bucket_caps` (the short
+        documents packed up to the bucket they pay for anyway), and the cut :meth:`group_time` finds
+        fastest is kept (ties: the policy's)."""
+        docs = tuple(int(d) for d in documents)
+        local = [int(lengths[d]) for d in docs]
+        cuts = [[list(mb) for mb in micro_batches]]
+        if self.padded:
+            for cap in self.bucket_caps(scheme, max(local)):
+                cut = chunk_group(local, cap, min_batches)
+                if cut not in cuts and (max_batches is None or len(cut) <= max_batches):
+                    cuts.append(cut)
+        return min((self._cut(scheme, docs, local, mbs) for mbs in cuts), key=lambda c: self.group_time(lengths, c))
+
+    def _cut(self, scheme: Scheme, docs: tuple, local: list[int], mbs, full_recompute: bool = False) -> GroupChoice:
+        """``mbs`` as a GroupChoice, each micro-batch recomputing the least that fits it (and, padded,
+        its group's bucket), or every layer allowed."""
+        tokens = [sum(local[i] for i in mb) for mb in mbs]
+        floor = self.max_recompute if full_recompute else 0
+        if self.padded and not full_recompute:
+            floor = self.bucket_recompute(scheme, executor_bucket(max(tokens), scheme.sp)) or 0
         ckpt = []
-        for mb in mbs:
-            tokens = sum(local[i] for i in mb)
-            r = self.least_recompute(scheme, tokens)
+        for n in tokens:
+            r = self.least_recompute(scheme, n)
             if r is None:
-                raise ValueError(f"micro-batch of {tokens} tokens does not fit {scheme}")
-            ckpt.append(self.max_recompute if full_recompute else r)
+                raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
+            ckpt.append(max(r, floor))
         return GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
-
-
-@dataclasses.dataclass
-class WorkTable:
-    """The additive time model of documents on SP groups (what FlexSP's MILP and every greedy search
-    price an assignment with). ``[D, S]`` over the documents ``docs`` and the schemes ``schemes``:
-
-    * ``work[i, s]`` seconds document i adds to a group of scheme s (``inf``: does not fit);
-    * ``short[i, s]``: it shares micro-batches (counts toward ``ceil(tokens / cap[s])`` micro-batches);
-    * ``tokens[i]``, ``cap[s]`` (tokens per micro-batch without recomputation), ``mbc[s]`` (seconds
-      per shared micro-batch), ``base[s]`` (seconds per group: step overhead).
-
-    A group of documents A on scheme s takes ``base[s] + Σ_A work + mbc[s]·⌈Σ_{A, short} tokens / cap[s]⌉``.
-    """
-
-    docs: tuple[int, ...]
-    schemes: tuple[Scheme, ...]
-    work: np.ndarray
-    short: np.ndarray
-    tokens: np.ndarray
-    cap: np.ndarray
-    mbc: np.ndarray
-    base: np.ndarray
-
-    @classmethod
-    def build(cls, lengths: Sequence[int], gc: GroupCosts, schemes: Sequence[Scheme], docs=None) -> "WorkTable":
-        docs = tuple(range(len(lengths))) if docs is None else tuple(docs)
-        tokens = np.array([int(lengths[d]) for d in docs], dtype=np.int64)
-        schemes = tuple(schemes)
-        work = np.stack([gc.works(tokens, s) for s in schemes], axis=1).reshape(len(docs), len(schemes))
-        cap = np.array([gc.cap_none(s) for s in schemes], dtype=np.int64)
-        short = tokens[:, None] <= cap[None, :]
-        mbc = np.array([gc.mb_const(s) for s in schemes], dtype=np.float64)
-        base = np.array([gc.base(s) for s in schemes], dtype=np.float64)
-        return cls(docs, schemes, work, short, tokens, cap, mbc, base)
-
-    def load(self, members: Sequence[int], s: int) -> float:
-        """Seconds of a group of scheme index ``s`` holding the table rows ``members``."""
-        m = np.asarray(members, dtype=np.int64)
-        if m.size == 0:
-            return 0.0
-        short_tokens = int(self.tokens[m][self.short[m, s]].sum())
-        return float(self.base[s] + self.work[m, s].sum() + self.mbc[s] * -(-short_tokens // max(1, self.cap[s])))
-
-    def makespan(self, sizes: Sequence[int], members: Sequence[Sequence[int]]) -> float:
-        return max((self.load(m, s) for s, m in zip(sizes, members) if len(m)), default=0.0)
-
-    def lpt(self, sizes: Sequence[int], order: Optional[Sequence[int]] = None) -> Optional[list[list[int]]]:
-        """Longest-processing-time-first dispatch of every row onto groups of scheme indices ``sizes``:
-        rows in decreasing order of their least work, each to the group of the scheme where it
-        finishes first, within a scheme the least loaded group (ties: the earlier group). None when a
-        row fits none of the groups."""
-        sizes = [int(s) for s in sizes]
-        members: list[list[int]] = [[] for _ in sizes]
-        heaps: dict[int, list] = {}
-        for g, s in enumerate(sizes):
-            heaps.setdefault(s, []).append((float(self.base[s]), g, 0))
-        for h in heaps.values():
-            heapq.heapify(h)
-        if order is None:
-            order = np.argsort(-np.min(self.work, axis=1), kind="stable")
-        work, short, tokens = self.work.tolist(), self.short.tolist(), self.tokens.tolist()
-        cap = [max(1, int(c)) for c in self.cap]
-        mbc = self.mbc.tolist()
-        for i in order:
-            best = None
-            wi, shi, ti = work[i], short[i], tokens[i]
-            for s, h in heaps.items():
-                load, g, st = h[0]
-                add = wi[s]
-                if shi[s]:
-                    add += mbc[s] * (-(-(st + ti) // cap[s]) - (-(-st // cap[s])))
-                cand = (load + add, g)
-                if best is None or cand < best[0]:
-                    best = (cand, s, st + (ti if shi[s] else 0))
-            (new, g), s, st = best
-            if not math.isfinite(new):
-                return None
-            heapq.heapreplace(heaps[s], (new, g, st))
-            members[g].append(int(i))
-        return members
-
-    def improve(self, sizes: Sequence[int], members: list[list[int]], max_moves: int = 100) -> list[list[int]]:
-        """Local search: move one document off the slowest group, or swap it with a document of
-        another group, while that lowers the makespan (the best such step first, at most
-        ``max_moves`` steps). Loads are kept incrementally; every move and swap of a step is priced
-        at once."""
-        sizes = np.asarray(sizes, dtype=np.int64)
-        g = sizes.shape[0]
-        members = [list(m) for m in members]
-        group_of = np.full(self.tokens.shape[0], -1, dtype=np.int64)
-        for h, m in enumerate(members):
-            group_of[m] = h
-        sw = np.array([self.work[m, sizes[h]].sum() for h, m in enumerate(members)], dtype=np.float64)
-        st = np.array([self.tokens[m][self.short[m, sizes[h]]].sum() for h, m in enumerate(members)], dtype=np.int64)
-        caps = np.maximum(1, self.cap[sizes])
-        shtok = self.tokens[:, None] * self.short  # [D, S] tokens counted toward micro-batches
-
-        def load(w, t, h):
-            return self.base[sizes[h]] + w + self.mbc[sizes[h]] * -(-t // caps[h])
-
-        for _ in range(max_moves):
-            count = np.bincount(group_of[group_of >= 0], minlength=g)
-            loads = np.where(count > 0, load(sw, st, np.arange(g)), -np.inf)
-            crit = int(np.argmax(loads))
-            rest = loads.copy()
-            rest[crit] = -np.inf
-            order = np.argsort(-rest, kind="stable")
-            first = rest[order[0]] if g > 1 else -np.inf
-            second = rest[order[1]] if g > 2 else -np.inf
-            others = np.where(np.arange(g) == order[0], second, first)  # max load apart from crit and h
-            sc = sizes[crit]
-            mine = np.asarray(members[crit], dtype=np.int64)  # [I]
-            w_c = sw[crit] - self.work[mine, sc]  # [I] crit without i
-            t_c = st[crit] - shtok[mine, sc]
-            new_c = load(w_c, t_c, crit) if mine.size > 1 else np.full(mine.size, -np.inf)
-            # moves i -> h: [I, G]
-            new_h = load(
-                sw[None, :] + self.work[mine][:, sizes], st[None, :] + shtok[mine][:, sizes], np.arange(g)[None, :]
-            )
-            span = np.maximum(np.maximum(new_h, others[None, :]), new_c[:, None])
-            span[:, crit] = np.inf
-            flat = int(np.argmin(span))
-            best_span = loads[crit] - 1e-12
-            best = None
-            if span.flat[flat] < best_span:
-                best_span, best = span.flat[flat], (int(mine[flat // g]), flat % g, None)
-            # swaps i <-> k (k in another group): [I, K]
-            ks = np.flatnonzero((group_of >= 0) & (group_of != crit))
-            if ks.size:
-                hk = group_of[ks]
-                szk = sizes[hk]
-                new_c2 = load(w_c[:, None] + self.work[ks, sc][None, :], t_c[:, None] + shtok[ks, sc][None, :], crit)
-                w_h = (sw[hk] - self.work[ks, szk])[None, :] + self.work[mine][:, szk]
-                t_h = (st[hk] - shtok[ks, szk])[None, :] + shtok[mine][:, szk]
-                new_h2 = self.base[szk][None, :] + w_h + self.mbc[szk][None, :] * -(-t_h // caps[hk][None, :])
-                span2 = np.maximum(np.maximum(new_c2, new_h2), others[hk][None, :])
-                flat = int(np.argmin(span2))
-                if span2.flat[flat] < best_span:
-                    i, j = divmod(flat, ks.size)
-                    best_span, best = span2.flat[flat], (int(mine[i]), int(hk[j]), int(ks[j]))
-            if best is None:
-                break
-            i, h, k = best
-            for x, src, dst in ((i, crit, h),) + (((k, h, crit),) if k is not None else ()):
-                members[src].remove(x)
-                members[dst].append(x)
-                group_of[x] = dst
-                sw[src] -= self.work[x, sizes[src]]
-                st[src] -= shtok[x, sizes[src]]
-                sw[dst] += self.work[x, sizes[dst]]
-                st[dst] += shtok[x, sizes[dst]]
-        return members
 
 
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
@@ -400,10 +342,4 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
     )
 
 
-__all__ = [
-    "GroupChoice",
-    "WorkTable",
-    "GroupCosts",
-    "infeasible_documents",
-    "too_long_message",
-]
+__all__ = ["GroupChoice", "GroupCosts", "executor_caps", "infeasible_documents", "too_long_message"]
