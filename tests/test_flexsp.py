@@ -187,44 +187,81 @@ def test_group_time_is_the_simulated_group(simulation):
     assert (gc.group_time(lengths, choice) > 1.2 * unpadded) == (simulation == "paired")
 
 
-def _direct_bucket_recompute(costs, gc, scheme, bucket):
-    """The fewest layers recomputed by both micro-batches of a real two-micro-batch group plan
-    padded to ``bucket`` with which the executor's memory account fits (None: none)."""
+def _fits(costs, scheme, bucket, table) -> bool:
+    """Whether the executor's memory account of a real group plan of ``len(table)`` micro-batches
+    padded to ``bucket``, recomputing ``table`` layers, fits the budget."""
     from jvarlen.plan.executor_memory import executor_memory
 
     cost = costs.cost(scheme)
-    plan = build_group_plan("test", scheme, [bucket, bucket], [[0], [1]], costs, [0, 0], "async")
-    for r in range(gc.layers + 1):
-        table = np.full((2, 1), r, np.int32)
-        if executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost).total <= cost.memory_budget:
-            return r
-    return None
+    n = len(table)
+    plan = build_group_plan("test", scheme, [bucket] * n, [[k] for k in range(n)], costs, [0] * n, "async")
+    ckpt = np.asarray(table, np.int32)[:, None]
+    return executor_memory(dataclasses.replace(plan, ckpt_layers=ckpt), cost).total <= cost.memory_budget
 
 
-def test_bucket_recompute_is_the_executor_account_of_the_padded_step():
-    """``GroupCosts.bucket_recompute`` (from ``executor_caps``: the executor's account of a one-stage
-    step is affine in its bucket, so two probe buckets give the largest bucket per recomputation
-    count) against the account of real group plans padded to each bucket: on the small model it is
-    0 or all 8 layers; on 7B of the FlexSP benchmark (A800) the slot rounding makes it 16, 24 or 32
-    of 32 layers at sp = 8."""
+def test_executor_cap_is_the_executor_account_of_the_padded_step():
+    """``sp_groups.executor_cap`` (the executor's account of a one-stage step is affine in its
+    bucket and follows the extremes of the recomputation table, so two probe plans of two
+    micro-batches give the largest bucket per (least, most) recomputed layers) against the account
+    of real group plans padded to each bucket, uniform and mixed tables: on the small model a step
+    fits with 0 or all 8 layers recomputed; on 7B of the FlexSP benchmark (A800) the slot rounding
+    makes it 16, 24 or 32 of 32 layers at sp = 8, and a table of 16-18 layers needs more than 16."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_flexsp_dcp as bench
 
+    from jvarlen.plan.sp_groups import executor_cap
+
     setting = next(s for s in bench.settings(False) if s.model == "7b" and not s.zero3)
-    cases = [(scheme_costs(8), [3072, 12288, 14336, 20480, 114688]), (setting.costs(), [1024, 4096, 6144, 7168, 20480])]
+    cases = [
+        (scheme_costs(8), [3072, 12288, 14336, 20480, 114688], [(0, 1), (1, 7), (0, 8)]),
+        (setting.costs(), [1024, 4096, 6144, 7168, 20480], [(0, 16), (16, 18), (16, 24), (20, 31)]),
+    ]
     seen = set()
-    for costs, buckets in cases:
+    for costs, buckets, mixed in cases:
         gc = GroupCosts(costs)
         for scheme in gc.schemes[:4]:
             for b in buckets:
                 b *= scheme.sp
-                want = _direct_bucket_recompute(costs, gc, scheme, b)
+                want = next((r for r in range(gc.layers + 1) if _fits(costs, scheme, b, [r, r])), None)
                 assert gc.bucket_recompute(scheme, b) == want, (scheme, b)
                 seen.add(want)
+                for low, high in mixed:
+                    fits = _fits(costs, scheme, b, [low, high, low])
+                    assert (executor_cap(costs, scheme, low, high) >= b) == fits, (scheme, b, low, high)
     assert {0, 8, 16, 24, 32} <= seen
+
+
+def test_the_executor_table_is_what_the_fit_leaves():
+    """A sp = 8 group of the FlexSP benchmark's commoncrawl 7B (A800) whose six micro-batches hold
+    27-48K tokens pads them to 49,152: they fit the time line's memory with 3-18 recomputed layers,
+    and the executor's buffers hold a uniform 16 at that bucket but not 16-18 (the residual slots
+    follow the micro-batch that stores most, the checkpoint slots the one that recomputes most):
+    the fit raises every micro-batch to 24 layers. ``executor_table`` gives that table and
+    ``group_time`` the plan's simulated time."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_flexsp_dcp as bench
+
+    from jvarlen.plan.sp_groups import executor_cap
+
+    setting = next(s for s in bench.settings(False) if s.model == "7b" and not s.zero3)
+    costs = setting.costs()
+    gc, scheme = GroupCosts(costs), Scheme(1, 8)
+    lengths = [48337, 27535, 38465, 45614, 46568, 47884]
+    least = [gc.least_recompute(scheme, n) for n in lengths]
+    assert (min(least), max(least)) == (3, 18) and gc.bucket_recompute(scheme, 49152) == 16
+    assert executor_cap(costs, scheme, 16, 16) >= 49152 > executor_cap(costs, scheme, 16, 18)
+    table = gc.executor_table(scheme, 49152, least)
+    assert table == [24] * 6
+    choice = GroupChoice(scheme, tuple(range(6)), tuple((k,) for k in range(6)), tuple(least))
+    plan = build_group_plan("test", scheme, lengths, choice.micro_batches, costs, least, "paired")
+    assert plan.ckpt_layers[:, 0].tolist() == table
+    assert gc.group_time(lengths, choice) == pytest.approx(plan.stats["iteration_time_s"], rel=1e-9)
 
 
 def test_group_time_charges_the_recomputation_of_the_groups_bucket():

@@ -64,11 +64,10 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
     return _Account(plan, cost, stored_bytes, fuse).measure(plan.ckpt_layers)
 
 
-def executor_memory_under(plan, cost, tables) -> list[ExecutorMemory]:
-    """:func:`executor_memory` of ``plan`` under each recomputation table of ``tables`` (one account:
-    the bucket, the context and the slot memos are worked out once)."""
-    account = _Account(plan, cost, None, True)
-    return [account.measure(t) for t in tables]
+def executor_account(plan, cost):
+    """A function of a recomputation table giving :func:`executor_memory` of ``plan`` under it (the
+    bucket, the context and the slot memos are worked out once)."""
+    return _Account(plan, cost, None, True).measure
 
 
 class _Account:

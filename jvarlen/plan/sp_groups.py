@@ -32,7 +32,7 @@ import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group
-from jvarlen.plan.executor_memory import executor_memory_under
+from jvarlen.plan.executor_memory import executor_account
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, enumerate_schemes
 
 _SAFETY = 1.0 - 1e-9  # float headroom so that a cap computed here also passes Plan.validate
@@ -51,26 +51,33 @@ class GroupChoice:
 
 
 @functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
-def executor_caps(costs: SchemeCosts, scheme: Scheme) -> np.ndarray:
-    """``[L + 1]`` the largest bucket (tokens) a ``pp = 1`` group's step may pad its micro-batches to
-    when every one recomputes ``r`` layers, by the executor's memory account
-    (:func:`~jvarlen.plan.executor_memory.executor_memory`: slots sized by the bucket, the largest
-    op). With one stage and no split document the account is affine in the bucket, so two probe
-    buckets give it (read-only)."""
+def _probe_accounts(costs: SchemeCosts, scheme: Scheme) -> tuple:
+    """Two one-stage group plans of two micro-batches each, padded to two probe buckets, and their
+    executor's accounts (functions of a recomputation table)."""
     if scheme.pp != 1:
-        raise ValueError(f"executor_caps is for one-stage groups, got {scheme}")
+        raise ValueError(f"the executor's bucket caps are for one-stage groups, got {scheme}")
     cost = costs.cost(scheme)
-    probes = (4096 * scheme.sp, 8192 * scheme.sp)
-    tables = [np.full((2, 1), r, np.int32) for r in range(cost.layers_per_stage + 1)]
-    totals = []
-    for b in probes:
+    out = []
+    for b in (4096 * scheme.sp, 8192 * scheme.sp):
         plan = build_group_plan("probe", scheme, [b, b], [[0], [1]], costs, [0, 0], simulation="async")
-        totals.append(np.array([m.total for m in executor_memory_under(plan, cost, tables)]))
-    slope = (totals[1] - totals[0]) / (probes[1] - probes[0])
-    fixed = totals[0] - slope * probes[0]
-    out = np.maximum(0, np.floor((cost.memory_budget * _SAFETY - fixed) / slope)).astype(np.int64)
-    out.setflags(write=False)
-    return out
+        out.append((b, executor_account(plan, cost)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int:
+    """The largest bucket (tokens) a ``pp = 1`` group's step may pad its micro-batches to when they
+    recompute between ``low`` and ``high`` layers (both counts present), by the executor's memory
+    account (:func:`~jvarlen.plan.executor_memory.executor_memory`). One stage runs one micro-batch
+    at a time, so the slots follow the extremes (the residual slots the micro-batch that stores
+    most, the checkpoint slots the one that recomputes most), and with no split document the
+    account is affine in the bucket: two probe buckets give it."""
+    (b1, m1), (b2, m2) = _probe_accounts(costs, scheme)
+    table = np.array([[low], [high]], np.int32)
+    t1, t2 = m1(table).total, m2(table).total
+    slope = (t2 - t1) / (b2 - b1)
+    budget = costs.cost(scheme).memory_budget * _SAFETY
+    return max(0, int((budget - (t1 - slope * b1)) // slope))
 
 
 class GroupCosts:
@@ -221,15 +228,14 @@ class GroupCosts:
     def group_time(self, lengths: Sequence[int], choice: GroupChoice) -> float:
         """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``):
         its micro-batches one after the other plus its step overhead. Where :attr:`padded`, every
-        micro-batch runs over the group's bucket and recomputes at least what that bucket needs
-        in the executor's buffers (:meth:`bucket_recompute`), as the executor's memory fit raises it."""
+        micro-batch runs over the group's bucket with the recomputation the executor's memory fit
+        leaves it (:meth:`executor_table`)."""
         docs, scheme = choice.documents, choice.scheme
         mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
         bucket, ckpt = None, choice.ckpt
         if self.padded:
             bucket = executor_bucket(max(sum(mb) for mb in mbs), scheme.sp)
-            floor = self.bucket_recompute(scheme, bucket) or 0
-            ckpt = [max(int(r), floor) for r in ckpt]
+            ckpt = self.executor_table(scheme, bucket, ckpt)
         t = sum(self.micro_batch_time(mb, scheme, r, bucket) for mb, r in zip(mbs, ckpt))
         return t + self.base(scheme)
 
@@ -240,14 +246,24 @@ class GroupCosts:
     # ---- the executor's buckets
     def executor_caps(self, scheme: Scheme) -> np.ndarray:
         """``[L + 1]`` the largest bucket (tokens) a group's step may pad its micro-batches to when
-        every one recomputes ``r`` layers, by the executor's memory account (:func:`executor_caps`)."""
-        return executor_caps(self.costs, scheme)
+        every one recomputes ``r`` layers, by the executor's memory account (:func:`executor_cap`)."""
+        return np.array([executor_cap(self.costs, scheme, r, r) for r in range(self.layers + 1)], np.int64)
 
     def bucket_recompute(self, scheme: Scheme, bucket: int) -> Optional[int]:
         """The fewest layers every micro-batch of a step padded to ``bucket`` recomputes so that the
-        executor's buffers fit (what the executor's memory fit raises a group to); None if none does."""
-        fit = np.flatnonzero(self.executor_caps(scheme) >= int(bucket))
-        return int(fit[0]) if fit.size else None
+        executor's buffers fit; None if none does."""
+        return next((r for r in range(self.layers + 1) if executor_cap(self.costs, scheme, r, r) >= bucket), None)
+
+    def executor_table(self, scheme: Scheme, bucket: int, ckpt: Sequence[int]) -> list[int]:
+        """The recomputation of a group's micro-batches (``ckpt``, one count each) as the executor's
+        memory fit leaves it for a step padded to ``bucket``: unchanged where its buffers hold it,
+        else every count raised to at least the least ``t`` with which they do (the fit's repair by
+        cap, :func:`~jvarlen.plan.executor_memory.fit_executor`); unchanged where nothing fits."""
+        low, high = min(ckpt), max(ckpt)
+        for t in range(low, self.layers + 1):
+            if executor_cap(self.costs, scheme, max(low, t), max(high, t)) >= bucket:
+                return [max(int(r), t) for r in ckpt]
+        return [int(r) for r in ckpt]
 
     def bucket_caps(self, scheme: Scheme, longest: int) -> list[int]:
         """Micro-batch caps (tokens) worth cutting a padded group at whose longest document holds
@@ -311,18 +327,17 @@ class GroupCosts:
         return min((self._cut(scheme, docs, local, mbs) for mbs in cuts), key=lambda c: self.group_time(lengths, c))
 
     def _cut(self, scheme: Scheme, docs: tuple, local: list[int], mbs, full_recompute: bool = False) -> GroupChoice:
-        """``mbs`` as a GroupChoice, each micro-batch recomputing the least that fits it (and, padded,
-        its group's bucket), or every layer allowed."""
+        """``mbs`` as a GroupChoice, each micro-batch recomputing the least that fits it (padded: as
+        the executor's fit leaves that at the group's bucket), or every layer allowed."""
         tokens = [sum(local[i] for i in mb) for mb in mbs]
-        floor = self.max_recompute if full_recompute else 0
-        if self.padded and not full_recompute:
-            floor = self.bucket_recompute(scheme, executor_bucket(max(tokens), scheme.sp)) or 0
         ckpt = []
         for n in tokens:
             r = self.least_recompute(scheme, n)
             if r is None:
                 raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
-            ckpt.append(max(r, floor))
+            ckpt.append(self.max_recompute if full_recompute else r)
+        if self.padded and not full_recompute:
+            ckpt = self.executor_table(scheme, executor_bucket(max(tokens), scheme.sp), ckpt)
         return GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
 
 
@@ -342,4 +357,4 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
     )
 
 
-__all__ = ["GroupChoice", "GroupCosts", "executor_caps", "infeasible_documents", "too_long_message"]
+__all__ = ["GroupChoice", "GroupCosts", "executor_cap", "infeasible_documents", "too_long_message"]
