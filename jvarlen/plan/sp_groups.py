@@ -223,7 +223,11 @@ class GroupCosts:
     def micro_batch_time(
         self, lengths: Sequence[int], scheme: Scheme, ckpt: int, pad_to: Optional[int] = None
     ) -> float:
-        return self.costs.micro_batch_time([int(x) for x in lengths], scheme, int(ckpt), pad_to)
+        return self._micro_batch_time(tuple(int(x) for x in lengths), scheme, int(ckpt), pad_to)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (the cuts of one planning call share micro-batches)
+    def _micro_batch_time(self, lengths: tuple, scheme: Scheme, ckpt: int, pad_to: Optional[int]) -> float:
+        return self.costs.micro_batch_time(list(lengths), scheme, ckpt, pad_to)
 
     def group_time(self, lengths: Sequence[int], choice: GroupChoice) -> float:
         """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``):
@@ -293,10 +297,18 @@ class GroupCosts:
         ``full_recompute``: every layer recomputed and micro-batches as large as that allows (the
         usual static setting)."""
         docs = tuple(int(d) for d in documents)
-        local = [int(lengths[d]) for d in docs]
+        micro_batches, ckpt = self._flex_cut(scheme, tuple(int(lengths[d]) for d in docs), full_recompute)
+        return GroupChoice(scheme, docs, micro_batches, ckpt)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (FlexSP ranks, then plans, the same groups)
+    def _flex_cut(self, scheme: Scheme, local: tuple, full_recompute: bool) -> tuple[tuple, tuple]:
+        """:meth:`flex_group`'s micro-batches and recomputation for documents of ``local`` lengths."""
+        docs = tuple(range(len(local)))
         if full_recompute:
-            return self._cut(scheme, docs, local, chunk_group(local, self.cap_full(scheme)), full_recompute=True)
-        return self.fastest_cut(lengths, scheme, docs, chunk_group(local, self.cap_none(scheme)))
+            c = self._cut(scheme, docs, list(local), chunk_group(local, self.cap_full(scheme)), full_recompute=True)
+        else:
+            c = self.fastest_cut(local, scheme, docs, chunk_group(local, self.cap_none(scheme)))
+        return c.micro_batches, c.ckpt
 
     def fastest_cut(
         self,
