@@ -90,9 +90,11 @@ def assemble_fastest(
     events: Optional[list] = None,
 ) -> tuple[int, StrategyPlan]:
     """The candidates' :class:`StrategyPlan` (:func:`assemble_strategy`), the fastest simulated one
-    kept (ties: the first). The group model that ranks them leaves out the recomputation that
-    fits the executor's buffers, so two candidates a few per cent apart by it may swap once
-    simulated. Each candidate's record (its ``candidate_record``) gets ``simulated_s``.
+    kept (ties: the first). In the ``"paired"`` simulation the padded group model that ranks them
+    is each ``pp = 1`` group's simulated time (``GroupCosts.group_time``); in the others it leaves
+    out the executor's padding and the recomputation its memory fit adds, so candidates a few per
+    cent apart by it may swap once simulated. Each candidate's record (its ``candidate_record``)
+    gets ``simulated_s``.
     -> (index of the kept candidate, its plan); ``solve_seconds`` counts until the first
     assembly."""
     if not candidates:
