@@ -53,6 +53,7 @@ from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_man
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
 from jvarlen.plan.hydraulis_pack import PackOptions, PackResult, pack, pipeline_time
 from jvarlen.plan.hydraulis_proposal import ProposalOptions, canonical, propose_strategies
+from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
     GroupPlan,
     Scheme,
@@ -276,10 +277,15 @@ def build_plan(
             events.append(f"{policy}: pipeline {j} {scheme} got no documents; its devices idle")
             continue
         local = lengths[docs]
-        tokens = [int(local[list(mb)].sum()) for mb in packed.micro_batches]
+        micro_batches = packed.micro_batches
+        tokens = [int(local[list(mb)].sum()) for mb in micro_batches]
         ckpt = [int(r) for r in table.recompute_layers(tokens)] if options.recompute == "auto" else [0] * len(tokens)
+        if scheme.pp == 1 and options.recompute == "auto" and options.simulation == "paired":
+            # the executor runs a group's micro-batches over one bucket: cut at it where faster
+            cut = GroupCosts(costs).fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
+            micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
         plan = build_group_plan(
-            policy, scheme, local.tolist(), packed.micro_batches, costs, ckpt, simulation=options.simulation
+            policy, scheme, local.tolist(), micro_batches, costs, ckpt, simulation=options.simulation
         )
         plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
         groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))

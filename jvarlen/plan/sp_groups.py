@@ -318,10 +318,11 @@ class GroupCosts:
         micro_batches,
         min_batches: int = 1,
         max_batches: Optional[int] = None,
+        ckpt: Optional[Sequence[int]] = None,
     ) -> GroupChoice:
         """The group of ``documents`` cut into ``micro_batches`` (a policy's cut: lists of indices into
-        ``documents``), each recomputing the least layers that fit it, or a faster cut of
-        ``min_batches`` to ``max_batches`` micro-batches.
+        ``documents``), each recomputing ``ckpt`` layers (the policy's; None: the least that fits
+        it), or a faster cut of ``min_batches`` to ``max_batches`` micro-batches.
 
         Where :attr:`padded`, every micro-batch runs over the bucket of the group's largest and
         recomputes what that bucket needs (:meth:`group_time`): a long document sets both for the
@@ -336,14 +337,19 @@ class GroupCosts:
                 cut = chunk_group(local, cap, min_batches)
                 if cut not in cuts and (max_batches is None or len(cut) <= max_batches):
                     cuts.append(cut)
-        return min((self._cut(scheme, docs, local, mbs) for mbs in cuts), key=lambda c: self.group_time(lengths, c))
+        choices = [self._cut(scheme, docs, local, cuts[0], given=ckpt)]
+        choices += [self._cut(scheme, docs, local, mbs) for mbs in cuts[1:]]
+        return min(choices, key=lambda c: self.group_time(lengths, c))
 
-    def _cut(self, scheme: Scheme, docs: tuple, local: list[int], mbs, full_recompute: bool = False) -> GroupChoice:
-        """``mbs`` as a GroupChoice, each micro-batch recomputing the least that fits it (padded: as
-        the executor's fit leaves that at the group's bucket), or every layer allowed."""
+    def _cut(
+        self, scheme: Scheme, docs: tuple, local: list[int], mbs, full_recompute: bool = False, given=None
+    ) -> GroupChoice:
+        """``mbs`` as a GroupChoice, each micro-batch recomputing ``given`` layers, or the least that
+        fits it, or every layer allowed (``full_recompute``); padded, as the executor's fit leaves
+        that at the group's bucket."""
         tokens = [sum(local[i] for i in mb) for mb in mbs]
-        ckpt = []
-        for n in tokens:
+        ckpt = [int(r) for r in given] if given is not None else []
+        for n in tokens if given is None else ():
             r = self.least_recompute(scheme, n)
             if r is None:
                 raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
