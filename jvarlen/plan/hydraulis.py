@@ -18,7 +18,9 @@ Per iteration (Hydraulis §4 steps 1-4), for the ``lengths`` of one batch:
    Eq. 1 ILP (CP-SAT, branch and bound over V).
 4. **Plan**: for each of those finalists one :class:`~jvarlen.plan.strategy.GroupPlan` per
    pipeline that received documents (``build_group_plan``: the packed micro-batches as one 1F1B
-   unit, each micro-batch recomputing the layers its tokens need), devices from ``place_groups``;
+   unit, each micro-batch recomputing the layers its tokens need; a ``pp = 1`` pipeline's also cut
+   at its executor bucket where the group model finds that faster, as the SP-group policies'
+   groups are: :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`), devices from ``place_groups``;
    its ``iteration_time_s`` is the slowest group's simulated time, step overhead included
    (``predicted_time``). A candidate whose estimate is below the fastest simulated time is
    packed (if it was not) and, if still below, planned and simulated too (the estimates leave out
@@ -268,6 +270,7 @@ def build_plan(
     devices = place_groups(chosen.strategy, costs.num_devices)
     groups, events = [], []
     solves, sources = 0, {}
+    group_costs = GroupCosts(costs) if options.recompute == "auto" and options.simulation == "paired" else None
     for j, (scheme, table, packed) in enumerate(zip(chosen.strategy, chosen.tables, chosen.packs)):
         docs = chosen.documents(j)
         solves += packed.solves
@@ -280,9 +283,9 @@ def build_plan(
         micro_batches = packed.micro_batches
         tokens = [int(local[list(mb)].sum()) for mb in micro_batches]
         ckpt = [int(r) for r in table.recompute_layers(tokens)] if options.recompute == "auto" else [0] * len(tokens)
-        if scheme.pp == 1 and options.recompute == "auto" and options.simulation == "paired":
+        if scheme.pp == 1 and group_costs is not None:
             # the executor runs a group's micro-batches over one bucket: cut at it where faster
-            cut = GroupCosts(costs).fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
+            cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
             micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
         plan = build_group_plan(
             policy, scheme, local.tolist(), micro_batches, costs, ckpt, simulation=options.simulation
