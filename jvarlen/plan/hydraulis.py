@@ -283,8 +283,9 @@ def build_plan(
         micro_batches = packed.micro_batches
         tokens = [int(local[list(mb)].sum()) for mb in micro_batches]
         ckpt = [int(r) for r in table.recompute_layers(tokens)] if options.recompute == "auto" else [0] * len(tokens)
-        if scheme.pp == 1 and group_costs is not None:
+        if scheme.pp == 1 and group_costs is not None and packed.source != "fixed":
             # the executor runs a group's micro-batches over one bucket: cut at it where faster
+            # (fixed-length packing, the baselines' practice, stays as it is)
             cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
             micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
         plan = build_group_plan(
