@@ -213,3 +213,38 @@ def test_hydraulis_and_homogeneous_simulate_the_homogeneous_layout_ranked_fourth
     assert hydraulis.stats["iteration_time_s"] <= homogeneous.stats["iteration_time_s"]
     off = plan_strategy("homogeneous", batch, costs, dataclasses.replace(ticks, homogeneous_top=0))
     assert off.stats["iteration_time_s"] > 1.05 * static.stats["iteration_time_s"]  # what the option fixes
+
+
+def test_one_stage_pipelines_are_cut_at_their_bucket():
+    """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 3000): Hydraulis plans
+    one (pp=1, sp=8) pipeline whose packed micro-batches are also cut at the executor's bucket
+    (``GroupCosts.fastest_cut``): the plan is a fixed point of that cut (no cut of its documents is
+    faster by the group model), the group model is its simulated time, and the iteration takes
+    6.26 s where the uncut (pp=2, sp=4) plan took 8.74 s. Fixed-length packing is not cut."""
+    import sys
+    from pathlib import Path
+
+    from jvarlen.plan.sp_groups import GroupChoice, GroupCosts
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_strategies as bench
+
+    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 7B a800-ib200 8 dev"))
+    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+    lengths = bench.token_batch(pool, setting.tokens, 3000)
+    plan = plan_strategy("hydraulis", lengths, costs)
+    plan.validate(lengths, costs)
+    (group,) = plan.groups
+    assert group.scheme == Scheme(1, 8) and plan.stats["iteration_time_s"] < 0.75 * 8.74
+    local = [lengths[d] for d in group.documents]
+    docs = range(len(local))
+    mbs = [[d for d, _, _ in chunk] for chunk in group.plan.chunks]
+    gc = GroupCosts(costs)
+    choice = GroupChoice(group.scheme, tuple(docs), tuple(map(tuple, mbs)), tuple(group.plan.ckpt_layers[:, 0]))
+    assert gc.fastest_cut(local, group.scheme, docs, mbs, ckpt=choice.ckpt) == choice
+    assert gc.group_time(local, choice) == pytest.approx(group.plan.stats["iteration_time_s"], rel=1e-9)
+
+    fixed = plan_strategy("homogeneous", lengths, costs, HomogeneousOptions(scheme=Scheme(1, 8), packing="fixed"))
+    longest = max(lengths)
+    for g in fixed.groups:  # first-fit sequences of at most the longest document, as packed
+        assert all(sum(n for _, _, n in chunk) <= longest for chunk in g.plan.chunks)
