@@ -77,6 +77,8 @@ def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int
     t1, t2 = m1(table).total, m2(table).total
     slope = (t2 - t1) / (b2 - b1)
     budget = costs.cost(scheme).memory_budget * _SAFETY
+    if slope <= 0:  # (no term grows with the bucket: any bucket fits or none does)
+        return 1 << 62 if t1 <= budget else 0
     return max(0, int((budget - (t1 - slope * b1)) // slope))
 
 
