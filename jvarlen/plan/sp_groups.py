@@ -258,7 +258,8 @@ class GroupCosts:
     def bucket_recompute(self, scheme: Scheme, bucket: int) -> Optional[int]:
         """The fewest layers every micro-batch of a step padded to ``bucket`` recomputes so that the
         executor's buffers fit; None if none does."""
-        return next((r for r in range(self.layers + 1) if executor_cap(self.costs, scheme, r, r) >= bucket), None)
+        fit = np.flatnonzero(self.executor_caps(scheme) >= int(bucket))
+        return int(fit[0]) if fit.size else None
 
     def executor_table(self, scheme: Scheme, bucket: int, ckpt: Sequence[int]) -> list[int]:
         """The recomputation of a group's micro-batches (``ckpt``, one count each) as the executor's
@@ -350,12 +351,15 @@ class GroupCosts:
         fits it, or every layer allowed (``full_recompute``); padded, as the executor's fit leaves
         that at the group's bucket."""
         tokens = [sum(local[i] for i in mb) for mb in mbs]
-        ckpt = [int(r) for r in given] if given is not None else []
-        for n in tokens if given is None else ():
-            r = self.least_recompute(scheme, n)
-            if r is None:
-                raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
-            ckpt.append(self.max_recompute if full_recompute else r)
+        if given is not None:
+            ckpt = [int(r) for r in given]
+        else:
+            ckpt = []
+            for n in tokens:
+                r = self.least_recompute(scheme, n)
+                if r is None:
+                    raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
+                ckpt.append(self.max_recompute if full_recompute else r)
         if self.padded and not full_recompute:
             ckpt = self.executor_table(scheme, executor_bucket(max(tokens), scheme.sp), ckpt)
         return GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
