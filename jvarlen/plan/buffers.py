@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.live_ranges import Live, context_pool, peak_of
+from jvarlen.plan.memo import BoundedMemo
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes, paired_ticks
 
 __all__ = [
@@ -144,10 +145,32 @@ def kept_apart(ckpt) -> np.ndarray:
     return np.asarray(ckpt)[:, -1] > 0
 
 
+_TICKS = BoundedMemo(4096)
+
+
 def plan_ticks(schedule, ckpt, fuse: bool = True) -> np.ndarray:
     """The executor's paired tick table of a plan (:func:`jvarlen.plan.schedule.paired_ticks`), its
-    last stage fusing every chunk but those :func:`kept_apart`."""
-    return paired_ticks(schedule, fuse_last=fuse, keep=kept_apart(ckpt))
+    last stage fusing every chunk but those :func:`kept_apart`. Read-only: memoised by value (the
+    planner's searches simulate and account the same schedules many times)."""
+    return _memo_ticks(schedule, ckpt, fuse)[0]
+
+
+def plan_tick_rows(schedule, ckpt, fuse: bool = True) -> tuple:
+    """:func:`plan_ticks` as nested tuples ``rows[t][p][lane] = (op, chunk)`` (what a Python loop
+    over the ticks reads; memoised with the table)."""
+    return _memo_ticks(schedule, ckpt, fuse)[1]
+
+
+def _memo_ticks(schedule, ckpt, fuse: bool) -> tuple:
+    keep = kept_apart(ckpt)
+    key = (schedule.stages, schedule.chunk_prev, bool(fuse), keep.tobytes())
+    got = _TICKS.get(key)
+    if got is None:
+        table = paired_ticks(schedule, fuse_last=fuse, keep=keep)
+        table.flags.writeable = False
+        rows = tuple(tuple(tuple(tuple(lane) for lane in stage) for stage in row) for row in table.tolist())
+        got = _TICKS.put(key, (table, rows))
+    return got
 
 
 def fuse_single_stage(ticks: np.ndarray, keep: Optional[np.ndarray] = None) -> np.ndarray:

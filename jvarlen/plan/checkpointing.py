@@ -21,6 +21,7 @@ the hint and the fallback.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -172,29 +173,37 @@ def build_problem(
         windows = backward_windows(program)
         if not windows:
             continue
-        flat = np.fromiter((k for w, _ in windows for k in w), dtype=np.int64)
-        row_id = np.repeat(np.arange(len(windows)), [len(w) for w, _ in windows])
+        sizes = [len(w) for w, _ in windows]  # >= 1: a window holds the chunk whose backward it is
+        flat = np.fromiter(itertools.chain.from_iterable(w for w, _ in windows), dtype=np.int64, count=sum(sizes))
+        row_id = np.repeat(np.arange(len(windows)), sizes)
         stage_rows = np.zeros((len(windows), n_vars), dtype=np.int64)
-        np.add.at(stage_rows, (row_id, var_of[p, flat]), f_kib[p, flat])
+        # a stage's chunks have distinct variables (Eq. 16), so each (row, variable) is set once
+        stage_rows[row_id, var_of[p, flat]] = f_kib[p, flat]
         ends = np.array([b for _, b in windows], dtype=np.int64)  # the backward of each window
-        stage_base = w_kib[0, ends]
-        np.add.at(stage_base, row_id, i_kib[p, flat])
+        starts = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64)
+        stage_base = w_kib[0, ends] + np.add.reduceat(i_kib[p, flat], starts)
         stage_remat = np.zeros_like(stage_rows)
         stage_remat[np.arange(len(windows)), var_of[p, ends]] = w_kib[1, ends] - w_kib[0, ends]
-        rows.extend(stage_rows)
-        remat.extend(stage_remat)
-        base.extend(stage_base.tolist())
-        cap.extend([stage_cap] * len(windows))
-        row_stage.extend([p] * len(windows))
+        rows.append(stage_rows)  # blocks, concatenated once (not row by row: many windows per unit)
+        remat.append(stage_remat)
+        base.append(stage_base)
+        cap.append(np.full(len(windows), stage_cap, dtype=np.int64))
+        row_stage.append(np.full(len(windows), p, dtype=np.int64))
+
+    def stacked(blocks, width=None):
+        if blocks:
+            return np.concatenate(blocks).astype(np.int64, copy=False)
+        return np.zeros((0, width) if width is not None else 0, dtype=np.int64)
+
     return CkptProblem(
         var_of=var_of,
-        rows=np.array(rows, dtype=np.int64).reshape(-1, n_vars),
-        base=np.array(base, dtype=np.int64),
-        cap=np.array(cap, dtype=np.int64),
-        row_stage=np.array(row_stage, dtype=np.int64),
+        rows=stacked(rows, n_vars),
+        base=stacked(base),
+        cap=stacked(cap),
+        row_stage=stacked(row_stage),
         weight_us=np.maximum(1, np.round(weight / _US)).astype(np.int64),
         max_layers=int(max_layers),
-        remat_rows=np.array(remat, dtype=np.int64).reshape(-1, n_vars),
+        remat_rows=stacked(remat, n_vars),
     )
 
 

@@ -26,6 +26,7 @@ from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost mod
     ProfileMeta,
     profile_filename,
 )
+from jvarlen.plan.memo import BoundedMemo
 
 
 @functools.lru_cache(maxsize=65536)
@@ -102,6 +103,13 @@ class CostModel:
         self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
         self._recompute = coeffs.recompute_times(layout.sp)
         self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
+        # memos of pure functions of this (immutable) model: the planner's searches simulate the
+        # same chunks and buckets many times per iteration
+        # (bounded: a long run plans ever new chunks on the same model)
+        self._padded: dict = {}
+        self._alltoall = BoundedMemo()
+        self._p2p_link: dict = {}
+        self.op_terms = BoundedMemo()  # the simulator's per-op durations (jvarlen.plan.simulator._Durations)
 
     def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
         return CostModel(
@@ -109,8 +117,15 @@ class CostModel:
         )
 
     def padded(self, bucket: Optional[int]) -> "CostModel":
-        """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded)."""
-        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, bucket, self.stage_weights_sharded)
+        """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded); one object
+        per bucket, so that its memos serve every simulation padded to that bucket."""
+        got = self._padded.get(bucket)
+        if got is None:
+            got = CostModel(
+                self.model, self.layout, self.coeffs, self.state_devices, bucket, self.stage_weights_sharded
+            )
+            self._padded[bucket] = got
+        return got
 
     def _is_last(self, stage: Optional[int]) -> bool:
         return stage is not None and stage == self.layout.pp - 1
@@ -157,12 +172,15 @@ class CostModel:
         sp = self.layout.sp
         if sp == 1:
             return 0.0
-        e = self.coeffs.bytes_per_element
-        m = self.model
-        per_token = [m.q_dim, m.kv_dim, m.kv_dim, m.q_dim]
-        link = self.coeffs.alltoall_link(sp)
-        local = chunk.tokens / sp * (sp - 1) / sp
-        return sum(link.time(e * local * w) for w in per_token)
+        got = self._alltoall.get(chunk.tokens)
+        if got is None:
+            e = self.coeffs.bytes_per_element
+            m = self.model
+            per_token = [m.q_dim, m.kv_dim, m.kv_dim, m.q_dim]
+            link = self.coeffs.alltoall_link(sp)
+            local = chunk.tokens / sp * (sp - 1) / sp
+            got = self._alltoall.put(chunk.tokens, sum(link.time(e * local * w) for w in per_token))
+        return got
 
     def alltoall_time(self, chunk: ChunkShape) -> float:
         """Eq. 3 for the whole stage, one direction (forward; backward moves the same volume)."""
@@ -212,13 +230,15 @@ class CostModel:
         The boundary is inter-node when the two stages' devices sit in different nodes
         (mesh order ``(dp, pp, sp)``, ``sp`` fastest, ``gpus_per_node`` devices per node).
         """
-        if not 0 <= stage < self.layout.pp - 1:
-            raise ValueError(f"p2p boundary stage must be in [0, {self.layout.pp - 1}), got {stage}")
-        sp, pp, g = self.layout.sp, self.layout.pp, self.coeffs.gpus_per_node
-        firsts = [(d * pp + stage) * sp for d in range(self.layout.dp)]
-        intra = all(f // g == (f + 2 * sp - 1) // g for f in firsts)  # worst replica decides
-        link = self.coeffs.p2p_intra if intra else self.coeffs.p2p_inter
-        return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / sp)
+        link = self._p2p_link.get(stage)
+        if link is None:
+            if not 0 <= stage < self.layout.pp - 1:
+                raise ValueError(f"p2p boundary stage must be in [0, {self.layout.pp - 1}), got {stage}")
+            sp, pp, g = self.layout.sp, self.layout.pp, self.coeffs.gpus_per_node
+            firsts = [(d * pp + stage) * sp for d in range(self.layout.dp)]
+            intra = all(f // g == (f + 2 * sp - 1) // g for f in firsts)  # worst replica decides
+            link = self._p2p_link[stage] = self.coeffs.p2p_intra if intra else self.coeffs.p2p_inter
+        return link.time(self.coeffs.bytes_per_element * self.model.d_model * chunk.tokens / self.layout.sp)
 
     def tick_overhead(self, context: int = 0) -> float:
         """The lock-step executor's own seconds per tick (0 unless fitted on executor steps): a

@@ -38,7 +38,7 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.buffers import plan_ticks
+from jvarlen.plan.buffers import plan_tick_rows
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, dependencies
@@ -97,26 +97,29 @@ class MultiSimResult:
 
 
 class _Durations:
-    """Per-op durations ``[(kind, seconds), ...]`` of one simulation, each chunk's cost terms asked
-    of the cost model once (an op's terms depend on its stage only through the last stage's head)."""
+    """Per-op durations ``[(kind, seconds), ...]`` of one simulation, each chunk shape's cost terms
+    asked of the cost model once per cost model (its ``op_terms`` memo: the planner's searches
+    simulate the same chunks many times); an op's terms depend on its stage only through the last
+    stage's head."""
 
     def __init__(self, cost: CostModel, shapes: Sequence[ChunkShape], extra: float, lockstep: bool):
         self.cost, self.shapes, self.extra, self.lockstep = cost, shapes, extra, lockstep
         self.last = cost.layout.pp - 1
-        self.memo: dict = {}
+        self.memo: dict = cost.op_terms
 
     def __call__(self, stage: int, kind: str, k: int, layers: int) -> list[tuple[str, float]]:
-        key = (kind, k, stage == self.last, layers)
+        chunk = self.shapes[k]
+        key = (kind, chunk, stage == self.last, layers, self.extra, self.lockstep)
         got = self.memo.get(key)
         if got is None:
-            cost, chunk, extra = self.cost, self.shapes[k], self.extra
+            cost, extra = self.cost, self.extra
             a2a = cost.alltoall_time(chunk)
             if kind == "F":
                 got = [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
             else:
                 redo = cost.executor_recompute_time if self.lockstep else cost.recompute_time
                 got = [("R", redo(chunk, layers)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
-            self.memo[key] = got
+            self.memo.put(key, got)
         return got
 
 
@@ -231,7 +234,7 @@ def simulate(
             t0 = max(ends, default=t0) + max(sends)
     elif mode == "paired":
         t0 = 0.0
-        for row in plan_ticks(schedule, ckpt).tolist():  # fused as the executor fuses
+        for row in plan_tick_rows(schedule, ckpt):  # fused as the executor fuses
             t0 += tick_extra
             ends, sends = [], [0.0]
             for p in range(pp):
