@@ -3,11 +3,13 @@
 Host side (numpy): :mod:`.chunks` (plan pieces -> packed chunks), :mod:`.buffers` (slot tables),
 :mod:`.signature` (the static key of a compiled step), :mod:`.prepare` (one step's inputs).
 Device side: :mod:`.stage` (a stage's layers with stored or recomputed residuals),
-:mod:`.executor` (the tick program). docs/design/pipeline.md describes the whole.
+:mod:`.executor` (the tick program), :mod:`.grads` (a step's gradients, of one plan or of a step's
+parts). docs/design/pipeline.md describes the whole.
 """
 
 from jvarlen.parallel.pipeline.chunks import PackedChunks, chunk_links, pack_chunks
-from jvarlen.parallel.pipeline.executor import make_pipeline_grads, split_params
+from jvarlen.parallel.pipeline.executor import split_params
+from jvarlen.parallel.pipeline.grads import make_pipeline_grads
 from jvarlen.parallel.pipeline.prepare import pad_plan, prepare_batch, prepare_plans, split_documents
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature, cover, covers, round_signature
 

@@ -27,16 +27,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jvarlen.config import ModelConfig
 from jvarlen.model import AttentionInputs, cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline import slots
-from jvarlen.parallel.pipeline.signature import CHUNK_KEYS, PipelineSignature
-from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes, stage_shapes
+from jvarlen.parallel.pipeline.signature import CHUNK_KEYS
+from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
@@ -46,6 +43,9 @@ def split_params(params):
     """(stacked layer state [L, ...], the rest: embed, final norm, head)."""
     rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
     return params["layers"], rest
+
+
+ACCUMULATORS = ("g_layers", "g_rest", "loss", "count")  # what a step's parts carry from one to the next
 
 
 class StageProgram:
@@ -384,9 +384,10 @@ class StageProgram:
         return carry, None
 
     # ---- the whole program
-    def init(self) -> dict:
+    def init(self, acc: Optional[dict] = None) -> dict:
         """Zero outputs of every op (:attr:`out`) and the initial carry: the stage's buffers
-        (zero-initialised every step: temporaries, not state) and gradient accumulators."""
+        (zero-initialised every step: temporaries, not state) and the accumulators
+        (:data:`ACCUMULATORS`: zeros, or ``acc``, a previous part's of the same step)."""
         s, cdt, layers, rest = self.s, self.s.compute_dtype, self.layers, self.rest
         sig = s.sig
         x0 = jnp.zeros((s.Tl, s.d), cdt)
@@ -426,70 +427,38 @@ class StageProgram:
             res=[jnp.zeros((sig.n_res,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],
             # no dummy slot either: writes to slot n_ckpt are dropped
             ckpt=jnp.zeros((sig.n_ckpt, s.Tl, s.d), cdt) if sig.n_ckpt else None,
-            g_layers=s.fns.weights.accumulators(layers),
-            g_rest=jax.tree.map(jnp.zeros_like, rest),
-            loss=jnp.zeros((), jnp.float32),
-            count=jnp.zeros((), jnp.int32),
+            **(
+                acc
+                or dict(
+                    g_layers=s.fns.weights.accumulators(layers),
+                    g_rest=jax.tree.map(jnp.zeros_like, rest),
+                    loss=jnp.zeros((), jnp.float32),
+                    count=jnp.zeros((), jnp.int32),
+                )
+            ),
         )
 
-    def run(self):
-        """-> (grads of the layers (this device's canonical chunks), of the rest, loss sum, layer
-        forwards [1, 1])."""
-        carry = self.init()
+    def accumulate(self, acc: Optional[dict] = None) -> dict:
+        """Runs the plan's ticks -> this device's accumulators (:data:`ACCUMULATORS`, not yet
+        reduced), started from ``acc`` (a previous part of the step) or zeros."""
+        carry = self.init(acc)
         # a while loop over the plan's ticks: the signature's rounding ticks (idle, up to 7 of them)
         # would still pay the ppermutes and the slot traffic
         carry = jax.lax.fori_loop(0, self.b["live_ticks"], lambda t, c: self.tick(c, t)[0], carry)
-        g_layers = self.s.fns.weights.push(carry["g_layers"])  # summed, in the canonical placement
-        g_rest = jax.lax.psum(carry["g_rest"], (DATA, PP, SP))
-        loss = jax.lax.psum(carry["loss"], (DATA, PP, SP))
-        return g_layers, g_rest, loss, carry["count"].reshape(1, 1)
+        return {k: carry[k] for k in ACCUMULATORS}
+
+    def finish(self, acc: dict):
+        """-> (grads of the layers (this device's canonical chunks), of the rest, loss sum, layer
+        forwards [1, 1]) from the step's accumulators."""
+        g_layers = self.s.fns.weights.push(acc["g_layers"])  # summed, in the canonical placement
+        g_rest = jax.lax.psum(acc["g_rest"], (DATA, PP, SP))
+        loss = jax.lax.psum(acc["loss"], (DATA, PP, SP))
+        return g_layers, g_rest, loss, acc["count"].reshape(1, 1)
+
+    def run(self):
+        return self.finish(self.accumulate())
 
 
 def _per_layer(mode, layers: int):
     """A pass's ``xs`` entry for layer modes: None where the mode is static (every layer's)."""
     return None if isinstance(mode, int) else jnp.broadcast_to(mode, (layers,))
-
-
-def make_pipeline_grads(
-    graphdef,
-    cfg: ModelConfig,
-    sig: PipelineSignature,
-    mesh,
-    attention_fn=None,
-    residual_policy: Optional[str] = None,
-    stage_weights: str = "replicated",
-):
-    """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
-
-    ``grads`` are of the mean loss over every real target of all pipelines (like
-    :func:`jvarlen.runtime.step.loss_and_grads`), accumulated over chunks and pipelines.
-    ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
-    ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
-    ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
-    of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
-    """
-    shapes = stage_shapes(graphdef, cfg, sig, attention_fn, residual_policy, stage_weights)
-
-    cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
-
-    def device_fn(layers, rest, b, scale):
-        return StageProgram(shapes, shapes.fns.weights.pull(layers), rest, b, scale, cpu).run()
-
-    def grads(params, batch):
-        layers, rest = split_params(params)
-        targets = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
-        scale = 1.0 / jnp.maximum(targets, 1.0)
-        layer_spec = shapes.fns.weights.specs()
-        rest_spec = jax.tree.map(lambda _: P(), rest)
-        batch_spec = {key: P(DATA) for key in batch}
-        g_layers, g_rest, loss, count = jax.shard_map(
-            device_fn,
-            mesh=mesh,
-            in_specs=(layer_spec, rest_spec, batch_spec, P()),
-            out_specs=(layer_spec, rest_spec, P(), P(DATA, PP)),
-            check_vma=False,
-        )(layers, rest, batch, scale)
-        grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))
-        return {"loss_sum": loss, "target_tokens": targets}, grads, count
-
-    return grads

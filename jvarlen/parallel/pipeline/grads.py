@@ -1,0 +1,80 @@
+"""A pipeline step's gradients: the tick program (:mod:`.executor`) of one plan, or of a step's
+parts one after the other, under ``shard_map`` on the layout's mesh."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.config import ModelConfig
+from jvarlen.parallel.layouts import PP
+from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
+from jvarlen.parallel.pipeline.signature import PipelineSignature
+from jvarlen.parallel.pipeline.stage import stage_shapes
+
+
+def make_pipeline_grads(
+    graphdef,
+    cfg: ModelConfig,
+    sig: PipelineSignature | tuple[PipelineSignature, ...],
+    mesh,
+    attention_fn=None,
+    residual_policy: Optional[str] = None,
+    stage_weights: str = "replicated",
+):
+    """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
+
+    ``grads`` are of the mean loss over every real target of all pipelines (like
+    :func:`jvarlen.runtime.step.loss_and_grads`), accumulated over chunks and pipelines.
+    ``sig``: a :class:`PipelineSignature`, or a tuple of them, the step's *parts* (one layout): each
+    part's chunks padded to its own bucket and run with its own tables, one part after the other
+    in one program, every part starting from the previous one's gradient accumulators (so the
+    parts hold no second copy of them; docs/design/bucket-parts.md); ``batch`` is then a tuple of
+    the parts' inputs and the loss is the mean over all of them.
+    ``residual_policy``: what a stored layer keeps (see ``StageFns.residual_policy``).
+    ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
+    ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
+    of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
+    """
+    parts = isinstance(sig, tuple)
+    sigs = sig if parts else (sig,)
+    if not sigs or len({(s.layout, s.num_layers) for s in sigs}) != 1:
+        raise ValueError(f"a step's parts need one layout and model, got {sigs}")
+    shapes = [stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights) for s in sigs]
+    weights = shapes[0].fns.weights  # the layout's: the same for every part
+
+    cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
+
+    def device_fn(layers, rest, bs, scale):
+        pulled, acc = weights.pull(layers), None
+        for s, b in zip(shapes, bs):
+            program = StageProgram(s, pulled, rest, b, scale, cpu)
+            acc = program.accumulate(acc)
+        return program.finish(acc)
+
+    def grads(params, batch):
+        batches = tuple(batch) if parts else (batch,)
+        if len(batches) != len(sigs):
+            raise ValueError(f"{len(batches)} batches for a step of {len(sigs)} parts")
+        layers, rest = split_params(params)
+        targets = sum(jnp.sum(b["loss_mask"]) for b in batches).astype(jnp.float32)
+        scale = 1.0 / jnp.maximum(targets, 1.0)
+        layer_spec = weights.specs()
+        rest_spec = jax.tree.map(lambda _: P(), rest)
+        batch_spec = tuple({key: P(DATA) for key in b} for b in batches)
+        g_layers, g_rest, loss, count = jax.shard_map(
+            device_fn,
+            mesh=mesh,
+            in_specs=(layer_spec, rest_spec, batch_spec, P()),
+            out_specs=(layer_spec, rest_spec, P(), P(DATA, PP)),
+            check_vma=False,
+        )(layers, rest, batches, scale)
+        grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))
+        return {"loss_sum": loss, "target_tokens": targets}, grads, count
+
+    return grads
