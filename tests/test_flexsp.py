@@ -268,10 +268,12 @@ def test_group_time_charges_the_recomputation_of_the_groups_bucket():
     """A 14,000-token document pads its (pp=1, sp=1) group's step to 14,336 tokens, which the
     executor's buffers hold only with all 8 layers recomputed: its memory fit raises the short
     micro-batches from 0 to 8 layers, and ``group_time`` charges that (it is the simulated time).
-    ``fastest_cut`` packs the two short documents into one micro-batch over the bucket they pay for
-    anyway: 2 micro-batches instead of 3, 0.289 s instead of 0.375 s, simulated as modelled."""
+    With one bucket per group (``max_parts=1``) ``fastest_cut`` packs the two short documents into
+    one micro-batch over the bucket they pay for anyway: 2 micro-batches instead of 3, 0.289 s
+    instead of 0.375 s, simulated as modelled. In two parts the short micro-batch runs in its own
+    bucket without recomputation: 0.226 s (docs/design/bucket-parts.md)."""
     costs = scheme_costs(8)
-    gc, scheme = GroupCosts(costs), Scheme(1, 1)
+    gc, scheme = GroupCosts(costs, max_parts=1), Scheme(1, 1)
     lengths = [14000, 3000, 2000]
     assert gc.bucket_recompute(scheme, 14336) == 8 > gc.least_recompute(scheme, 14000) > 0
     ours = GroupChoice(scheme, (0, 1, 2), ((0,), (1,), (2,)), (gc.least_recompute(scheme, 14000), 0, 0))
@@ -283,28 +285,44 @@ def test_group_time_charges_the_recomputation_of_the_groups_bucket():
     packed = build_group_plan("test", scheme, lengths, cut.micro_batches, costs, list(cut.ckpt), "paired")
     assert gc.group_time(lengths, cut) == pytest.approx(packed.stats["iteration_time_s"], rel=1e-9)
     assert gc.group_time(lengths, cut) < 0.8 * gc.group_time(lengths, ours)
+    parts = GroupCosts(costs)  # up to two parts (the default)
+    split = parts.fastest_cut(lengths, scheme, (0, 1, 2), ours.micro_batches)
+    assert split.micro_batches == ((0,), (1, 2)) and split.ckpt == (8, 0) and split.parts == (1, 1)
+    plan = build_group_plan("test", scheme, lengths, split.micro_batches, costs, [8, 0], "paired", parts=(1, 1))
+    assert parts.group_time(lengths, split) == pytest.approx(plan.stats["iteration_time_s"], rel=1e-9)
+    assert parts.group_time(lengths, split) < 0.8 * gc.group_time(lengths, cut)
     unpadded = GroupCosts(costs, padded=False)  # (the executor's own bucket only where it pads)
     assert unpadded.fastest_cut(lengths, scheme, (0, 1, 2), ours.micro_batches).micro_batches == ours.micro_batches
 
 
 def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
-    """stdlib 7B on 64 H100s (pull/push overlapped), batch 3004: by the additive model the two best
-    one-degree layouts are sp = 16 and 32; the exact group model, which runs every micro-batch of a
-    group over its bucket with the recomputation that bucket needs, as the executor does, ranks
-    2×(pp=1, sp=32) and 8×(pp=1, sp=8) first (0.803 s and 0.810 s; sp = 16: 0.845 s). Those two are
-    planned, and FlexSP is as fast as the per-iteration homogeneous reference."""
+    """stdlib 7B on 64 H100s (pull/push overlapped), batch 3004, one bucket per group
+    (``bucket_parts=1``): by the additive model the two best one-degree layouts are sp = 16 and 32;
+    the exact group model, which runs every micro-batch of a group over its bucket with the
+    recomputation that bucket needs, as the executor does, ranks 2×(pp=1, sp=32) and 8×(pp=1, sp=8)
+    first (0.803 s and 0.810 s; sp = 16: 0.845 s). Those two are planned, and FlexSP is as fast as
+    the per-iteration homogeneous reference. In up to two parts per group (the default) the long
+    documents' bucket no longer sets the short ones', the exact model agrees with the additive one
+    (sp = 32: 0.780 s, sp = 16: 0.790 s, sp = 8: 0.810 s), and FlexSP's heterogeneous plan beats both
+    (0.753 s)."""
     costs, batch = strategies_batch("stdlib 7B h100 64 dev 200K tok 32K ctx, pull/push", 3004)
     problem = flexsp.FlexSPProblem.build(batch, GroupCosts(costs))
     assert set(flexsp.homogeneous_finalists(problem, 2)) == {"sp=16", "sp=32"}  # the additive model's two best
-    homog = plan_homogeneous(batch, costs, HomogeneousOptions())
-    exact = {c["strategy"] for c in sorted(homog.stats["candidates"], key=lambda c: c["iteration_time_s"])[:2]}
-    plan = plan_strategy("flexsp", batch, costs)
-    planned = {c["strategy"] for c in plan.stats["candidates"] if c["source"].startswith("sp=")}
-    assert planned == exact == {"2×(pp=1, sp=32)", "8×(pp=1, sp=8)"}
-    assert plan.stats["source"] == f"sp={homog.stats['sp']}"
-    assert plan.stats["iteration_time_s"] == pytest.approx(homog.stats["iteration_time_s"])
-    heuristic = next(c for c in plan.stats["candidates"] if c["source"] == "heuristic")
-    assert plan.stats["iteration_time_s"] < heuristic["simulated_s"] / 1.005
+    expected = {1: {"2×(pp=1, sp=32)", "8×(pp=1, sp=8)"}, 2: {"2×(pp=1, sp=32)", "4×(pp=1, sp=16)"}}
+    for parts, want in expected.items():
+        homog = plan_homogeneous(batch, costs, HomogeneousOptions(bucket_parts=parts))
+        exact = {c["strategy"] for c in sorted(homog.stats["candidates"], key=lambda c: c["iteration_time_s"])[:2]}
+        plan = plan_strategy("flexsp", batch, costs, FlexSPOptions(bucket_parts=parts))
+        planned = {c["strategy"] for c in plan.stats["candidates"] if c["source"].startswith("sp=")}
+        assert planned == exact == want
+        heuristic = next(c for c in plan.stats["candidates"] if c["source"] == "heuristic")
+        if parts == 1:
+            assert plan.stats["source"] == f"sp={homog.stats['sp']}"
+            assert plan.stats["iteration_time_s"] == pytest.approx(homog.stats["iteration_time_s"])
+            assert plan.stats["iteration_time_s"] < heuristic["simulated_s"] / 1.005
+        else:
+            assert plan.stats["iteration_time_s"] == heuristic["simulated_s"]
+            assert plan.stats["iteration_time_s"] < homog.stats["iteration_time_s"] / 1.03
 
 
 def test_no_recomputation_protocol():

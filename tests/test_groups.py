@@ -37,12 +37,22 @@ MIXED = (
 )
 
 
+# Groups in parts (docs/design/bucket-parts.md): a long micro-batch in its own bucket, then two
+# short ones in a smaller one; and two single micro-batches each in its own part
+PARTS = (
+    (Scheme(1, 4), (0, 1, 2, 3), (0, 3, 1, 4), [[0, 1], [2], [3]], [1, 0, 0], (1, 2)),
+    (Scheme(1, 2), (4, 5), (2, 5, 6), [[0], [1, 2]], [0, 0], (1, 1)),
+    (Scheme(1, 2), (6, 7), (7, 8), [[0], [1]], [0, 0], ()),
+)
+
+
 def strategy_plan(cfg, layout=GROUPS) -> StrategyPlan:
     shape = ModelShape.from_config(cfg)
     costs = SchemeCosts(make_cost(shape, "a800", Layout(8, 1, 1)), 8)
     groups = []
-    for scheme, devices, docs, micro, ckpt in layout:
-        plan = build_group_plan("test", scheme, [LENGTHS[d] for d in docs], micro, costs, ckpt=ckpt)
+    for scheme, devices, docs, micro, ckpt, *parts in layout:
+        lengths = [LENGTHS[d] for d in docs]
+        plan = build_group_plan("test", scheme, lengths, micro, costs, ckpt=ckpt, parts=(parts or [()])[0])
         groups.append(GroupPlan(scheme, devices, docs, plan))
     plan = StrategyPlan("test", 8, LENGTHS, tuple(groups))
     plan.validate(LENGTHS)
@@ -83,9 +93,9 @@ def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(session.state_sharding)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)  # the canonical sharding, unchanged
     # recomputation is real data: group B's second micro-batch ran one extra layer forward (its 3
-    # micro-batches are padded to 4 chunks; the empty one runs its layers and recomputes them all)
+    # micro-batches are padded to 4 chunks; the empty one runs nothing)
     forwards = [np.asarray(f).sum(0).tolist() for f in metrics["group_layer_forwards"]]
-    assert forwards[1] == [4 * 4 + 1 + 4]
+    assert forwards[1] == [3 * 4 + 1]
 
     # the homogeneous data-parallel step on the same documents (one per row, 8 rows)
     homogeneous = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
@@ -137,6 +147,28 @@ def test_a_mixed_iteration_of_accumulating_sp_groups_equals_the_reference(setup)
     np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
     assert_tree_close(state.params, expected.params)
-    # layer forwards per group: 4 layers per chunk (padded to an even count) plus the recomputed layers
+    # layer forwards per group: 4 layers per chunk plus the recomputed layers (the chunks padding
+    # the counts to an even number run nothing)
     forwards = [int(np.asarray(f).sum()) for f in metrics["group_layer_forwards"]]
-    assert forwards == [2 * 4 + 4, 2 * 4 + 2, 4 * 4 + 1 + 3 + 4]
+    assert forwards == [4, 2 * 4 + 2, 3 * 4 + 1 + 3]
+
+
+def test_groups_in_parts_equal_the_reference(setup):
+    """A group's step in parts, each padded to its own bucket with its own tables and run one after
+    the other from the same accumulators in one program, updates as the single-device reference."""
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg, PARTS)
+    assert [g.plan.parts for g in plan.groups] == [(1, 2), (1, 1), ()]
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    prepared = step.prepare(plan, docs)
+    sigs = [k[4] for k in prepared.key[1]]
+    assert isinstance(sigs[0], tuple) and [s.bucket for s in sigs[0]] == [80, 16]  # 73 tokens, then 7 and 12
+    assert isinstance(sigs[1], tuple) and len(sigs[1]) == 2 and not isinstance(sigs[2], tuple)
+    state, metrics = step(session.state, prepared)
+    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+    assert_tree_close(state.params, expected.params)

@@ -240,7 +240,9 @@ def test_one_stage_pipelines_are_cut_at_their_bucket():
     docs = range(len(local))
     mbs = [[d for d, _, _ in chunk] for chunk in group.plan.chunks]
     gc = GroupCosts(costs)
-    choice = GroupChoice(group.scheme, tuple(docs), tuple(map(tuple, mbs)), tuple(group.plan.ckpt_layers[:, 0]))
+    choice = GroupChoice(
+        group.scheme, tuple(docs), tuple(map(tuple, mbs)), tuple(group.plan.ckpt_layers[:, 0]), group.plan.parts
+    )
     assert gc.fastest_cut(local, group.scheme, docs, mbs, ckpt=choice.ckpt) == choice
     assert gc.group_time(local, choice) == pytest.approx(group.plan.stats["iteration_time_s"], rel=1e-9)
 

@@ -65,11 +65,12 @@ def _unfused(*plans):
 
 
 def _forwards(plan, n_chunks):
-    """Layer forwards per stage the executor runs for ``plan`` padded to ``n_chunks``."""
+    """Layer forwards per stage the executor runs for ``plan`` padded to ``n_chunks``: the padding
+    chunks hold no token and run nothing (``prepare.skip_empty``)."""
     _, sched, ckpt = pad_plan(plan, n_chunks, 2)
     tf, tb = op_ticks(plan_ticks(sched, ckpt), n_chunks)
-    ckpt = np.where(tf == tb, 0, ckpt)
-    return n_chunks * 2 + ckpt.sum(0)
+    ckpt = np.where(tf == tb, 0, ckpt)[: plan.n_chunks]
+    return plan.n_chunks * 2 + ckpt.sum(0)
 
 
 def test_runner_step_equals_reference_update_and_reuses_the_executable():
@@ -117,8 +118,8 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
         assert info["split_documents"] == split_documents(pa) + split_documents(pb) == 3
         assert hit and prepared.key == sig
         assert info["predicted_bubble_ratio"] == 0.25
-        # 6 chunks x 2 layers of forwards per stage, plus recomputation (B's padding chunk recomputes
-        # both layers), except chunks the last stage runs fused (paired ticks: those it recomputes
+        # 2 layers of forwards per stage for each real chunk (B's padding chunk runs nothing), plus
+        # recomputation, except chunks the last stage runs fused (paired ticks: those it recomputes
         # nothing of), which recompute nothing
         expected_forwards = [_forwards(p, 6) for p in (pa, pb)]
         np.testing.assert_array_equal(metrics["layer_forwards"], expected_forwards)

@@ -18,7 +18,7 @@ from jvarlen.plan.executor_memory import executor_memory, fit_executor
 from jvarlen.plan.grouping import Unit
 from jvarlen.plan.plan import Plan, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
-from jvarlen.plan.simulator import SimResult
+from jvarlen.plan.simulator import SimResult, one_after_another
 from jvarlen.plan.simulator import simulate as simulate_schedule
 from jvarlen.plan.units import PlannedChunk, unit_schedule
 
@@ -26,7 +26,11 @@ from jvarlen.plan.units import PlannedChunk, unit_schedule
 def simulate(plan: Plan, cost, mode: str = "async", timeline: bool = True) -> SimResult:
     """Iteration time, bubble ratio and per-stage peak memory of ``plan`` under ``cost``; ``mode``:
     the simulator's execution model (``"async"``: InfiniPipe's; ``"ticks"``: lock-step, one op per tick; ``"paired"``: jvarlen's executor).
-    ``timeline=False``: no events (:func:`jvarlen.plan.simulator.simulate`)."""
+    ``timeline=False``: no events (:func:`jvarlen.plan.simulator.simulate`). A plan in parts:
+    each part its own step (padded to its own bucket), one after the other."""
+    if plan.parts:
+        sims = [simulate(p, cost, mode, timeline) for p in plan.part_plans()]
+        return one_after_another(sims, [a for a, _ in plan.part_ranges()], cost.step_overhead())
     return simulate_schedule(
         plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode, timeline=timeline
     )
@@ -42,11 +46,12 @@ def assemble(
     events: list | None = None,
     run_simulation: bool = True,
     simulation: str = "async",
+    parts: tuple[int, ...] = (),
 ) -> Plan:
     """Orders chunks unit by unit (forward order), concatenates the unit schedules
     (:func:`jvarlen.plan.schedule.sequential`) and checkpointing tables, and fills
     ``stats`` with the iteration time, bubble ratio and peak memory simulated in ``simulation``
-    mode (see :func:`simulate`)."""
+    mode (see :func:`simulate`). ``parts``: :attr:`Plan.parts`."""
     order = [k for u in units for k in u.chunk_ids]
     if sorted(order) != list(range(len(chunks))):
         raise ValueError("units must cover every chunk exactly once")
@@ -64,6 +69,7 @@ def assemble(
         memory_budget_bytes=float(cost.memory_budget),
         stats=dict(stats or {}),
         events=list(events or []),
+        parts=tuple(parts),
     )
     plan.stats.update(
         tokens_in=plan.tokens_in,

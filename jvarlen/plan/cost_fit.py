@@ -174,6 +174,7 @@ class Observation:
     ckpt_layers: Optional[np.ndarray]
     predicted_s: float
     mode: str = "paired"
+    parts: tuple[int, ...] = ()
 
 
 class OnlineRefit:
@@ -226,14 +227,27 @@ class OnlineRefit:
         ckpt_layers: Optional[np.ndarray] = None,
         coeffs: Optional[CostCoefficients] = None,
         mode: Optional[str] = None,
+        parts: Sequence[int] = (),
     ) -> float:
-        from jvarlen.plan.simulator import simulate
+        """Predicted seconds of one step; ``parts``: its :attr:`jvarlen.plan.plan.Plan.parts` (each
+        part its own step, one step overhead)."""
+        from jvarlen.plan.plan import part_ranges, part_schedule
+        from jvarlen.plan.simulator import one_after_another, simulate
 
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
-        return simulate(
-            sched, list(chunk_shapes), ckpt_layers, cost, mode or self.mode, validate=schedule is None, timeline=False
-        ).iteration_time
+        shapes, mode = list(chunk_shapes), mode or self.mode
+        if not parts:
+            return simulate(
+                sched, shapes, ckpt_layers, cost, mode, validate=schedule is None, timeline=False
+            ).iteration_time
+        ckpt = np.zeros((len(shapes), layout.pp), np.int64) if ckpt_layers is None else np.asarray(ckpt_layers)
+        ranges = part_ranges(parts, len(shapes))
+        sims = [
+            simulate(part_schedule(sched, a, b), shapes[a:b], ckpt[a:b], cost, mode, validate=False, timeline=False)
+            for a, b in ranges
+        ]
+        return one_after_another(sims, [a for a, _ in ranges], cost.step_overhead()).iteration_time
 
     def observe(
         self,
@@ -244,6 +258,7 @@ class OnlineRefit:
         ckpt_layers: Optional[np.ndarray] = None,
         predicted_s: Optional[float] = None,
         mode: Optional[str] = None,
+        parts: Sequence[int] = (),
     ) -> float:
         """Records a measured step; returns its prediction with the current coefficients
         (``predicted_s`` when the caller already has it, from :meth:`predict` on a valid schedule)."""
@@ -252,11 +267,13 @@ class OnlineRefit:
         if predicted_s is None:
             sched.validate()
         pred = (
-            self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode)
+            self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts)
             if predicted_s is None
             else float(predicted_s)
         )
-        self.history.append(Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode))
+        self.history.append(
+            Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode, tuple(parts))
+        )
         self._since_refit += 1
         return pred
 
@@ -277,13 +294,19 @@ class OnlineRefit:
             cur = scale_coefficients(base, s)
             rows, ys = [], []
             for o in obs:
-                t0 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, cur, o.mode)
+                t0 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, cur, o.mode, o.parts)
                 row = []
                 for g in GROUPS:  # ∂T/∂s_g by a forward difference of 1 %
                     s2 = dict(s)
                     s2[g] = s[g] * 1.01 if s[g] > 0 else 0.01
                     t1 = self.predict(
-                        o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, scale_coefficients(base, s2), o.mode
+                        o.chunk_shapes,
+                        o.layout,
+                        o.schedule,
+                        o.ckpt_layers,
+                        scale_coefficients(base, s2),
+                        o.mode,
+                        o.parts,
                     )
                     row.append((t1 - t0) / (s2[g] - s[g]))
                 rows.append(row)

@@ -66,7 +66,8 @@ class DCPOptions:
     ``simulation``: the executor model of the group plans. ``homogeneous_top``: the one-class
     bucketing's best this many SP degrees by the group model are planned as well, each alone
     (:func:`one_degree_finalists`): the search picks the degree by that model, which can misrank
-    two degrees that the simulated plans order the other way.
+    two degrees that the simulated plans order the other way. ``bucket_parts``: a group's step may
+    run in up to this many parts, each padded to its own bucket (docs/design/bucket-parts.md).
     """
 
     intra: bool = True
@@ -79,6 +80,7 @@ class DCPOptions:
     micro_batch_tokens: Optional[int] = None
     simulation: str = "paired"
     homogeneous_top: int = 2
+    bucket_parts: int = 2
 
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:
@@ -363,6 +365,7 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
         max_sp=options.max_sp,
         micro_batch_tokens=options.micro_batch_tokens,
         padded=options.simulation == "paired",
+        max_parts=options.bucket_parts,
     )
     bad = infeasible_documents(lengths, gc)
     if bad:

@@ -60,14 +60,23 @@ def executor_memory(plan, cost, stored_bytes: Optional[float] = None, fuse: bool
     """The executor's account of ``plan`` (a :class:`jvarlen.plan.plan.Plan`) on ``cost``'s layout,
     as the compiled signature of the plan alone sizes it (a step that reuses a bigger compiled
     signature holds that one's buffers). ``stored_bytes``: per token and stored layer, overrides
-    the coefficients'."""
-    return _Account(plan, cost, stored_bytes, fuse).measure(plan.ckpt_layers)
+    the coefficients'. A plan in parts holds one part's buffers at a time: the largest part's
+    account."""
+    return executor_account(plan, cost, stored_bytes, fuse)(plan.ckpt_layers)
 
 
-def executor_account(plan, cost):
+def executor_account(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = True):
     """A function of a recomputation table giving :func:`executor_memory` of ``plan`` under it (the
-    bucket, the context and the slot memos are worked out once)."""
-    return _Account(plan, cost, None, True).measure
+    bucket, the context and the slot memos are worked out once; per part for a plan in parts)."""
+    if not plan.parts:
+        return _Account(plan, cost, stored_bytes, fuse).measure
+    parts = [(_Account(p, cost, stored_bytes, fuse), a, b) for p, (a, b) in zip(plan.part_plans(), plan.part_ranges())]
+
+    def measure(ckpt) -> ExecutorMemory:
+        ckpt = np.asarray(ckpt)
+        return max((acc.measure(ckpt[a:b]) for acc, a, b in parts), key=lambda m: m.total)
+
+    return measure
 
 
 class _Account:
@@ -150,7 +159,13 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
       repair lets chunks keep stored layers.
 
     -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs raised). With neither
-    fitting, the by-chunk table: the account may be over even when everything is recomputed."""
+    fitting, the by-chunk table: the account may be over even when everything is recomputed.
+    A plan in parts: each part fitted on its own (it runs alone), the tables put back together."""
+    if plan.parts:
+        fits = [fit_executor(p, cost, stored_bytes, fuse, mode) for p in plan.part_plans()]
+        table = np.concatenate([t for t, _, _ in fits]).astype(np.int32)
+        changed = [(k + a, p) for (_, _, c), (a, _) in zip(fits, plan.part_ranges()) for k, p in c]
+        return table, max((m for _, m, _ in fits), key=lambda m: m.total), changed
     ckpt = np.array(plan.ckpt_layers, np.int32)
     accounts = _Account(plan, cost, stored_bytes, fuse)
     account = accounts.measure(ckpt)

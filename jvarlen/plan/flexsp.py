@@ -68,7 +68,8 @@ class FlexSPOptions:
     micro-batch may recompute (0: none, FlexSP's GPT-7B protocol; None: all). ``patience``: split steps without improvement
     before the heuristic stops. ``homogeneous_top``: the best this many one-degree layouts by
     the exact group model are planned for the executor as well (:func:`homogeneous_finalists`).
-    ``simulation``: the executor model of the group plans.
+    ``simulation``: the executor model of the group plans. ``bucket_parts``: a group's step may
+    run in up to this many parts, each padded to its own bucket (docs/design/bucket-parts.md).
     """
 
     milp: bool = True
@@ -86,6 +87,7 @@ class FlexSPOptions:
     local_search: bool = True
     homogeneous_top: int = 2
     simulation: str = "paired"
+    bucket_parts: int = 2
 
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:
@@ -397,6 +399,7 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
         micro_batch_tokens=options.micro_batch_tokens,
         max_recompute=options.max_recompute,
         padded=options.simulation == "paired",
+        max_parts=options.bucket_parts,
     )
     bad = infeasible_documents(lengths, gc)
     if bad:

@@ -37,7 +37,9 @@ class HomogeneousOptions:
     recomputed, micro-batches as large as that allows (DCP's baseline, the paper protocol of
     DCP-inter); default: the least recomputation per micro-batch, as FlexSP. ``max_recompute``: the
     most layers a micro-batch may recompute (0: FlexSP's GPT-7B protocol). ``micro_batch_tokens``: cap on a
-    micro-batch's tokens below what memory allows. ``simulation``: executor model of the group plans."""
+    micro-batch's tokens below what memory allows. ``simulation``: executor model of the group plans.
+    ``bucket_parts``: a group's step may run in up to this many parts, each padded to its own bucket
+    (docs/design/bucket-parts.md; 1: one bucket per group)."""
 
     sp: Optional[int] = None
     full_recompute: bool = False
@@ -45,6 +47,7 @@ class HomogeneousOptions:
     max_recompute: Optional[int] = None
     local_search: bool = True
     simulation: str = "paired"
+    bucket_parts: int = 2
 
 
 def group_costs(costs: SchemeCosts, options: HomogeneousOptions) -> GroupCosts:
@@ -54,6 +57,7 @@ def group_costs(costs: SchemeCosts, options: HomogeneousOptions) -> GroupCosts:
         micro_batch_tokens=options.micro_batch_tokens,
         max_recompute=options.max_recompute,
         padded=options.simulation == "paired",
+        max_parts=options.bucket_parts,
     )
 
 

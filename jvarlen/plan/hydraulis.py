@@ -287,9 +287,11 @@ def build_plan(
             # the executor runs a group's micro-batches over one bucket: cut at it where faster
             # (fixed-length packing, the baselines' practice, stays as it is)
             cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
-            micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
+            micro_batches, ckpt, parts = [list(mb) for mb in cut.micro_batches], list(cut.ckpt), cut.parts
+        else:
+            parts = ()
         plan = build_group_plan(
-            policy, scheme, local.tolist(), micro_batches, costs, ckpt, simulation=options.simulation
+            policy, scheme, local.tolist(), micro_batches, costs, ckpt, simulation=options.simulation, parts=parts
         )
         plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
         groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))

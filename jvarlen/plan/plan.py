@@ -29,6 +29,23 @@ class PlanError(ValueError):
     """A plan breaks an invariant; the message lists every violation found."""
 
 
+def part_schedule(schedule: Schedule, first: int, end: int) -> Schedule:
+    """The ops of chunks ``first..end-1`` of ``schedule``, in order, renumbered from 0 (a part of a
+    plan, :attr:`Plan.parts`)."""
+    stages = tuple(
+        tuple(Op(op.kind, op.chunk - first) for op in prog if first <= op.chunk < end) for prog in schedule.stages
+    )
+    prev = tuple(j - first if j >= 0 else -1 for j in schedule.chunk_prev[first:end])
+    return Schedule(stages, prev)
+
+
+def part_ranges(parts: Sequence[int], n_chunks: int) -> list[tuple[int, int]]:
+    """``[(first chunk, end)]`` of each of ``parts`` (chunk counts; ``()``: one part of ``n_chunks``)."""
+    sizes = tuple(parts) or (n_chunks,)
+    ends = np.cumsum(sizes).tolist()
+    return [(int(e - n), int(e)) for n, e in zip(sizes, ends)]
+
+
 def chunk_prev_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> list[int]:
     """Token-level links: ``prev[k]`` = the chunk holding the slice right before chunk k's first piece, or -1."""
     where: dict[tuple[int, int], int] = {}  # (doc, end) -> chunk
@@ -54,6 +71,9 @@ class Plan:
     * ``ckpt_layers [n, pp]`` int32: layers stage p recomputes for chunk k.
     * ``stats``: solver and simulator figures (solve_seconds, iteration_time_s, ...).
     * ``events``: notable things that happened while planning (fallbacks, perturbations).
+    * ``parts``: chunk counts of the step's *parts*, consecutive runs of the chunks (``pp = 1``
+      only): each part runs as its own executor step, padded to its own bucket, one after the
+      other from the same gradient accumulators (docs/design/bucket-parts.md); ``()``: one part.
     """
 
     policy: str
@@ -68,6 +88,7 @@ class Plan:
     stats: dict = dataclasses.field(default_factory=dict)
     events: list = dataclasses.field(default_factory=list)
     version: int = PLAN_VERSION
+    parts: tuple[int, ...] = ()
 
     # ---- views
     @property
@@ -80,6 +101,32 @@ class Plan:
 
     def chunk_shapes(self) -> list[ChunkShape]:
         return [c.shape(self.lengths) for c in self.planned_chunks]
+
+    def part_ranges(self) -> list[tuple[int, int]]:
+        """``[(first chunk, end)]`` of each part (one range without parts)."""
+        return part_ranges(self.parts, self.n_chunks)
+
+    def part_plans(self) -> list["Plan"]:
+        """The parts as plans of their own (the same documents; each its chunks, in order, its
+        recomputation and its stages' ops renumbered); ``[self]`` without parts."""
+        if not self.parts:
+            return [self]
+        out, units = [], np.cumsum((0,) + tuple(self.unit_sizes)).tolist()
+        for a, b in self.part_ranges():
+            cuts = sorted({a, b} | {u for u in units if a < u < b})
+            out.append(
+                dataclasses.replace(
+                    self,
+                    chunks=self.chunks[a:b],
+                    unit_sizes=tuple(y - x for x, y in zip(cuts, cuts[1:])),
+                    schedule=part_schedule(self.schedule, a, b),
+                    ckpt_layers=np.asarray(self.ckpt_layers)[a:b],
+                    stats={},
+                    events=[],
+                    parts=(),
+                )
+            )
+        return out
 
     @property
     def tokens_in(self) -> int:
@@ -105,6 +152,7 @@ class Plan:
             },
             "ckpt_layers": np.asarray(self.ckpt_layers).tolist(),
             "memory_budget_bytes": self.memory_budget_bytes,
+            "parts": list(self.parts),
             "stats": _jsonable(self.stats),
             "events": list(self.events),
         }
@@ -129,6 +177,7 @@ class Plan:
             stats=dict(data.get("stats", {})),
             events=list(data.get("events", [])),
             version=int(data["version"]),
+            parts=tuple(int(x) for x in data.get("parts", ())),
         )
 
     def dumps(self) -> str:
@@ -190,6 +239,25 @@ def _check_tokens(plan: Plan, lengths: list[int]) -> list[str]:
             errors.append(f"document {doc}: tokens {pos}..{lengths[doc]} missing")
     if sum(plan.unit_sizes) != plan.n_chunks or any(u <= 0 for u in plan.unit_sizes):
         errors.append(f"unit_sizes {list(plan.unit_sizes)} do not partition {plan.n_chunks} chunks")
+    if plan.parts and (sum(plan.parts) != plan.n_chunks or min(plan.parts) <= 0):
+        errors.append(f"parts {list(plan.parts)} do not partition {plan.n_chunks} chunks")
+    elif plan.parts and plan.layout.pp != 1:
+        errors.append(f"parts need one stage, the layout has pp={plan.layout.pp}")
+    return errors
+
+
+def _check_parts(plan: Plan) -> list[str]:
+    """Each part runs alone: its ops come before the next part's, and no slice continues a
+    document from an earlier part."""
+    errors = []
+    part_of = np.repeat(np.arange(len(plan.parts)), plan.parts)
+    for p, prog in enumerate(plan.schedule.stages):
+        order = [int(part_of[op.chunk]) for op in prog]
+        if order != sorted(order):
+            errors.append(f"stage {p}: the ops of the parts interleave")
+    for k, j in enumerate(plan.schedule.chunk_prev):
+        if j >= 0 and part_of[j] != part_of[k]:
+            errors.append(f"chunk {k} continues chunk {j} of another part")
     return errors
 
 
@@ -217,6 +285,8 @@ def _check_schedule(plan: Plan) -> list[str]:
         sched.validate()
     except ScheduleError as e:
         errors.append(f"schedule: {e}")
+    if plan.parts:
+        errors += _check_parts(plan)
     ckpt = np.asarray(plan.ckpt_layers)
     lps = plan.num_layers // plan.layout.pp
     if ckpt.shape != (plan.n_chunks, plan.layout.pp):

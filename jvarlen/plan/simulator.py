@@ -306,6 +306,39 @@ def simulate(
     )
 
 
+def one_after_another(results: Sequence[SimResult], offsets: Sequence[int], step_overhead: float) -> SimResult:
+    """Steps run back to back on the same devices as one iteration (a plan's parts,
+    docs/design/bucket-parts.md): their makespans add up, the step overhead is paid once, memory
+    is each step's own time line in turn; ``offsets[i]``: the first chunk id of step i."""
+    start, events, memory, over = 0.0, [], [], []
+    pp = len(results[0].peak_memory)
+    for r, k0 in zip(results, offsets):
+        events += [dataclasses.replace(e, chunk=e.chunk + k0 if e.chunk >= 0 else -1, start=e.start + start,
+                                       end=e.end + start) for e in r.events]  # fmt: skip
+        over += [(p, t + start, b) for p, t, b in r.over_budget]
+        start += r.makespan
+    for p in range(pp):
+        times, values, t0 = [], [], 0.0
+        for r in results:
+            times.append(r.memory[p][0] - r.memory[p][0][0] + t0)
+            values.append(r.memory[p][1])
+            t0 += r.makespan
+        memory.append((np.concatenate(times), np.concatenate(values)))
+    busy = np.sum([r.stage_busy for r in results], axis=0)
+    return SimResult(
+        events=events,
+        makespan=start,
+        iteration_time=start + step_overhead,
+        stage_busy=busy,
+        stage_recompute=np.sum([r.stage_recompute for r in results], axis=0),
+        bubble_ratio=float(1.0 - busy.sum() / (pp * start)) if start > 0 else 0.0,
+        memory=memory,
+        peak_memory=np.max([r.peak_memory for r in results], axis=0),
+        memory_budget=results[0].memory_budget,
+        over_budget=over,
+    )
+
+
 def simulate_pipelines(
     pipelines: Sequence[tuple[Schedule, Sequence[ChunkShape], Optional[np.ndarray]]],
     cost: CostModel,

@@ -60,6 +60,7 @@ def assemble_strategy(
             gc.costs,
             ckpt=list(c.ckpt),
             simulation=simulation,
+            parts=c.parts,
         )
         groups.append(GroupPlan(c.scheme, devs, c.documents, plan))
     out = StrategyPlan(policy, gc.num_devices, tuple(lengths), tuple(groups), events=list(events or []))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -41,13 +42,20 @@ _SAFETY = 1.0 - 1e-9  # float headroom so that a cap computed here also passes P
 @dataclasses.dataclass(frozen=True)
 class GroupChoice:
     """One group as a policy chose it: its scheme, its documents (indices into the iteration's
-    lengths), its micro-batches (lists of indices into ``documents``, in execution order) and the
-    layers each micro-batch recomputes."""
+    lengths), its micro-batches (lists of indices into ``documents``, in execution order), the
+    layers each micro-batch recomputes, and the step's parts (micro-batch counts of consecutive
+    runs, each its own executor step padded to its own bucket, :attr:`Plan.parts`; ``()``: one)."""
 
     scheme: Scheme
     documents: tuple[int, ...]
     micro_batches: tuple[tuple[int, ...], ...]
     ckpt: tuple[int, ...]
+    parts: tuple[int, ...] = ()
+
+    def part_ranges(self) -> list[tuple[int, int]]:
+        sizes = self.parts or (len(self.micro_batches),)
+        ends = np.cumsum(sizes).tolist()
+        return [(int(e - n), int(e)) for n, e in zip(sizes, ends)]
 
 
 @functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
@@ -92,6 +100,8 @@ class GroupCosts:
     :meth:`group_time` runs every micro-batch of a group over the executor's bucket of the group's
     largest one, as the paired executor pads them (the ``"paired"`` simulation); False: each over its
     own token bucket (``"ticks"``, ``"async"``). The additive :meth:`work` model is unpadded.
+    ``max_parts``: padded, a group's step may run in up to that many parts, each padded to its own
+    bucket (docs/design/bucket-parts.md); 1: one bucket per group.
     """
 
     def __init__(
@@ -101,9 +111,13 @@ class GroupCosts:
         micro_batch_tokens: Optional[int] = None,
         max_recompute: Optional[int] = None,
         padded: bool = True,
+        max_parts: int = 2,
     ):
         self.costs = costs
         self.padded = bool(padded)
+        if int(max_parts) < 1:
+            raise ValueError(f"max_parts must be >= 1, got {max_parts}")
+        self.max_parts = int(max_parts)
         self.num_devices = costs.num_devices
         model = costs.model
         self.schemes = enumerate_schemes(
@@ -238,12 +252,18 @@ class GroupCosts:
         leaves it (:meth:`executor_table`)."""
         docs, scheme = choice.documents, choice.scheme
         mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
-        bucket, ckpt = None, choice.ckpt
-        if self.padded:
-            bucket = executor_bucket(max(sum(mb) for mb in mbs), scheme.sp)
-            ckpt = self.executor_table(scheme, bucket, ckpt)
-        t = sum(self.micro_batch_time(mb, scheme, r, bucket) for mb, r in zip(mbs, ckpt))
+        if not self.padded:
+            return sum(self.micro_batch_time(mb, scheme, r) for mb, r in zip(mbs, choice.ckpt)) + self.base(scheme)
+        tokens = [sum(mb) for mb in mbs]
+        t = sum(self._part_time(scheme, mbs[a:b], tokens[a:b], choice.ckpt[a:b]) for a, b in choice.part_ranges())
         return t + self.base(scheme)
+
+    def _part_time(self, scheme: Scheme, mbs, tokens, ckpt) -> float:
+        """Seconds of one executor step of ``mbs`` padded to the bucket of the largest, with the
+        recomputation the executor's fit leaves them (:meth:`executor_table`)."""
+        bucket = executor_bucket(max(tokens), scheme.sp)
+        table = self.executor_table(scheme, bucket, ckpt)
+        return sum(self.micro_batch_time(mb, scheme, r, bucket) for mb, r in zip(mbs, table))
 
     def strategy_time(self, lengths: Sequence[int], choices: Sequence[GroupChoice]) -> float:
         """Predicted iteration time: the slowest group's (as :func:`predicted_time`)."""
@@ -300,18 +320,18 @@ class GroupCosts:
         ``full_recompute``: every layer recomputed and micro-batches as large as that allows (the
         usual static setting)."""
         docs = tuple(int(d) for d in documents)
-        micro_batches, ckpt = self._flex_cut(scheme, tuple(int(lengths[d]) for d in docs), full_recompute)
-        return GroupChoice(scheme, docs, micro_batches, ckpt)
+        micro_batches, ckpt, parts = self._flex_cut(scheme, tuple(int(lengths[d]) for d in docs), full_recompute)
+        return GroupChoice(scheme, docs, micro_batches, ckpt, parts)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (FlexSP ranks, then plans, the same groups)
-    def _flex_cut(self, scheme: Scheme, local: tuple, full_recompute: bool) -> tuple[tuple, tuple]:
-        """:meth:`flex_group`'s micro-batches and recomputation for documents of ``local`` lengths."""
+    def _flex_cut(self, scheme: Scheme, local: tuple, full_recompute: bool) -> tuple[tuple, tuple, tuple]:
+        """:meth:`flex_group`'s micro-batches, recomputation and parts for documents of ``local`` lengths."""
         docs = tuple(range(len(local)))
         if full_recompute:
             c = self._cut(scheme, docs, list(local), chunk_group(local, self.cap_full(scheme)), full_recompute=True)
         else:
             c = self.fastest_cut(local, scheme, docs, chunk_group(local, self.cap_none(scheme)))
-        return c.micro_batches, c.ckpt
+        return c.micro_batches, c.ckpt, c.parts
 
     def fastest_cut(
         self,
@@ -330,8 +350,9 @@ class GroupCosts:
         Where :attr:`padded`, every micro-batch runs over the bucket of the group's largest and
         recomputes what that bucket needs (:meth:`group_time`): a long document sets both for the
         short ones. So the group is also cut by Eq. 23-24 at each of :meth:`bucket_caps` (the short
-        documents packed up to the bucket they pay for anyway), and the cut :meth:`group_time` finds
-        fastest is kept (ties: the policy's)."""
+        documents packed up to the bucket they pay for anyway), each cut is also tried in parts
+        (:attr:`max_parts`, each part its own bucket), and the cut :meth:`group_time` finds fastest
+        is kept (ties: the policy's)."""
         docs = tuple(int(d) for d in documents)
         local = [int(lengths[d]) for d in docs]
         cuts = [[list(mb) for mb in micro_batches]]
@@ -349,7 +370,7 @@ class GroupCosts:
     ) -> GroupChoice:
         """``mbs`` as a GroupChoice, each micro-batch recomputing ``given`` layers, or the least that
         fits it, or every layer allowed (``full_recompute``); padded, as the executor's fit leaves
-        that at the group's bucket."""
+        that at the group's bucket, or in parts where that is faster (:meth:`_in_parts`)."""
         tokens = [sum(local[i] for i in mb) for mb in mbs]
         if given is not None:
             ckpt = [int(r) for r in given]
@@ -360,9 +381,42 @@ class GroupCosts:
                 if r is None:
                     raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
                 ckpt.append(self.max_recompute if full_recompute else r)
-        if self.padded and not full_recompute:
-            ckpt = self.executor_table(scheme, executor_bucket(max(tokens), scheme.sp), ckpt)
-        return GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
+        whole = GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
+        if not self.padded:
+            return whole
+        if not full_recompute:
+            whole = dataclasses.replace(
+                whole, ckpt=tuple(self.executor_table(scheme, executor_bucket(max(tokens), scheme.sp), ckpt))
+            )
+        if self.max_parts == 1 or len(mbs) == 1:
+            return whole
+        return self._in_parts(scheme, docs, local, mbs, tokens, ckpt, whole)
+
+    def _in_parts(self, scheme: Scheme, docs: tuple, local, mbs, tokens, ckpt, whole: GroupChoice) -> GroupChoice:
+        """``whole``, or the same micro-batches in up to :attr:`max_parts` parts if faster: ordered
+        by tokens, largest first, and cut where their bucket changes (a cut inside one bucket only
+        moves a micro-batch into a larger bucket), every choice of cuts tried."""
+        order = sorted(range(len(mbs)), key=lambda i: (-tokens[i], i))
+        buckets = [executor_bucket(tokens[i], scheme.sp) for i in order]
+        bounds = [i for i in range(1, len(order)) if buckets[i] != buckets[i - 1]]
+        if not bounds:
+            return whole
+        mbs_o = [[int(local[d]) for d in mbs[i]] for i in order]
+        tok_o, ck_o = [tokens[i] for i in order], [int(ckpt[i]) for i in order]
+        best, best_t = None, self._part_time(scheme, [[int(local[d]) for d in mb] for mb in mbs], tokens, whole.ckpt)
+        for k in range(1, self.max_parts):
+            for cuts in itertools.combinations(bounds, k):
+                edges = (0, *cuts, len(order))
+                t = sum(self._part_time(scheme, mbs_o[a:b], tok_o[a:b], ck_o[a:b]) for a, b in zip(edges, edges[1:]))
+                if t < best_t:
+                    best, best_t = edges, t
+        if best is None:
+            return whole
+        table = []
+        for a, b in zip(best, best[1:]):
+            table += self.executor_table(scheme, executor_bucket(tok_o[a], scheme.sp), ck_o[a:b])
+        parts = tuple(b - a for a, b in zip(best, best[1:]))
+        return GroupChoice(scheme, docs, tuple(tuple(mbs[i]) for i in order), tuple(table), parts)
 
 
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:

@@ -346,33 +346,47 @@ def build_group_plan(
     solver=None,
     stats: Optional[dict] = None,
     events: Optional[list] = None,
+    parts: Sequence[int] = (),
 ) -> Plan:
     """The executor :class:`Plan` of one group: ``micro_batches`` (lists of indices into the group's
     document ``lengths``, each packed whole into one chunk, in execution order) as one 1F1B unit
     on ``scheme`` (for ``pp = 1``: forward and backward of each micro-batch in turn, i.e. gradient
-    accumulation).
+    accumulation). ``parts`` (``pp = 1``): micro-batch counts of consecutive runs of
+    ``micro_batches``, each run its own unit and executor step (:attr:`Plan.parts`).
 
     ``ckpt``: recomputed layers per micro-batch (a sequence, one value per micro-batch, same on
     every stage; DCP-intra), ``"fit"`` (the least uniform count that fits memory), ``"milp"``
     (InfiniPipe Alg. 2 per chunk and stage) or ``"none"``. Stats come from simulating the plan
     under the scheme's cost model in ``simulation`` mode.
     """
-    from jvarlen.plan.assemble import assemble, uniform_unit
-    from jvarlen.plan.checkpointing import CkptSolution, SolverOptions
-    from jvarlen.plan.grouping import Unit, solve_unit
-    from jvarlen.plan.units import PlannedChunk, unit_schedule
+    from jvarlen.plan.assemble import assemble
+    from jvarlen.plan.units import PlannedChunk
 
     lengths = [int(x) for x in lengths]
-    seen = sorted(d for mb in micro_batches for d in mb)
-    if seen != list(range(len(lengths))):
+    if sorted(d for mb in micro_batches for d in mb) != list(range(len(lengths))) or not all(micro_batches):
         raise ValueError(f"micro-batches must hold every document of the group exactly once, got {list(micro_batches)}")
-    if any(len(mb) == 0 for mb in micro_batches):
-        raise ValueError("empty micro-batch")
     cost = costs.cost(scheme)
     chunks = [PlannedChunk(tuple((int(d), 0, lengths[d]) for d in mb)) for mb in micro_batches]
     shapes = [c.shape(lengths) for c in chunks]
-    families = [[k] for k in range(len(chunks))]
     events = list(events or [])
+    sizes = [int(x) for x in parts] or [len(chunks)]
+    if sum(sizes) != len(chunks) or min(sizes) <= 0 or (len(sizes) > 1 and scheme.pp != 1):
+        raise ValueError(f"parts {list(parts)} must partition {len(chunks)} micro-batches of a one-stage group")
+    ends = np.cumsum(sizes).tolist()
+    units = [_group_unit(policy, scheme, [[k] for k in range(e - n, e)], shapes, cost, ckpt, solver, events)
+             for n, e in zip(sizes, ends)]  # fmt: skip
+    parts = tuple(sizes) if len(sizes) > 1 else ()
+    return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=simulation, parts=parts)
+
+
+def _group_unit(policy, scheme, families, shapes, cost, ckpt, solver, events):
+    """One unit of :func:`build_group_plan`: ``families`` (one chunk each) and their recomputation
+    (``ckpt``: as there, a sequence indexed by chunk)."""
+    from jvarlen.plan.assemble import uniform_unit
+    from jvarlen.plan.checkpointing import CkptSolution, SolverOptions
+    from jvarlen.plan.grouping import Unit, solve_unit
+    from jvarlen.plan.units import unit_schedule
+
     layers = cost.layers_per_stage
     if isinstance(ckpt, str) and ckpt == "fit":
         unit, fits = uniform_unit(families, shapes, cost)
@@ -384,7 +398,7 @@ def build_group_plan(
         raise ValueError(f"ckpt must be 'fit', 'milp', 'none' or one count per micro-batch, got {ckpt!r}")
     else:
         per = np.asarray([int(x) for x in ckpt], dtype=np.int64)
-        if per.shape != (len(chunks),) or per.min(initial=0) < 0 or per.max(initial=0) > layers:
+        if per.shape != (len(shapes),) or per.min(initial=0) < 0 or per.max(initial=0) > layers:
             raise ValueError(f"ckpt needs one value in [0, {layers}] per micro-batch, got {list(per)}")
         ids, schedule = unit_schedule(families, scheme.pp)
         # One value per micro-batch on every stage, as given. (Eq. 15's diagonal variables would tie
@@ -398,8 +412,8 @@ def build_group_plan(
         solution = CkptSolution(values, table, rec_s, source, "per micro-batch")
         unit = Unit(tuple(tuple(f) for f in families), tuple(ids), schedule, solution)
         if source == "infeasible":
-            events.append(f"{policy}: group {scheme} recomputation {[int(x) for x in per]} does not fit memory")
-    return assemble(policy, lengths, chunks, [unit], cost, stats, events, simulation=simulation)
+            events.append(f"{policy}: group {scheme} recomputation {[int(per[k]) for k in ids]} does not fit memory")
+    return unit
 
 
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:

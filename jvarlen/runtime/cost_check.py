@@ -93,11 +93,18 @@ class StepTimeCheck:
         (the executor's paired ticks, current coefficients), records it against ``measured_s``, refits
         when due."""
         views = [(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
-        predicted = [self.refit.predict(*view, mode="paired") for view in views]
+        predicted = [self.refit.predict(*view, mode="paired", parts=p.parts) for view, p in zip(views, plans)]
         i = int(np.argmax(predicted))
         shapes, layout, schedule, ckpt = views[i]
         self.refit.observe(
-            shapes, layout, measured_s, schedule=schedule, ckpt_layers=ckpt, predicted_s=predicted[i], mode="paired"
+            shapes,
+            layout,
+            measured_s,
+            schedule=schedule,
+            ckpt_layers=ckpt,
+            predicted_s=predicted[i],
+            mode="paired",
+            parts=plans[i].parts,
         )
         return self._record(predicted[i], measured_s)
 

@@ -25,7 +25,7 @@ from jvarlen.plan import schedule as sch
 from jvarlen.plan.buffers import SLOT_COUNTS, assign_slots, fuse_single_stage, kept_apart, plan_ticks, round_up
 from jvarlen.plan.chunk import executor_buckets
 from jvarlen.plan.plan import Plan
-from jvarlen.plan.schedule import Schedule, ScheduleError
+from jvarlen.plan.schedule import IDLE, Schedule, ScheduleError
 
 
 def prepare_batch(
@@ -112,6 +112,7 @@ def prepare_batch(
         _check_fits(sig, layout, num_layers, bucket, packs[0].n_chunks, need, [s for _, s in tables])
     out = stack_pipelines(packs)
     per = {key: [] for key in TABLE_KEYS}
+    tables = [(skip_empty(ticks, pack), slots) for (ticks, slots), pack in zip(tables, packs)]
     for ticks, slots in tables:
         slots = slots.with_counts(sig)
         pad = sig.n_ticks - ticks.shape[0]
@@ -123,10 +124,32 @@ def prepare_batch(
         for key in ("stash_slot", "grad_slot", "ctx_base", "res_slot", "ckpt_slot"):
             per[key].append(getattr(slots, key))
     out.update({key: np.stack(v).astype(np.int32) for key, v in per.items()})
-    # ticks the executor runs: the longest pipeline's table, not the signature's rounded count (every
-    # pipeline runs as many, so that collectives match); the idle padding ticks are skipped
-    out["live_ticks"] = np.full((layout.dp,), max(t.shape[0] for t, _ in tables), np.int32)
+    # ticks the executor runs: the longest pipeline's table up to its last op, not the signature's
+    # rounded count (every pipeline runs as many, so that collectives match); idle ticks after the
+    # last op (the signature's rounding, a tail of empty chunks) are skipped
+    out["live_ticks"] = np.full((layout.dp,), max(_last_op(t) + 1 for t, _ in tables), np.int32)
     return sig, out
+
+
+def skip_empty(ticks: np.ndarray, pack: PackedChunks) -> np.ndarray:
+    """The tick table with the ops of chunks that hold no token made idle: the chunks that pad a
+    plan's chunk count (:func:`pad_plan`) contribute nothing, so their forward, recomputation and
+    backward over the whole bucket need not run. Their slots stay assigned (what an idle op's
+    neighbours send them is never read)."""
+    empty = ~(pack.arrays["segment_ids"] > 0).any(axis=1)
+    if not empty.any():
+        return ticks
+    out = np.array(ticks, np.int32)
+    chunk = out[..., 1]
+    idle = (chunk >= 0) & empty[np.clip(chunk, 0, None)]
+    out[..., 0][idle] = IDLE
+    out[..., 1][idle] = -1
+    return out
+
+
+def _last_op(ticks: np.ndarray) -> int:
+    busy = np.flatnonzero((ticks[..., 0] != IDLE).reshape(ticks.shape[0], -1).any(axis=1))
+    return int(busy[-1]) if busy.size else 0
 
 
 def _check_fits(sig, layout, num_layers, bucket, n_chunks, need, slot_tables) -> None:

@@ -8,8 +8,9 @@ One iteration is four kinds of compiled programs, all from the one compile cache
 * ``pull``: all devices; the fp32 parameters all-gathered onto every device
   (:func:`jvarlen.parallel.groups.pull`);
 * one program per group, on the group's devices: the pipeline executor's gradients of the group's
-  plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads`) turned into per-device partials
-  scaled by the group's share of the iteration's target tokens
+  plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads`; a plan in parts runs them one after
+  the other in this one program, each padded to its own bucket, docs/design/bucket-parts.md)
+  turned into per-device partials scaled by the group's share of the iteration's target tokens
   (:func:`jvarlen.parallel.groups.device_partials`);
 * ``update``: all devices; the one train step of :mod:`jvarlen.runtime.step` whose "gradients"
   are the sum of every device's partials, landing in the canonical sharding (a reduce-scatter).
@@ -93,10 +94,14 @@ class GroupsStep:
             if not self.local[g]:
                 continue  # another process's group: that process dispatches it
             params = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), pulled)
-            prefix = f"{g}/"
-            batch = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
-            weight = place_global(batch.pop("weight"), NamedSharding(mesh, P()))
-            outs.append(program(params, place_global(batch, batch_shardings), weight))
+            weight = place_global(arrays[f"{g}/weight"], NamedSharding(mesh, P()))
+            parts = [
+                {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+                for prefix in (f"{g}/{i}/" for i in range(len(batch_shardings)))
+            ]
+            batch = parts[0] if len(parts) == 1 else tuple(parts)
+            shardings = batch_shardings[0] if len(parts) == 1 else tuple(batch_shardings)
+            outs.append(program(params, place_global(batch, shardings), weight))
         placement = self.ctx.placement
         columns = [[o[0][i] for o in outs] for i in range(len(self.partial_shapes) - len(SUM_KEYS))]
         columns += [[o[1][key] for o in outs] for key in SUM_KEYS]
@@ -161,16 +166,17 @@ class GroupsStrategy(ExecutionStrategy):
         for g, group in enumerate(plan.groups):
             ids = (group.scheme.pp, group.scheme.sp, tuple(group.devices))
             same = [k[4] for k in known if isinstance(k, tuple) and k[:1] == ("group",) and k[1:4] == ids]
-            sig, batch = prepare_plans(
-                [group.plan],
-                [[docs[d] for d in group.documents]],
-                num_layers,
-                same,
-                chunk_multiple=self.chunk_multiple,
-            )
-            keys.append(("group", *ids, sig))
-            targets.append(float(batch["loss_mask"].sum()))
-            arrays.update({f"{g}/{k}": v for k, v in batch.items()})
+            same = [s for k in same for s in (k if isinstance(k, tuple) else (k,))]  # a part may reuse any
+            sigs, target = [], 0.0
+            for i, part in enumerate(group.plan.part_plans()):  # each part its own bucket and tables
+                sig, batch = prepare_plans(
+                    [part], [[docs[d] for d in group.documents]], num_layers, same, chunk_multiple=self.chunk_multiple
+                )
+                sigs.append(sig)
+                target += float(batch["loss_mask"].sum())
+                arrays.update({f"{g}/{i}/{k}": v for k, v in batch.items()})
+            keys.append(("group", *ids, sigs[0] if len(sigs) == 1 else tuple(sigs)))
+            targets.append(target)
         total = max(sum(targets), 1.0)
         for g, t in enumerate(targets):
             arrays[f"{g}/weight"] = np.float32(t / total)
@@ -206,9 +212,10 @@ class GroupsStrategy(ExecutionStrategy):
         return fn.lower(self.ctx.abstract_state.params).compile(compiler_options=self.ctx.compiler_options)
 
     def _compile_group(self, key):
-        _, pp, sp, devices, sig = key
+        _, pp, sp, devices, sig = key  # sig: one signature, or the step's parts' (a tuple)
         ctx = self.ctx
-        mesh = group_mesh(sig.layout, self._devices(devices))
+        sigs = sig if isinstance(sig, tuple) else (sig,)
+        mesh = group_mesh(sigs[0].layout, self._devices(devices))
         grads = make_pipeline_grads(
             ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual, stage_weights=self.stage_weights
         )
@@ -216,7 +223,8 @@ class GroupsStrategy(ExecutionStrategy):
 
         def program(params, batch, weight):
             sums, g, layer_forwards = grads(params, batch)
-            sums = {**sums, "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
+            real = sum(jnp.sum(b["segment_ids"] > 0) for b in (batch if isinstance(batch, tuple) else (batch,)))
+            sums = {**sums, "real_tokens": real.astype(jnp.float32)}
             layers, rest = split_params(g)
             p_layers, p_rest, p_sums = device_partials(mesh, layers, rest, sums, weight, num_layers)
             partial_grads = nnx.merge_state(p_rest, nnx.State({"layers": p_layers}))
@@ -227,10 +235,14 @@ class GroupsStrategy(ExecutionStrategy):
         params = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), ctx.abstract_state.params
         )
-        batch = {k: jax.ShapeDtypeStruct(s, np.int32, sharding=batch_sharding) for k, s in sig.input_shapes().items()}
+        batches = [
+            {k: jax.ShapeDtypeStruct(v, np.int32, sharding=batch_sharding) for k, v in s.input_shapes().items()}
+            for s in sigs
+        ]
+        batch = batches[0] if len(sigs) == 1 else tuple(batches)
         weight = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
         compiled = jax.jit(program).lower(params, batch, weight).compile(compiler_options=ctx.compiler_options)
-        return compiled, mesh, {k: batch_sharding for k in batch}
+        return compiled, mesh, [{k: batch_sharding for k in b} for b in batches]
 
     def _compile_update(self, key) -> CompiledStep:
         ctx = self.ctx
