@@ -18,7 +18,7 @@ with the least recomputation per micro-batch (our strict reference) or every lay
 The degree is chosen on the group model; every time, the references' as the policies', is that of
 the executor plans, whose recomputation is raised where the executor's buffers would not fit
 (docs/design/executor-memory.md; before 2026-11-27 neither side was), simulated in the executor's
-model (paired ticks, every micro-batch of a group's step padded to one bucket; before 2026-11-28
+model (paired ticks, every micro-batch of a group's step padded to its part's bucket, one or two parts per group since f854888; before 2026-11-28
 the lock-step model without padding). Speedup = mean reference iteration time / mean policy iteration time; "prop." = the same on the
 slowest group's propagation only (without the per-iteration step overhead, which includes the
 parameter pull and gradient push and is the same constant for every strategy here). Also measures planning time at
@@ -375,9 +375,14 @@ every group of FlexSP, DCP-intra and the static references is also cut at its bu
 documents packed up to the bucket they pay for anyway; GroupCosts.fastest_cut), the fastest cut
 kept: on the 7B rows without ZeRO-3 FlexSP's iterations took 26-29 % less time, the static
 layouts' 10-16 % and DCP's 10-14 %, and FlexSP went from 0.99-1.05× to 1.14-1.28× the static
-layout (docs/design/heterogeneous.md, "Groups cut at their bucket"). The searches themselves
-(FlexSP's MILP and heuristic on the additive WorkTable, DCP's bucketing) still price micro-batches
-without padding. The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation
+layout (docs/design/heterogeneous.md, "Groups cut at their bucket"). Since f854888 a group's step
+may also run in two parts, each padded to its own bucket with its own recomputation
+(docs/design/bucket-parts.md): against 67a10e6 FlexSP's iterations take 1.3-5.9 % less time, DCP's
+1.2-8.1 %, the static layouts with the least recomputation 0.5-8.7 % (with every layer recomputed
+at most 0.7 %: padding only), so FlexSP against the static layout moved from 1.14-1.28× to
+1.11-1.27× on the 7B rows without ZeRO-3, DCP against the paper's full-recomputation baseline
+from 1.05-1.39× to 1.14-1.46× on those rows and the DCP rows. The searches themselves (FlexSP's MILP and heuristic on the
+additive WorkTable, DCP's bucketing) still price micro-batches without padding. The papers' protocols (no recomputation for FlexSP's GPT-7B, full recomputation
 for DCP's baseline) give the larger ratios, as in the papers."""
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group
 from jvarlen.plan.executor_memory import executor_account
+from jvarlen.plan.plan import part_ranges
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, enumerate_schemes
 
 _SAFETY = 1.0 - 1e-9  # float headroom so that a cap computed here also passes Plan.validate
@@ -53,9 +54,7 @@ class GroupChoice:
     parts: tuple[int, ...] = ()
 
     def part_ranges(self) -> list[tuple[int, int]]:
-        sizes = self.parts or (len(self.micro_batches),)
-        ends = np.cumsum(sizes).tolist()
-        return [(int(e - n), int(e)) for n, e in zip(sizes, ends)]
+        return part_ranges(self.parts, len(self.micro_batches))
 
 
 @functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
@@ -248,8 +247,8 @@ class GroupCosts:
     def group_time(self, lengths: Sequence[int], choice: GroupChoice) -> float:
         """Exact predicted seconds of one group (what its executor plan simulates to for ``pp = 1``):
         its micro-batches one after the other plus its step overhead. Where :attr:`padded`, every
-        micro-batch runs over the group's bucket with the recomputation the executor's memory fit
-        leaves it (:meth:`executor_table`)."""
+        micro-batch runs over its part's bucket (the group's, without parts) with the
+        recomputation the executor's memory fit leaves it there (:meth:`executor_table`)."""
         docs, scheme = choice.documents, choice.scheme
         mbs = [[int(lengths[docs[i]]) for i in mb] for mb in choice.micro_batches]
         if not self.padded:
