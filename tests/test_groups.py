@@ -165,6 +165,7 @@ def test_groups_in_parts_equal_the_reference(setup):
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
     step = session.strategy_step(residual_policy="all")
     prepared = step.prepare(plan, docs)
+    assert prepared.info["group_parts"] == [2, 2, 1]  # in the step's record
     sigs = [k[4] for k in prepared.key[1]]
     assert isinstance(sigs[0], tuple) and [s.bucket for s in sigs[0]] == [80, 16]  # 73 tokens, then 7 and 12
     assert isinstance(sigs[1], tuple) and len(sigs[1]) == 2 and not isinstance(sigs[2], tuple)

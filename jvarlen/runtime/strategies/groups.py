@@ -184,6 +184,7 @@ class GroupsStrategy(ExecutionStrategy):
             "strategy": plan.describe(),
             "groups": len(plan.groups),
             "chunks": sum(g.plan.n_chunks for g in plan.groups),
+            "group_parts": [max(1, len(g.plan.parts)) for g in plan.groups],  # bucket parts per group's step
             "predicted_iteration_time_s": float(plan.stats.get("iteration_time_s", float("nan"))),
             "policy_chosen": str(plan.stats.get("policy_chosen", plan.policy)),
         }
