@@ -18,7 +18,7 @@ from jvarlen.plan.executor_memory import executor_memory, fit_executor
 from jvarlen.plan.grouping import Unit
 from jvarlen.plan.plan import Plan, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
-from jvarlen.plan.simulator import SimResult, one_after_another
+from jvarlen.plan.simulator import SimResult, simulate_in_parts
 from jvarlen.plan.simulator import simulate as simulate_schedule
 from jvarlen.plan.units import PlannedChunk, unit_schedule
 
@@ -29,8 +29,9 @@ def simulate(plan: Plan, cost, mode: str = "async", timeline: bool = True) -> Si
     ``timeline=False``: no events (:func:`jvarlen.plan.simulator.simulate`). A plan in parts:
     each part its own step (padded to its own bucket), one after the other."""
     if plan.parts:
-        sims = [simulate(p, cost, mode, timeline) for p in plan.part_plans()]
-        return one_after_another(sims, [a for a, _ in plan.part_ranges()], cost.step_overhead())
+        return simulate_in_parts(
+            plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, plan.parts, mode, timeline=timeline
+        )
     return simulate_schedule(
         plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, mode, timeline=timeline
     )

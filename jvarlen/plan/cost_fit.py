@@ -231,23 +231,18 @@ class OnlineRefit:
     ) -> float:
         """Predicted seconds of one step; ``parts``: its :attr:`jvarlen.plan.plan.Plan.parts` (each
         part its own step, one step overhead)."""
-        from jvarlen.plan.plan import part_ranges, part_schedule
-        from jvarlen.plan.simulator import one_after_another, simulate
+        from jvarlen.plan.simulator import simulate, simulate_in_parts
 
         cost = CostModel(self.model, layout, coeffs or self.coeffs)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
         shapes, mode = list(chunk_shapes), mode or self.mode
-        if not parts:
-            return simulate(
-                sched, shapes, ckpt_layers, cost, mode, validate=schedule is None, timeline=False
+        if parts:
+            return simulate_in_parts(
+                sched, shapes, ckpt_layers, cost, parts, mode, validate=False, timeline=False
             ).iteration_time
-        ckpt = np.zeros((len(shapes), layout.pp), np.int64) if ckpt_layers is None else np.asarray(ckpt_layers)
-        ranges = part_ranges(parts, len(shapes))
-        sims = [
-            simulate(part_schedule(sched, a, b), shapes[a:b], ckpt[a:b], cost, mode, validate=False, timeline=False)
-            for a, b in ranges
-        ]
-        return one_after_another(sims, [a for a, _ in ranges], cost.step_overhead()).iteration_time
+        return simulate(
+            sched, shapes, ckpt_layers, cost, mode, validate=schedule is None, timeline=False
+        ).iteration_time
 
     def observe(
         self,

@@ -306,6 +306,31 @@ def simulate(
     )
 
 
+def simulate_in_parts(
+    schedule: Schedule,
+    chunk_shapes: Sequence[ChunkShape],
+    ckpt_layers: Optional[np.ndarray],
+    cost: CostModel,
+    parts: Sequence[int],
+    mode: Literal["async", "ticks", "paired"] = "async",
+    validate: bool = True,
+    timeline: bool = True,
+) -> SimResult:
+    """:func:`simulate` of a step in ``parts`` (:attr:`jvarlen.plan.plan.Plan.parts`, chunk counts):
+    each part its own step (in ``"paired"`` mode padded to its own bucket), one after the other
+    (:func:`one_after_another`)."""
+    from jvarlen.plan.plan import part_ranges, part_schedule
+
+    n = len(chunk_shapes)
+    ckpt = np.zeros((n, cost.layout.pp), np.int64) if ckpt_layers is None else np.asarray(ckpt_layers)
+    ranges = part_ranges(parts, n)
+    sims = [
+        simulate(part_schedule(schedule, a, b), chunk_shapes[a:b], ckpt[a:b], cost, mode, validate, timeline)
+        for a, b in ranges
+    ]
+    return one_after_another(sims, [a for a, _ in ranges], cost.step_overhead())
+
+
 def one_after_another(results: Sequence[SimResult], offsets: Sequence[int], step_overhead: float) -> SimResult:
     """Steps run back to back on the same devices as one iteration (a plan's parts,
     docs/design/bucket-parts.md): their makespans add up, the step overhead is paid once, memory
