@@ -14,7 +14,9 @@ times over the batches.
 
 Parts: ``compare`` (the table), ``timing`` (planning time at 64 devices and 200K tokens per
 iteration, the issue's bar ≤ 0.3 s on one core), ``gap`` (App. D.3: Alg. 1 against the exact
-Eq. 3 optimum on small random instances). Writes the "## Strategies" section of
+Eq. 3 optimum on small random instances); also ``auto`` (against each policy it chooses from),
+``service`` (``auto`` in the planning service) and ``bounds`` (EPP's bounded search against the
+exhaustive one inside ``auto``), run separately. Writes the "## Strategies" section of
 docs/benchmarks.md and a JSON file with every record.
 
     python scripts/bench_strategies.py [--iterations 6] [--parts compare,timing,gap] [--quick]
@@ -361,6 +363,72 @@ def auto_part(iterations: int, quick: bool) -> list[dict]:
     return out
 
 
+def _plan_record(plan) -> str:
+    """The plan as JSON without what the searches record about themselves (candidates simulated or
+    skipped, solve times, events): equal records are the same plan."""
+    data = plan.to_json()
+    for g in data["groups"]:
+        g["plan"]["stats"] = {k: v for k, v in g["plan"]["stats"].items() if k == "iteration_time_s"}
+        g["plan"]["events"] = []
+    return json.dumps(data["groups"], sort_keys=True, default=str)
+
+
+def bounds_part(iterations: int, quick: bool) -> list[dict]:
+    """``auto`` with EPP's bounded search (the default: lower bounds per candidate chunking, each later
+    pipeline scheme and ``epp-pipelines`` itself under a ceiling) against the exhaustive search
+    (``PlannerOptions.prune=False``), on the batches of :func:`auto_part`: CPU seconds of each call
+    (the two interleaved, alternating which runs first) and whether they chose the same plan."""
+    import dataclasses
+
+    from jvarlen.plan.auto import AutoOptions, EPPPipelinesOptions
+
+    out = []
+    for setting in auto_settings()[: 2 if quick else None]:
+        costs, pool, given = auto_setup(setting)
+        epp = EPPPipelinesOptions()
+        exhaustive = dataclasses.replace(epp, planner=dataclasses.replace(epp.planner, prune=False))
+        variants = {
+            "bounded": AutoOptions(options=tuple(given.items())),
+            "exhaustive": AutoOptions(options=tuple(given.items()) + (("epp-pipelines", exhaustive),)),
+        }
+        plan_strategy("auto", token_batch(pool, setting.tokens, 2999), costs, variants["bounded"])  # warm memos
+        rows = []
+        for i in range(iterations):
+            batch = token_batch(pool, setting.tokens, 3000 + i)
+            row = {}
+            for name in sorted(variants, reverse=i % 2 == 1):
+                c0 = time.process_time()
+                plan = plan_strategy("auto", batch, costs, variants[name])
+                row[name] = {"cpu_s": time.process_time() - c0, "plan": _plan_record(plan)}
+                row[name]["chosen"] = plan.stats["policy_chosen"]
+            row["same_plan"] = row["bounded"]["plan"] == row["exhaustive"]["plan"]
+            for name in variants:
+                del row[name]["plan"]
+            rows.append(row)
+        out.append({"setting": setting.name, "batches": rows})
+        print(
+            setting.name, [(r["bounded"]["cpu_s"], r["exhaustive"]["cpu_s"], r["same_plan"]) for r in rows], flush=True
+        )
+    return out
+
+
+def bounds_table(records) -> str:
+    lines = [
+        "| setting | exhaustive CPU s (median / max) | bounded CPU s (median / max) | median speedup | same plan |",
+        "|---|---|---|---|---|",
+    ]
+    for rec in records:
+        ex = [b["exhaustive"]["cpu_s"] for b in rec["batches"]]
+        bo = [b["bounded"]["cpu_s"] for b in rec["batches"]]
+        ratio = statistics.median(e / b for e, b in zip(ex, bo))
+        same = sum(b["same_plan"] for b in rec["batches"])
+        lines.append(
+            f"| {rec['setting']} | {statistics.median(ex):.2f} / {max(ex):.2f} | {statistics.median(bo):.2f} / "
+            f"{max(bo):.2f} | {ratio:.2f}× | {same} of {len(rec['batches'])} |"
+        )
+    return "\n".join(lines)
+
+
 def service_part(iterations: int, workers: tuple[int, ...] = (1, 2)) -> list[dict]:
     """``auto`` in the planning service (``plan.workers``): wall seconds per planned iteration when
     ``iterations`` batches are queued at once (the loop keeps ``plan.ahead + 1`` queued), on the
@@ -513,6 +581,8 @@ def main() -> int:
         record["auto"] = auto_part(args.auto_iterations, args.quick)
     if "service" in parts:
         record["service"] = service_part(args.auto_iterations)
+    if "bounds" in parts:
+        record["bounds"] = bounds_part(args.auto_iterations, args.quick)
     if "gap" in parts:
         record["gap"] = gap(args.gap_instances)
         print(record["gap"], flush=True)
@@ -574,6 +644,13 @@ def section(record, args) -> str:
             f"`python scripts/bench_strategies.py --parts auto --auto_iterations {args.auto_iterations}`; "
             "CPU s: process time of the whole `auto` call (every policy, one after another).\n\n"
             + auto_table(record["auto"])
+        )
+    if "bounds" in record:
+        out.append(
+            "EPP's bounded search against the exhaustive one inside `auto` (`python scripts/bench_strategies.py "
+            f"--parts bounds --auto_iterations {args.auto_iterations}`, one core; the same batches as the table "
+            "above; CPU s: process time of the whole `auto` call; same plan: every group's chunks, schedule, "
+            "recomputation and time equal):\n\n" + bounds_table(record["bounds"])
         )
     if "service" in record:
         rows = [

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jvarlen.config import ModelConfig
@@ -21,6 +23,13 @@ def costs():
     return SchemeCosts(make_cost(ModelShape.from_config(model), "a800", Layout(8, 1, 1)), 8)
 
 
+def exhaustive(**kw) -> EPPPipelinesOptions:
+    """EPP pipelines whose searches simulate every candidate and every scheme they visit
+    (no lower bounds, no ceiling): the reference the bounded search must agree with."""
+    planner = dataclasses.replace(EPPPipelinesOptions().planner, prune=False)
+    return EPPPipelinesOptions(planner=planner, **kw)
+
+
 def _check_partition(plan, n_docs, devices=8):
     docs = sorted(d for g in plan.groups for d in g.documents)
     assert docs == list(range(n_docs))  # every document in exactly one group
@@ -29,8 +38,8 @@ def _check_partition(plan, n_docs, devices=8):
 
 
 def test_epp_pipelines_screening_plans_the_shortlisted_schemes_exactly_as_without_it(costs):
-    full = plan_strategy("epp-pipelines", LENGTHS, costs, EPPPipelinesOptions(screen=0))
-    screened = plan_strategy("epp-pipelines", LENGTHS, costs, EPPPipelinesOptions(screen=2))
+    full = plan_strategy("epp-pipelines", LENGTHS, costs, exhaustive(screen=0))
+    screened = plan_strategy("epp-pipelines", LENGTHS, costs, exhaustive(screen=2))
     every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
     kept = {c["strategy"]: c["iteration_time_s"] for c in screened.stats["candidates"]}
     assert len(every) > 2 and len(kept) == 2
@@ -50,8 +59,8 @@ def test_a_screened_scheme_that_cannot_plan_hands_its_turn_to_the_next(costs):
     ranked only schemes whose model states did not fit and got no plan at all.)"""
     base = costs.base
     tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2060e6)), 8)
-    full = plan_strategy("epp-pipelines", LENGTHS, tight, EPPPipelinesOptions(screen=0))
-    screened = plan_strategy("epp-pipelines", LENGTHS, tight, EPPPipelinesOptions(screen=2))
+    full = plan_strategy("epp-pipelines", LENGTHS, tight, exhaustive(screen=0))
+    screened = plan_strategy("epp-pipelines", LENGTHS, tight, exhaustive(screen=2))
     every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
     kept = {c["strategy"]: c["iteration_time_s"] for c in screened.stats["candidates"]}
     loads = screened.stats["screened_load_s"]
@@ -60,6 +69,33 @@ def test_a_screened_scheme_that_cannot_plan_hands_its_turn_to_the_next(costs):
     assert list(kept) == [s for s in ranking if s in every][:2]
     assert all(every[s] == t for s, t in kept.items())
     assert screened.stats["iteration_time_s"] == min(kept.values())
+
+
+def _without_search_records(plan) -> list:
+    """The groups' plans (chunks, schedules, recomputation, times) without the search's own records
+    (what it simulated or skipped, how long it took)."""
+    groups = plan.to_json()["groups"]
+    for g in groups:
+        g["plan"]["stats"] = {k: v for k, v in g["plan"]["stats"].items() if k == "iteration_time_s"}
+        g["plan"]["events"] = []
+    return groups
+
+
+@pytest.mark.parametrize("screen", [0, 2])
+def test_bounded_scheme_search_keeps_the_exhaustive_plan(costs, screen):
+    """With lower bounds and each later scheme planned under the best time so far as a ceiling
+    (the default), epp-pipelines returns the plan of the exhaustive search; every scheme it gave
+    up is one whose exhaustive time is not faster than the ceiling it was given."""
+    full = plan_strategy("epp-pipelines", LENGTHS, costs, exhaustive(screen=screen))
+    bounded = plan_strategy("epp-pipelines", LENGTHS, costs, EPPPipelinesOptions(screen=screen))
+    assert _without_search_records(bounded) == _without_search_records(full)
+    assert bounded.stats["iteration_time_s"] == full.stats["iteration_time_s"]
+    every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
+    given_up = {c["strategy"]: c["not_faster_than_s"] for c in bounded.stats["candidates"] if "not_faster_than_s" in c}
+    assert given_up or screen == 2
+    assert all(every[s] >= ceiling for s, ceiling in given_up.items())
+    simulated = {c["strategy"]: c["iteration_time_s"] for c in bounded.stats["candidates"] if "iteration_time_s" in c}
+    assert all(every[s] == t for s, t in simulated.items())
 
 
 def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):
@@ -75,6 +111,35 @@ def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):
         alone = plan_strategy(name, LENGTHS, costs)
         assert alone.stats["iteration_time_s"] == pytest.approx(times[name], rel=1e-12)
     _check_partition(plan, len(LENGTHS))
+
+
+@pytest.mark.parametrize(
+    "budget, lengths, epp_wins",
+    [
+        (None, LENGTHS, False),
+        (None, LENGTHS + [5000, 2500, 1200, 800, 333, 90], False),
+        (None, [700] * 24, False),
+        (2060e6, LENGTHS, True),  # tight memory: only pipelines of 4 stages fit the long documents well
+    ],
+)
+def test_auto_bounds_epp_pipelines_by_the_other_policies_and_chooses_as_without(costs, budget, lengths, epp_wins):
+    """EPP pipelines run last with the others' best as their ceiling: ``auto`` chooses the same
+    policy and plan as with an exhaustive EPP search; where EPP's estimate says it is not faster,
+    its exhaustive time indeed is not, and where it wins its time is the exhaustive one."""
+    if budget is not None:
+        base = costs.base
+        costs = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=budget)), 8)
+    full = plan_strategy("auto", lengths, costs, AutoOptions(options=(("epp-pipelines", exhaustive()),)))
+    bounded = plan_strategy("auto", lengths, costs, AutoOptions())
+    assert bounded.stats["policy_chosen"] == full.stats["policy_chosen"]
+    assert bounded.stats["iteration_time_s"] == full.stats["iteration_time_s"]
+    assert _without_search_records(bounded) == _without_search_records(full)
+    epp, epp_full = bounded.stats["auto_estimates"]["epp-pipelines"], full.stats["auto_estimates"]["epp-pipelines"]
+    assert (bounded.stats["policy_chosen"] == "epp-pipelines") == epp_wins == ("not_faster_than_s" not in epp)
+    if epp_wins:
+        assert epp["iteration_time_s"] == epp_full["iteration_time_s"]
+    else:
+        assert epp_full["iteration_time_s"] >= epp["not_faster_than_s"] == bounded.stats["iteration_time_s"]
 
 
 def test_auto_skips_a_policy_that_cannot_plan_and_says_why(costs):

@@ -8,9 +8,10 @@ import pytest
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
-from jvarlen.plan.api import PlannerOptions, PlanningError, bucket_candidates, plan_iteration
+from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.assemble import simulate
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
+from jvarlen.plan.epp import bucket_candidates
 from jvarlen.plan.plan import stage_peak_memory
 from jvarlen.plan.schedule import Schedule
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES
@@ -68,16 +69,25 @@ def test_paired_planning_also_cuts_bucket_sized_slices():
     (sequence_processor.bucket_mesh): here they beat Alg. 1's equal-time slices, whose later,
     shorter slices would be padded to the first one; the plan is the fastest candidate simulated,
     its chunks fit the slice size, and the 512-token candidate is at least as fast as Seq1F1B's
-    fixed 512-token chunks. The models that do not pad (async, ticks) keep Alg. 1's mesh alone."""
-    p, cost = plan(SPLIT, simulation="paired")
-    tuned = p.stats["tuned_iteration_times"]
+    fixed 512-token chunks. Searched exhaustively (``prune=False``) every power of two and every N
+    visited is simulated; with bounds (the default) the plan is the same, and every candidate skipped
+    has a bound above the plan's time. The models that do not pad (async, ticks) keep Alg. 1's mesh
+    alone."""
+    full, cost = plan(SPLIT, simulation="paired", prune=False)
+    tuned = full.stats["tuned_iteration_times"]
     by_mesh = {k: v for k, v in tuned.items() if k.startswith("b")}
-    assert by_mesh and p.stats["iteration_time_s"] == pytest.approx(min(tuned.values()))
+    assert by_mesh and full.stats["iteration_time_s"] == pytest.approx(min(tuned.values()))
     assert min(by_mesh.values()) < min(v for k, v in tuned.items() if not k.startswith("b"))
-    size = p.stats["slice_tokens"]
-    assert f"b{size}" in tuned and max(sum(piece[2] for piece in c) for c in p.chunks) <= size
+    size = full.stats["slice_tokens"]
+    assert f"b{size}" in tuned and max(sum(piece[2] for piece in c) for c in full.chunks) <= size
     powers = [b for b in bucket_candidates(SPLIT, cost, PlannerOptions(min_slice_tokens=256)) if b & (b - 1) == 0]
     assert powers and all(f"b{b}" in tuned for b in powers)  # every power of two is simulated
+    assert not full.stats["pruned_lower_bounds"]
+    p, _ = plan(SPLIT, simulation="paired")
+    assert (p.chunks, p.stats["iteration_time_s"]) == (full.chunks, full.stats["iteration_time_s"])
+    pruned = p.stats["pruned_lower_bounds"]
+    assert pruned and all(tuned[k] >= bound > p.stats["iteration_time_s"] for k, bound in pruned.items())
+    assert all(f"b{b}" in pruned or f"b{b}" in p.stats["tuned_iteration_times"] for b in powers)
     opts = PlannerOptions(
         min_slice_tokens=256, simulation="paired", seq1f1b_chunk_tokens=512, seq1f1b_reference_context=6144
     )
@@ -98,7 +108,7 @@ def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():
     opts = PlannerOptions(min_slice_tokens=256, simulation="paired")
     p = plan_iteration(lengths, cost=cost, policy="epp", options=opts)
     p.validate(lengths, cost)
-    tuned = p.stats["tuned_iteration_times"]
+    tuned = p.stats["tuned_iteration_times"] | p.stats["pruned_lower_bounds"]  # simulated, or skipped as slower
     assert {"b512", "b1024"} <= set(tuned) and p.stats["slice_tokens"] > max(lengths)
     assert max(sum(piece[2] for piece in c) for c in p.chunks) > max(lengths)
     assert p.stats["iteration_time_s"] < tuned["1"]  # Alg. 1 with N = 1: chunks of <= 290 tokens

@@ -8,9 +8,10 @@ import pytest
 from conftest import SMALL, small_cost
 
 from jvarlen.layout import Layout
-from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration, refine_candidate
+from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.epp import refine_candidate
 from jvarlen.plan.hardware import A800, analytic_coefficients
 from jvarlen.plan.workloads import sample_batch
 

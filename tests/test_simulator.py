@@ -11,7 +11,7 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
 from jvarlen.plan.gantt import draw_gantt, save_every
 from jvarlen.plan.schedule import gpipe, one_f_one_b, sequential, token_level_1f1b
-from jvarlen.plan.simulator import simulate, simulate_pipelines
+from jvarlen.plan.simulator import lower_bound, simulate, simulate_pipelines
 
 # 2 layers, pp 2: one layer per stage. Each chunk token costs 1 s forward, 2 s backward per layer.
 MODEL = ModelShape(num_layers=2, d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, mlp_dim=16, vocab_size=10)
@@ -194,12 +194,9 @@ def test_slowest_pipeline_sets_the_iteration():
     assert multi.iteration_time == multi.results[1].iteration_time == 2 * (2 + 1) * 3
 
 
-@settings(max_examples=60, deadline=None)
-@given(schedules(), st.integers(0, 2**31 - 1), st.sampled_from(["async", "ticks", "paired"]))
-def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(sched, seed, mode):
-    """``timeline=False`` (the planner's calls) leaves out the events and nothing else; the busy
-    and recompute seconds are the events' durations and the makespan is where the last one ends."""
-    assume(12 % sched.pp == 0)
+def random_case(sched, seed: int):
+    """Random chunk shapes (context where the chunk continues a document), recomputation and a
+    cost model with every lock-step term, for ``sched`` (whose pp divides 12)."""
     rng = np.random.default_rng(seed)
     links = [j >= 0 for j in sched.chunk_prev]
     shapes = [
@@ -223,7 +220,16 @@ def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(s
         tick_recompute_factor=0.5,
     )
     model = ModelShape(num_layers=12, d_model=8, num_heads=4, num_kv_heads=4, head_dim=4, mlp_dim=16, vocab_size=10)
-    c = CostModel(model, Layout(1, sched.pp, 2), coeffs)
+    return shapes, ckpt, CostModel(model, Layout(1, sched.pp, 2), coeffs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1), st.sampled_from(["async", "ticks", "paired"]))
+def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(sched, seed, mode):
+    """``timeline=False`` (the planner's calls) leaves out the events and nothing else; the busy
+    and recompute seconds are the events' durations and the makespan is where the last one ends."""
+    assume(12 % sched.pp == 0)
+    shapes, ckpt, c = random_case(sched, seed)
     full = simulate(sched, shapes, ckpt, c, mode)
     lean = simulate(sched, shapes, ckpt, c, mode, timeline=False)
     assert lean.events == [] and full.events
@@ -251,6 +257,31 @@ def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(s
     ops = [e for e in full.events if e.kind in ("F", "B", "R", "A2A")]
     start = 0.0 if mode != "async" else min(e.start for e in ops)
     assert max(e.end for e in ops) - start == pytest.approx(full.makespan, rel=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1), st.sampled_from(["async", "ticks", "paired"]), st.booleans())
+def test_the_lower_bound_holds_for_every_schedule_and_recomputation(sched, seed, mode, no_ckpt):
+    """:func:`lower_bound` from the chunk shapes alone never exceeds the simulated time of any valid
+    schedule of those chunks, with or without recomputation, in every mode."""
+    assume(12 % sched.pp == 0)
+    shapes, ckpt, c = random_case(sched, seed)
+    ckpt = ckpt * 0 if no_ckpt else ckpt
+    assert lower_bound(shapes, c, mode) <= simulate(sched, shapes, ckpt, c, mode, timeline=False).iteration_time
+
+
+def test_the_lower_bound_is_the_simulated_time_where_nothing_overlaps():
+    """One chunk through two stages: its forwards and backwards run one after another, so the
+    bound (fill + busy + drain, and 1 + 2 ticks in paired mode, whose executor pads the token to
+    its 16-token bucket) is the simulated time itself."""
+    c = cost(step_overhead=0.5, tick_overhead=0.25)
+    assert simulate(one_f_one_b(1, 2), one(1), None, c).iteration_time == 6.5
+    assert lower_bound(one(1), c, "async") == pytest.approx(6.5, rel=2e-9)
+    paired = simulate(one_f_one_b(1, 2), one(1), None, c, "paired").iteration_time
+    assert paired > 6.5 + 3 * 0.25 and lower_bound(one(1), c, "paired") == pytest.approx(paired, rel=2e-9)
+    # many equal chunks: the last stage is never idle between its first forward and last backward
+    many = simulate(one_f_one_b(4, 2), one(4), None, c).iteration_time
+    assert lower_bound(one(4), c, "async") == pytest.approx(many, rel=2e-9)
 
 
 def test_simulate_input_errors():

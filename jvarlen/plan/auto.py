@@ -4,12 +4,18 @@
   scheme ``P = (pp, sp)`` with ``pp ≥ 2``: the documents are dispatched longest first to the least
   loaded pipeline (load: ``T(l, P)``, Hydraulis App. B.2), and each pipeline's documents are planned
   by EPP (:func:`jvarlen.plan.api.plan_iteration`: chunks that split long documents, units,
-  recomputation MILP). Without a fixed scheme the fastest ``P`` is kept.
+  recomputation MILP). Without a fixed scheme the fastest ``P`` is kept; once one scheme has a
+  plan, the next is planned with its time as a ceiling (:func:`jvarlen.plan.epp.plan_epp`) and
+  given up as soon as one of its pipelines cannot beat it (``stats["candidates"]`` then records
+  ``not_faster_than_s``).
 * ``auto``: plans the iteration with every policy of ``AutoOptions.policies`` (the best homogeneous
   layout, EPP pipelines, Hydraulis, FlexSP, DCP), estimates each with the cost model (their
   ``iteration_time_s``, simulated in the executor's lock-step model) and returns the fastest, with
   every estimate in ``stats["auto_estimates"]`` and the winner in ``stats["policy_chosen"]``. A
   policy that cannot plan the batch (no layout fits, say) is skipped and its reason recorded.
+  EPP pipelines are planned last, with the others' best time as their ceiling: their search
+  then skips every candidate that cannot beat it, and records ``not_faster_than_s`` when none does
+  (the same choice as planning every policy in full, unless two policies tie exactly).
 
 Pure Python: nothing here imports JAX.
 """
@@ -22,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
+from jvarlen.plan.api import PlannerOptions, PlanningError, SlowerThanCeiling, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.strategy import (
     GroupPlan,
@@ -34,6 +40,7 @@ from jvarlen.plan.strategy import (
     plan_strategy,
     predicted_time,
     register_policy,
+    strategy_policies,
 )
 
 AUTO_POLICIES = ("homogeneous", "epp-pipelines", "hydraulis", "flexsp", "dcp")
@@ -48,9 +55,12 @@ class EPPPipelinesOptions:
     iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
     not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
     ``planner``: EPP's options (the executor's model, ``"paired"``: EPP then cuts bucket-sized
-    slices, which the executor pads least)."""
+    slices, which the executor pads least). ``ceiling``: only a plan faster than that many seconds
+    is wanted (``auto`` passes the other policies' best); the search skips what cannot beat it and
+    raises :class:`SlowerThanCeiling` when no scheme does (with ``planner.prune``)."""
 
     scheme: Optional[Scheme] = None
+    ceiling: Optional[float] = None
     max_pp: int = 8
     max_sp: int = 8
     screen: int = 2
@@ -76,15 +86,23 @@ def dispatch_longest_first(
     return [sorted(docs) for docs in out]
 
 
-def _epp_groups(lengths, costs: SchemeCosts, scheme: Scheme, options: EPPPipelinesOptions) -> list[GroupPlan]:
+def _epp_groups(
+    lengths, costs: SchemeCosts, scheme: Scheme, options: EPPPipelinesOptions, ceiling: Optional[float] = None
+) -> list[GroupPlan]:
+    """An EPP plan per pipeline of ``scheme``; ``ceiling``: the time a faster scheme already has,
+    so a pipeline that cannot beat it raises :class:`SlowerThanCeiling` (the most loaded pipelines
+    are planned first: they are the likeliest to)."""
     d = costs.num_devices // scheme.num_devices
     docs = [g for g in dispatch_longest_first(lengths, costs, scheme, d) if g]
     devices = place_groups([scheme] * len(docs), costs.num_devices)
-    groups = []
-    for ids, devs in zip(docs, devices):
-        plan = plan_iteration([lengths[i] for i in ids], cost=costs.cost(scheme), policy="epp", options=options.planner)
-        groups.append(GroupPlan(scheme, devs, tuple(ids), plan))
-    return groups
+    load = [sum(costs.T(int(lengths[i]), scheme) for i in ids) for ids in docs]
+    plans = {}
+    for j in sorted(range(len(docs)), key=lambda j: (-load[j], j)):
+        ids = docs[j]
+        plans[j] = plan_iteration(
+            [lengths[i] for i in ids], cost=costs.cost(scheme), policy="epp", options=options.planner, ceiling=ceiling
+        )
+    return [GroupPlan(scheme, devs, tuple(ids), plans[j]) for j, (ids, devs) in enumerate(zip(docs, devices))]
 
 
 @register_policy("epp-pipelines", EPPPipelinesOptions)
@@ -112,12 +130,16 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
             ]
             screened[scheme] = max(loads)
         schemes, wanted = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp)), options.screen
-    best, tried, errors = None, {}, []
+    best, tried, slower, errors = None, {}, {}, []
     for scheme in schemes:
-        if len(tried) == wanted:
+        if len(tried) + len(slower) == wanted:
             break  # the screen's best schemes that plan; one that cannot hands its turn to the next
+        ceiling = options.ceiling if best is None else best[0]
         try:
-            groups = _epp_groups(lengths, costs, scheme, options)
+            groups = _epp_groups(lengths, costs, scheme, options, ceiling)
+        except SlowerThanCeiling:
+            slower[str(scheme)] = ceiling
+            continue
         except PlanningError as error:
             errors.append(f"{scheme}: {error}")
             continue
@@ -128,6 +150,10 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
         tried[str(scheme)] = t
         if best is None or t < best[0]:
             best = (t, groups)
+    if best is None and slower:
+        raise SlowerThanCeiling(
+            f"epp-pipelines: no scheme of {', '.join(slower)} is faster than {options.ceiling:.4g} s"
+        )
     if best is None:
         raise PlanningError("epp-pipelines: no pipeline scheme can plan this batch: " + "; ".join(errors[:4]))
     t, groups = best
@@ -136,7 +162,8 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
         policy="epp-pipelines",
         iteration_time_s=t,
         strategy=plan.describe(),
-        candidates=[{"strategy": s, "iteration_time_s": v} for s, v in tried.items()],
+        candidates=[{"strategy": s, "iteration_time_s": v} for s, v in tried.items()]
+        + [{"strategy": s, "not_faster_than_s": v} for s, v in slower.items()],
         screened_load_s={str(s): v for s, v in screened.items()},
         solve_seconds=time.perf_counter() - t0,
     )
@@ -147,10 +174,17 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
 @dataclasses.dataclass(frozen=True)
 class AutoOptions:
     """``policies``: the strategy policies ``auto`` plans with every iteration; ``options``: per policy
-    name, the options to plan with (``(name, options)`` pairs; the policy's defaults otherwise)."""
+    name, the options to plan with (``(name, options)`` pairs; the policy's defaults otherwise).
+    A policy whose options have a ``ceiling`` (``epp-pipelines``) is planned after the others with
+    their best time as its ceiling: it then searches only for a faster plan, and its estimate
+    records ``not_faster_than_s`` when it has none."""
 
     policies: tuple[str, ...] = AUTO_POLICIES
     options: tuple = ()
+
+
+def _takes_ceiling(options_type: type) -> bool:
+    return dataclasses.is_dataclass(options_type) and "ceiling" in {f.name for f in dataclasses.fields(options_type)}
 
 
 @register_policy("auto", AutoOptions)
@@ -159,10 +193,19 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
     t0 = time.perf_counter()
     given = dict(options.options)
     estimates, best = {}, None
-    for name in options.policies:
+    registry = strategy_policies()
+    bounded = [n for n in options.policies if n in registry and _takes_ceiling(registry[n][1])]
+    for name in [n for n in options.policies if n not in bounded] + bounded:
         start = time.perf_counter()
+        opts = given.get(name)
+        if name in bounded and best is not None:
+            ceiling = float(best.stats["iteration_time_s"])
+            opts = dataclasses.replace(opts or registry[name][1](), ceiling=ceiling)
         try:
-            plan = plan_strategy(name, lengths, costs, given.get(name))
+            plan = plan_strategy(name, lengths, costs, opts)
+        except SlowerThanCeiling:
+            estimates[name] = {"not_faster_than_s": ceiling, "solve_seconds": time.perf_counter() - start}
+            continue
         except (PlanningError, ValueError) as error:
             estimates[name] = {"error": str(error)[:300], "solve_seconds": time.perf_counter() - start}
             continue

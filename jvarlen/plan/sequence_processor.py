@@ -176,7 +176,7 @@ def bucket_mesh(cost, max_length: int, tokens: int) -> Mesh:
     executor) a chunk's matmuls cost the bucket whatever its tokens: Alg. 1's equal-time slices
     (shorter the more context they have) leave the later ones padded to the first one's length,
     and its T_m (the first slice) never packs chunks longer than the longest document; slices and
-    packed chunks of the bucket's size fill it. ``_plan_epp`` tries both meshes under the
+    packed chunks of the bucket's size fill it. :func:`jvarlen.plan.epp.plan_epp` tries both meshes under the
     ``"paired"`` simulation, which models that padding."""
     if tokens < 1 or max_length < 1:
         raise ValueError(f"need tokens >= 1 and max_length >= 1, got {tokens}, {max_length}")

@@ -306,6 +306,40 @@ def simulate(
     )
 
 
+def lower_bound(
+    chunk_shapes: Sequence[ChunkShape], cost: CostModel, mode: Literal["async", "ticks", "paired"] = "async"
+) -> float:
+    """A lower bound on :func:`simulate`'s ``iteration_time`` for these chunks under any valid
+    schedule and recomputation, from the chunk shapes alone (the planner's searches skip a candidate
+    chunking whose bound exceeds the best time found so far, before its checkpointing and schedule
+    are solved). Per stage ``p``: its ops run one after another (``busy``, recomputing nothing); its
+    first op waits for some chunk's forwards on stages ``0..p-1`` (``fill``, the cheapest chunk's)
+    and its last backward is followed by that chunk's backwards on ``p-1..0`` (``drain``); P2P
+    counted as 0. Lock-step modes add ``tick_overhead`` per tick, at least ``n + 2(pp - 1)`` ticks
+    in ``"paired"`` (the last stage runs one forward per tick after ``pp - 1`` ticks of fill, then
+    ``pp - 1`` ticks of drain) and ``2n + 2(pp - 1)`` in ``"ticks"`` (one op per tick). Less a
+    relative 1e-9: the simulator adds the same terms in another order, and where nothing overlaps
+    the bound is the simulated time itself."""
+    pp, n = cost.layout.pp, len(chunk_shapes)
+    if n == 0:
+        return cost.step_overhead()
+    if mode == "paired" and cost.pad_to is None:
+        cost = cost.padded(executor_bucket(max(c.tokens for c in chunk_shapes), cost.layout.sp))
+    lockstep = mode != "async"
+    durations = _Durations(cost, chunk_shapes, cost.op_overhead() if lockstep else 0.0, lockstep)
+    # raw sums of the terms, as the simulator advances its clock
+    fwd = np.array([[sum(d for _, d in durations(p, "F", k, 0)) for p in range(pp)] for k in range(n)])
+    bwd = np.array([[sum(d for _, d in durations(p, "B", k, 0)) for p in range(pp)] for k in range(n)])
+    fill = np.concatenate([[0.0], np.cumsum(fwd, axis=1)[:, :-1].min(axis=0)])
+    drain = np.concatenate([[0.0], np.cumsum(bwd, axis=1)[:, :-1].min(axis=0)])
+    makespan = float((fill + fwd.sum(axis=0) + bwd.sum(axis=0) + drain).max())
+    if lockstep:
+        ticks = (n if mode == "paired" else 2 * n) + 2 * (pp - 1)
+        context = executor_context(chunk_shapes, cost.pad_to) if mode == "paired" else 0
+        makespan += ticks * cost.tick_overhead(context)
+    return (makespan + cost.step_overhead()) * (1 - 1e-9)
+
+
 def simulate_in_parts(
     schedule: Schedule,
     chunk_shapes: Sequence[ChunkShape],

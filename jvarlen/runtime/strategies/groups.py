@@ -71,6 +71,16 @@ def strategy_options(config, pipeline, costs, say=lambda _: None):
     return hydraulis if policy == "hydraulis" else AutoOptions(options=(("hydraulis", hydraulis),))
 
 
+def _estimate(v: dict):
+    """A policy's ``auto`` estimate for the step record: its time, the ceiling it could not beat,
+    or why it could not plan."""
+    if "iteration_time_s" in v:
+        return v["iteration_time_s"]
+    if "not_faster_than_s" in v:
+        return f"not faster than {v['not_faster_than_s']:.4g}"
+    return v.get("error")
+
+
 def all_documents(pieces, rows) -> list:
     """The feed's split for strategy policies: one plan over all of the iteration's documents."""
     return [list(pieces)]
@@ -190,7 +200,7 @@ class GroupsStrategy(ExecutionStrategy):
         }
         estimates = plan.stats.get("auto_estimates")
         if estimates:  # auto: every policy's estimate of this iteration (or why it could not plan it)
-            info["policy_estimates_s"] = {k: v.get("iteration_time_s", v.get("error")) for k, v in estimates.items()}
+            info["policy_estimates_s"] = {k: _estimate(v) for k, v in estimates.items()}
         return Prepared(("groups", tuple(keys)), arrays, info)
 
     # ---- compiled programs

@@ -1,0 +1,383 @@
+"""EPP's search over chunkings (InfiniPipe §3.2): Alg. 1's slice number N, tuned by simulation,
+and for the padding executor bucket-sized slices; each candidate chunking is grouped into units
+(Eq. 14), checkpointed (Alg. 2) and simulated, and the fastest plan is kept.
+
+Most candidates lose by far (bucket sizes 4-60x the best one pad every chunk; Alg. 1's equal-time
+mesh rarely beats the bucket mesh under padding), and their grouping, ordering and simulation are
+~90 % of a candidate's planning time. So the search is a branch and bound: a candidate's chunks
+give a lower bound on any plan of them (:func:`jvarlen.plan.simulator.lower_bound`), and a candidate
+whose bound exceeds the best time found so far is skipped (``PlannerOptions.prune``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+from jvarlen.plan.assemble import assemble
+from jvarlen.plan.chunk import ChunkShape, executor_bucket
+from jvarlen.plan.grouping import group, lockstep_order, resolve_unit
+from jvarlen.plan.options import LOCKSTEP, PlannerOptions, PlanningError, SlowerThanCeiling
+from jvarlen.plan.plan import Plan
+from jvarlen.plan.sequence_processor import ChunkingResult, chunk_batch, cut, longest_slice, split_mesh
+from jvarlen.plan.simulator import lower_bound
+from jvarlen.plan.units import PlannedChunk, families_of
+
+
+def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> int:
+    """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity.
+
+    The first slice of a mesh is its longest (later slices pay for their context), so the
+    largest admissible time target is that of a capacity-sized first slice, and one cut of the
+    longest document at that target counts the slices needed: O(N) cost evaluations. Never
+    finer than an average slice of ``min_slice_tokens``; raises :class:`PlanningError` saying
+    what fits when no N does."""
+    longest = max(lengths)
+    if longest <= cost.max_tokens(in_flight=1, tail=True):
+        return 1  # nothing needs splitting: every document fits as a (tail) chunk of its own
+    cap = cost.max_tokens(in_flight=1, tail=False)
+    budget = f"{cost.memory_budget / 2**30:.2f} GiB per device"
+    if cap < 1:
+        state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
+        raise PlanningError(
+            f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
+            f"memory budget ({budget}): add pipeline stages or devices"
+        )
+    n_max = max(2, longest // max(1, min_slice_tokens))
+    advice = "raise pp or sp, lower plan.min_slice_tokens, or shorten data.seq_len"
+    tau = cost.bwd_time(ChunkShape(0, (cap,), tail=False))
+    first = longest_slice(cost, 0, longest, tau, tail_at_end=False)
+    if first > cap:  # cost flat below the profile's smallest token bucket: no shorter slice is cheaper
+        raise PlanningError(
+            f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: a "
+            f"slice may hold at most {cap:,} tokens ({budget}), but the cost model charges a {cap:,}-token slice "
+            f"as much as a {first:,}-token one (its smallest token bucket), so balanced slices are never shorter; "
+            + advice
+        )
+    needed = cut(cost, longest, tau, n_max)
+    if needed is None:
+        raise PlanningError(
+            f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: a "
+            f"slice may hold at most {cap:,} tokens ({budget}), which takes more than {n_max:,} slices (an average "
+            f"of {max(1, min_slice_tokens):,} tokens, plan.min_slice_tokens); " + advice
+        )
+    n = max(2, len(needed))
+    while n < n_max and split_mesh(cost, longest, n).token_threshold > cap:  # bisection slack: rarely runs
+        n += 1
+    return n
+
+
+def group_chunks(chunks: Sequence[PlannedChunk], lengths, cost, options: PlannerOptions, mode: str, shapes=None):
+    shapes = shapes if shapes is not None else [c.shape(lengths) for c in chunks]
+    fams = families_of(chunks, lengths)
+    return group(fams, shapes, cost, cost.layout.pp, cost.layers_per_stage, options.solver, mode)
+
+
+def slice_candidates(lengths, cost, options: PlannerOptions, policy: str) -> list[int]:
+    """Alg. 1's N candidates, largest first: ``n0·n_ratio^i`` up to an average slice of
+    ``min_slice_tokens`` (finer chunks lose GPU efficiency, InfiniPipe App. B)."""
+    if options.n_slices is not None:
+        return [options.n_slices]
+    n0 = smallest_slices(lengths, cost, options.min_slice_tokens)
+    if policy == "epp-fast":
+        return [n0]
+    n_max = max(n0, max(lengths) // max(1, options.min_slice_tokens))
+    out, x = [], float(n0)
+    while int(round(x)) <= n_max:
+        if int(round(x)) not in out:
+            out.append(int(round(x)))
+        x = x * options.n_ratio if options.n_ratio > 1 else x + 1
+    return sorted(out or [n0], reverse=True)
+
+
+def bucket_candidates(lengths, cost, options: PlannerOptions) -> list[int]:
+    """Slice (and chunk) sizes for :func:`jvarlen.plan.sequence_processor.bucket_mesh`, largest first:
+    two executor buckets per power of two (:func:`jvarlen.plan.chunk.executor_bucket` of ``2^k`` and
+    ``3·2^(k-2)``; more would add planning time) from ``min_slice_tokens`` (and the profile's smallest
+    measured token bucket: below it the cost model extrapolates, and on CPU it under-predicted a
+    384-token step by 23 %) up to twice the power of two that holds the longest document (sizes
+    above it split nothing and pack short documents into larger chunks)."""
+    measured = min(cost.coeffs.token_buckets, default=0)
+    lo, longest, sp = max(16, options.min_slice_tokens, measured), max(lengths), cost.layout.sp
+    top = 2 << max(0, (longest - 1).bit_length())
+    out, p = set(), 16
+    while p <= top:
+        out |= {executor_bucket(v, sp) for v in (3 * p // 4, p)}
+        p *= 2
+    return sorted((b for b in out if lo <= b <= top), reverse=True)
+
+
+def refine_candidate(best: int, tried: dict, ratio: float, n_lo: int, n_hi: int) -> int | None:
+    """One refinement step of the N search: the geometric midpoint ``best·ratio^±1/2``
+    towards the faster of best's two coarse neighbours ``best·ratio^±1`` (a neighbour
+    not simulated counts as faster: the coarse search never looked there). None when
+    both midpoints are out of ``[n_lo, n_hi]``, equal to ``best`` or already tried."""
+    if ratio <= 1:
+        return None
+    step = math.sqrt(ratio)
+    sides = []
+    for mid, nb in (
+        (int(round(best * step)), int(round(best * ratio))),
+        (int(round(best / step)), int(round(best / ratio))),
+    ):
+        if n_lo <= mid <= n_hi and mid != best and mid not in tried:
+            sides.append((tried.get(nb, -math.inf), mid))
+    return min(sides)[1] if sides else None
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One chunking of the search: its chunks, and once grouped and simulated its units and time."""
+
+    key: str  # "N" (Alg. 1's equal-time mesh) or "b<tokens>" (bucket mesh)
+    n_slices: int
+    slice_tokens: Optional[int]
+    result: ChunkingResult
+    chunks: list
+    shapes: list
+    bound: float = 0.0
+    grouping: object = None
+    ordered: Optional[dict] = None
+    time: float = math.inf
+
+
+def chunk_candidate(lengths, cost, n: int, slice_tokens: Optional[int] = None) -> Candidate:
+    """Alg. 1's chunks for N = ``n`` (or bucket-sized slices of ``slice_tokens``), capped by what one
+    chunk in flight may hold and batched chunks by a full window (``pp`` in flight)."""
+    cap = cost.max_tokens(in_flight=1, tail=n == 1)  # N = 1 splits nothing: all chunks are tails
+    pack = cost.max_tokens(in_flight=cost.layout.pp, tail=True)
+    res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack, slice_tokens=slice_tokens)
+    chunks = list(res.chunks)
+    key = str(n) if slice_tokens is None else f"b{slice_tokens}"
+    n_slices = n if slice_tokens is None else len(res.mesh.slices)
+    return Candidate(key, n_slices, slice_tokens, res, chunks, [c.shape(lengths) for c in chunks])
+
+
+class _Search:
+    """The state of one EPP search: every candidate simulated (``tuned``) or skipped by its bound
+    (``pruned``), the events, and the best plan of each mesh."""
+
+    def __init__(self, policy: str, lengths, cost, options: PlannerOptions, mode: str, progress, ceiling: float):
+        self.policy, self.lengths, self.cost, self.options, self.progress = policy, lengths, cost, options, progress
+        self.ceiling = ceiling  # a plan this slow is not wanted (the caller has a faster one)
+        self.tune_mode = "greedy" if mode == "milp" else mode  # the MILP re-solves the chosen units only
+        self.tuned: dict[str, float] = {}
+        self.pruned: dict[str, float] = {}
+        self.events: list[str] = []
+        self.best: dict[str, Optional[Candidate]] = {"time": None, "bucket": None}
+
+    def incumbent(self) -> float:
+        return min((c.time for c in self.best.values() if c is not None), default=self.ceiling)
+
+    def evaluate(self, cand: Candidate, against: float) -> Optional[Candidate]:
+        """``cand`` grouped, ordered and simulated; None (and recorded as pruned) where its lower
+        bound exceeds ``against``. Raises PlanningError where it does not fit memory."""
+        cost, options = self.cost, self.options
+        what = f"N={cand.key}" if cand.slice_tokens is None else f"{cand.slice_tokens}-token slices"
+        if options.prune:
+            cand.bound = lower_bound(cand.shapes, cost, options.simulation)
+            if cand.bound > against:
+                self.pruned[cand.key] = cand.bound
+                if self.progress is not None:
+                    self.progress(f"{what}: {len(cand.chunks)} chunks, skipped (lower bound {cand.bound:.4g} s)")
+                return None
+        cand.grouping = group_chunks(cand.chunks, self.lengths, cost, options, self.tune_mode, cand.shapes)
+        cand.ordered = ordered_units(cand.grouping.units, cand.shapes, cost, options)
+        plan = assemble(
+            self.policy, self.lengths, cand.chunks, list(cand.ordered.values()), cost, simulation=options.simulation
+        )
+        if not plan.stats["fits_memory"]:  # the executor's buffers (paired), recomputing all they can
+            raise PlanningError(f"needs {plan.stats.get('executor_memory_bytes', 0) / 1e6:,.0f} MB per device")
+        cand.time = self.tuned[cand.key] = plan.stats["iteration_time_s"]
+        if self.progress is not None:
+            self.progress(f"{what}: {len(cand.chunks)} chunks, {cand.time:.4g} s simulated")
+        return cand
+
+    def attempt(self, n: int, slice_tokens: Optional[int], against: float, prepared=None):
+        """(candidate or None, True where it is infeasible)."""
+        try:
+            cand = prepared or chunk_candidate(self.lengths, self.cost, n, slice_tokens)
+            return self.evaluate(cand, against), False
+        except (ValueError, PlanningError) as e:
+            what = f"N={n}" if slice_tokens is None else f"{slice_tokens}-token slices"
+            self.events.append(f"{what}: infeasible ({e})")
+            return None, True
+
+    def time_mesh(self, candidates: list[int]) -> None:
+        """Alg. 1's N: candidates largest first, stopping at the first slower than the best N so far
+        (unimodal in N; a candidate whose bound exceeds that best is slower too), then the one
+        refinement step of :func:`refine_candidate`. A candidate skipped only because the bucket
+        mesh's plan is faster does not stop the search (its own time is unknown)."""
+        options, lengths = self.options, self.lengths
+        finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
+        best, tried, cands = None, {}, list(candidates)
+        queue = list(cands)
+        while queue and len(tried) < options.n_candidates:
+            n = queue.pop(0)
+            local = math.inf if best is None else best.time
+            found, infeasible = self.attempt(n, None, min(local, self.incumbent()))
+            if infeasible:
+                # Finer slicing shrinks the chunk windows: if even the largest candidate does not
+                # fit, try a finer one before the coarser ones.
+                bigger = int(round(n * max(options.n_ratio, 1.5)))
+                bumps = len(cands) - len(candidates)
+                if best is None and options.n_slices is None and n == max(cands) and bigger <= finest and bumps < 2:
+                    cands.append(bigger)
+                    queue.insert(0, bigger)
+                continue
+            if found is None:  # pruned
+                tried[n] = self.pruned[str(n)]
+                if self.pruned[str(n)] > local:
+                    break
+                continue
+            tried[n] = found.time
+            if best is not None and found.time > best.time:
+                break
+            if best is None or found.time < best.time:
+                best = found
+        if best is not None and options.n_slices is None and self.policy != "epp-fast":
+            n_hi = max(max(cands), max(lengths) // max(1, options.min_slice_tokens))
+            mid = refine_candidate(best.n_slices, tried, options.n_ratio, min(cands), n_hi)
+            if mid is not None:
+                found, _ = self.attempt(mid, None, min(best.time, self.incumbent()))
+                if found is not None and found.time < best.time:
+                    best = found
+        self.best["time"] = best
+
+    def bucket_mesh(self) -> None:
+        """Bucket-sized slices: every power of two of :func:`bucket_candidates` (not unimodal:
+        2,048 < 1,024 > 512 tokens happens, fewer ticks against less padding), in the order of
+        their bounds, then the two ``3·2^k`` sizes beside the fastest. A power of two skipped by
+        its bound is slower than one simulated, so the fastest is that of an exhaustive search."""
+        sizes = bucket_candidates(self.lengths, self.cost, self.options)
+        prepared = {}
+        for b in (b for b in sizes if b & (b - 1) == 0):
+            try:
+                prepared[b] = chunk_candidate(self.lengths, self.cost, 0, b)
+            except (ValueError, PlanningError) as e:
+                self.events.append(f"{b}-token slices: infeasible ({e})")
+        if self.options.prune:
+            for cand in prepared.values():
+                cand.bound = lower_bound(cand.shapes, self.cost, self.options.simulation)
+        timed: dict[int, float] = {}
+        for b in sorted(prepared, key=lambda b: (prepared[b].bound, -b)):
+            found, _ = self.attempt(0, b, self.incumbent(), prepared[b])
+            if found is not None:
+                timed[b] = found.time
+                self._keep_bucket(found)
+        if timed:
+            top = min(timed, key=lambda b: (timed[b], -b))  # ties: the larger size, as simulated first before
+            for b in (3 * top // 4, 3 * top // 2):
+                if b in sizes and b not in prepared:
+                    found, _ = self.attempt(0, b, self.incumbent())
+                    if found is not None:
+                        self._keep_bucket(found)
+
+    def _keep_bucket(self, cand: Candidate) -> None:
+        if self.best["bucket"] is None or cand.time < self.best["bucket"].time:
+            self.best["bucket"] = cand
+
+    def winner(self) -> Optional[Candidate]:
+        """The faster mesh's best plan; on a tie Alg. 1's."""
+        t, b = self.best["time"], self.best["bucket"]
+        if t is None or (b is not None and b.time < t.time):
+            return b
+        return t
+
+
+def plan_epp(
+    policy: str, lengths, cost, options: PlannerOptions, mode: str, progress=None, ceiling: float = math.inf
+) -> Plan:
+    """Alg. 1 + Eq. 14 + Alg. 2. N is tuned by simulating candidates (§3.2), largest first,
+    stopping at the first candidate slower than the best so far (or after ``n_candidates``), then
+    refined once: the geometric midpoint between the best N and its faster coarse neighbour (an
+    untried neighbour counts as faster) is simulated too (:func:`refine_candidate`). During tuning
+    the DP prices ranges with greedy checkpointing, and the MILP then re-solves the chosen units.
+
+    Under the ``"paired"`` simulation (jvarlen's executor, which pads every chunk of a step to one
+    token bucket) ``epp`` also cuts along bucket-sized slices (:func:`.sequence_processor.bucket_mesh`),
+    searched first (:meth:`_Search.bucket_mesh`): its plans usually win, and their time lets the
+    search over N skip candidates by their bounds; the faster of the two meshes' plans wins.
+    Simulated times are kept as ``stats["tuned_iteration_times"]``, keyed ``"N"`` (equal-time mesh)
+    and ``"b<tokens>"`` (bucket mesh), and the bounds of skipped candidates as
+    ``stats["pruned_lower_bounds"]``. Where no equal-time mesh fits memory (a profile whose time is
+    flat within a token bucket has no balanced slice shorter than the bucket), the bucket mesh alone
+    is searched.
+
+    ``ceiling``: the caller wants only a plan faster than that (it has one as fast elsewhere); the
+    search starts with it as its best time, and raises :class:`SlowerThanCeiling` when no plan beats
+    it. Without bounds (``prune=False``) it changes nothing.
+
+    What the bounds change: nothing in the bucket mesh's search without a ceiling, nor in the search
+    over N alone. Otherwise the search over N visits at least the candidates it visits without
+    bounds, and the difference is in the refinement steps (the midpoint beside the best N, the
+    3·2^k sizes beside the fastest power of two): they are taken beside the fastest candidate
+    simulated, and where the exhaustive search's fastest was skipped (it cannot beat the other
+    mesh's plan or the ceiling) it would have refined beside that one instead. The plans were the
+    same on every batch of the strategies benchmark (docs/benchmarks.md, "Strategies")."""
+
+    ceiling = ceiling if options.prune else math.inf
+    search = _Search(policy, lengths, cost, options, mode, progress, ceiling)
+    buckets = options.simulation == "paired" and options.n_slices is None and policy != "epp-fast"
+    try:
+        candidates = slice_candidates(lengths, cost, options, policy)
+    except PlanningError as e:
+        if not buckets:
+            raise
+        search.events.append(f"equal-time mesh: {e}")  # bucket-sized slices may still fit (docstring)
+        candidates, unsliced = [], e
+    if buckets:
+        search.bucket_mesh()
+    if candidates:
+        search.time_mesh(candidates)
+    best = search.winner()
+    if best is not None and best.time >= ceiling or best is None and search.pruned:
+        fastest = min([*search.pruned.values(), *search.tuned.values()])
+        raise SlowerThanCeiling(f"{policy}: no plan faster than {ceiling:.4g} s (at best {fastest:.4g} s)")
+    if best is None and not candidates:
+        raise PlanningError(f"{policy}: {unsliced}; no bucket-sized slices fit either") from unsliced
+    if best is None:
+        raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
+    planned = list(best.grouping.units)
+    if mode == "milp":
+        planned = [resolve_unit(u, best.shapes, cost, cost.layers_per_stage, options.solver) for u in planned]
+    # a unit the MILP left as it was keeps the order chosen while tuning
+    ordered = best.ordered
+    units = [
+        ordered[id(u)] if id(u) in ordered else ordered_units([u], best.shapes, cost, options)[id(u)] for u in planned
+    ]
+    res = best.result
+    stats = dict(
+        n_slices=best.n_slices,
+        slice_tokens=best.slice_tokens,  # None: Alg. 1's equal-time mesh
+        tuned_iteration_times=search.tuned,
+        pruned_lower_bounds=search.pruned,
+        time_threshold_s=res.time_threshold,
+        token_threshold=res.token_threshold,
+        mesh=list(res.mesh.slices),
+        perturbations=res.perturbations,
+        ckpt_solves=best.grouping.solves,
+        gpipe_units=sum(a is not b for a, b in zip(planned, units)),  # units reordered for the lock-step executor
+    )
+    return assemble(policy, lengths, best.chunks, units, cost, stats, search.events, simulation=options.simulation)
+
+
+def ordered_units(units, shapes, cost, options: PlannerOptions) -> dict:
+    """``{id(unit): unit as the executor will run it}`` in unit order: planned for the lock-step
+    executor (``simulation`` "ticks" or "paired"), a unit runs in GPipe order where that is faster and fits
+    (:func:`jvarlen.plan.grouping.lockstep_order`); InfiniPipe's async model keeps 1F1B."""
+    if options.simulation not in LOCKSTEP or not options.gpipe_units or cost.layout.pp == 1:
+        return {id(u): u for u in units}
+    return {id(u): lockstep_order(u, shapes, cost, options.simulation) for u in units}
+
+
+__all__ = [
+    "bucket_candidates",
+    "chunk_candidate",
+    "group_chunks",
+    "ordered_units",
+    "plan_epp",
+    "refine_candidate",
+    "slice_candidates",
+    "smallest_slices",
+]
