@@ -17,7 +17,8 @@ policy         chunking                                          units / recompu
 
 A plan that cannot fit (DAPPLE with a long document, say) is returned with ``stats["fits_memory"]
 = False`` and an event; EPP skips such candidates. Under the ``"paired"`` simulation that includes
-the executor's buffers (:func:`jvarlen.plan.assemble.fit_executor_memory`)."""
+the executor's buffers (:func:`jvarlen.plan.assemble.fit_executor_memory`). The EPP policies'
+search over chunkings is :func:`jvarlen.plan.epp.plan_epp`."""
 
 from __future__ import annotations
 
@@ -116,10 +117,8 @@ def plan_iteration(
     return plan
 
 
-# --------------------------------------------------------------------------- EPP and ablations
-
-
 # --------------------------------------------------------------------------- fixed-size chunking
+# (the EPP policies and their ablations search in jvarlen.plan.epp)
 
 
 def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool) -> Plan:
