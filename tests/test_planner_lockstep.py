@@ -14,6 +14,7 @@ from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.epp import bucket_candidates
 from jvarlen.plan.plan import stage_peak_memory
 from jvarlen.plan.schedule import Schedule
+from jvarlen.plan.workloads import sample_batch
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 SHAPE = ModelShape.from_config(Config().model)
@@ -97,6 +98,43 @@ def test_paired_planning_also_cuts_bucket_sized_slices():
         other, _ = plan(SPLIT, simulation=simulation)
         assert other.stats["slice_tokens"] is None
         assert not any(k.startswith("b") for k in other.stats["tuned_iteration_times"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bounded_search_plans_what_the_exhaustive_search_plans(seed):
+    """Random batches (the shipped workloads ÷ 16), 1-4 stages, tight and loose memory, with and
+    without a tick overhead: the bounded search (the default) returns the exhaustive search's
+    plan, chunk for chunk, and skips at least one candidate on most of them (the bounds are used)."""
+    rng = np.random.default_rng(seed)
+    skipped = 0
+    for _ in range(4):
+        pp = int(rng.choice([1, 2, 4]))
+        coeffs = COEFFS.replace(
+            memory_budget=float(rng.choice([60e6, 120e6, 1e9])), tick_overhead=float(rng.choice([0.0, 0.002, 0.02]))
+        )
+        cost = CostModel(SHAPE, Layout(1, pp, 1), coeffs)
+        workload = str(rng.choice(["github", "commoncrawl", "stdlib"]))
+        batch = sample_batch(workload, int(rng.integers(4, 30)), 32 * 1024, seed=int(rng.integers(1 << 30)))
+        lengths = [max(1, int(x) // 16) for x in batch]
+        plans = []
+        for prune in (True, False):
+            opts = PlannerOptions(min_slice_tokens=256, simulation="paired", prune=prune)
+            try:
+                plans.append(plan_iteration(lengths, cost=cost, policy="epp", options=opts))
+            except PlanningError as e:
+                plans.append(str(e))
+        bounded, full = plans
+        if isinstance(full, str):
+            assert bounded == full
+            continue
+        assert (bounded.chunks, bounded.schedule, bounded.stats["iteration_time_s"]) == (
+            full.chunks,
+            full.schedule,
+            full.stats["iteration_time_s"],
+        )
+        np.testing.assert_array_equal(bounded.ckpt_layers, full.ckpt_layers)
+        skipped += bool(bounded.stats["pruned_lower_bounds"])
+    assert skipped >= 2
 
 
 def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():

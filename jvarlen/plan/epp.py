@@ -2,11 +2,13 @@
 and for the padding executor bucket-sized slices; each candidate chunking is grouped into units
 (Eq. 14), checkpointed (Alg. 2) and simulated, and the fastest plan is kept.
 
-Most candidates lose by far (bucket sizes 4-60x the best one pad every chunk; Alg. 1's equal-time
-mesh rarely beats the bucket mesh under padding), and their grouping, ordering and simulation are
-~90 % of a candidate's planning time. So the search is a branch and bound: a candidate's chunks
-give a lower bound on any plan of them (:func:`jvarlen.plan.simulator.lower_bound`), and a candidate
-whose bound exceeds the best time found so far is skipped (``PlannerOptions.prune``)."""
+Most candidates lose by far (large bucket sizes pad every chunk to 1.4-6x the best plan's time;
+Alg. 1's equal-time mesh rarely beats the bucket mesh under padding), and their grouping, ordering
+and simulation are ~90 % of a candidate's planning time. So the search is a branch and bound: a
+candidate's chunks give a lower bound on any plan of them
+(:func:`jvarlen.plan.simulator.lower_bound`), and a candidate whose bound exceeds the best time
+found so far is skipped (``PlannerOptions.prune``; which ones, and what that changes:
+:func:`plan_epp`)."""
 
 from __future__ import annotations
 
@@ -165,6 +167,7 @@ class _Search:
         self.pruned: dict[str, float] = {}
         self.events: list[str] = []
         self.best: dict[str, Optional[Candidate]] = {"time": None, "bucket": None}
+        self._bucket_rank: tuple = ()
 
     def incumbent(self) -> float:
         return min((c.time for c in self.best.values() if c is not None), default=self.ceiling)
@@ -205,9 +208,11 @@ class _Search:
 
     def time_mesh(self, candidates: list[int]) -> None:
         """Alg. 1's N: candidates largest first, stopping at the first slower than the best N so far
-        (unimodal in N; a candidate whose bound exceeds that best is slower too), then the one
-        refinement step of :func:`refine_candidate`. A candidate skipped only because the bucket
-        mesh's plan is faster does not stop the search (its own time is unknown)."""
+        (unimodal in N), then the one refinement step of :func:`refine_candidate`. The refinement
+        is skipped where its bound exceeds the best time of either mesh (it cannot win); the coarse
+        candidates only by a ``ceiling`` (their times steer the refinement, so skipping one because
+        the bucket mesh's plan is faster could change it). A candidate skipped by the ceiling stops
+        the search where its bound exceeds the best N's time, as the unimodal rule would."""
         options, lengths = self.options, self.lengths
         finest = max(1, max(lengths) // 512)  # never slice finer than 512 tokens on average
         best, tried, cands = None, {}, list(candidates)
@@ -215,7 +220,7 @@ class _Search:
         while queue and len(tried) < options.n_candidates:
             n = queue.pop(0)
             local = math.inf if best is None else best.time
-            found, infeasible = self.attempt(n, None, min(local, self.incumbent()))
+            found, infeasible = self.attempt(n, None, self.ceiling)
             if infeasible:
                 # Finer slicing shrinks the chunk windows: if even the largest candidate does not
                 # fit, try a finer one before the coarser ones.
@@ -264,18 +269,20 @@ class _Search:
             found, _ = self.attempt(0, b, self.incumbent(), prepared[b])
             if found is not None:
                 timed[b] = found.time
-                self._keep_bucket(found)
+                self._keep_bucket(found, (0, -b))
         if timed:
             top = min(timed, key=lambda b: (timed[b], -b))  # ties: the larger size, as simulated first before
-            for b in (3 * top // 4, 3 * top // 2):
+            for i, b in enumerate((3 * top // 4, 3 * top // 2)):
                 if b in sizes and b not in prepared:
                     found, _ = self.attempt(0, b, self.incumbent())
                     if found is not None:
-                        self._keep_bucket(found)
+                        self._keep_bucket(found, (1, i))
 
-    def _keep_bucket(self, cand: Candidate) -> None:
-        if self.best["bucket"] is None or cand.time < self.best["bucket"].time:
-            self.best["bucket"] = cand
+    def _keep_bucket(self, cand: Candidate, rank: tuple) -> None:
+        """Keeps the fastest; among equal times the one the exhaustive search simulates first (powers
+        of two largest first, then the two sizes beside the fastest), which it keeps."""
+        if self.best["bucket"] is None or (cand.time, rank) < (self.best["bucket"].time, self._bucket_rank):
+            self.best["bucket"], self._bucket_rank = cand, rank
 
     def winner(self) -> Optional[Candidate]:
         """The faster mesh's best plan; on a tie Alg. 1's."""
@@ -297,7 +304,7 @@ def plan_epp(
     Under the ``"paired"`` simulation (jvarlen's executor, which pads every chunk of a step to one
     token bucket) ``epp`` also cuts along bucket-sized slices (:func:`.sequence_processor.bucket_mesh`),
     searched first (:meth:`_Search.bucket_mesh`): its plans usually win, and their time lets the
-    search over N skip candidates by their bounds; the faster of the two meshes' plans wins.
+    search over N skip its refinement step by its bound; the faster of the two meshes' plans wins.
     Simulated times are kept as ``stats["tuned_iteration_times"]``, keyed ``"N"`` (equal-time mesh)
     and ``"b<tokens>"`` (bucket mesh), and the bounds of skipped candidates as
     ``stats["pruned_lower_bounds"]``. Where no equal-time mesh fits memory (a profile whose time is
@@ -308,13 +315,15 @@ def plan_epp(
     search starts with it as its best time, and raises :class:`SlowerThanCeiling` when no plan beats
     it. Without bounds (``prune=False``) it changes nothing.
 
-    What the bounds change: nothing in the bucket mesh's search without a ceiling, nor in the search
-    over N alone. Otherwise the search over N visits at least the candidates it visits without
-    bounds, and the difference is in the refinement steps (the midpoint beside the best N, the
-    3·2^k sizes beside the fastest power of two): they are taken beside the fastest candidate
-    simulated, and where the exhaustive search's fastest was skipped (it cannot beat the other
-    mesh's plan or the ceiling) it would have refined beside that one instead. The plans were the
-    same on every batch of the strategies benchmark (docs/benchmarks.md, "Strategies")."""
+    What the bounds change: without a ceiling, no plan. A power of two of the bucket mesh is skipped
+    only where its bound exceeds a time already simulated, so the fastest one, and the sizes beside
+    it, are those of the exhaustive search; Alg. 1's coarse candidates are all simulated (their
+    times steer the refinement), and the refinement is skipped only where it cannot win. With a
+    ceiling, the coarse candidates and powers of two whose bounds exceed it are skipped too, so a
+    refinement step beside one of them (which the exhaustive search might take, and which might
+    beat the ceiling) is not tried. ``tests/test_planner_lockstep.py`` compares the two searches on
+    random batches, and ``scripts/bench_strategies.py --parts bounds`` inside ``auto``.
+    """
 
     ceiling = ceiling if options.prune else math.inf
     search = _Search(policy, lengths, cost, options, mode, progress, ceiling)
