@@ -178,7 +178,7 @@ class _Search:
         cost, options = self.cost, self.options
         what = f"N={cand.key}" if cand.slice_tokens is None else f"{cand.slice_tokens}-token slices"
         if options.prune:
-            cand.bound = lower_bound(cand.shapes, cost, options.simulation)
+            cand.bound = cand.bound or lower_bound(cand.shapes, cost, options.simulation)  # (bucket mesh: known)
             if cand.bound > against:
                 self.pruned[cand.key] = cand.bound
                 if self.progress is not None:
