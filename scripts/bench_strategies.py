@@ -15,9 +15,9 @@ times over the batches.
 Parts: ``compare`` (the table), ``timing`` (planning time at 64 devices and 200K tokens per
 iteration, the issue's bar ≤ 0.3 s on one core), ``gap`` (App. D.3: Alg. 1 against the exact
 Eq. 3 optimum on small random instances); also ``auto`` (against each policy it chooses from),
-``service`` (``auto`` in the planning service) and ``bounds`` (EPP's bounded search against the
-exhaustive one inside ``auto``), run separately. Writes the "## Strategies" section of
-docs/benchmarks.md and a JSON file with every record.
+``service`` (``auto`` in the planning service), ``bounds`` and ``bounds_epp`` (EPP's bounded search
+against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), run separately.
+Writes the "## Strategies" section of docs/benchmarks.md and a JSON file with every record.
 
     python scripts/bench_strategies.py [--iterations 6] [--parts compare,timing,gap] [--quick]
 """
@@ -373,11 +373,12 @@ def _plan_record(plan) -> str:
     return json.dumps(data["groups"], sort_keys=True, default=str)
 
 
-def bounds_part(iterations: int, quick: bool) -> list[dict]:
-    """``auto`` with EPP's bounded search (the default: lower bounds per candidate chunking, each later
-    pipeline scheme and ``epp-pipelines`` itself under a ceiling) against the exhaustive search
-    (``PlannerOptions.prune=False``), on the batches of :func:`auto_part`: CPU seconds of each call
-    (the two interleaved, alternating which runs first) and whether they chose the same plan."""
+def bounds_part(iterations: int, quick: bool, policy: str = "auto") -> list[dict]:
+    """``policy`` (``auto`` or ``epp-pipelines``) with EPP's bounded search (the default: lower bounds
+    per candidate chunking; each later pipeline scheme, and under ``auto`` ``epp-pipelines`` itself,
+    under a ceiling) against the exhaustive search (``PlannerOptions.prune=False``), on the batches
+    of :func:`auto_part`: CPU seconds of each call (the two interleaved, alternating which runs
+    first) and whether they chose the same plan."""
     import dataclasses
 
     from jvarlen.plan.auto import AutoOptions, EPPPipelinesOptions
@@ -387,20 +388,23 @@ def bounds_part(iterations: int, quick: bool) -> list[dict]:
         costs, pool, given = auto_setup(setting)
         epp = EPPPipelinesOptions()
         exhaustive = dataclasses.replace(epp, planner=dataclasses.replace(epp.planner, prune=False))
-        variants = {
-            "bounded": AutoOptions(options=tuple(given.items())),
-            "exhaustive": AutoOptions(options=tuple(given.items()) + (("epp-pipelines", exhaustive),)),
-        }
-        plan_strategy("auto", token_batch(pool, setting.tokens, 2999), costs, variants["bounded"])  # warm memos
+        if policy == "auto":
+            variants = {
+                "bounded": AutoOptions(options=tuple(given.items())),
+                "exhaustive": AutoOptions(options=tuple(given.items()) + (("epp-pipelines", exhaustive),)),
+            }
+        else:
+            variants = {"bounded": epp, "exhaustive": exhaustive}
+        plan_strategy(policy, token_batch(pool, setting.tokens, 2999), costs, variants["bounded"])  # warm memos
         rows = []
         for i in range(iterations):
             batch = token_batch(pool, setting.tokens, 3000 + i)
             row = {}
             for name in sorted(variants, reverse=i % 2 == 1):
                 c0 = time.process_time()
-                plan = plan_strategy("auto", batch, costs, variants[name])
+                plan = plan_strategy(policy, batch, costs, variants[name])
                 row[name] = {"cpu_s": time.process_time() - c0, "plan": _plan_record(plan)}
-                row[name]["chosen"] = plan.stats["policy_chosen"]
+                row[name]["chosen"] = plan.stats.get("policy_chosen", plan.describe())
             row["same_plan"] = row["bounded"]["plan"] == row["exhaustive"]["plan"]
             for name in variants:
                 del row[name]["plan"]
@@ -583,6 +587,8 @@ def main() -> int:
         record["service"] = service_part(args.auto_iterations)
     if "bounds" in parts:
         record["bounds"] = bounds_part(args.auto_iterations, args.quick)
+    if "bounds_epp" in parts:
+        record["bounds_epp"] = bounds_part(args.auto_iterations, args.quick, "epp-pipelines")
     if "gap" in parts:
         record["gap"] = gap(args.gap_instances)
         print(record["gap"], flush=True)
@@ -651,6 +657,11 @@ def section(record, args) -> str:
             f"--parts bounds --auto_iterations {args.auto_iterations}`, one core; the same batches as the table "
             "above; CPU s: process time of the whole `auto` call; same plan: every group's chunks, schedule, "
             "recomputation and time equal):\n\n" + bounds_table(record["bounds"])
+        )
+    if "bounds_epp" in record:
+        out.append(
+            "The same for `epp-pipelines` planned on its own (`--parts bounds_epp`; no ceiling from the other "
+            "policies, only from its own best scheme):\n\n" + bounds_table(record["bounds_epp"])
         )
     if "service" in record:
         rows = [
