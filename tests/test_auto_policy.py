@@ -9,7 +9,7 @@ import pytest
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
-from jvarlen.plan.api import make_cost
+from jvarlen.plan.api import PlanningError, make_cost
 from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions, EPPPipelinesOptions
 from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.strategy import SchemeCosts, plan_strategy
@@ -140,6 +140,19 @@ def test_auto_bounds_epp_pipelines_by_the_other_policies_and_chooses_as_without(
         assert epp["iteration_time_s"] == epp_full["iteration_time_s"]
     else:
         assert epp_full["iteration_time_s"] >= epp["not_faster_than_s"] == bounded.stats["iteration_time_s"]
+
+
+def test_a_ceiling_given_to_epp_pipelines_in_auto_is_kept_and_reported(costs):
+    """A ceiling the caller sets on epp-pipelines' options is kept (the lower of it and the other
+    policies' best): alone under an unreachable ceiling, auto says that no policy planned and why."""
+    unreachable = EPPPipelinesOptions(ceiling=1e-9)
+    alone = AutoOptions(policies=("epp-pipelines",), options=(("epp-pipelines", unreachable),))
+    with pytest.raises(PlanningError, match="epp-pipelines: no plan faster than its ceiling, 1e-09 s"):
+        plan_strategy("auto", LENGTHS, costs, alone)
+    both = AutoOptions(policies=("homogeneous", "epp-pipelines"), options=(("epp-pipelines", unreachable),))
+    plan = plan_strategy("auto", LENGTHS, costs, both)
+    assert plan.stats["auto_estimates"]["epp-pipelines"]["not_faster_than_s"] == 1e-9
+    assert plan.stats["policy_chosen"] == "homogeneous"
 
 
 def test_auto_skips_a_policy_that_cannot_plan_and_says_why(costs):

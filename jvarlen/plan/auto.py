@@ -183,6 +183,12 @@ class AutoOptions:
     options: tuple = ()
 
 
+def _why(estimate: dict) -> str:
+    if "error" in estimate:
+        return estimate["error"]
+    return f"no plan faster than its ceiling, {estimate['not_faster_than_s']:.4g} s"
+
+
 def _takes_ceiling(options_type: type) -> bool:
     return dataclasses.is_dataclass(options_type) and "ceiling" in {f.name for f in dataclasses.fields(options_type)}
 
@@ -199,12 +205,13 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
         start = time.perf_counter()
         opts = given.get(name)
         if name in bounded and best is not None:
+            opts = opts or registry[name][1]()
             ceiling = float(best.stats["iteration_time_s"])
-            opts = dataclasses.replace(opts or registry[name][1](), ceiling=ceiling)
+            opts = dataclasses.replace(opts, ceiling=ceiling if opts.ceiling is None else min(opts.ceiling, ceiling))
         try:
             plan = plan_strategy(name, lengths, costs, opts)
         except SlowerThanCeiling:
-            estimates[name] = {"not_faster_than_s": ceiling, "solve_seconds": time.perf_counter() - start}
+            estimates[name] = {"not_faster_than_s": opts.ceiling, "solve_seconds": time.perf_counter() - start}
             continue
         except (PlanningError, ValueError) as error:
             estimates[name] = {"error": str(error)[:300], "solve_seconds": time.perf_counter() - start}
@@ -219,7 +226,7 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
             best = plan
     if best is None:
         raise PlanningError(
-            "auto: no policy can plan this batch: " + "; ".join(f"{k}: {v['error']}" for k, v in estimates.items())
+            "auto: no policy can plan this batch: " + "; ".join(f"{k}: {_why(v)}" for k, v in estimates.items())
         )
     best.stats["policy_chosen"] = best.policy
     best.stats["auto_estimates"] = estimates
