@@ -327,9 +327,14 @@ def lower_bound(
         cost = cost.padded(executor_bucket(max(c.tokens for c in chunk_shapes), cost.layout.sp))
     lockstep = mode != "async"
     durations = _Durations(cost, chunk_shapes, cost.op_overhead() if lockstep else 0.0, lockstep)
-    # raw sums of the terms, as the simulator advances its clock
-    fwd = np.array([[sum(d for _, d in durations(p, "F", k, 0)) for p in range(pp)] for k in range(n)])
-    bwd = np.array([[sum(d for _, d in durations(p, "B", k, 0)) for p in range(pp)] for k in range(n)])
+
+    def per_stage(kind: str) -> np.ndarray:
+        """``[n, pp]`` raw sums of the terms (as the simulator advances its clock); the stages before
+        the last share theirs."""
+        inner, last = ([sum(d for _, d in durations(p, kind, k, 0)) for k in range(n)] for p in (0, pp - 1))
+        return np.column_stack([inner] * (pp - 1) + [last])
+
+    fwd, bwd = per_stage("F"), per_stage("B")
     fill = np.concatenate([[0.0], np.cumsum(fwd, axis=1)[:, :-1].min(axis=0)])
     drain = np.concatenate([[0.0], np.cumsum(bwd, axis=1)[:, :-1].min(axis=0)])
     makespan = float((fill + fwd.sum(axis=0) + bwd.sum(axis=0) + drain).max())
