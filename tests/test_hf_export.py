@@ -4,8 +4,10 @@ arrays rounded once to the export dtype (bfloat16)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,10 @@ import pytest
 from hf_helpers import fixture, imported_params, model_config
 
 from jvarlen.config import ModelConfig
-from jvarlen.hf.export import write_hf
-from jvarlen.hf.safetensors_dir import INDEX
+from jvarlen.hf import HFCheckpointError
+from jvarlen.hf.export import ExportConfig, export_run, restore_params, write_hf
+from jvarlen.hf.hf_config import hf_config_dict, read_hf_config
+from jvarlen.hf.safetensors_dir import INDEX, SafetensorsDir
 from jvarlen.hf.weights import hf_tensor_names
 
 
@@ -32,8 +36,6 @@ def _perturbed(params, seed: int):
 
 
 def _plain(cfg: ModelConfig) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, init_from=None)
 
 
@@ -76,3 +78,110 @@ def test_bfloat16_export_rounds_once(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         assert b.dtype == jnp.float32  # the run's parameter dtype, whatever the file's
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(b))
+
+
+def _saved_run(tmp_path, name: str = "tiny-llama"):
+    """A run directory whose checkpoint 7 holds perturbed fixture weights, started from a copy of the
+    fixture (``tmp_path / "base"``): (run directory, base directory, its parameters)."""
+    from jvarlen.config import CheckpointConfig
+    from jvarlen.runtime.checkpoint import Checkpointer
+
+    base = tmp_path / "base"
+    shutil.copytree(fixture(name), base)
+    cfg = model_config(str(base))
+    _, params = imported_params(str(base), cfg)
+    params = _perturbed(params, seed=5)
+    checkpointer = Checkpointer(
+        tmp_path / "run" / "checkpoints", CheckpointConfig(async_save=False), say=lambda _: None
+    )
+    checkpointer.save(7, {"params": params}, {}, cfg)
+    checkpointer.manager.wait_until_finished()
+    checkpointer.manager.close()
+    return tmp_path / "run", base, params
+
+
+def _export(run, out, **kw):
+    return export_run(ExportConfig(run_dir=str(run), out_dir=str(out), dtype="float32", **kw), say=lambda _: None)
+
+
+def test_export_never_leaves_stale_weights_or_overwrites_a_model(tmp_path):
+    run, base, params = _saved_run(tmp_path)
+    out = tmp_path / "hf"
+    _export(run, out, max_shard_gb=2e-5)  # ~21 KB shards: several files plus the index
+    sharded = sorted(os.listdir(out))
+    assert INDEX in sharded and len([f for f in sharded if f.endswith(".safetensors")]) > 1
+    with pytest.raises(ValueError, match="already holds a model"):
+        _export(run, out)
+    assert sorted(os.listdir(out)) == sharded
+    # replaced by one file: no shard or index of the earlier export is left to be read
+    _export(run, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    _, back = imported_params(str(out), model_config(str(out)))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the pretrained model, the run directory, a missing tokenizer: refused before anything is written
+    before = {f: (base / f).read_bytes() for f in os.listdir(base)}
+    with pytest.raises(ValueError, match="is the run's model.init_from"):
+        _export(run, base, overwrite=True)
+    assert {f: (base / f).read_bytes() for f in os.listdir(base)} == before
+    with pytest.raises(ValueError, match="is the run directory"):
+        _export(run, run, overwrite=True)
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        _export(run, tmp_path / "hf2", tokenizer=str(tmp_path / "no-tokenizer.json"))
+    assert not (tmp_path / "hf2").exists()
+    assert [p for p in os.listdir(tmp_path) if "partial" in p] == []  # no staging directory left
+    # a tensor in two files and no index: refused, not the last file's copy read
+    (out / "extra.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    (out / "model.safetensors").rename(out / "a.safetensors")
+    with pytest.raises(HFCheckpointError, match="is in both a.safetensors and extra.safetensors"):
+        SafetensorsDir(out)
+
+
+def test_export_takes_the_model_from_the_checkpoint_not_from_init_from(tmp_path):
+    """init_from may change or go after the run started: the checkpoint's fields are exported."""
+    run, base, _ = _saved_run(tmp_path)
+    hf = json.loads((base / "config.json").read_text())
+    hf["rope_parameters"]["rope_theta"] = 1e6
+    hf["rms_norm_eps"] = 1e-6
+    (base / "config.json").write_text(json.dumps(hf))
+    saved = restore_params(str(run))
+    assert saved.step == 7 and saved.init_from == str(base) and saved.model.init_from is None
+    assert (saved.model.rope_theta, saved.model.norm_eps) == (10_000.0, 1e-5)
+    _export(run, tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["rope_theta"], written["rms_norm_eps"]) == (10_000.0, 1e-5)
+    assert written["max_position_embeddings"] == 512  # the base's: the RoPE scaling is the base's
+    shutil.rmtree(base)
+    _export(run, tmp_path / "hf-after", tokenizer=str(tmp_path / "hf" / "tokenizer.json"))
+    assert json.loads((tmp_path / "hf-after" / "config.json").read_text())["rope_theta"] == 10_000.0
+
+
+def test_max_position_embeddings_follow_a_context_extension():
+    from jvarlen.config import RopeScalingConfig
+
+    base = json.loads(open(f"{fixture('tiny-qwen2')}/config.json").read())
+    cfg = model_config(fixture("tiny-qwen2"))
+    assert hf_config_dict(_plain(cfg), "float32", base)["max_position_embeddings"] == base["max_position_embeddings"]
+    longer = dataclasses.replace(_plain(cfg), rope_scaling=RopeScalingConfig("llama3", 16.0, 1.0, 4.0, 4096))
+    assert hf_config_dict(longer, "float32", base)["max_position_embeddings"] == max(
+        base["max_position_embeddings"], 65536
+    )
+    assert base["rope_parameters"]["factor"] == 2.0  # linear ×2 in the fixture: ×8 reaches 4 times its length
+    linear = dataclasses.replace(_plain(cfg), rope_scaling=RopeScalingConfig("linear", 8.0))
+    assert hf_config_dict(linear, "float32", base)["max_position_embeddings"] == 4 * base["max_position_embeddings"]
+
+
+def test_unreadable_files_are_named(tmp_path):
+    directory = tmp_path / "model"
+    shutil.copytree(fixture("tiny-llama"), directory)
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(HFCheckpointError, match="config.json: cannot be read as JSON"):
+        read_hf_config(directory)
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:100])
+    with pytest.raises(HFCheckpointError, match="model.safetensors: not a readable safetensors file"):
+        SafetensorsDir(directory)
+    (directory / "model.safetensors").unlink()
+    (directory / INDEX).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(HFCheckpointError, match="not a safetensors index with a weight_map"):
+        SafetensorsDir(directory)

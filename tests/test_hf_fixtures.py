@@ -93,6 +93,10 @@ def _config(**changes) -> dict:
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding_window=4096"),
         (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "use_sliding_window"),
+        (dict(architectures=["MistralForCausalLM"]), r"sliding_window=4096 \(the default of an absent key\)"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        (dict(rope_parameters={"factor": 4.0, "rope_theta": 1e4}), "factor 4.0 names no rule"),
+        (dict(num_attention_heads=None), "num_attention_heads|wrong type"),
     ],
 )
 def test_unsupported_checkpoints_are_refused_by_name(changes, message):
@@ -116,6 +120,7 @@ def test_weights_that_do_not_match_config_json_are_refused(tmp_path):
     tensors.pop("model.layers.1.mlp.up_proj.weight")
     tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
     tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int8)
     save_file(tensors, directory / "model.safetensors")
     cfg = model_config(str(directory))
     with pytest.raises(HFCheckpointError) as error:
@@ -123,6 +128,7 @@ def test_weights_that_do_not_match_config_json_are_refused(tmp_path):
     assert "missing 1 tensors (model.layers.1.mlp.up_proj.weight)" in str(error.value)
     assert "k_proj.weight: (16, 64) (expected (32, 64))" in str(error.value)
     assert "no parameter for (model.layers.0.self_attn.o_proj.bias)" in str(error.value)
+    assert "not floating point (F64, F32, BF16, F16): model.norm.weight: I8" in str(error.value)
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])

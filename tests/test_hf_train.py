@@ -70,8 +70,9 @@ def test_first_step_loss_is_transformers_then_export_imports_bitwise(tmp_path, m
     out = tmp_path / "hf"
     assert export.main([f"--run_dir={tmp_path / 'run'}", f"--out_dir={out}", "--dtype=float32"]) == 0
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
-    cfg, saved, step = restore_params(str(tmp_path / "run"))
-    assert step == 2 and cfg.init_from == fixture("tiny-qwen2")
+    restored = restore_params(str(tmp_path / "run"))
+    saved = restored.params
+    assert restored.step == 2 and restored.init_from == fixture("tiny-qwen2")
     again = ModelConfig(init_from=str(out))
     shardings = param_shardings(saved, state_mesh())
     back = hf_load.load_params(str(out), again, saved, shardings)

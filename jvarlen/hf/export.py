@@ -6,7 +6,10 @@ restore: the optimizer moments are not read), and writes ``config.json``
 (:func:`jvarlen.hf.hf_config.hf_config_dict`), the weights in ``--dtype`` as ``model.safetensors``
 or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``: ``--tokenizer``,
 else the run's ``data.tokenizer`` file, else the one beside ``model.init_from``. Host memory: the
-parameters once (in their checkpoint dtype) plus one output shard.
+parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
+``OUT_DIR`` and moved in when complete; an ``OUT_DIR`` that already holds a model is refused unless
+``--overwrite true`` (its earlier weights, index, config and tokenizer are then replaced), and so
+are the run directory and ``model.init_from`` themselves.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from typing import Literal, Optional
 
 import jax
@@ -24,7 +28,7 @@ from flax import nnx
 
 from jvarlen.config import ModelConfig
 from jvarlen.hf.hf_config import HFCheckpointError, hf_config_dict, read_hf_config
-from jvarlen.hf.safetensors_dir import write_sharded
+from jvarlen.hf.safetensors_dir import INDEX, write_sharded
 from jvarlen.hf.weights import tensor_maps
 from jvarlen.model import abstract_model
 
@@ -34,11 +38,12 @@ DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.f
 @dataclasses.dataclass
 class ExportConfig:
     run_dir: Optional[str] = None  # a jvarlen run directory (holds checkpoints/ and config.json)
-    out_dir: Optional[str] = None  # the Hugging Face directory to write (created; files in it are replaced)
+    out_dir: Optional[str] = None  # the Hugging Face directory to write (created; must be empty unless overwrite)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     step: Optional[int] = None  # checkpoint step; default the newest
     tokenizer: Optional[str] = None  # tokenizer.json to copy; default the run's data.tokenizer or init_from's
     max_shard_gb: float = 5.0  # larger weights are split into several safetensors files plus an index
+    overwrite: bool = False  # replace an earlier export in out_dir (its weights, index, config and tokenizer)
 
     def __post_init__(self):
         if not self.run_dir or not self.out_dir:
@@ -47,8 +52,20 @@ class ExportConfig:
             raise ValueError(f"max_shard_gb must be > 0, got {self.max_shard_gb}")
 
 
-def restore_params(run_dir: str, step: Optional[int] = None) -> tuple[ModelConfig, object, int]:
-    """(model config, parameters as numpy arrays in an nnx State, step) of a run's checkpoint."""
+@dataclasses.dataclass
+class SavedRun:
+    """A run's checkpoint as export reads it: the model as trained (``init_from`` cleared: the
+    checkpoint holds the model itself), the directory it started from, its parameters as numpy
+    arrays in an nnx State, and the step."""
+
+    model: ModelConfig
+    init_from: Optional[str]
+    params: object
+    step: int
+
+
+def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
+    """The parameters of a run's checkpoint (the newest, or ``step``), without its optimizer state."""
     directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{run_dir!r} has no checkpoints/ directory: not a jvarlen run directory")
@@ -57,7 +74,7 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> tuple[ModelConfi
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {directory}")
     saved = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-    # init_from only said where the first weights came from; the checkpoint holds the model itself
+    # not re-read from init_from: that directory may have changed or gone since the run started
     model = ModelConfig(**{**saved, "init_from": None})
     _, abstract = nnx.split(abstract_model(model), nnx.Param)
     target = {"params": jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract)}
@@ -65,7 +82,7 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> tuple[ModelConfi
     args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
     manager.close()
-    return dataclasses.replace(model, init_from=saved.get("init_from")), params, step
+    return SavedRun(model, saved.get("init_from"), params, step)
 
 
 def _parameter_arrays(params) -> dict[tuple[str, ...], np.ndarray]:
@@ -84,8 +101,14 @@ def write_hf(
     max_shard_bytes: int = 5 << 30,
 ) -> list[str]:
     """Writes ``params`` (jvarlen's parameter tree, numpy or JAX arrays) of ``model`` as a Hugging
-    Face directory; returns the files written."""
+    Face directory; returns the files written. ``out_dir`` must not hold a model already: weight
+    files left from an earlier export would be read instead of, or mixed with, the new ones."""
     os.makedirs(out_dir, exist_ok=True)
+    earlier = _model_files(out_dir)
+    if earlier:
+        raise FileExistsError(
+            f"{out_dir!r} already holds a model ({', '.join(earlier)}); write into an empty directory"
+        )
     arrays = _parameter_arrays(params)
     np_dtype = np.dtype(DTYPES[dtype])
 
@@ -106,7 +129,7 @@ def write_hf(
     return files
 
 
-def _tokenizer_for(run_dir: str, model: ModelConfig) -> Optional[str]:
+def _tokenizer_for(run_dir: str, init_from: Optional[str]) -> Optional[str]:
     try:
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
             spec = json.load(f)["data"]["tokenizer"]
@@ -114,31 +137,80 @@ def _tokenizer_for(run_dir: str, model: ModelConfig) -> Optional[str]:
             return spec
     except (OSError, KeyError, ValueError):
         pass
-    if model.init_from and os.path.isfile(os.path.join(model.init_from, "tokenizer.json")):
-        return os.path.join(model.init_from, "tokenizer.json")
+    if init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        return os.path.join(init_from, "tokenizer.json")
     return None
 
 
+def _model_files(directory: str) -> list[str]:
+    """The files of a Hugging Face model directory that an export writes (and so replaces)."""
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return [n for n in names if n.endswith(".safetensors") or n in (INDEX, "config.json", "tokenizer.json")]
+
+
+def _check_out_dir(cfg: ExportConfig, init_from: Optional[str]) -> str:
+    """``cfg.out_dir`` made absolute, after refusing what would destroy data: the run directory
+    itself, the model the run started from, a file, or an earlier export without ``--overwrite``."""
+    out = os.path.abspath(cfg.out_dir)
+    for other, what in ((cfg.run_dir, "the run directory"), (init_from, "the run's model.init_from")):
+        if other and os.path.realpath(out) == os.path.realpath(other):
+            raise ValueError(f"--out_dir {cfg.out_dir!r} is {what}; export into a directory of its own")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out_dir {cfg.out_dir!r} exists and is not a directory")
+    earlier = _model_files(out)
+    if earlier and not cfg.overwrite:
+        raise ValueError(
+            f"--out_dir {cfg.out_dir!r} already holds a model ({', '.join(earlier)}); pass --overwrite=true to "
+            "replace it"
+        )
+    return out
+
+
+def _install(staging: str, out: str) -> None:
+    """Moves a finished export from ``staging`` into ``out``, removing the earlier export's files
+    first (every file is either the new export's or absent: no stale shard is left to be read)."""
+    if not os.path.exists(out):
+        os.replace(staging, out)
+        return
+    for name in _model_files(out):
+        os.remove(os.path.join(out, name))
+    for name in os.listdir(staging):
+        os.replace(os.path.join(staging, name), os.path.join(out, name))
+    os.rmdir(staging)
+
+
 def export_run(cfg: ExportConfig, say=print) -> list[str]:
-    """The CLI's work: restore the parameters of ``cfg.run_dir`` and write ``cfg.out_dir``."""
-    model, params, step = restore_params(cfg.run_dir, cfg.step)
+    """The CLI's work: restore the parameters of ``cfg.run_dir`` and write ``cfg.out_dir``. The
+    export is written next to ``out_dir`` first and moved in when complete, so an interrupted
+    export leaves ``out_dir`` as it was."""
+    run = restore_params(cfg.run_dir, cfg.step)
+    out = _check_out_dir(cfg, run.init_from)
+    if cfg.tokenizer is not None and not os.path.isfile(cfg.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {cfg.tokenizer!r} is not a file")
     base = None
-    if model.init_from:
+    if run.init_from:
         try:
-            base = read_hf_config(model.init_from)
+            base = read_hf_config(run.init_from)
         except HFCheckpointError:
-            say(f"[jvarlen] {model.init_from} (model.init_from) is gone; config.json gets default token ids")
-    tokenizer = cfg.tokenizer or _tokenizer_for(cfg.run_dir, model)
-    files = write_hf(
-        params,
-        dataclasses.replace(model, init_from=None),
-        cfg.out_dir,
-        cfg.dtype,
-        base_config=base,
-        tokenizer=tokenizer,
-        max_shard_bytes=int(cfg.max_shard_gb * 2**30),
-    )
-    say(f"[jvarlen] step {step} of {cfg.run_dir} -> {cfg.out_dir} ({cfg.dtype}): {', '.join(files)}")
+            say(f"[jvarlen] {run.init_from} (model.init_from) is gone; config.json gets default token ids")
+    tokenizer = cfg.tokenizer or _tokenizer_for(cfg.run_dir, run.init_from)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    try:
+        files = write_hf(
+            run.params,
+            run.model,
+            staging,
+            cfg.dtype,
+            base_config=base,
+            tokenizer=tokenizer,
+            max_shard_bytes=int(cfg.max_shard_gb * 2**30),
+        )
+        _install(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"[jvarlen] step {run.step} of {cfg.run_dir} -> {cfg.out_dir} ({cfg.dtype}): {', '.join(files)}")
     if tokenizer is None:
         say("[jvarlen] no tokenizer.json copied (the run used the byte tokenizer); pass --tokenizer to add one")
     return files

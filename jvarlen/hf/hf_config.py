@@ -23,6 +23,7 @@ ARCHITECTURES = {
 _BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 ROPE_RULES = ("linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+MISTRAL_DEFAULT_WINDOW = 4096
 
 
 class HFCheckpointError(ValueError):
@@ -41,8 +42,14 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
         )
     if not os.path.isfile(path):
         raise HFCheckpointError(f"{directory!r} has no config.json: not a Hugging Face model directory")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as error:
+        raise HFCheckpointError(f"{path}: cannot be read as JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"{path}: expected a JSON object, found {type(hf).__name__}")
+    return hf
 
 
 def architecture(hf: dict, where: str = "config.json") -> str:
@@ -65,6 +72,8 @@ def _rope(hf: dict, where: str) -> tuple[float, Optional[dict]]:
     theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
     rule = scaling.get("rope_type", scaling.get("type", "default"))
     if rule in (None, "default"):
+        if scaling.get("factor") not in (None, 1, 1.0):
+            raise HFCheckpointError(f"{where}: RoPE scaling with factor {scaling['factor']} names no rule (rope_type)")
         return float(theta), None
     if rule not in ROPE_RULES:
         raise HFCheckpointError(
@@ -95,12 +104,20 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
         )
     if name == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         raise HFCheckpointError(f"{where}: Qwen2 with use_sliding_window=true is not supported (full attention only)")
-    if name == "MistralForCausalLM" and hf.get("sliding_window") is not None:
+    # transformers' MistralConfig defaults to a 4,096-token window: a config without the key has one
+    if name == "MistralForCausalLM" and hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW) is not None:
         raise HFCheckpointError(
-            f"{where}: MistralForCausalLM with sliding_window={hf['sliding_window']} is not supported "
+            f"{where}: MistralForCausalLM with sliding_window={hf.get('sliding_window', MISTRAL_DEFAULT_WINDOW)}"
+            f"{'' if 'sliding_window' in hf else ' (the default of an absent key)'} is not supported "
             "(full attention only; sliding_window must be null)"
         )
     try:
+        rope_params = hf.get("rope_parameters") or {}
+        partial = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise HFCheckpointError(
+                f"{where}: partial_rotary_factor={partial} is not supported (jvarlen rotates every head dimension)"
+            )
         heads = int(hf["num_attention_heads"])
         d_model = int(hf["hidden_size"])
         theta, scaling = _rope(hf, where)
@@ -118,13 +135,30 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
             "rope_theta": theta,
             "rope_scaling": scaling,
         }
+    except HFCheckpointError:
+        raise
     except KeyError as missing:
         raise HFCheckpointError(f"{where}: required field {missing} is missing") from None
+    except (TypeError, ValueError) as error:
+        raise HFCheckpointError(f"{where}: a field has a value of the wrong type ({error})") from None
 
 
 def read_model_fields(directory: str | os.PathLike) -> dict[str, Any]:
     """:func:`model_fields` of the config.json in ``directory``."""
     return model_fields(read_hf_config(directory), os.path.join(os.fspath(directory), "config.json"))
+
+
+def _max_position(base_max: int, scaling: Optional[dict], base: Optional[dict]) -> int:
+    """``max_position_embeddings`` of an export: the base's, unless the run changed the RoPE scaling
+    (a context extension), then what the new scaling reaches: llama3's original length times its
+    factor, linear's factor relative to the base's (serving stacks cap the context by this field)."""
+    base_scaling = _rope(base or {}, "the base config.json")[1]
+    if scaling is None or scaling == base_scaling:
+        return int(base_max)
+    if scaling["rope_type"] == "llama3":
+        return max(int(base_max), int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    base_factor = base_scaling["factor"] if base_scaling and base_scaling["rope_type"] == "linear" else 1.0
+    return max(int(base_max), int(base_max * scaling["factor"] / base_factor))
 
 
 def hf_config_dict(model, dtype: str, base: Optional[dict] = None) -> dict:
@@ -162,7 +196,7 @@ def hf_config_dict(model, dtype: str, base: Optional[dict] = None) -> dict:
         rope_scaling=scaling,
         torch_dtype=dtype,
     )
-    out.setdefault("max_position_embeddings", 4096)
+    out["max_position_embeddings"] = _max_position(out.get("max_position_embeddings", 4096), scaling, base)
     if name == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     else:

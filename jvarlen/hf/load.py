@@ -21,6 +21,8 @@ from jvarlen.hf.hf_config import HFCheckpointError
 from jvarlen.hf.safetensors_dir import SafetensorsDir
 from jvarlen.hf.weights import IGNORED_SUFFIXES, TensorMap, tensor_maps
 
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+
 
 def check_tensors(files: SafetensorsDir, cfg) -> None:
     """Every tensor the model needs is there with its shape; nothing else is (raises
@@ -34,6 +36,8 @@ def check_tensors(files: SafetensorsDir, cfg) -> None:
     wrong = [
         f"{n}: {files.shape(n)} (expected {s})" for n, s in expected.items() if n in present and files.shape(n) != s
     ]
+    # integer or quantized tensors would be cast to floats as if they held the weights themselves
+    not_float = [f"{n}: {files.dtype(n)}" for n in expected if n in present and files.dtype(n) not in FLOAT_DTYPES]
     tolerated = {"lm_head.weight"} if cfg.tie_embeddings else set()  # a tied head saved anyway
     extra = sorted(n for n in present - set(expected) - tolerated if not n.endswith(IGNORED_SUFFIXES))
     problems = []
@@ -43,6 +47,8 @@ def check_tensors(files: SafetensorsDir, cfg) -> None:
         )
     if wrong:
         problems.append("wrong shapes: " + "; ".join(wrong[:4]))
+    if not_float:
+        problems.append(f"not floating point ({', '.join(FLOAT_DTYPES)}): " + "; ".join(not_float[:4]))
     if extra:
         problems.append(
             f"{len(extra)} tensors jvarlen's model has no parameter for ({', '.join(extra[:4])}"

@@ -14,7 +14,7 @@ import os
 from typing import Callable, Iterable, Optional
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jvarlen.hf.hf_config import HFCheckpointError
@@ -24,35 +24,49 @@ SINGLE = "model.safetensors"
 
 
 class SafetensorsDir:
-    """Tensor name -> file of a model directory: the index's weight map, or every ``*.safetensors``
-    file's own table when there is no index."""
+    """Tensor name -> file of a model directory, found as transformers finds it: ``model.safetensors``
+    when there is one, else the index's weight map, else every ``*.safetensors`` file's own table (a
+    tensor in two of them is refused). Unreadable files raise :class:`HFCheckpointError` naming them."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
-        index = os.path.join(self.directory, INDEX)
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            self.files = {name: os.path.join(self.directory, file) for name, file in weight_map.items()}
+        single, index = os.path.join(self.directory, SINGLE), os.path.join(self.directory, INDEX)
+        if os.path.isfile(single):
+            self.files = {name: single for name in _keys(single)}
+        elif os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+                self.files = {name: os.path.join(self.directory, file) for name, file in weight_map.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                raise HFCheckpointError(f"{index}: not a safetensors index with a weight_map ({error!r})") from None
         else:
             paths = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
             if not paths:
                 raise HFCheckpointError(f"{self.directory!r} holds no *.safetensors file (and no {INDEX})")
             self.files = {}
             for path in paths:
-                with safe_open(path, framework="np") as f:
-                    self.files.update({name: path for name in f.keys()})
+                for name in _keys(path):
+                    if name in self.files:
+                        raise HFCheckpointError(
+                            f"{self.directory!r}: tensor {name!r} is in both {os.path.basename(self.files[name])} "
+                            f"and {os.path.basename(path)}, and no {INDEX} says which to read"
+                        )
+                    self.files[name] = path
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, str] = {}
         for path in sorted(set(self.files.values())):
             if not os.path.isfile(path):
                 raise HFCheckpointError(f"{INDEX} names {os.path.basename(path)!r}, which is not in {self.directory!r}")
-            with safe_open(path, framework="np") as f:
-                for name in f.keys():
-                    if self.files.get(name) == path:
-                        piece = f.get_slice(name)
-                        self._shapes[name] = tuple(piece.get_shape())
-                        self._dtypes[name] = piece.get_dtype()
+            try:
+                with safe_open(path, framework="np") as f:
+                    for name in f.keys():
+                        if self.files.get(name) == path:
+                            piece = f.get_slice(name)
+                            self._shapes[name] = tuple(piece.get_shape())
+                            self._dtypes[name] = piece.get_dtype()
+            except (OSError, SafetensorError) as error:
+                raise HFCheckpointError(f"{path}: not a readable safetensors file ({error})") from None
 
     def names(self) -> list[str]:
         return sorted(self._shapes)
@@ -72,6 +86,14 @@ class SafetensorsDir:
         """The block ``index`` of tensor ``name``: only those bytes are copied out of the mapping."""
         with safe_open(self.files[name], framework="np") as f:
             return f.get_slice(name)[index]
+
+
+def _keys(path: str) -> list[str]:
+    try:
+        with safe_open(path, framework="np") as f:
+            return list(f.keys())
+    except (OSError, SafetensorError) as error:
+        raise HFCheckpointError(f"{path}: not a readable safetensors file ({error})") from None
 
 
 def write_sharded(
