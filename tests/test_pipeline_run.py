@@ -123,4 +123,12 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
         # nothing of), which recompute nothing
         expected_forwards = [_forwards(p, 6) for p in (pa, pb)]
         np.testing.assert_array_equal(metrics["layer_forwards"], expected_forwards)
+    # an epoch's last batch may leave a pipeline without documents: it runs the feed's idle piece, a
+    # one-token document without a target (runtime.feed.idle_piece), and the update is plan A's alone
+    (pa, da), (pi, di) = _plan(PLAN_A, 40, "token", 9), _plan(((1,), [[(0, 0, 1)]]), 41, "token", 0)
+    expected, ref_metrics = reference_step(reference_state, _reference_batch(da))
+    state, metrics = step(state, step.prepare([pa, pi], [da, di]))
+    np.testing.assert_allclose(metrics["loss_sum"], ref_metrics["loss_sum"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["target_tokens"], ref_metrics["target_tokens"])
+    assert_tree_close(state.params, expected.params)
     assert len(cache) == 1 and cache.stats.misses == 0

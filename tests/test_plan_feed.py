@@ -5,11 +5,13 @@ look-ahead), and fall back to a fast plan (logged) when the solver is late."""
 import functools
 import json
 
+import numpy as np
 import pytest
 from conftest import small_cost
 
 from jvarlen.config import DataConfig
 from jvarlen.data import DataPipeline
+from jvarlen.data.packer import Piece, place
 from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.service import PlanningService, deterministic_options
@@ -81,3 +83,26 @@ def test_late_solver_gives_logged_fallback_plans_after_the_first_iteration(corpu
     lengths = [[len(d.tokens) for d in docs] for docs in second.groups]
     for plan, lens in zip(second.plans, lengths):
         plan.validate(lens)
+
+
+def test_split_by_rows_leaves_no_pipeline_without_documents():
+    """An epoch's last batch: best fit fills the first rows, so the last pipelines would get nothing.
+    Every piece still goes to exactly one pipeline, none is left empty while another holds two, and
+    with fewer pieces than pipelines the rest run an idle piece (no target)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        dp, rows_per_dp = int(rng.choice([2, 4])), int(rng.integers(1, 3))
+        rows = dp * rows_per_dp
+        lengths = rng.integers(1, 65, size=int(rng.integers(1, 9)))
+        placement = place(lengths, rows, 64)
+        lengths, placement = lengths[placement >= 0], placement[placement >= 0]  # what the sampler hands on
+        pieces = [Piece(np.full(n, i, np.int32), i, -1) for i, n in enumerate(lengths)]
+        groups = split_by_rows(dp, rows)(pieces, placement)
+        real = [p.doc_id for g in groups for p in g if p.doc_id >= 0]
+        assert sorted(real) == list(range(len(pieces))), trial
+        assert all(groups), trial
+        for g in groups:
+            assert sum(len(p.tokens) for p in g) <= rows_per_dp * 64 or len(g) == 1
+        idle = [p for g in groups for p in g if p.doc_id < 0]
+        assert len(idle) == max(0, dp - len(pieces)), trial
+        assert all(len(p.tokens) == 1 and p.next_token == -1 and len(g) == 1 for g in groups for p in g if p.doc_id < 0)

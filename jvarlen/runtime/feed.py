@@ -21,22 +21,36 @@ from typing import Callable, Optional
 import numpy as np
 
 from jvarlen.data.packer import Piece
-from jvarlen.plan.api import PlanningError
 
 WAIT_NOTE_S = 5.0  # say that the step waits for the planner when it waits longer than this
 
 
+def idle_piece(like: Piece) -> Piece:
+    """A one-token document without a target: no loss, no gradient. It stands in for the documents of
+    a pipeline that an iteration has none for (an epoch's last batch may hold fewer pieces than
+    there are pipelines), since every pipeline runs its plan in the same step."""
+    return Piece(np.zeros(1, like.tokens.dtype), -1, -1)
+
+
 def split_by_rows(dp: int, rows_per_batch: int) -> Callable:
     """``split(pieces, rows)`` for ``dp`` pipelines: pipeline ``g`` takes the pieces placed in rows
-    ``[g R/dp, (g+1) R/dp)`` (each piece keeps the token that follows it in its document)."""
+    ``[g R/dp, (g+1) R/dp)`` (each piece keeps the token that follows it in its document).
+
+    A pipeline left without pieces (an epoch's last batch, best fit filling the first rows) takes
+    the shortest piece of the pipeline holding the most, while one holds two or more; it fits,
+    since a piece fits a row. With fewer pieces than pipelines the rest get an :func:`idle_piece`."""
 
     def split(pieces: list[Piece], rows: np.ndarray) -> list[list[Piece]]:
         groups: list[list[Piece]] = [[] for _ in range(dp)]
         for piece, row in zip(pieces, rows):
             groups[int(row) * dp // rows_per_batch].append(piece)
-        for g, docs in enumerate(groups):
-            if not docs:
-                raise PlanningError(f"pipeline {g} drew no documents (data.tokens_per_batch too small for dp?)")
+        for empty in [g for g in groups if not g]:
+            donor = max(groups, key=len)
+            if len(donor) > 1:
+                shortest = min(range(len(donor)), key=lambda i: (len(donor[i].tokens), i))
+                empty.append(donor.pop(shortest))
+            else:
+                empty.append(idle_piece(pieces[0]))
         return groups
 
     return split
