@@ -11,6 +11,7 @@ import pytest
 from conftest import cli_env
 
 from jvarlen.config import ConfigError, parse_config
+from jvarlen.data.errors import UnreadableFileError
 from jvarlen.runtime.checkpoint import CheckpointMismatchError
 from jvarlen.runtime.loop import train
 
@@ -148,6 +149,23 @@ def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cach
     assert len(before.splitlines()) == 2
     with pytest.raises(ConfigError, match=r"holds an earlier run \(2 metric records and checkpoints of steps 2\)"):
         train(_config(run_dir, cache_dir, "--train.steps=3"), quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert os.listdir(run_dir / "checkpoints") == ["2"]
+    # an overwrite whose configuration is refused (data path, then the step builder) deletes nothing
+    with pytest.raises(UnreadableFileError, match="does not exist"):
+        train(
+            _config(
+                run_dir, cache_dir, "--logging.overwrite=true", "--data.source=jsonl", "--data.path=/no/docs.jsonl"
+            ),
+            quiet=True,
+        )
+    with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
+        train(
+            _config(
+                run_dir, cache_dir, "--logging.overwrite=true", "--parallel.pp=2", "--parallel.residual_policy=bogus"
+            ),
+            quiet=True,
+        )
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert os.listdir(run_dir / "checkpoints") == ["2"]
     again = train(_config(run_dir, cache_dir, "--train.steps=1", "--logging.overwrite=true"), quiet=True)

@@ -97,7 +97,7 @@ class Run:
     optimizer: object
     placement: Placement
     state: object
-    checkpointer: Checkpointer
+    checkpointer: Optional[Checkpointer]  # None until start_logging when an earlier run is to be overwritten
     logger: Optional[MetricsLogger]  # None until :meth:`start_logging`
     start: int
     end: int
@@ -106,10 +106,22 @@ class Run:
     nonfinite_run: int = 0  # consecutive steps whose update was skipped
     nonfinite_total: int = 0
     signals: "StopSignals" = dataclasses.field(default_factory=lambda: StopSignals())
+    earlier_run: Optional[str] = None  # what logging.overwrite deletes in start_logging, in words
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
-        ``config.json``, and the metrics logger, which drops the records after the resumed step."""
+        ``config.json``, and the metrics logger, which drops the records after the resumed step.
+        An earlier run that ``logging.overwrite`` replaces is deleted here, not before."""
+        if self.earlier_run is not None:
+            if self.main:
+                self.say(
+                    f"[jvarlen] logging.overwrite: deleting the earlier run in {self.run_dir} ({self.earlier_run})"
+                )
+                _delete_earlier_run(self.run_dir)
+            self.earlier_run = None
+            self.checkpointer = Checkpointer(
+                os.path.join(self.run_dir, "checkpoints"), self.config.checkpoint, say=self.say
+            )
         if self.main:
             with open(os.path.join(self.run_dir, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(to_dict(self.config), f, indent=2)
@@ -159,7 +171,8 @@ class Run:
 
     def close(self) -> None:
         self.signals.restore()
-        self.checkpointer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
 
@@ -179,12 +192,13 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         ) from None
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
     say(f"[jvarlen] run directory: {run_dir}")
-    if not config.checkpoint.resume:
-        _claim_fresh(run_dir, config.logging.overwrite, main, say)
+    # an earlier run to overwrite is deleted only once the configuration is accepted (start_logging);
+    # until then no checkpointer touches its checkpoints (a checkpointer rotates them on close)
+    earlier = None if config.checkpoint.resume else _claim_fresh(run_dir, config.logging.overwrite)
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
 
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
+    checkpointer = None if earlier else Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
     resuming = config.checkpoint.resume and checkpointer.latest_step() is not None
     if config.model.init_from is None:
         graphdef, optimizer, host_state = create_train_state(config)
@@ -224,6 +238,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         lr_at,
         quiet=quiet,
         signals=StopSignals().install(),
+        earlier_run=earlier,
     )
 
 
@@ -244,26 +259,26 @@ def _earlier_run(run_dir: str) -> Optional[str]:
     return " and ".join(found) or None
 
 
-def _claim_fresh(run_dir: str, overwrite: bool, main: bool, say) -> None:
+def _claim_fresh(run_dir: str, overwrite: bool) -> Optional[str]:
     """A run that starts at step 0 in ``run_dir``: refuses one holding an earlier run (whose
-    records it would drop and whose checkpoints it would mix with its own), or, with
-    ``overwrite``, deletes what that run left."""
+    records it would drop and whose checkpoints it would mix with its own); with ``overwrite``,
+    what that run left, in words (for :func:`_delete_earlier_run`), or None if nothing."""
     found = _earlier_run(run_dir)
-    if found is None:
-        return
-    if not overwrite:
+    if found is not None and not overwrite:
         raise ConfigError(
             f"logging.run_dir {run_dir!r} holds an earlier run ({found}). Continue it with "
             f"--checkpoint.resume=true, start over with --logging.overwrite=true (deletes its metrics, "
             f"TensorBoard events and checkpoints), or choose another logging.run_dir"
         )
-    if main:
-        say(f"[jvarlen] logging.overwrite: deleting the earlier run in {run_dir} ({found})")
-        for name in ("metrics.jsonl", "config.json"):
-            if os.path.exists(os.path.join(run_dir, name)):
-                os.remove(os.path.join(run_dir, name))
-        for name in ("checkpoints", "tensorboard"):
-            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    return found
+
+
+def _delete_earlier_run(run_dir: str) -> None:
+    for name in ("metrics.jsonl", "config.json"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
+    for name in ("checkpoints", "tensorboard"):
+        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
 def _state_from_hf(config: Config, resuming: bool, say):
