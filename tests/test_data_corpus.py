@@ -68,11 +68,11 @@ def test_jsonl_text_documents_are_wrapped_in_bos_eos_and_empty_ones_skipped(tmp_
 
 
 def test_jsonl_token_id_field(tmp_path):
-    path = _jsonl(tmp_path / "t.jsonl", [{"ids": [5, 6, 7]}, {"ids": []}, {"ids": [300]}])
+    path = _jsonl(tmp_path / "t.jsonl", [{"ids": [5, 6, 7]}, {"ids": []}, {"ids": [258]}])
     corpus = _load(tmp_path, "jsonl", path, tokens_field="ids")
     assert corpus.num_documents == 2 and corpus.skipped_empty == 1
     assert corpus.document(0).tolist() == [BOS, 5, 6, 7, EOS]
-    assert corpus.vocab_size == 301  # an id past the tokenizer's vocabulary widens it
+    assert corpus.vocab_size == 259  # ids past the tokenizer's vocabulary are refused (test_reliability.py)
 
 
 def test_text_directory_sorted_recursive_skipping_hidden(tmp_path):
@@ -195,20 +195,20 @@ def test_missing_field_names_field_and_line(tmp_path):
         _load(tmp_path, "parquet", tmp_path / "c.parquet", text_field="body")
 
 
+class _LowSpecials(ByteTokenizer):
+    """A 1,000-id tokenizer whose special ids are small (as most are): a model vocabulary below its
+    size but above its specials."""
+
+    vocab_size, bos_id, eos_id, pad_id, identity = 1_000, 1, 2, 0, "low-specials-test"
+
+
 def test_token_id_beyond_model_vocab(tmp_path):
     path = _jsonl(tmp_path / "ids.jsonl", [{"ids": [1, 2]}, {"ids": [3, 300, 4]}])
-    config = DataConfig(
-        source="jsonl",
-        path=str(path),
-        tokens_field="ids",
-        cache_dir=str(tmp_path / "c"),
-        seq_len=8,
-        tokens_per_batch=16,
-    )
+    corpus = load_corpus(Source.create("jsonl", str(path), tokens_field="ids"), _LowSpecials(), str(tmp_path / "c"))
     expected = r"token id 300 in document 1 \(.*ids\.jsonl:2\) is >= the model vocabulary size 290"
     with pytest.raises(TokenIdError, match=expected):
-        DataPipeline(config, vocab_size=290)
-    DataPipeline(config, vocab_size=301)  # large enough: fine
+        corpus.check_vocab(290)
+    corpus.check_vocab(301)  # large enough: fine
     with pytest.raises(TokenIdError, match="negative token id"):
         _load(tmp_path, "jsonl", _jsonl(tmp_path / "neg.jsonl", [{"ids": [1, -2]}]), tokens_field="ids")
 
@@ -272,5 +272,5 @@ def test_token_store_dtype_follows_vocab_size(tmp_path):
     source = Source.create("jsonl", str(path), tokens_field="ids")
     big = load_corpus(source, _BigVocab(), cache_dir=str(tmp_path / "cache"))
     assert big.tokens.dtype == np.uint32 and big.document(0).tolist() == [69_997, 1, 66_000, 69_998]
-    with pytest.raises(TokenIdError, match=r"ids\.jsonl \(record 1\): token id 66000 does not fit the uint16"):
+    with pytest.raises(TokenIdError, match=r"ids\.jsonl \(record 1\): token id 66000 is outside the vocabulary"):
         load_corpus(source, ByteTokenizer(), cache_dir=str(tmp_path / "cache"))

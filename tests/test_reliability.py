@@ -294,6 +294,19 @@ def test_token_fields_refuse_floats_booleans_and_strings(tmp_path):
             DataPipeline(config)
 
 
+def test_token_ids_outside_the_tokenizer_are_refused(tmp_path):
+    """Pre-tokenized ids get data.tokenizer's BOS/EOS around them: ids that tokenizer cannot have
+    made (here the byte tokenizer's 259 and above) are refused, not stored beside its 256/257."""
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataPipeline, TokenIdError
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"ids": [5, 6, 258]}\n{"ids": [300, 1000]}\n')
+    config = DataConfig(source="jsonl", path=str(path), tokens_field="ids", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(TokenIdError, match=rf"{path} \(record 2\): token id 1000 is outside the vocabulary"):
+        DataPipeline(config, vocab_size=2048)
+
+
 def test_binary_files_in_a_text_dir_are_skipped_and_counted(tmp_path):
     from jvarlen.config import DataConfig
     from jvarlen.data import DataPipeline

@@ -30,7 +30,7 @@ from jvarlen.data.errors import EmptyCorpusError, TokenIdError
 from jvarlen.data.sources import Source
 from jvarlen.data.tokenizer import Tokenizer
 
-FORMAT_VERSION = 2  # 2: meta records binary files skipped under text_dir
+FORMAT_VERSION = 3  # 2: meta records binary files skipped under text_dir; 3: pre-tokenized ids within the tokenizer
 DEFAULT_CACHE_DIR = "~/.cache/jvarlen"
 _ENCODE_BATCH = 256
 
@@ -154,6 +154,14 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
                         skipped += 1
                         continue
                     top = int(ids.max())
+                    if doc.token_ids is not None and top >= tokenizer.vocab_size:
+                        where = source.files[doc.file_index]
+                        raise TokenIdError(
+                            f"{where} (record {doc.record}): token id {top} is outside the vocabulary of "
+                            f"data.tokenizer ({tokenizer.vocab_size} ids). Pre-tokenized ids "
+                            "must come from the tokenizer named by data.tokenizer: its BOS/EOS ids are added "
+                            "around every document"
+                        )
                     if top > limit:
                         where = source.files[doc.file_index]
                         raise TokenIdError(
