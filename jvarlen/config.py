@@ -223,6 +223,22 @@ class DataConfig:
             self.source == "stdlib" or self.path is not None,
             f"data.path is required for data.source={self.source!r}",
         )
+        # a field that the source does not read would otherwise be ignored: training on another corpus
+        _require(
+            self.source != "stdlib" or self.path is None,
+            f"data.path={self.path!r} is set but data.source is 'stdlib' (the standard library's sources); set "
+            "data.source to jsonl, text_dir or parquet to read it",
+        )
+        _require(
+            self.tokens_field is None or self.source in ("jsonl", "parquet"),
+            f"data.tokens_field applies to jsonl and parquet sources, not data.source={self.source!r}",
+        )
+        _require(
+            self.tokens_field is None or self.text_field == "text",
+            f"data.text_field={self.text_field!r} and data.tokens_field={self.tokens_field!r} are both set; "
+            "a source holds either text or token ids",
+        )
+        _require(self.seed >= 0, f"data.seed must be >= 0, got {self.seed}")
         if self.max_documents is not None:
             _positive("data", max_documents=self.max_documents)
 
@@ -248,6 +264,11 @@ class OptimizerConfig:
         _positive("optimizer", learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
         _require(self.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"optimizer.{name} must be in [0, 1), got {value}")
+        _require(self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}")
+        _require(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
 
 @dataclasses.dataclass
@@ -398,7 +419,6 @@ class PlanConfig:
 class TrainConfig:
     steps: int = 100
     seed: int = 0
-    log_every: int = 1
     # Cost model used to log predicted vs measured step time: "auto" finds the profile of
     # this model on this backend (python -m jvarlen.profile), "none" disables, or a path.
     cost_profile: Optional[str] = "auto"
@@ -411,7 +431,6 @@ class TrainConfig:
         _positive(
             "train",
             steps=self.steps,
-            log_every=self.log_every,
             cost_refit_every=self.cost_refit_every,
             max_nonfinite_steps=self.max_nonfinite_steps,
         )
@@ -434,8 +453,12 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     # A run that does not resume refuses a run_dir holding an earlier run's metrics or
-    # checkpoints; overwrite=true deletes them (metrics, TensorBoard events, checkpoints) first.
+    # checkpoints; overwrite=true deletes them (metrics, TensorBoard events, checkpoints) once the
+    # configuration has been accepted, before the first step.
     overwrite: bool = False
+
+    def __post_init__(self):
+        _require(bool(self.run_dir and self.run_dir.strip()), "logging.run_dir must name a directory")
 
 
 @dataclasses.dataclass

@@ -43,6 +43,25 @@ def test_batch_must_be_whole_rows():
         parse_config(["--data.seq_len=1000", "--data.tokens_per_batch=1500"])
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data.path=/my/docs.jsonl"], "data.source is 'stdlib'"),  # without data.source: not the stdlib
+        (["--data.tokens_field=ids"], "tokens_field applies to jsonl and parquet"),
+        (["--data.source=text_dir", "--data.path=/d", "--data.tokens_field=ids"], "not data.source='text_dir'"),
+        (["--data.source=jsonl", "--data.path=/d", "--data.tokens_field=ids", "--data.text_field=body"], "both set"),
+        (["--data.seed=-1"], "data.seed must be >= 0"),
+        (["--optimizer.b2=-1"], r"optimizer.b2 must be in \[0, 1\)"),
+        (["--optimizer.b1=1.0"], r"optimizer.b1 must be in \[0, 1\)"),
+        (["--optimizer.eps=0"], "optimizer.eps must be > 0"),
+        (["--optimizer.weight_decay=-5"], "optimizer.weight_decay must be >= 0"),
+    ],
+)
+def test_fields_that_would_be_ignored_or_break_training_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(flags)
+
+
 def test_planning_workers_need_iterations_ahead():
     with pytest.raises(ConfigError, match=r"plan.workers=4 needs plan.ahead >= 3"):
         parse_config(["--plan.workers=4", "--plan.ahead=2"])

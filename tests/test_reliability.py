@@ -92,6 +92,31 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, cache_dir):
     assert [r["nonfinite"] for r in records] == [1, 1] and records[-1]["nonfinite_steps"] == 2
     assert all(np.isfinite(r["loss"]) for r in records)  # the state never took the overflowing update
     assert Checkpointer(run_dir / "checkpoints", config.checkpoint).all_steps() == [1]
+    # a skipped update leaves the optimizer's count where it was: the schedule (and the logged rate) too
+    assert records[1]["learning_rate"] == records[0]["learning_rate"] == pytest.approx(3e38)
+    # ... also across a resume (the checkpoint keeps the skipped count): step 2 runs at the schedule's
+    # first rate (here of a finite learning rate and another horizon)
+    resumed = _config(run_dir, cache_dir, "--train.steps=3", "--optimizer.warmup_steps=0", "--checkpoint.resume=true")
+    train(resumed, quiet=True)
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3] and records[1]["nonfinite"] == 0
+    assert records[1]["learning_rate"] == pytest.approx(resumed.optimizer.learning_rate)
+    assert records[1]["nonfinite_steps"] == 1
+
+
+def test_resume_checks_the_horizon():
+    from jvarlen.runtime.run import _check_horizon
+
+    said = []
+    with pytest.raises(ConfigError, match="train.steps=4 is below the checkpoint's step 6"):
+        _check_horizon(6, 4, 8, said.append)
+    _check_horizon(6, 10, 8, said.append)
+    _check_horizon(6, 6, 6, said.append)
+    assert said == [
+        "[jvarlen] train.steps changed from 8 (the checkpoint's run) to 10: the learning-rate schedule now decays "
+        "over the new horizon",
+        "[jvarlen] the checkpoint is at step 6 = train.steps: nothing left to train",
+    ]
 
 
 # ------------------------------------------------------------------------------------- checkpoints

@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.data.errors import EmptyCorpusError, TokenIdError
+from jvarlen.data.errors import EmptyCorpusError, TokenIdError, UnreadableFileError
 from jvarlen.data.sources import Source
 from jvarlen.data.tokenizer import Tokenizer
 
@@ -243,6 +243,11 @@ def load_corpus(
     if not hit:
         if directory.exists():  # damaged (e.g. partially deleted): rebuild
             shutil.rmtree(directory)
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file where the directory should be, no permission, ...
+            raise UnreadableFileError(
+                f"data.cache_dir {str(root)!r} cannot be created ({error.strerror or error}); choose another directory"
+            ) from None
         _build_cache(source, tokenizer, directory)
     return Corpus(directory, limit=max_documents, cache_hit=hit)

@@ -137,7 +137,7 @@ def train(
             metrics = jax.device_get(metrics)
             run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile
             dt = time.perf_counter() - t0
-            record = step_record(metrics, dt, float(run.lr_at(step)))
+            record = step_record(metrics, dt, run.learning_rate(step))
             losses.append(record["loss"])
             tokens_seen += record["real_tokens"]
             record.update(

@@ -136,6 +136,11 @@ class Run:
         if not self.quiet:
             self.note = self.logger.write  # prints without breaking the progress bar
 
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based): a skipped update leaves the optimizer's count,
+        and so the schedule, where it was."""
+        return float(self.lr_at(step - self.nonfinite_total))
+
     def end_step(self, step: int, record: dict, state, postfix: dict, data_state: Optional[dict] = None) -> None:
         """Logs step ``step`` (0-based) and saves a checkpoint when one is due. ``data_state``:
         the data position after this step when the sampler has run ahead of training.
@@ -164,7 +169,8 @@ class Run:
         stop = self.signals.received
         if self.checkpointer.should_save(step + 1, self.end) or stop is not None:
             data_state = self.pipeline.state() if data_state is None else data_state
-            self.checkpointer.save(step + 1, state, data_state, self.config.model)
+            schedule = {"train_steps": self.config.train.steps, "skipped_updates": self.nonfinite_total}
+            self.checkpointer.save(step + 1, state, {**data_state, RUN_STATE: schedule}, self.config.model)
         if stop is not None:
             self.checkpointer.wait()
             raise Interrupted(stop, step + 1)
@@ -210,14 +216,17 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         say(f"[jvarlen] {config.model.describe_checkpoint_fields()}")
         graphdef, optimizer, target, placement, state = _state_from_hf(config, resuming, say)
 
-    start = 0
+    start, skipped = 0, 0
+    total = config.train.steps
     if resuming:  # a run's own checkpoint takes precedence over model.init_from
         start, state, data_state = checkpointer.restore(target, config.model)
+        saved = data_state.pop(RUN_STATE, {})
+        _check_horizon(start, total, saved.get("train_steps"), say)
+        skipped = int(saved.get("skipped_updates", 0))
         pipeline.restore(data_state)
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
         say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
-    total = config.train.steps
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
     return Run(
@@ -239,7 +248,28 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         quiet=quiet,
         signals=StopSignals().install(),
         earlier_run=earlier,
+        nonfinite_total=skipped,
     )
+
+
+def _check_horizon(start: int, total: int, saved_total: Optional[int], say) -> None:
+    """A resumed run's ``train.steps``: the checkpoint's step must not lie beyond it, and a horizon
+    other than the one the run was started with is reported (the learning-rate schedule's decay
+    follows it, so its rate changes from the resumed step on)."""
+    if start > total:
+        raise ConfigError(
+            f"train.steps={total} is below the checkpoint's step {start}; resume with train.steps >= {start}"
+        )
+    if saved_total is not None and saved_total != total:
+        say(
+            f"[jvarlen] train.steps changed from {saved_total} (the checkpoint's run) to {total}: the learning-rate "
+            "schedule now decays over the new horizon"
+        )
+    if start == total:
+        say(f"[jvarlen] the checkpoint is at step {start} = train.steps: nothing left to train")
+
+
+RUN_STATE = "run"  # key of the schedule's state (horizon, skipped updates) in a checkpoint's data state
 
 
 def _earlier_run(run_dir: str) -> Optional[str]:
