@@ -177,3 +177,32 @@ def test_group_plans_are_timed_as_the_executor_runs_them(costs, policy):
         assert g.plan.stats["simulation"] == "paired"
         sim = simulate(g.plan, costs.cost(g.scheme), "paired", timeline=False)
         assert g.plan.stats["iteration_time_s"] == pytest.approx(sim.iteration_time)
+
+
+def test_policies_keep_the_fastest_plan_that_fits_memory():
+    """Under a tight budget the fastest candidate (2 × sp = 2) needs more than the budget by the
+    executor's account even recomputing every layer, while 1 × sp = 4 fits: every policy, and
+    auto, keep the one that fits (before: the faster one, with no event)."""
+    model = ModelConfig(vocab_size=320, d_model=256, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=768)
+    base = make_cost(ModelShape.from_config(model), "a800", Layout(8, 1, 1))
+    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2.231e9)), 4)
+    lengths = [47269, 24697, 4049, 12039, 40594, 3242, 139, 4221, 4516]
+    from jvarlen.plan.hydraulis import HomogeneousOptions
+    from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
+    from jvarlen.plan.strategy import Scheme
+
+    faster = plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 2)))
+    fitting = plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 4)))
+    assert not fits_memory(faster) and fits_memory(fitting)
+    assert faster.stats["iteration_time_s"] < fitting.stats["iteration_time_s"]
+    assert any("does not fit the budget even recomputing" in e for g in faster.groups for e in g.plan.events)
+    for policy in ("flexsp", "hydraulis", "dcp", "homogeneous", "auto"):
+        plan = plan_strategy(policy, lengths, tight)
+        assert fits_memory(plan) and plan.stats["fits_memory"], policy
+        assert plan.stats["iteration_time_s"] <= fitting.stats["iteration_time_s"] + 1e-12, policy
+    # DCP-inter's candidates (every layer recomputed, its own bucketings) hold none that fits: it says so
+    inter = plan_strategy("dcp-inter", lengths, tight)
+    assert not fits_memory(inter) and "dcp-inter: none of 5 candidate(s) fits memory" in inter.events[-1]
+    # with nothing that fits, the fastest is kept and says so
+    assert fastest_fitting([fitting, faster][1:], "p") == 0
+    assert faster.events[-1] == "p: none of 1 candidate(s) fits memory by the planner's account; kept the fastest"

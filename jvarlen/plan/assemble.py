@@ -105,6 +105,8 @@ def fit_executor_memory(plan: Plan, cost, simulation: str = "paired") -> Plan:
         )
     elif changed:
         account = executor_memory(plan, cost)
+    if account.total > cost.memory_budget:
+        plan.events.append(f"executor memory: {account.describe()} does not fit the budget even recomputing all it can")
     plan.stats.update(executor_memory_bytes=account.total, executor_memory=account.terms)
     return plan
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from jvarlen.plan.api import PlannerOptions, PlanningError, SlowerThanCeiling, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.sp_assemble import fits_memory
 from jvarlen.plan.strategy import (
     GroupPlan,
     Scheme,
@@ -204,7 +205,7 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
     for name in [n for n in options.policies if n not in bounded] + bounded:
         start = time.perf_counter()
         opts = given.get(name)
-        if name in bounded and best is not None:
+        if name in bounded and best is not None and fits_memory(best):  # a plan that does not fit bounds nothing
             opts = opts or registry[name][1]()
             ceiling = float(best.stats["iteration_time_s"])
             opts = dataclasses.replace(opts, ceiling=ceiling if opts.ceiling is None else min(opts.ceiling, ceiling))
@@ -220,14 +221,18 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
         estimates[name] = {
             "iteration_time_s": t,
             "strategy": plan.describe(),
+            "fits_memory": fits_memory(plan),
             "solve_seconds": time.perf_counter() - start,
         }
-        if best is None or t < float(best.stats["iteration_time_s"]):
+        rank = lambda p: (not fits_memory(p), float(p.stats["iteration_time_s"]))  # noqa: E731
+        if best is None or rank(plan) < rank(best):
             best = plan
     if best is None:
         raise PlanningError(
             "auto: no policy can plan this batch: " + "; ".join(f"{k}: {_why(v)}" for k, v in estimates.items())
         )
+    if not fits_memory(best):
+        best.events.append("auto: no policy's plan fits memory by the planner's account; kept the fastest")
     best.stats["policy_chosen"] = best.policy
     best.stats["auto_estimates"] = estimates
     best.stats["solve_seconds"] = time.perf_counter() - t0

@@ -55,6 +55,7 @@ from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_man
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
 from jvarlen.plan.hydraulis_pack import PackOptions, PackResult, pack, pipeline_time
 from jvarlen.plan.hydraulis_proposal import ProposalOptions, canonical, propose_strategies
+from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
     GroupPlan,
@@ -336,7 +337,8 @@ def two_stage_plan(
         # fits the executor's buffers, +17 % on a 7B (pp 1, sp 8) group of 8 A800s); a candidate
         # whose estimate is below the best simulated time may be faster: packed as the top ones
         # were, and simulated where its packed estimate is still below
-        fastest = min(p.stats["iteration_time_s"] for p in plans)
+        fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
+        fastest = min(fitting or [p.stats["iteration_time_s"] for p in plans])
         waiting = [k for k, e in enumerate(evals) if k not in finalists and e.estimate_s < fastest]
         if not waiting:
             break
@@ -349,7 +351,7 @@ def two_stage_plan(
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
         finalists.append(k)
         plans.append(build_plan(policy, lengths, evals[k], costs, options))
-    best = min(range(len(plans)), key=lambda i: (plans[i].stats["iteration_time_s"], i))
+    best = fastest_fitting(plans, policy)
     plan = plans[best]
     simulated = {finalists[i]: p.stats["iteration_time_s"] for i, p in enumerate(plans)}
     plan.events[:0] = events

@@ -12,7 +12,14 @@ import time
 from typing import Optional, Sequence
 
 from jvarlen.plan.sp_groups import GroupChoice, GroupCosts
-from jvarlen.plan.strategy import GroupPlan, Scheme, StrategyPlan, build_group_plan, place_groups, predicted_time
+from jvarlen.plan.strategy import (
+    GroupPlan,
+    Scheme,
+    StrategyPlan,
+    build_group_plan,
+    place_groups,
+    predicted_time,
+)
 
 
 def describe_schemes(schemes: Sequence[Scheme]) -> str:
@@ -80,6 +87,22 @@ def assemble_strategy(
     return out
 
 
+def fits_memory(plan: StrategyPlan) -> bool:
+    """Every group's plan fits its budget (the simulated time line and the executor's account)."""
+    return all(g.plan.stats.get("fits_memory", True) for g in plan.groups)
+
+
+def fastest_fitting(plans: Sequence[StrategyPlan], policy: str) -> int:
+    """The index of the fastest plan that fits memory, else of the fastest (ties: the first); a plan
+    kept although it does not fit gets an event saying so."""
+    best = min(range(len(plans)), key=lambda i: (not fits_memory(plans[i]), plans[i].stats["iteration_time_s"], i))
+    if not fits_memory(plans[best]):
+        plans[best].events.append(
+            f"{policy}: none of {len(plans)} candidate(s) fits memory by the planner's account; kept the fastest"
+        )
+    return best
+
+
 def assemble_fastest(
     policy: str,
     lengths: Sequence[int],
@@ -91,7 +114,7 @@ def assemble_fastest(
     events: Optional[list] = None,
 ) -> tuple[int, StrategyPlan]:
     """The candidates' :class:`StrategyPlan` (:func:`assemble_strategy`), the fastest simulated one
-    kept (ties: the first). In the ``"paired"`` simulation the padded group model that ranks them
+    that fits memory kept (:func:`fastest_fitting`; ties: the first). In the ``"paired"`` simulation the padded group model that ranks them
     is each ``pp = 1`` group's simulated time (``GroupCosts.group_time``); in the others it leaves
     out the executor's padding and the recomputation its memory fit adds, so candidates a few per
     cent apart by it may swap once simulated. Each candidate's record (its ``candidate_record``)
@@ -111,9 +134,16 @@ def assemble_fastest(
         )
     for (_, record), plan in zip(candidates, plans):
         record["simulated_s"] = plan.stats["iteration_time_s"]
-    best = min(range(len(plans)), key=lambda i: (plans[i].stats["iteration_time_s"], i))
+    best = fastest_fitting(plans, policy)
     plans[best].stats["solve_seconds"] = solve_seconds
     return best, plans[best]
 
 
-__all__ = ["assemble_fastest", "assemble_strategy", "candidate_record", "describe_schemes"]
+__all__ = [
+    "assemble_fastest",
+    "assemble_strategy",
+    "candidate_record",
+    "describe_schemes",
+    "fastest_fitting",
+    "fits_memory",
+]
