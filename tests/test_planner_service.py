@@ -1,6 +1,7 @@
 """Planning service: background solving, never blocking the consumer, fallback + event, determinism."""
 
 import json
+import os
 
 import pytest
 from conftest import small_cost, tight_budget
@@ -92,3 +93,31 @@ def test_a_worker_keeps_its_solver_between_batches():
     with PlanningService(None, workers=1, solve=_Counting()) as svc:
         plans = list(svc.stream(iter([[3000, 2000, 1000]] * 3), ahead=2, wait=True))
     assert [p.stats["solver_calls"] for p in plans] == [1, 2, 3]
+
+
+class _DiesOn:
+    """A solver whose process dies (as under the OOM killer) on one batch."""
+
+    def __init__(self, fatal):
+        self.fatal = fatal
+
+    def __call__(self, lengths):
+        if list(lengths) == self.fatal:
+            os._exit(1)
+        return plan_iteration(lengths, cost=_cost(), policy="epp-fast", options=OPTS)
+
+
+def test_a_dead_worker_is_replaced_and_its_waiting_batches_solved():
+    """A worker that dies breaks its whole process pool: the service starts a new one, the dead
+    worker's batch falls back, and the batches queued behind it and every later one are solved."""
+    fallback = lambda lengths: plan_iteration(lengths, cost=_cost(), policy="seq1f1b-tuned", options=OPTS)  # noqa: E731
+    with PlanningService(None, workers=1, solve=_DiesOn([666]), fallback=fallback) as svc:
+        svc.submit(0, [666])
+        svc.submit(1, [3000, 2000])
+        assert svc.get(0, wait=True).stats["service_source"] == "fallback:failed"
+        assert svc.events[0].kind == "failed" and "BrokenProcessPool" in svc.events[0].detail
+        assert svc.restarts == 1
+        assert svc.get(1, wait=True).stats["service_source"] == "solver"
+        svc.submit(2, [3000, 1000])
+        assert svc.get(2, wait=True).stats["service_source"] == "solver"
+        assert len(svc.events) == 1

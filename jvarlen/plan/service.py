@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
@@ -110,20 +111,41 @@ class PlanningService:
         self.delay_s = delay_s
         self.solve = solve or functools.partial(plan_iteration, cost=cost, policy=policy, options=self.options)
         self.fallback = fallback
-        self._pool = cf.ProcessPoolExecutor(
-            max_workers=workers,
+        self.workers = workers
+        self._pool = self._new_pool()
+        self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
+        self.events: list[ServiceEvent] = []
+        self.restarts = 0
+
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(
+            max_workers=self.workers,
             mp_context=mp.get_context("spawn"),
             initializer=_start_worker,
             initargs=(os.getpid(), self.solve),
         )
-        self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
-        self.events: list[ServiceEvent] = []
+
+    def _restart(self, detail: str) -> None:
+        """A worker died (killed by the OS, out of memory, a crash in native code), which leaves the
+        whole pool unusable: a new pool takes over, and the batches that were waiting on the old
+        one are submitted to it again."""
+        log.warning("planning worker died (%s); restarting the planning processes", detail)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._new_pool()
+        self.restarts += 1
+        for iteration, (lengths, fut) in list(self._jobs.items()):
+            if not fut.done() or fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
+                self._jobs[iteration] = (lengths, self._pool.submit(_solve, lengths, self.delay_s))
 
     # ---- producer
     def submit(self, iteration: int, lengths: Sequence[int]) -> None:
         """Queues iteration ``iteration``'s batch for background solving (returns at once)."""
         lengths = [int(x) for x in lengths]
-        fut = self._pool.submit(_solve, lengths, self.delay_s)
+        try:
+            fut = self._pool.submit(_solve, lengths, self.delay_s)
+        except BrokenProcessPool as e:
+            self._restart(f"{type(e).__name__}: {e}")
+            fut = self._pool.submit(_solve, lengths, self.delay_s)
         self._jobs[iteration] = (lengths, fut)
 
     # ---- consumer
@@ -141,6 +163,8 @@ class PlanningService:
             fut.cancel()
             return self._fallback(iteration, lengths, "late", "solver not finished when the consumer asked")
         except Exception as e:  # the worker failed: never stall training
+            if isinstance(e, BrokenProcessPool):
+                self._restart(f"{type(e).__name__}: {e}")
             return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
 
     def _fallback(self, iteration: int, lengths: list[int], kind: str, detail: str) -> Plan:
