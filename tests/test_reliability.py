@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -290,6 +291,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         (["--lengths", str(lengths), "--config", config, "--policy", "x"], "--policy must be one of epp"),
         (["--lengths", str(lengths), "--config", str(tmp_path / "no.yaml")], "does not exist"),
         (["--lengths", str(lengths), "--config", config, "--iterations", "x"], "Couldn't parse 'x'"),
+        (["--lengths", str(lengths), "--config", config, "--json", "/no/dir/x.json"], "--json /no/dir/x.json: its"),
     ]
     for argv, message in cases:
         assert plan_main(argv) == 2, argv
@@ -386,7 +388,36 @@ def test_the_planner_answers_an_impossible_budget_at_once():
         plan_iteration([2_000_000, 300], cost=tight, options=PlannerOptions(min_slice_tokens=512))
     with pytest.raises(PlanningError, match="model states and a backward's layer gradients"):
         plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2))
+    for policy in ("wo-wbc", "seq1f1b-tuned"):  # every fixed chunk size was tried first (147 s)
+        with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
+            plan_iteration([2_000_000, 300], cost=tight, policy=policy)
     assert time.perf_counter() - start < 30  # a hang guard, not a speed bar (a hang ran > 300 s)
+
+
+def test_planner_options_and_strategy_inputs_are_checked_up_front():
+    from conftest import small_cost
+
+    from jvarlen.plan.api import PlannerOptions
+    from jvarlen.plan.auto import EPPPipelinesOptions
+    from jvarlen.plan.hydraulis import HydraulisOptions
+    from jvarlen.plan.strategy import Scheme, SchemeCosts, plan_strategy
+
+    for bad in ("n_candidates=0", "n_slices=0", "min_slice_tokens=0", "chunk_tokens=()"):
+        with pytest.raises(ValueError, match=rf"PlannerOptions: {re.escape(bad)} must be >= 1"):
+            PlannerOptions(**eval(f"dict({bad})"))
+    costs = SchemeCosts(small_cost(pp=1, sp=1), 8)
+    with pytest.raises(ValueError, match=r"scheme \(pp=16, sp=1\) needs more than the run's 8 devices"):
+        plan_strategy("epp-pipelines", [3000, 2000], costs, EPPPipelinesOptions(scheme=Scheme(16, 1)))
+    for lengths in ([], [3000, 0]):
+        with pytest.raises(ValueError, match="non-empty list of positive document lengths"):
+            plan_strategy("epp-pipelines", lengths, costs)
+    with pytest.raises(ValueError, match=r"candidate .* needs more than the run's 8 devices"):
+        plan_strategy("hydraulis", [3000, 2000], costs, HydraulisOptions(candidates=((Scheme(8, 2),),)))
+    # 5 devices: no pipeline scheme divides them; one pipeline of 4 runs and a device idles
+    five = plan_strategy("epp-pipelines", [3000, 2000, 1000], SchemeCosts(small_cost(pp=1, sp=1), 5))
+    assert sum(g.scheme.num_devices for g in five.groups) in (4, 5) and sorted(
+        d for g in five.groups for d in g.documents
+    ) == [0, 1, 2]
 
 
 def test_a_two_million_token_document_is_planned(tmp_path):

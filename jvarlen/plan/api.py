@@ -30,7 +30,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.cost import CostModel, ModelShape
-from jvarlen.plan.epp import group_chunks, plan_epp
+from jvarlen.plan.epp import group_chunks, plan_epp, smallest_slices
 from jvarlen.plan.grouping import order_families
 from jvarlen.plan.options import LOCKSTEP, SIMULATIONS, PlannerOptions, PlanningError, SlowerThanCeiling
 from jvarlen.plan.plan import Plan
@@ -122,6 +122,9 @@ def plan_iteration(
 
 
 def _plan_fixed(policy: str, lengths, cost, options: PlannerOptions, even: bool) -> Plan:
+    # a document that only slices finer than options.min_slice_tokens could hold is refused now (as
+    # the EPP search refuses it), not after chunking it at every size
+    smallest_slices(lengths, cost, options.min_slice_tokens)
     cap = cost.max_tokens(in_flight=1, tail=False)
     sizes = [s for s in options.chunk_tokens if s <= cap] or [cap]
     best, tried, events = None, {}, []

@@ -111,16 +111,29 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
     """EPP pipelines of the fastest (or the given) pipeline scheme; see the module docstring."""
     t0 = time.perf_counter()
     m = costs.model
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of positive document lengths")
     if options.scheme is not None:
+        if options.scheme.num_devices > costs.num_devices:
+            raise ValueError(
+                f"epp-pipelines: scheme {options.scheme} needs more than the run's {costs.num_devices} devices"
+            )
         schemes = [options.scheme]
     else:
-        schemes = [
+        fitting = [
             s
             for s in enumerate_schemes(
                 costs.num_devices, m.num_layers, m.num_heads, max_pp=options.max_pp, max_sp=options.max_sp
             )
-            if s.pp >= 2 and costs.num_devices % s.num_devices == 0
+            if s.pp >= 2 and s.num_devices <= costs.num_devices
         ]
+        # pipelines that use every device; where none does (3, 5, 7 devices), some stay idle
+        schemes = [s for s in fitting if costs.num_devices % s.num_devices == 0] or fitting
+        if not schemes:
+            raise PlanningError(
+                f"epp-pipelines: no pipeline scheme (pp >= 2, pp <= {options.max_pp}, sp <= {options.max_sp}) fits "
+                f"{costs.num_devices} devices and {m.num_layers} layers"
+            )
     screened, wanted = {}, len(schemes)
     if options.scheme is None and 0 < options.screen < len(schemes):
         for scheme in schemes:

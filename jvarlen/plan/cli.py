@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -72,6 +73,11 @@ class PlanCli:
             raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.time_limit < 0 or self.n_slices < 0 or self.context < 0:
             raise InputError("--time_limit, --n_slices and --context must be >= 0")
+        for flag in ("json", "plan", "gantt"):  # checked now, not after the planning they would keep
+            path = getattr(self, flag)
+            parent = os.path.dirname(os.path.abspath(path)) if path else None
+            if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+                raise InputError(f"--{flag} {path}: its directory {parent!r} does not exist or is not writable")
 
 
 class InputError(ValueError):

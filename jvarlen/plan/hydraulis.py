@@ -405,6 +405,9 @@ def plan(lengths: list[int], costs: SchemeCosts, options: HydraulisOptions) -> S
     events: list[str] = []
     schemes = scheme_space(costs, options)
     if options.candidates is not None:
+        for c in options.candidates:
+            if sum(s.num_devices for s in c) > costs.num_devices:
+                raise ValueError(f"candidate {_describe(c)} needs more than the run's {costs.num_devices} devices")
         schemes = sorted(set(schemes) | {s for c in options.candidates for s in c}, key=lambda s: (s.num_devices, s.pp))
     table_of = tables_for(costs, schemes, options)
     _check_fits(arr, table_of, "hydraulis")
@@ -412,8 +415,6 @@ def plan(lengths: list[int], costs: SchemeCosts, options: HydraulisOptions) -> S
     candidates = []
     if options.candidates is not None:
         for c in options.candidates:
-            if sum(s.num_devices for s in c) > costs.num_devices:
-                raise ValueError(f"candidate {_describe(c)} needs more than the run's {costs.num_devices} devices")
             if c and max(table_of[s].max_len for s in c) >= longest:
                 candidates.append(canonical(c, table_of))
         if not candidates:

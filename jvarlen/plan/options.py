@@ -61,6 +61,17 @@ class PlannerOptions:
     def __post_init__(self):
         if self.simulation not in SIMULATIONS:
             raise ValueError(f"simulation must be one of {SIMULATIONS}, got {self.simulation!r}")
+        positive = dict(
+            n_candidates=self.n_candidates,
+            min_slice_tokens=self.min_slice_tokens,
+            seq1f1b_chunk_tokens=self.seq1f1b_chunk_tokens,
+            seq1f1b_reference_context=self.seq1f1b_reference_context,
+            n_slices=1 if self.n_slices is None else self.n_slices,
+            chunk_tokens=min(self.chunk_tokens, default=0),
+        )
+        bad = [k for k, v in positive.items() if v < 1]
+        if bad:
+            raise ValueError(f"PlannerOptions: {', '.join(f'{k}={getattr(self, k)}' for k in bad)} must be >= 1")
 
 
 __all__ = ["LOCKSTEP", "SIMULATIONS", "PlannerOptions", "PlanningError", "SlowerThanCeiling"]
