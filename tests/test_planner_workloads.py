@@ -1,11 +1,19 @@
 """Workload library: the published GitHub statistics, stdlib lengths, seeded batches."""
 
 import os
+import sys
 import sysconfig
 
 import numpy as np
 
-from jvarlen.plan.workloads import COMMONCRAWL, GITHUB, sample_batch, statistics, stdlib_lengths
+from jvarlen.plan.workloads import (
+    COMMONCRAWL,
+    GITHUB,
+    measure_stdlib_lengths,
+    sample_batch,
+    statistics,
+    stdlib_lengths,
+)
 
 
 def test_github_matches_infinipipe_statistics():
@@ -24,11 +32,20 @@ def test_commoncrawl_is_shorter_than_github():
 
 
 def test_stdlib_lengths_are_file_sizes_plus_bos_eos():
-    lengths = stdlib_lengths()
+    lengths = measure_stdlib_lengths()
     root = sysconfig.get_paths()["stdlib"]
     size = os.path.getsize(os.path.join(root, "os.py"))
     assert size + 2 in lengths
     assert len(lengths) > 500 and min(lengths) >= 3
+
+
+def test_the_stdlib_workload_is_python_3_11_7s_library_on_every_python():
+    """Benchmarks and tests draw batches from the snapshot, so another Python's library (3.12's
+    differs) changes none of them; on 3.11.7 the snapshot is what the library measures."""
+    snapshot = stdlib_lengths()
+    assert len(snapshot) == 1762 and sum(snapshot) == 31_528_748
+    if sys.version_info[:3] == (3, 11, 7):
+        assert measure_stdlib_lengths() == snapshot
 
 
 def test_batches_are_seeded_and_truncated():

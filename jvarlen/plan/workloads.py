@@ -7,8 +7,10 @@
   median is solved so that the > 64K token share is 21.6 %.
 * ``commoncrawl``: an assumed web-text shape (the papers give no numbers): 97 %
   ≤ 8K with a short body (median ≈ 600), 2.9 % in (8K, 64K], 0.1 % in (64K, 256K].
-* ``stdlib``: the running Python's standard-library ``*.py`` files; the byte
-  tokenizer gives tokens = bytes + 2 (BOS, EOS).
+* ``stdlib``: the standard-library ``*.py`` files of Python 3.11.7, a snapshot shipped in
+  ``stdlib_lengths.json`` (another Python's library differs, and with it every batch and result
+  drawn from it); the byte tokenizer gives tokens = bytes + 2 (BOS, EOS).
+  :func:`measure_stdlib_lengths` measures the running Python's.
 
 Batches are sampled with a ``numpy.random.Generator`` (deterministic given the
 seed) and truncated to the context length, as in InfiniPipe §5.1.
@@ -17,6 +19,7 @@ seed) and truncated to the context length, as in InfiniPipe §5.1.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -88,9 +91,20 @@ COMMONCRAWL = LengthMixture(
 MIXTURES = {m.name: m for m in (GITHUB, COMMONCRAWL)}
 
 
+SNAPSHOT = pathlib.Path(__file__).with_name("stdlib_lengths.json")
+
+
 @lru_cache(maxsize=1)
 def stdlib_lengths() -> tuple[int, ...]:
-    """Token counts of the stdlib corpus: bytes + 2 per ``*.py`` file (sorted paths, no site-packages)."""
+    """Token counts of the ``stdlib`` workload: the shipped snapshot of Python 3.11.7's library
+    (:func:`measure_stdlib_lengths` there), the same on every machine."""
+    with open(SNAPSHOT, encoding="utf-8") as f:
+        return tuple(int(x) for x in json.load(f)["lengths"])
+
+
+def measure_stdlib_lengths() -> tuple[int, ...]:
+    """Token counts of the running Python's stdlib: bytes + 2 per ``*.py`` file (sorted paths, no
+    site-packages)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     out = []
