@@ -189,6 +189,41 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp
         train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
 
 
+def _tensorboard_events(path):
+    """The Event protos of one TensorBoard event file (TFRecord: length, its CRC, data, data CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    with open(path, "rb") as f:
+        while len(header := f.read(12)) == 12:
+            events.append(Event.FromString(f.read(struct.unpack("<Q", header[:8])[0])))
+            f.read(4)
+    return events
+
+
+def test_a_run_that_starts_over_purges_the_earlier_tensorboard_steps(tmp_path):
+    """A resume that finds no checkpoint starts at step 0: metrics.jsonl drops the earlier records,
+    and TensorBoard gets a purge (SessionLog START at step 1) so that no step shows twice."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    from jvarlen.config import LoggingConfig
+    from jvarlen.runtime.metrics import MetricsLogger
+
+    cfg = LoggingConfig(run_dir=str(tmp_path), progress_bar=False)
+    for _ in range(2):
+        logger = MetricsLogger(str(tmp_path), cfg, total_steps=3, initial_step=0)
+        for step in (1, 2):
+            logger.log(step, {"loss": 1.0})
+        logger.close()
+        time.sleep(1.1)  # event files are named by the second they were opened in
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2]
+    second = sorted((tmp_path / "tensorboard").iterdir())[-1]
+    starts = [e.step for e in _tensorboard_events(second) if e.session_log.status == SessionLog.START]
+    assert starts == [1]
+
+
 def test_truncate_records_drops_later_steps_and_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')

@@ -37,8 +37,8 @@ class MetricsLogger:
         if write and cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            purge = initial_step + 1 if initial_step > 0 else None
-            self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
+            # also at step 0: a resume that found no checkpoint starts over, as metrics.jsonl does
+            self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=initial_step + 1)
         self._bar = None
         if show_progress and cfg.progress_bar:
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
