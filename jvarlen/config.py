@@ -3,6 +3,9 @@
 YAML files in ``configs/`` set values; the command line overrides them with dotted
 keys (``--model.num_layers=4``), parsed by draccus. Every invariant is checked in
 ``__post_init__`` and the message names the field and what to change.
+
+This module is longer than 500 lines on purpose: every setting of a run and the check that
+refuses its bad values sit together, the one file a user reads to learn what a flag means.
 """
 
 from __future__ import annotations
