@@ -16,11 +16,17 @@ import draccus
 from jvarlen.plan.cli import InputError, PlanCli, run
 
 
+def _underscored(flag: str) -> str:
+    name, eq, value = flag[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Exit codes: 0 planned, 1 some iteration could not be planned, 2 bad flags or input files."""
     argv = sys.argv[1:] if argv is None else argv
-    # Accept --batch-size as well as draccus' --batch_size.
-    args = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in argv]
+    # Accept --batch-size as well as draccus' --batch_size (the flag's name only: --json=my-out.json
+    # keeps its value)
+    args = [_underscored(a) if a.startswith("--") else a for a in argv]
     try:
         cli = draccus.parse(PlanCli, args=args, exit_on_error=False)
         return run(cli)
