@@ -66,3 +66,30 @@ def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
     assert min(errors[:4]) > 0.4
     assert max(errors[4:]) < 0.02
     assert check.refit.refits == 2
+
+
+def test_a_profile_of_another_model_says_so_and_an_unreadable_one_names_its_file(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from jvarlen.config import ConfigError, parse_config
+
+    shipped = sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0]
+    said = []
+    config = parse_config([f"--train.cost_profile={shipped}"])
+    assert StepTimeCheck.from_config(config, said.append) is not None
+    assert not any("approximate" in line for line in said)  # the shipped CPU profile is this model's
+    other = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=64))
+    assert StepTimeCheck.from_config(other, said.append) is not None
+    assert (
+        f"was made for L4-d128-h4-kv2-hd32-f384-v320-tied on cpu, this run is {ModelShape.from_config(other.model).key()}"
+        in said[-2]
+    )
+    broken = tmp_path / "profile.json"
+    broken.write_text('{"fwd": {"alpha1"')
+    for text in ('{"fwd": {"alpha1"', '{"bogus": 1}'):
+        broken.write_text(text)
+        bad = parse_config([f"--train.cost_profile={broken}"])
+        with pytest.raises(ConfigError, match=f"cost profile '{broken}' cannot be read as a jvarlen profile"):
+            StepTimeCheck.from_config(bad, said.append)

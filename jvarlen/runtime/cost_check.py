@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from jvarlen.config import Config
+from jvarlen.config import Config, ConfigError
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, ModelShape, profile_filename
@@ -47,6 +47,24 @@ def find_profile(config: Config) -> Optional[str]:
         if os.path.exists(path):
             return path
     return None
+
+
+def load_profile(path: str, config: Config, say: Callable[[str], None], what: str = "cost model") -> CostCoefficients:
+    """The coefficients of the profile at ``path``: a file that cannot be read as one is a
+    :class:`ConfigError` naming it; a profile measured for another model shape or backend is used
+    (its plans are valid) with a line saying that its predicted times are approximate."""
+    try:
+        coeffs = CostCoefficients.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"cost profile {path!r} cannot be read as a jvarlen profile ({error!r:.200})") from None
+    meta = coeffs.meta
+    run = (ModelShape.from_config(config.model).key(), jax.default_backend())
+    if meta.model_key and (meta.model_key, meta.backend) != run:
+        say(
+            f"[jvarlen] {what}: {path} was made for {meta.model_key} on {meta.backend}, this run is {run[0]} on "
+            f"{run[1]}: its predicted times are approximate"
+        )
+    return coeffs
 
 
 def replica_chunks(segment_ids: np.ndarray, dp: int) -> list[ChunkShape]:
@@ -77,7 +95,7 @@ class StepTimeCheck:
                     "times are off (run `python -m jvarlen.profile` to measure one)"
                 )
             return None
-        coeffs = CostCoefficients.load(path)
+        coeffs = load_profile(path, config, say)
         say(f"[jvarlen] cost model: {path} (refit every {config.train.cost_refit_every} steps)")
         return cls(OnlineRefit(shape, coeffs, every=config.train.cost_refit_every), path, say)
 

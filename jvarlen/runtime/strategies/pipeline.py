@@ -26,7 +26,7 @@ from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.service import PlanningService
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile, load_profile
 from jvarlen.runtime.feed import split_by_rows
 from jvarlen.runtime.step import CompiledStep
 from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
@@ -55,20 +55,20 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
     has none)."""
     shape = ModelShape.from_config(config.model)
     sharded = config.parallel.stage_weights == "sharded"
-    path = find_profile(config)
+    path, stand_in = find_profile(config), False
     if path is None and config.train.cost_profile != "none":
         backend = jax.default_backend()
         shipped = [f for f in sorted(os.listdir(PACKAGE_PROFILES)) if f"__{backend}__" in f and f.endswith(".json")]
         shipped = [f for f in shipped if not f.endswith(".report.json")]
         if shipped:  # another shape's coefficients: plans are valid, predicted times are approximate
-            path = os.path.join(PACKAGE_PROFILES, shipped[0])
+            path, stand_in = os.path.join(PACKAGE_PROFILES, shipped[0]), True
             say(f"[jvarlen] planner: no profile for {shape.key()}; using the shipped {shipped[0]}")
     if path is None:
         say("[jvarlen] planner: analytic a800 cost model (no measured profile for this backend)")
         coeffs = make_cost(shape, "a800", layout).coeffs
     else:
         say(f"[jvarlen] planner cost model: {path}")
-        coeffs = CostCoefficients.load(path)
+        coeffs = CostCoefficients.load(path) if stand_in else load_profile(path, config, say, "planner")
     if not coeffs.m_stored_token:  # what a stored layer keeps under this run's residual policy
         try:
             stored = stored_token_bytes(config.model, config.parallel.residual_policy)
