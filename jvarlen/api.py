@@ -30,9 +30,21 @@ from jvarlen.runtime.state import create_train_state
 from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
 
 
-def as_pieces(documents: Sequence) -> list[Piece]:
-    """Token arrays (or pieces) as :class:`Piece` s: document i is corpus document i, whole."""
-    return [d if isinstance(d, Piece) else Piece(np.asarray(d, np.int32), i, -1) for i, d in enumerate(documents)]
+def as_pieces(documents: Sequence, vocab_size: Optional[int] = None) -> list[Piece]:
+    """Token arrays (or pieces) as :class:`Piece` s: document i is corpus document i, whole. Ids
+    outside ``[0, vocab_size)`` and documents that are not 1-D are refused (an id past the
+    vocabulary made the loss NaN and skipped the update; a negative one wrapped around)."""
+    pieces = [d if isinstance(d, Piece) else Piece(np.asarray(d), i, -1) for i, d in enumerate(documents)]
+    for i, p in enumerate(pieces):
+        tokens = p.tokens
+        if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+            raise ValueError(
+                f"document {i}: expected a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}"
+            )
+        if vocab_size is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+            raise ValueError(f"document {i}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    return [p if p.tokens.dtype == np.int32 else p._replace(tokens=p.tokens.astype(np.int32)) for p in pieces]
 
 
 class Step:
@@ -62,7 +74,7 @@ class LayoutStep(Step):
 
     def prepare(self, documents: Sequence) -> Prepared:
         """Packs whole documents into ``rows x seq_len`` (best fit; raises if they do not fit)."""
-        pieces = as_pieces(documents)
+        pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)
         rows = place(np.array([len(p.tokens) for p in pieces]), self.rows, self.seq_len)
         return self.strategy.prepare(Iteration(0, pieces, rows, {}), self.cache.keys())
 
@@ -77,7 +89,9 @@ class LayoutStep(Step):
 class PlanStep(Step):
     def prepare(self, plans: Sequence, documents: Sequence[Sequence]) -> Prepared:
         """One plan and the list of its documents per pipeline (``len(plans) == layout.dp``)."""
-        groups = [as_pieces(docs) for docs in documents]
+        if len(plans) != len(documents):
+            raise ValueError(f"{len(plans)} plans but {len(documents)} lists of documents: one per pipeline")
+        groups = [as_pieces(docs, self.strategy.ctx.model.vocab_size) for docs in documents]
         pieces = [p for g in groups for p in g]
         it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=groups, plans=list(plans))
         return self.strategy.prepare(it, self.cache.keys())
@@ -86,7 +100,7 @@ class PlanStep(Step):
 class StrategyStep(Step):
     def prepare(self, plan, documents: Sequence) -> Prepared:
         """A :class:`~jvarlen.plan.strategy.StrategyPlan` over ``documents`` (its groups' plans index them)."""
-        pieces = as_pieces(documents)
+        pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)
         it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
         return self.strategy.prepare(it, self.cache.keys())
 
@@ -104,6 +118,15 @@ class Session:
             graphdef, model, optimizer, self.placement, abstract_like(self.state), compiler_options=compiler_options
         )
         self.cache = CompileCache(say=lambda _: None)
+        self._caches: dict[tuple, CompileCache] = {}
+
+    def _cache_for(self, options: tuple) -> CompileCache:
+        """Steps whose programs differ beyond their signature (a residual policy, stage weights)
+        keep separate caches: keyed by the signature alone, one would run the other's executable.
+        The first options requested use :attr:`cache`."""
+        if not self._caches:
+            self._caches[options] = self.cache
+        return self._caches.setdefault(options, CompileCache(say=lambda _: None))
 
     @classmethod
     def from_config(cls, config: Config, devices=None, **kwargs) -> "Session":
@@ -126,6 +149,12 @@ class Session:
         from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
 
         layout.validate(len(self.placement.devices), num_heads=self.context.model.num_heads)
+        if layout.pp != 1:
+            raise ValueError(f"{layout}: the data-parallel step has no pipeline stages (pp = 1); use plan_step")
+        if rows < 1 or seq_len < 1 or seq_len % layout.sp:
+            raise ValueError(
+                f"rows ({rows}) and seq_len ({seq_len}) must be >= 1, seq_len divisible by sp ({layout.sp})"
+            )
         policy = LayoutPolicy(len(self.placement.devices), self.context.model.num_heads, 1, layout)
         return LayoutStep(LayoutStrategy(self.context, policy, rows, seq_len), self.cache, rows, seq_len)
 
@@ -143,6 +172,8 @@ class Session:
         ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp devices and the dp pipelines)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
+        model = self.context.model
+        layout.validate(len(self.placement.devices), num_heads=model.num_heads, num_layers=model.num_layers)
         strategy = PipelineStrategy.for_given_plans(
             self.context,
             layout,
@@ -151,7 +182,7 @@ class Session:
             chunk_multiple=chunk_multiple,
             bucket=bucket,
         )
-        return PlanStep(strategy, self.cache)
+        return PlanStep(strategy, self._cache_for(("pipeline", residual_policy, stage_weights)))
 
     def strategy_step(
         self,
@@ -173,7 +204,7 @@ class Session:
             stage_weights=stage_weights,
             chunk_multiple=chunk_multiple,
         )
-        return StrategyStep(strategy, self.cache)
+        return StrategyStep(strategy, self._cache_for(("groups", residual_policy, stage_weights)))
 
     def put(self, tree, shardings):
         """Host values -> global arrays with ``shardings`` (each process fills its own shards)."""

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
 from pipeline_helpers import reference_batch as _reference_batch
@@ -132,3 +133,39 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     np.testing.assert_allclose(metrics["target_tokens"], ref_metrics["target_tokens"])
     assert_tree_close(state.params, expected.params)
     assert len(cache) == 1 and cache.stats.misses == 0
+
+
+def test_research_steps_refuse_inputs_they_would_run_wrongly():
+    """What the research API refuses before compiling: documents longer than their plan says (the
+    executor would cut them to the plan's chunks), plans of another layout, a layout that does
+    not fit the devices, ids outside the vocabulary; and steps whose programs differ beyond their
+    signature (residual policy, stage weights) keep separate compile caches."""
+    require_devices(LAYOUT.num_devices)
+    cfg = tiny_config(num_layers=4)
+    graphdef, params = tiny_params(cfg)
+    optimizer = optax.sgd(0.5)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
+    session = Session(graphdef, cfg, optimizer, state, compiler_options=FAST_COMPILE)
+    step = session.plan_step(LAYOUT, bucket=32)
+    (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
+    longer = list(da)
+    longer[5] = np.concatenate([longer[5], longer[5][:10]])
+    with pytest.raises(ValueError, match=r"pipeline 0: documents of \[.*\] tokens, but its plan is for"):
+        step.prepare([pa, pb], [longer, db])
+    with pytest.raises(ValueError, match="2 plans but 1 lists of documents"):
+        step.prepare([pa, pb], [da])
+    with pytest.raises(ValueError, match="token id 64 is outside the model's vocabulary"):
+        step.prepare([pa, pb], [[np.full(len(d), 64) for d in da], db])
+    other = session.plan_step(Layout(dp=1, pp=2, sp=4), bucket=32)
+    with pytest.raises(ValueError, match=r"a plan for Layout\(dp=2, pp=2, sp=2\) given to the pipeline step of"):
+        other.prepare([pa], [da])
+    with pytest.raises(ValueError, match="dp\\*pp\\*sp = 6 but there are 8 devices"):
+        session.plan_step(Layout(dp=3, pp=2, sp=1))
+    with pytest.raises(ValueError, match="no pipeline stages"):
+        session.layout_step(Layout(dp=2, pp=4, sp=1), rows=2, seq_len=16)
+    with pytest.raises(ValueError, match="seq_len divisible by sp"):
+        session.layout_step(Layout(dp=2, pp=1, sp=4), rows=2, seq_len=18)
+    assert step.cache is session.cache and other.cache is session.cache  # same options: one cache
+    sharded = session.plan_step(LAYOUT, bucket=32, stage_weights="sharded")
+    stored = session.plan_step(LAYOUT, bucket=32, residual_policy="all")
+    assert len({id(step.cache), id(sharded.cache), id(stored.cache)}) == 3

@@ -230,6 +230,15 @@ def prepare_plans(
     layout: Layout = plans[0].layout
     if any(p.layout != layout for p in plans):
         raise ValueError("all pipelines of one iteration need the same layout")
+    if len(documents) != len(plans):
+        raise ValueError(f"{len(plans)} plans but documents for {len(documents)} pipelines")
+    for i, (plan, docs) in enumerate(zip(plans, documents)):
+        # a longer document would be cut to its plan's chunks without a word
+        got = tuple(len(d.tokens) if hasattr(d, "tokens") else len(d) for d in docs)
+        if got != tuple(plan.lengths):
+            raise ValueError(
+                f"pipeline {i}: documents of {list(got)[:8]} tokens, but its plan is for {list(plan.lengths)[:8]}"
+            )
     ls = num_layers // layout.pp
     n = round_up(max(p.n_chunks for p in plans), chunk_multiple)
     padded = [pad_plan(p, n, ls) for p in plans]

@@ -129,6 +129,9 @@ class PipelineStrategy(ExecutionStrategy):
         return Planner(split_by_rows(self.layout.dp, self.rows_per_batch), solve, self._service, self.wait)
 
     def prepare(self, iteration, known=()) -> Prepared:
+        wrong = [p.layout for p in iteration.plans if p.layout != self.layout]
+        if wrong:
+            raise ValueError(f"a plan for {wrong[0]} given to the pipeline step of {self.layout}")
         sig, batch = prepare_plans(
             iteration.plans,
             iteration.groups,
