@@ -299,9 +299,14 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
 
 
 def profile_part(out: str) -> dict:
-    cmd = [sys.executable, "-m", "jvarlen.profile", "--config", "configs/default.yaml"]
+    """The cost-model profile of the default model on this GPU; a failed profiler is an error of
+    this part (its stderr's end in the message), not a row with no files."""
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
+    cmd = [sys.executable, "-m", "jvarlen.profile", "--config", config]
     cmd += ["--out_dir", os.path.join(out, "profile"), "--force", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m jvarlen.profile exited {proc.returncode}: {proc.stderr[-1500:]}")
     files = sorted(os.listdir(os.path.join(out, "profile"))) if os.path.isdir(os.path.join(out, "profile")) else []
     return {"returncode": proc.returncode, "files": files, "stdout_tail": proc.stdout[-1500:]}
 

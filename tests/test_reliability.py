@@ -470,3 +470,38 @@ def test_a_two_million_token_document_is_planned(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(out.read_text())
     assert summary["tokens_planned"] == summary["tokens_in"] == 2_003_500 and summary["fits_memory"]
+
+
+def test_profile_cli_refuses_what_would_mislabel_or_overwrite_a_profile(tmp_path, capsys):
+    """``python -m jvarlen.profile`` without measuring anything: bad flags and missing files are one
+    line with exit 2; a report of another model is not saved as this model's; an existing profile is
+    neither replaced by a refit without --force nor reused without saying so."""
+    import glob
+    import json
+
+    from jvarlen.plan.cost import CostCoefficients
+    from jvarlen.profile.cli import cli
+
+    base = ["--cpu_pin", "false", "--out_dir", str(tmp_path), "--compilation_cache", str(tmp_path / "xla")]
+    for flags, message in (
+        (["--repeats", "0"], "repeats and calibration_rounds must be >= 1"),
+        (["--refit_from", str(tmp_path / "none.json")], "none.json"),
+    ):
+        assert cli(base + flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
+
+    shipped = sorted(glob.glob(f"{PACKAGE_PROFILES}/*__cpu__cpu.report.json"))[0]
+    report = json.load(open(shipped))
+    other = tmp_path / "other.report.json"
+    json.dump({**report, "model_key": "L80-d8192-other", "backend": "gpu"}, open(other, "w"))
+    assert cli(base + ["--refit_from", str(other)]) == 2
+    assert "was measured for L80-d8192-other on gpu, not this" in capsys.readouterr().err
+    assert cli(base + ["--refit_from", shipped]) == 0  # an older report without the keys: taken as it is
+    path = capsys.readouterr().out.strip()
+    CostCoefficients.load(path)
+    assert cli(base + ["--refit_from", shipped]) == 2
+    assert "exists; pass --force true" in capsys.readouterr().err
+    assert cli(base) == 0  # reused, and said so
+    assert "reusing the profile" in capsys.readouterr().err

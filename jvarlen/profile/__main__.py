@@ -1,6 +1,8 @@
 """``python -m jvarlen.profile``: see :mod:`jvarlen.profile.cli`."""
 
-from jvarlen.profile.cli import main
+import sys
+
+from jvarlen.profile.cli import cli
 
 if __name__ == "__main__":
-    print(main())
+    sys.exit(cli())

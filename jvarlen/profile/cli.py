@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Optional
 
 import draccus
@@ -57,8 +58,22 @@ class ProfileConfig:
             raise ValueError("recalibrate needs extend_report (the saved *.report.json to recalibrate)")
 
 
+def cli(args: Optional[list[str]] = None) -> int:
+    """The command line: prints the profile's path; bad flags or input files are one line on
+    stderr and exit code 2."""
+    try:
+        print(main(args))
+    except (ValueError, OSError, draccus.utils.DraccusException) as error:
+        cause = error
+        while isinstance(cause, draccus.utils.DraccusException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        print(f"jvarlen.profile: {type(cause).__name__}: {cause}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(args: Optional[list[str]] = None) -> str:
-    cfg = draccus.parse(ProfileConfig, args=args)
+    cfg = draccus.parse(ProfileConfig, args=args, exit_on_error=False)
     # must happen before JAX initialises its CPU client; a recalibration runs every degree of its report
     degrees = list(cfg.sp)
     if cfg.extend_report and cfg.recalibrate:

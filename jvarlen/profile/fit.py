@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import sys
 from typing import Optional
 
 import jax
@@ -148,7 +150,6 @@ def run_profiler(cfg) -> str:
     """Entry of ``python -m jvarlen.profile`` (``cfg``: :class:`jvarlen.profile.ProfileConfig`).
     Returns the path of the saved (or reused) profile."""
     import json
-    import os
 
     from tqdm import tqdm
 
@@ -161,9 +162,18 @@ def run_profiler(cfg) -> str:
     dev = jax.devices()[0]
     path = os.path.join(cfg.out_dir, profile_filename(shape, jax.default_backend(), dev.device_kind))
     if cfg.refit_from:
+        if os.path.exists(path) and not cfg.force:
+            raise FileExistsError(f"{path} exists; pass --force true to replace it with the refit of {cfg.refit_from}")
         refit_profile(cfg.refit_from, model_cfg, path)
         return path
     if os.path.exists(path) and not cfg.force and not cfg.extend_report:
+        try:
+            CostCoefficients.load(path)
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(
+                f"{path} exists but cannot be read ({error!r:.120}); --force true measures it again"
+            ) from None
+        print(f"[jvarlen] reusing the profile {path} (--force true measures it again)", file=sys.stderr)
         return path
 
     def measure(sp: int, grid: ProfileGrid) -> dict:
@@ -180,6 +190,7 @@ def run_profiler(cfg) -> str:
     if cfg.extend_report:
         with open(cfg.extend_report) as f:
             report = json.load(f)
+        check_report(report, shape, cfg.extend_report)
         if cfg.recalibrate:
             for sp, sub in [(1, report)] + [(int(k), v) for k, v in sorted(report.get("sp_reports", {}).items())]:
                 harness = ChunkHarness(
@@ -198,6 +209,7 @@ def run_profiler(cfg) -> str:
             report.setdefault("sp_reports", {})[str(sp)] = measure(
                 sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats, calibration_rounds=cfg.calibration_rounds)
             )
+    report.update(model_key=shape.key(), backend=jax.default_backend())
     _fit_and_save(report, model_cfg, path)
     with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -212,7 +224,19 @@ def refit_profile(
 
     with open(report_path) as f:
         report = json.load(f)
+    check_report(report, ModelShape.from_config(model_cfg), report_path)
     return _fit_and_save(report, model_cfg, out_path, base)
+
+
+def check_report(report: dict, shape: ModelShape, where: str) -> None:
+    """A saved report measured another model shape or backend: refused (its numbers would be saved
+    as this model's). Reports from before the keys were recorded are taken as they are."""
+    import jax
+
+    mine = (shape.key(), jax.default_backend())
+    theirs = (report.get("model_key", mine[0]), report.get("backend", mine[1]))
+    if theirs != mine:
+        raise ValueError(f"{where} was measured for {theirs[0]} on {theirs[1]}, not this {mine[0]} on {mine[1]}")
 
 
 def _fit_and_save(
