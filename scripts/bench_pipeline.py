@@ -616,6 +616,9 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
         json.dump({"mode": mode, "profile": spec["profile"], "profile_clock_scale": scale, "rows": rows}, f, indent=1)
 
 
+PARTS = ("overhead", "ticks", "recompute", "order", "policies", "overheads", "retime", "predict")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -653,6 +656,9 @@ def main():
     args = parser.parse_args()
     if args.worker is not None:
         return policy_worker(args)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     cfg = ModelConfig(
         d_model=args.d_model,
         num_layers=args.layers,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -235,7 +236,14 @@ def main(argv=None):
     shape = ModelShape.from_config(model_cfg)
     if args.measurements and os.path.exists(args.measurements):
         with open(args.measurements) as f:
-            rows = json.load(f)["plans"]
+            saved = json.load(f)
+        theirs = (saved.get("model", shape.key()), saved.get("backend", jax.default_backend()))
+        if theirs != (shape.key(), jax.default_backend()):
+            sys.exit(
+                f"validate_cost_model: {args.measurements} holds measurements of {theirs[0]} on {theirs[1]}, "
+                f"not of this {shape.key()} on {jax.default_backend()}"
+            )
+        rows = saved["plans"]
     else:
         rows = measure_plans(args, model_cfg, shape)
         if args.measurements:

@@ -328,6 +328,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         (["--lengths", str(lengths), "--config", config, "--iterations", "x"], "Couldn't parse 'x'"),
         (["--lengths", str(lengths), "--config", config, "--json", "/no/dir/x.json"], "--json /no/dir/x.json: its"),
         ([f"--lengths={lengths}", f"--config={config}", "--json=/no/my-dir/x-1.json"], "/no/my-dir/x-1.json"),
+        (["--lengths", str(lengths), "--config", config, "--policy", "hydraulis", "--n_slices", "3"], "does not read"),
     ]
     for argv, message in cases:
         assert plan_main(argv) == 2, argv

@@ -73,6 +73,12 @@ class PlanCli:
             raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.time_limit < 0 or self.n_slices < 0 or self.context < 0:
             raise InputError("--time_limit, --n_slices and --context must be >= 0")
+        defaults = {f.name: f.default for f in dataclasses.fields(PlanCli)}
+        ignored = [f"--{k}" for k in ("n_slices", "time_limit", "zero3_sp") if getattr(self, k) != defaults[k]]
+        if self.policy in strategy_policies() and ignored:
+            raise InputError(
+                f"{', '.join(ignored)} apply to the elastic-pipeline policies; {self.policy} does not read them"
+            )
         for flag in ("json", "plan", "gantt"):  # checked now, not after the planning they would keep
             path = getattr(self, flag)
             parent = os.path.dirname(os.path.abspath(path)) if path else None
