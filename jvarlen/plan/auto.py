@@ -111,8 +111,6 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
     """EPP pipelines of the fastest (or the given) pipeline scheme; see the module docstring."""
     t0 = time.perf_counter()
     m = costs.model
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
     if options.scheme is not None:
         if options.scheme.num_devices > costs.num_devices:
             raise ValueError(
@@ -207,6 +205,11 @@ def _takes_ceiling(options_type: type) -> bool:
     return dataclasses.is_dataclass(options_type) and "ceiling" in {f.name for f in dataclasses.fields(options_type)}
 
 
+def _rank(plan: StrategyPlan) -> tuple:
+    """Plans that fit memory first, then the fastest."""
+    return (not fits_memory(plan), float(plan.stats["iteration_time_s"]))
+
+
 @register_policy("auto", AutoOptions)
 def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> StrategyPlan:
     """The fastest plan of every policy in ``options.policies`` (see the module docstring)."""
@@ -237,8 +240,7 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
             "fits_memory": fits_memory(plan),
             "solve_seconds": time.perf_counter() - start,
         }
-        rank = lambda p: (not fits_memory(p), float(p.stats["iteration_time_s"]))  # noqa: E731
-        if best is None or rank(plan) < rank(best):
+        if best is None or _rank(plan) < _rank(best):
             best = plan
     if best is None:
         raise PlanningError(

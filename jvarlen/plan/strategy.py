@@ -468,6 +468,8 @@ def plan_strategy(policy: str, lengths: Sequence[int], costs: SchemeCosts, optio
     if policy not in policies:
         raise ValueError(f"unknown strategy policy {policy!r}; choose one of {', '.join(sorted(policies))}")
     fn, options_type = policies[policy]
+    if not len(lengths) or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of positive document lengths")
     plan = fn([int(x) for x in lengths], costs, options_type() if options is None else options)
     for key, value in plan.group_summary().items():  # what a policy leaves out, from its groups
         plan.stats.setdefault(key, value)
