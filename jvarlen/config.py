@@ -24,6 +24,28 @@ class ConfigError(ValueError):
     """A configuration value breaks an invariant; the message says which and how to fix it."""
 
 
+def _strict_number(kind: type):
+    """draccus turns ``true`` into 1 for an int or float field (``int(True)``): ``train.steps: true``
+    would train one step. A number field refuses a boolean instead; the rest is draccus' own parse."""
+
+    def decode(raw_value, path=()):
+        if isinstance(raw_value, bool):
+            raise draccus.utils.DecodingError(path, f"expected a number, got the boolean {str(raw_value).lower()}")
+        if kind is int and isinstance(raw_value, float):
+            raise draccus.utils.DecodingError(path, f"expected an int, got the float {raw_value}")
+        try:
+            return kind(raw_value)
+        except ValueError as error:
+            raise draccus.utils.DecodingError(path, f"couldn't parse {raw_value!r} into an {kind.__name__}") from error
+
+    return decode
+
+
+for _kind in (int, float):
+    draccus.decode.register(_kind, _strict_number(_kind))
+draccus.parsers.decoding.get_decoding_fn.cache_clear()  # in case a decoder for int was looked up before
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)

@@ -33,6 +33,22 @@ def test_wrong_type_names_the_field():
         parse_config(["--model.num_layers=four"])
 
 
+def test_a_boolean_is_not_a_number(tmp_path):
+    """YAML's ``true`` is not read as 1 (``int(True)``): ``steps: true`` would have trained one step."""
+    path = tmp_path / "bools.yaml"
+    path.write_text("train:\n  steps: true\n")
+    with pytest.raises(ConfigError, match="train.steps.*boolean true"):
+        parse_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match="optimizer.learning_rate.*boolean false"):
+        parse_config(["--optimizer.learning_rate=false"])
+    with pytest.raises(ConfigError, match="data.seq_len.*float 64.5"):
+        parse_config(["--data.seq_len=64.5"])
+    config = parse_config(["--train.steps=7", "--optimizer.learning_rate=2", "--checkpoint.every_steps=3"])
+    assert (config.train.steps, config.optimizer.learning_rate) == (7, 2.0) and type(
+        config.optimizer.learning_rate
+    ) is float
+
+
 def test_heads_not_divisible_by_kv_heads():
     with pytest.raises(ConfigError, match=r"num_heads \(6\) must be divisible by model.num_kv_heads \(4\)"):
         parse_config(["--model.num_heads=6", "--model.num_kv_heads=4", "--model.head_dim=32"])

@@ -3,6 +3,7 @@ hygiene, metrics after resume, and the answers to bad input (docs/reliability.md
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -95,6 +96,10 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, cache_dir):
     assert Checkpointer(run_dir / "checkpoints", config.checkpoint).all_steps() == [1]
     # a skipped update leaves the optimizer's count where it was: the schedule (and the logged rate) too
     assert records[1]["learning_rate"] == records[0]["learning_rate"] == pytest.approx(3e38)
+    # the checkpoint keeps the run of skipped steps: resumed with the same rate, step 2 is the second in a row
+    with pytest.raises(NonFiniteError, match=r"2 steps in a row \(up to step 2\)"):
+        train(dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True)), quiet=True)
+    assert Checkpointer(run_dir / "checkpoints", config.checkpoint).all_steps() == [1]
     # ... also across a resume (the checkpoint keeps the skipped count): step 2 runs at the schedule's
     # first rate (here of a finite learning rate and another horizon)
     resumed = _config(run_dir, cache_dir, "--train.steps=3", "--optimizer.warmup_steps=0", "--checkpoint.resume=true")

@@ -169,7 +169,11 @@ class Run:
         stop = self.signals.received
         if self.checkpointer.should_save(step + 1, self.end) or stop is not None:
             data_state = self.pipeline.state() if data_state is None else data_state
-            schedule = {"train_steps": self.config.train.steps, "skipped_updates": self.nonfinite_total}
+            schedule = {
+                "train_steps": self.config.train.steps,
+                "skipped_updates": self.nonfinite_total,
+                "skipped_in_a_row": self.nonfinite_run,
+            }
             self.checkpointer.save(step + 1, state, {**data_state, RUN_STATE: schedule}, self.config.model)
         if stop is not None:
             self.checkpointer.wait()
@@ -216,13 +220,14 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         say(f"[jvarlen] {config.model.describe_checkpoint_fields()}")
         graphdef, optimizer, target, placement, state = _state_from_hf(config, resuming, say)
 
-    start, skipped = 0, 0
+    start, skipped, in_a_row = 0, 0, 0
     total = config.train.steps
     if resuming:  # a run's own checkpoint takes precedence over model.init_from
         start, state, data_state = checkpointer.restore(target, config.model)
         saved = data_state.pop(RUN_STATE, {})
         _check_horizon(start, total, saved.get("train_steps"), say)
         skipped = int(saved.get("skipped_updates", 0))
+        in_a_row = int(saved.get("skipped_in_a_row", 0))  # train.max_nonfinite_steps counts on across the resume
         pipeline.restore(data_state)
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
@@ -248,6 +253,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         quiet=quiet,
         signals=StopSignals().install(),
         earlier_run=earlier,
+        nonfinite_run=in_a_row,
         nonfinite_total=skipped,
     )
 
