@@ -12,7 +12,7 @@ memory grows with its tokens, and without it a plan of long chunks "fits" a budg
 exceed. The working memory changes once, when the chunk recomputes any layer; a 0/1
 variable per diagonal (``C[j] ≥ 1``) keeps that exact and the model linear.
 
-Solver code in four steps (STYLE 10): :func:`build_problem` (data), :func:`_cp_model`
+Solver code in four steps (data → model → solve → extract): :func:`build_problem` (data), :func:`_cp_model`
 (model), :func:`solve` (solve with a greedy hint, time limits, status checked,
 solution re-verified) and :func:`ckpt_table` (extract); :func:`greedy` is both
 the hint and the fallback.

@@ -30,7 +30,7 @@ within ``gap`` of that bound, in order of the bound (branch and bound over V), w
 relative gap limit set to ``gap``. So the result is within ``gap`` of the optimum (``gap = 0``:
 the optimum) whenever every ILP it needed finished (``source`` "ilp" or "lpt").
 
-Solver code in four steps (STYLE 10): :func:`_data` → :func:`_cp_model` → :func:`_solve_v`
+Solver code in four steps (data → model → solve → extract): :func:`_data` → :func:`_cp_model` → :func:`_solve_v`
 (CP-SAT with the LPT hint, deterministic time + wall-clock limit, one worker, fixed seed, status
 checked, solution re-verified, LPT fallback) → :func:`_extract`.
 """

@@ -1,6 +1,6 @@
 """The elastic pipeline executor: plans of chunks through ``pp`` stages in one compiled program.
 
-Host side (numpy): :mod:`.chunks` (plan pieces -> packed chunks), :mod:`.buffers` (slot tables),
+Host side (numpy): :mod:`.chunks` (plan pieces -> packed chunks), :mod:`jvarlen.plan.buffers` (slot tables),
 :mod:`.signature` (the static key of a compiled step), :mod:`.prepare` (one step's inputs).
 Device side: :mod:`.stage` (a stage's layers with stored or recomputed residuals),
 :mod:`.executor` (the tick program), :mod:`.grads` (a step's gradients, of one plan or of a step's
