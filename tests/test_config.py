@@ -112,3 +112,30 @@ def test_auto_pipeline_stages_pick_the_elastic_pipeline_when_two_stages_fit():
     fixed = parse_config(["--parallel.dp=2", "--parallel.sp=2"])
     assert resolve_layout(fixed, 8).pp == 2 and resolve_layout(fixed, 4).pp == 1
     assert resolve_layout(parse_config(["--parallel.pp=4"]), 8).pp == 4  # set: kept
+
+
+def _readme_train_commands() -> list[list[str]]:
+    """The arguments of every ``python -m jvarlen.train`` command in the README's shell blocks."""
+    import re
+    import shlex
+
+    readme = (CONFIG_DIR.parent / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if "jvarlen.train" in line:
+                words = shlex.split(line, comments=True)
+                commands.append(words[len(words) - words[::-1].index("jvarlen.train") :])
+    return commands
+
+
+def test_the_readme_training_commands_parse_and_fit_their_layouts():
+    """Every command the README shows is accepted as written (placeholders filled in): a flag
+    renamed or a layout its model cannot take fails here, not on a user's cluster."""
+    commands = _readme_train_commands()
+    assert len(commands) >= 8 and [] in commands  # the quick start's bare command is among them
+    fill = {"PATH": str(CONFIG_DIR.parent / "tests" / "fixtures" / "hf" / "tiny-llama"), "$RANK": "1"}
+    for args in commands:
+        for placeholder, value in fill.items():
+            args = [a.replace(placeholder, value) for a in args]
+        resolve_layout(parse_config(args))
