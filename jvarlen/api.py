@@ -23,6 +23,7 @@ from jvarlen.config import Config, ModelConfig
 from jvarlen.data.packer import Piece, place
 from jvarlen.layout import Layout
 from jvarlen.parallel.sharding import Placement, place_global
+from jvarlen.plan.plan import PlanError
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
 from jvarlen.runtime.feed import Iteration
@@ -99,8 +100,14 @@ class PlanStep(Step):
 
 class StrategyStep(Step):
     def prepare(self, plan, documents: Sequence) -> Prepared:
-        """A :class:`~jvarlen.plan.strategy.StrategyPlan` over ``documents`` (its groups' plans index them)."""
+        """A :class:`~jvarlen.plan.strategy.StrategyPlan` over ``documents`` (its groups' plans index them).
+        Raises :class:`~jvarlen.plan.plan.PlanError` for a plan that is not of these documents (each exactly
+        once) or of more devices than the session has: a document in two groups would train twice."""
         pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)
+        devices = len(self.strategy.ctx.placement.devices)
+        if plan.num_devices > devices:
+            raise PlanError(f"the strategy plan is for {plan.num_devices} devices, the session has {devices}")
+        plan.validate([len(p.tokens) for p in pieces])
         it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
         return self.strategy.prepare(it, self.cache.keys())
 

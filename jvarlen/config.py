@@ -438,6 +438,16 @@ class PlanConfig:
             self.solver_deterministic_time >= 0,
             f"plan.solver_deterministic_time must be >= 0, got {self.solver_deterministic_time}",
         )
+        if self.uses_groups:  # the strategy policies plan with their own settings
+            pipeline_only = ("min_slice_tokens", "gpipe_units", "solver_deterministic_time", "solver_time_limit_s",
+                             "solver_workers", "solver_seed")  # fmt: skip
+            ignored = [f"plan.{f.name}" for f in dataclasses.fields(self) if f.name in pipeline_only
+                       and getattr(self, f.name) != f.default]  # fmt: skip
+            _require(
+                not ignored,
+                f"{', '.join(ignored)} set the elastic pipeline's planner (parallel.pp > 1); plan.policy="
+                f"{self.policy} plans device groups with its own settings and would ignore them: remove them",
+            )
 
 
 @dataclasses.dataclass

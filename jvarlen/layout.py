@@ -92,6 +92,12 @@ def resolve_layout(config, num_devices: int | None = None) -> Layout:
     par, model = config.parallel, config.model
     n = requested_devices(config) if num_devices is None else int(num_devices)
     if config.plan.uses_groups:  # a strategy policy plans the devices into groups every iteration
+        asked = requested_devices(config)
+        if par.dp is not None and asked != n:
+            raise ConfigError(
+                f"plan.policy={config.plan.policy} plans parallel.dp*pp*sp = {asked} devices, but there are {n}: "
+                "set parallel.dp (pp, sp) to cover them, or leave parallel.dp unset for all of them"
+            )
         return Layout(dp=n, pp=1, sp=1)
     pp = par.pp if par.pp is not None else _auto_stages(config, n)
     if pp > 1 and par.chooses_dp_layouts:

@@ -3,7 +3,7 @@
 import pytest
 
 from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config
-from jvarlen.layout import resolve_layout
+from jvarlen.layout import Layout, resolve_layout
 
 
 def test_defaults_equal_configs_default_yaml():
@@ -71,6 +71,8 @@ def test_batch_must_be_whole_rows():
         (["--optimizer.b1=1.0"], r"optimizer.b1 must be in \[0, 1\)"),
         (["--optimizer.eps=0"], "optimizer.eps must be > 0"),
         (["--optimizer.weight_decay=-5"], "optimizer.weight_decay must be >= 0"),
+        (["--plan.policy=auto", "--plan.min_slice_tokens=256"], "plan.min_slice_tokens set the elastic pipeline"),
+        (["--plan.policy=dcp", "--plan.gpipe_units=false", "--plan.solver_seed=3"], "gpipe_units, plan.solver_seed"),
     ],
 )
 def test_fields_that_would_be_ignored_or_break_training_are_refused(flags, message):
@@ -112,6 +114,17 @@ def test_auto_pipeline_stages_pick_the_elastic_pipeline_when_two_stages_fit():
     fixed = parse_config(["--parallel.dp=2", "--parallel.sp=2"])
     assert resolve_layout(fixed, 8).pp == 2 and resolve_layout(fixed, 4).pp == 1
     assert resolve_layout(parse_config(["--parallel.pp=4"]), 8).pp == 4  # set: kept
+
+
+def test_a_strategy_policy_runs_on_the_devices_its_config_names():
+    """The groups are planned over parallel.dp*pp*sp devices: a host with another count is refused
+    (before: the run planned and trained on all the host's devices); dp unset takes them all."""
+    groups = load_config(CONFIG_DIR / "auto-cpu.yaml")
+    assert resolve_layout(groups) == resolve_layout(groups, 8) == Layout(dp=8)
+    with pytest.raises(ConfigError, match="plans parallel.dp\\*pp\\*sp = 8 devices, but there are 16"):
+        resolve_layout(groups, 16)
+    everything = parse_config(["--config", str(CONFIG_DIR / "auto-cpu.yaml"), "--parallel.dp=null"])
+    assert resolve_layout(everything, 16) == Layout(dp=16)
 
 
 def _readme_train_commands() -> list[list[str]]:

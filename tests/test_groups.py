@@ -4,6 +4,8 @@ reference and to the homogeneous data-parallel step on the same documents."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jvarlen.api import Session
 from jvarlen.layout import Layout
 from jvarlen.plan.api import make_cost
 from jvarlen.plan.cost import ModelShape
+from jvarlen.plan.plan import PlanError
 from jvarlen.plan.strategy import GroupPlan, Scheme, SchemeCosts, StrategyPlan, build_group_plan
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step, single_program_grads
@@ -173,3 +176,22 @@ def test_groups_in_parts_equal_the_reference(setup):
     np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
     assert_tree_close(state.params, expected.params)
+
+
+def test_the_strategy_step_refuses_a_plan_that_is_not_of_its_documents(setup):
+    """A document in two groups would train twice, one in none never: prepare refuses both, and a
+    plan for more devices than the session has, before anything compiles."""
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    a, b = plan.groups
+    twice = dataclasses.replace(b, documents=(3, *b.documents[1:]))  # document 3 in both, 4 in none
+    with pytest.raises(PlanError, match=r"document 3 in groups 0 and 1[\s\S]*\[4\] in no group"):
+        step.prepare(dataclasses.replace(plan, groups=(a, twice)), docs)
+    with pytest.raises(PlanError, match="strategy lengths differ"):
+        step.prepare(plan, docs[:-1])
+    with pytest.raises(PlanError, match="for 16 devices, the session has 8"):
+        step.prepare(dataclasses.replace(plan, num_devices=16), docs)
+    assert len(session.cache) == 0

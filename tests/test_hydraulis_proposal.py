@@ -13,6 +13,7 @@ from jvarlen.plan.hydraulis_proposal import (
     cached_proposal,
     extract_strategy,
     length_edges,
+    proposal_key,
     propose_strategies,
     round_counts,
     solve_thresholds,
@@ -138,3 +139,13 @@ def test_proposal_holds_the_corpus_and_is_cached(costs, tmp_path):
     first = cached_proposal(tmp_path, corpus, costs, 16384, options)
     assert first == out and len(list(tmp_path.iterdir())) == 1
     assert cached_proposal(tmp_path, corpus, costs, 16384, options) == out
+    # sharded stage weights change every scheme's MaxLen: a run with them plans its own candidates
+    from jvarlen.plan.cost import CostModel
+
+    base = costs.base
+    sharded = SchemeCosts(CostModel(base.model, base.layout, base.coeffs, stage_weights_sharded=True), 8)
+    assert proposal_key(corpus, sharded, 16384, options) != proposal_key(corpus, costs, 16384, options)
+    assert cached_proposal(tmp_path, corpus, sharded, 16384, options) == propose_strategies(
+        corpus, sharded, 16384, options
+    )
+    assert len(list(tmp_path.iterdir())) == 2

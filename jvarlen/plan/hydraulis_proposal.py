@@ -381,11 +381,14 @@ def _key(strategy: Strategy) -> tuple:
 
 
 def proposal_key(corpus_lengths: Sequence[int], costs: SchemeCosts, max_len: int, options) -> str:
-    """Hash of (lengths, model + coefficients, device count, max_len, options)."""
+    """Hash of (lengths, model + coefficients, the memory model's stage weights and padding, device
+    count, max_len, options): sharded stage weights change every scheme's MaxLen(P), so a run with
+    the other setting must not reuse the candidates."""
     h = hashlib.sha256()
     h.update(np.asarray(corpus_lengths, dtype=np.int64).tobytes())
     h.update(costs.model.key().encode())
     h.update(json.dumps(costs.coeffs.to_json(), sort_keys=True, default=str).encode())
+    h.update(f"sharded={costs.base.stage_weights_sharded}|pad_to={costs.base.pad_to}|".encode())
     h.update(f"{costs.num_devices}|{int(max_len)}|{options!r}".encode())
     return h.hexdigest()[:24]
 
