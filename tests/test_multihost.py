@@ -129,7 +129,11 @@ def run_group_steps(devices):
     step = session.strategy_step(residual_policy="all")
     state, losses = session.state, []
     for _ in range(STEPS):
-        state, metrics = step(state, step.prepare(plan, docs))
+        prepared = step.prepare(plan, docs)
+        state, metrics = step(state, prepared)
+        # the training loop's record: layer forwards of this process's groups, per stage
+        forwards = step.strategy.record(None, prepared, metrics)["layer_forwards"]
+        assert sum(sum(f) for f in forwards) > 0
         metrics = jax.device_get({k: metrics[k] for k in ("loss_sum", "target_tokens", "grad_norm")})
         losses += [float(metrics["loss_sum"] / metrics["target_tokens"]), float(metrics["grad_norm"])]
     params = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(state.params)]
@@ -153,6 +157,8 @@ def worker(process_id: int, port: int, out: str, mode: str = "layout") -> None:
     run = run_group_steps if mode.startswith("groups") else run_steps
     if mode == "groups-per-process":  # group A on process 0's devices, group B on process 1's
         mesh, losses, params = run(by_process[0] + by_process[1])
+    elif mode == "groups-stages-per-process":  # group A's first stage on process 0, its second on process 1
+        mesh, losses, params = run(by_process[0][:2] + by_process[1][:2] + by_process[0][2:] + by_process[1][2:])
     else:  # every group (or the layout's sp groups) spans both processes
         mesh, losses, params = run(interleave(*by_process))
         assert all({d.process_index for d in group} == {0, 1} for group in mesh.devices.reshape(-1, 4))
@@ -225,10 +231,12 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
 
 
 @pytest.mark.slow  # two fresh JAX processes compile three group programs each: ~2-3 min on 2 shared cores
-@pytest.mark.parametrize("mode", ["groups", "groups-per-process"])
+@pytest.mark.parametrize("mode", ["groups", "groups-per-process", "groups-stages-per-process"])
 def test_heterogeneous_groups_on_two_processes_match_one_process(tmp_path, mode):
     """Groups of different schemes whose devices span both processes ("groups"), or each on one
-    process's devices ("groups-per-process": a process dispatches only its own groups): the pull,
+    process's devices ("groups-per-process": a process dispatches only its own groups), or a
+    pipeline group's stages on different processes ("groups-stages-per-process", as stages on
+    different nodes): the pull,
     the groups' programs and the update are multi-controller programs; losses and parameters
     equal one process."""
     import jax

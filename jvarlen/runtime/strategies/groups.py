@@ -239,7 +239,9 @@ class GroupsStrategy(ExecutionStrategy):
             layers, rest = split_params(g)
             p_layers, p_rest, p_sums = device_partials(mesh, layers, rest, sums, weight, num_layers)
             partial_grads = nnx.merge_state(p_rest, nnx.State({"layers": p_layers}))
-            return jax.tree.leaves(partial_grads), p_sums, layer_forwards
+            # replicated over the group: a process holding any of its devices can read the counts
+            # (sharded by stage, the stages of another process could not be fetched)
+            return jax.tree.leaves(partial_grads), p_sums, jax.lax.with_sharding_constraint(layer_forwards, replicated)
 
         replicated = NamedSharding(mesh, P())
         batch_sharding = NamedSharding(mesh, P(DATA))
