@@ -1,5 +1,7 @@
 """Layouts, the logical-axis rules, the canonical sharding, the layout policy and the compile cache."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,43 @@ def test_pull_casts_matrices_and_push_returns_canonical_fp32():
         assert x.dtype == (jnp.bfloat16 if matrix else jnp.float32), axes
         assert x.sharding.is_fully_replicated  # whole weights for propagation (no tensor parallelism)
         assert y.dtype == jnp.float32 and y.sharding == s
+
+
+def test_a_signature_another_thread_is_compiling_is_waited_for_not_compiled_again():
+    """Two threads asking for one signature (the step and a background compile that needs the same
+    group program) compile it once; a compile that fails raises in both and is retried by the next get."""
+    import threading
+
+    calls, started = [], threading.Event()
+
+    def slow_compile(key):
+        calls.append(key)
+        started.set()
+        time.sleep(0.3)
+        if key == "bad" and calls.count("bad") == 1:
+            raise RuntimeError("compile failed")
+        return object()
+
+    cache = CompileCache(say=lambda _: None)
+    for key in ("good", "bad"):
+        started.clear()
+        results = []
+
+        def ask(key=key, results=results):
+            try:
+                results.append(cache.get(key, slow_compile))
+            except RuntimeError as error:
+                results.append(error)
+
+        first = threading.Thread(target=ask)
+        first.start()
+        started.wait()
+        ask()
+        first.join()
+        assert calls.count(key) == 1 and len(results) == 2
+        if key == "good":
+            assert results[0] is results[1]
+        else:
+            assert all(isinstance(r, RuntimeError) for r in results)
+    assert cache.get("bad", slow_compile) is not None and calls.count("bad") == 2  # retried, now compiles
+    cache.close()

@@ -94,18 +94,38 @@ class CompileCache:
             return self._futures[key]
 
     def get(self, key: Hashable, compile_fn: Callable):
+        """The executable of ``key``; a key another thread is compiling (ahead of time, or a group
+        program inside a background compile) is waited for, never compiled twice."""
         with self._lock:
-            compiled, future = self._compiled.get(key), self._futures.pop(key, None)
+            compiled, future, owner = self._compiled.get(key), self._futures.get(key), False
+            if compiled is not None:
+                self._futures.pop(key, None)
+            elif future is None:  # this thread compiles; others asking meanwhile wait for it
+                future, owner = concurrent.futures.Future(), True
+                self._futures[key] = future
         if compiled is not None:  # compiled before, or ahead of time and already done
             self.stats.hits += 1
             return compiled
         start = time.perf_counter()
-        if future is not None:
-            compiled, _ = future.result()
-            how = "waited for the background compile"
+        if owner:
+            try:
+                result = self._compile(key, compile_fn)
+            except BaseException as error:
+                future.set_exception(error)
+                raise
+            finally:
+                with self._lock:
+                    self._futures.pop(key, None)
+            future.set_result(result)
+            compiled, how = result[0], "compiled"
         else:
-            compiled, _ = self._compile(key, compile_fn)
-            how = "compiled"
+            try:
+                compiled, _ = future.result()
+            finally:  # a failed compile is not waited for again: the next get retries
+                with self._lock:
+                    if self._futures.get(key) is future:
+                        del self._futures[key]
+            how = "waited for the background compile"
         seconds = time.perf_counter() - start
         self.stats.misses += 1
         self.stats.compile_s += seconds
