@@ -195,3 +195,27 @@ def test_the_strategy_step_refuses_a_plan_that_is_not_of_its_documents(setup):
     with pytest.raises(PlanError, match="for 16 devices, the session has 8"):
         step.prepare(dataclasses.replace(plan, num_devices=16), docs)
     assert len(session.cache) == 0
+
+
+def test_a_group_program_that_cannot_fit_beside_the_state_is_refused_before_it_runs(setup, monkeypatch):
+    """On a device whose allocator reports a limit (a GPU), a group's step that needs more than the
+    limit once the canonical state is counted raises DeviceMemoryError naming the group, before it
+    runs (the update program had this check; a group's step died in the allocator)."""
+    from jvarlen.runtime import memory_fit
+
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    step = session.strategy_step(residual_policy="all")
+    prepared = step.prepare(plan, docs)
+    state_bytes = step.strategy._state_bytes_per_device()
+    leaves = jax.tree.leaves(params)
+    assert state_bytes >= sum(a.size * a.dtype.itemsize for a in leaves) / 8  # fp32 weights, sharded over 8
+    # a limit the group's step alone fits, but not beside the state
+    group_key = prepared.key[1][0]
+    compiled, _, _ = step.strategy._compile_group(group_key)
+    alone = memory_fit.need_bytes(compiled.memory_analysis())
+    monkeypatch.setattr(memory_fit, "_memory_stats", lambda device: {"bytes_limit": alone + state_bytes // 2})
+    with pytest.raises(memory_fit.DeviceMemoryError, match=r"the group \(pp=2, sp=2\) on devices \[0, 1, 2, 3\]"):
+        step(session.state, prepared)

@@ -77,16 +77,18 @@ def check_fit(
     *,
     device_bytes: Optional[int] = None,
     env: Optional[Mapping[str, str]] = None,
+    resident_bytes: int = 0,
 ) -> MemoryFit:
     """Whether a program needing ``memory`` (``compiled.memory_analysis()``, or a compiled
-    executable) fits ``device`` under the current allocator settings.
+    executable) fits ``device`` under the current allocator settings, next to ``resident_bytes``
+    per device that other programs keep there meanwhile (the canonical state beside a group's step).
 
     The limit is the allocator's own ``bytes_limit`` when the device reports one (a real GPU),
     else ``device_bytes`` x the fraction from the environment. Without either (CPU), it fits.
     """
     if hasattr(memory, "memory_analysis"):
         memory = memory.memory_analysis()
-    need = need_bytes(memory)
+    need = need_bytes(memory) + int(resident_bytes)
     fraction, setting = allocator_fraction(env)
     limit = None
     stats = _memory_stats(device)
@@ -117,16 +119,17 @@ def check_fit(
     return MemoryFit(False, need, limit, device_bytes, head + tail)
 
 
-def ensure_fits(compiled, device=None, *, say=None) -> MemoryFit:
+def ensure_fits(compiled, device=None, *, say=None, resident_bytes: int = 0, what: str = "") -> MemoryFit:
     """:func:`check_fit` for ``compiled`` on ``device`` (default: the first local device);
-    raises :class:`DeviceMemoryError` with the message when it does not fit."""
+    raises :class:`DeviceMemoryError` with the message (after ``what``, naming the program) when
+    it does not fit."""
     if device is None:
         import jax
 
         device = jax.local_devices()[0]
-    fit = check_fit(compiled, device)
+    fit = check_fit(compiled, device, resident_bytes=resident_bytes)
     if not fit.fits:
-        raise DeviceMemoryError(f"[jvarlen] {fit.message}")
+        raise DeviceMemoryError(f"[jvarlen] {what}{fit.message}")
     if say is not None and fit.limit_bytes is not None:
         say(f"[jvarlen] {fit.message}")
     return fit

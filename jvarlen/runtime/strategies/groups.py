@@ -24,6 +24,7 @@ reuses known groups compiles nothing.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -39,6 +40,7 @@ from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_
 from jvarlen.parallel.pipeline.executor import DATA
 from jvarlen.parallel.sharding import place_global, push
 from jvarlen.plan.strategy import StrategyPlan, plan_strategy
+from jvarlen.runtime.memory_fit import ensure_fits
 from jvarlen.runtime.step import CompiledStep
 from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
 
@@ -255,7 +257,19 @@ class GroupsStrategy(ExecutionStrategy):
         batch = batches[0] if len(sigs) == 1 else tuple(batches)
         weight = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
         compiled = jax.jit(program).lower(params, batch, weight).compile(compiler_options=ctx.compiler_options)
+        here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        if here:  # the group's step runs beside the canonical state: both must fit (GPU; CPU has no limit)
+            what = f"the group (pp={pp}, sp={sp}) on devices {list(devices)}: "
+            ensure_fits(compiled, here[0], resident_bytes=self._state_bytes_per_device(), what=what)
         return compiled, mesh, [{k: batch_sharding for k in b} for b in batches]
+
+    def _state_bytes_per_device(self) -> int:
+        """Bytes of the canonical train state (master weights, optimizer moments) on one device."""
+        return sum(
+            math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+            for a in jax.tree.leaves(self.ctx.abstract_state)
+            if getattr(a, "sharding", None) is not None
+        )
 
     def _compile_update(self, key) -> CompiledStep:
         ctx = self.ctx
