@@ -224,3 +224,27 @@ def test_a_signature_another_thread_is_compiling_is_waited_for_not_compiled_agai
             assert all(isinstance(r, RuntimeError) for r in results)
     assert cache.get("bad", slow_compile) is not None and calls.count("bad") == 2  # retried, now compiles
     cache.close()
+
+
+def test_a_step_is_charged_only_its_own_compile_wait():
+    """A background compile that compiles a program inside (a group's, in a composite step) moves the
+    cache's counters while the step's own key is a hit: the step's compile seconds stay 0 (the loop
+    used to charge it the other thread's compile and subtract it from its step time)."""
+    import threading
+
+    cache = CompileCache(say=lambda _: None)
+    cache.get("step", lambda key: object())
+    inside = threading.Event()
+
+    def composite(key):
+        cache.get("group", lambda k: (inside.set(), time.sleep(0.3), object())[2])
+        return object()
+
+    future = cache.precompile("next", composite)
+    inside.wait()
+    compiled, seconds = cache.fetch("step", lambda key: object())
+    future.result()
+    assert seconds == 0.0 and cache.stats.misses == 2  # "step" and the group: counted, not charged
+    compiled, seconds = cache.fetch("fresh", lambda key: (time.sleep(0.05), object())[1])
+    assert seconds >= 0.05
+    cache.close()

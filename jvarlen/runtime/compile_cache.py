@@ -41,7 +41,6 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     compile_s: float = 0.0
-    last_compile_s: float = 0.0
 
 
 class CompileCache:
@@ -96,6 +95,11 @@ class CompileCache:
     def get(self, key: Hashable, compile_fn: Callable):
         """The executable of ``key``; a key another thread is compiling (ahead of time, or a group
         program inside a background compile) is waited for, never compiled twice."""
+        return self.fetch(key, compile_fn)[0]
+
+    def fetch(self, key: Hashable, compile_fn: Callable) -> tuple:
+        """:meth:`get`, and the seconds this call spent compiling or waiting for a compile (0 on a
+        hit). The cache's counters also count other threads' compiles, a step's time must not."""
         with self._lock:
             compiled, future, owner = self._compiled.get(key), self._futures.get(key), False
             if compiled is not None:
@@ -105,7 +109,7 @@ class CompileCache:
                 self._futures[key] = future
         if compiled is not None:  # compiled before, or ahead of time and already done
             self.stats.hits += 1
-            return compiled
+            return compiled, 0.0
         start = time.perf_counter()
         if owner:
             try:
@@ -129,12 +133,11 @@ class CompileCache:
         seconds = time.perf_counter() - start
         self.stats.misses += 1
         self.stats.compile_s += seconds
-        self.stats.last_compile_s = seconds
         self.say(
             f"[jvarlen] step cache miss: {describe(key)}: {how} in {seconds:.1f} s "
             f"({self.stats.misses} compiled, {self.stats.hits} hits)"
         )
-        return compiled
+        return compiled, seconds
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

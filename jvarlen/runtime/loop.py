@@ -129,10 +129,8 @@ def train(
             ahead = feed.peek()  # compile the next iteration's signature while this one runs
             if ahead is not None:
                 cache.precompile(strategy.prepare(ahead, cache.keys()).key, strategy.compile)
-            misses = cache.stats.misses
             t_run = time.perf_counter()
-            compiled = cache.get(prepared.key, strategy.compile)
-            compile_s = cache.stats.last_compile_s if cache.stats.misses > misses else 0.0
+            compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
             state, metrics = compiled(state, prepared.arrays)
             metrics = jax.device_get(metrics)
             run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile
