@@ -175,3 +175,33 @@ def test_steps_log_predicted_vs_measured_time(tmp_path):
     for r in observed:
         assert r["predicted_step_s"] > 0 and r["pipeline_s"] > 0
         assert r["cost_error"] == pytest.approx(abs(r["predicted_step_s"] - r["pipeline_s"]) / r["pipeline_s"])
+
+
+def test_a_step_may_reuse_only_the_signatures_of_the_steps_before_it(tmp_path, monkeypatch):
+    """Which compiled step an iteration runs must not depend on timing, or two processes of one run
+    would run different programs in one collective: a step may reuse the signatures of the steps
+    run before it, and the background compile of the next iteration sees those and the current
+    step's, never what another compile has reached (the cache's keys did)."""
+    require_devices(8)
+    from jvarlen.runtime.strategies.pipeline import PipelineStrategy
+
+    calls = []
+    prepare = PipelineStrategy.prepare
+
+    def recording(self, iteration, known=()):
+        prepared = prepare(self, iteration, known)
+        calls.append((iteration.step, list(known), prepared.key))
+        return prepared
+
+    monkeypatch.setattr(PipelineStrategy, "prepare", recording)
+    train(_config(tmp_path / "run", tmp_path / "xla-cache", ("train.steps", "6")), quiet=True)
+    steps = sorted({step for step, _, _ in calls})
+    assert steps == list(range(6))
+    main = {step: (known, key) for step, known, key in calls}  # a step's last prepare is its own
+    ahead = [
+        (step, known) for n, (step, known, _) in enumerate(calls) if n + 1 < len(calls) and calls[n + 1][0] == step
+    ]
+    for step in steps:
+        assert main[step][0] == list(dict.fromkeys(main[s][1] for s in range(step))), step
+    for step, known in ahead:  # the background compile of the next iteration, prepared during step - 1
+        assert known == [*dict.fromkeys(main[s][1] for s in range(step - 1)), main[step - 1][1]], step

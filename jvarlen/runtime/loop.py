@@ -115,22 +115,27 @@ def train(
     check = StepTimeCheck.from_config(config, run.note)
     state, run.state = run.state, None
     losses: list[float] = []
+    # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.
+    # Not cache.keys(): what the background compile has reached depends on timing, and processes that
+    # picked different signatures for one step would run different programs in one collective.
+    signatures: dict = {}
     last_layout = None
     tokens_seen, t_start = 0.0, time.perf_counter()
     try:
         for step in range(run.start, run.end):
             t0 = time.perf_counter()
             it = feed.next()
-            prepared = strategy.prepare(it, cache.keys())
+            prepared = strategy.prepare(it, list(signatures))
             arrangement = prepared.info.get("strategy") or "Layout(dp={dp}, pp={pp}, sp={sp})".format(**prepared.info)
             if arrangement != last_layout:
                 run.note(f"[jvarlen] step {step + 1}: {arrangement}")
                 last_layout = arrangement
             ahead = feed.peek()  # compile the next iteration's signature while this one runs
             if ahead is not None:
-                cache.precompile(strategy.prepare(ahead, cache.keys()).key, strategy.compile)
+                cache.precompile(strategy.prepare(ahead, [*signatures, prepared.key]).key, strategy.compile)
             t_run = time.perf_counter()
             compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
+            signatures[prepared.key] = None
             state, metrics = compiled(state, prepared.arrays)
             metrics = jax.device_get(metrics)
             run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile

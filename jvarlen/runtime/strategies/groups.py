@@ -83,6 +83,10 @@ def _estimate(v: dict):
     return v.get("error")
 
 
+def _is_composite(key) -> bool:
+    return isinstance(key, tuple) and len(key) == 2 and key[0] == "groups"
+
+
 def all_documents(pieces, rows) -> list:
     """The feed's split for strategy policies: one plan over all of the iteration's documents."""
     return [list(pieces)]
@@ -175,6 +179,7 @@ class GroupsStrategy(ExecutionStrategy):
         docs = iteration.groups[0]
         num_layers = self.ctx.model.num_layers
         keys, arrays, targets = [], {}, []
+        known = [k for key in known for k in (key[1] if _is_composite(key) else (key,))]  # a step's group programs
         for g, group in enumerate(plan.groups):
             ids = (group.scheme.pp, group.scheme.sp, tuple(group.devices))
             same = [k[4] for k in known if isinstance(k, tuple) and k[:1] == ("group",) and k[1:4] == ids]
