@@ -36,7 +36,10 @@ def _strict_number(kind: type):
         try:
             return kind(raw_value)
         except ValueError as error:
-            raise draccus.utils.DecodingError(path, f"couldn't parse {raw_value!r} into an {kind.__name__}") from error
+            article = "an" if kind is int else "a"
+            raise draccus.utils.DecodingError(
+                path, f"Couldn't parse '{raw_value}' into {article} {kind.__name__}"
+            ) from error
 
     return decode
 
