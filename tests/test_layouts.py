@@ -180,8 +180,8 @@ def test_pull_casts_matrices_and_push_returns_canonical_fp32():
     for axes, x, y, s in zip(
         param_axes(state.params), jax.tree.leaves(pulled), jax.tree.leaves(pushed), jax.tree.leaves(canonical)
     ):
-        matrix = len([a for a in axes if a != "layers"]) >= 2
-        assert x.dtype == (jnp.bfloat16 if matrix else jnp.float32), axes
+        matrix = len([a for a in axes if a != "layers"]) >= 2 and tuple(axes) != ("vocab", "embed")
+        assert x.dtype == (jnp.bfloat16 if matrix else jnp.float32), axes  # the gathered embedding stays fp32
         assert x.sharding.is_fully_replicated  # whole weights for propagation (no tensor parallelism)
         assert y.dtype == jnp.float32 and y.sharding == s
 

@@ -90,13 +90,22 @@ def is_compute_weight(axes: tuple) -> bool:
     return len([a for a in axes if a not in (None, "layers")]) >= 2
 
 
+# The token embedding table is gathered, not multiplied: its gradient is a scatter-add over every
+# occurrence of a token, which in bf16 stops growing once it is a few hundred times one occurrence
+# (a frequent token's updates are lost). It stays fp32; the model casts the rows it gathers (and a
+# tied head casts the table at its matmul).
+GATHERED_TABLES = (("vocab", "embed"),)
+
+
 def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES):
-    """Canonical params -> params as the layout's propagation sees them (cast, resharded)."""
+    """Canonical params -> params as the layout's propagation sees them (cast, resharded); the
+    embedding table keeps its dtype (:data:`GATHERED_TABLES`)."""
     compute = jax.tree.leaves(param_shardings(params, layout_mesh, rules))
     leaves = jax.tree.leaves(params)
     out = []
     for axes, x, sharding in zip(param_axes(params), leaves, compute):
-        if is_compute_weight(axes) and jnp.issubdtype(x.dtype, jnp.floating):
+        cast = is_compute_weight(axes) and tuple(axes) not in GATHERED_TABLES
+        if cast and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
         out.append(jax.lax.with_sharding_constraint(x, sharding))
     return _param_tree(params, out)
