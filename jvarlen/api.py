@@ -45,6 +45,8 @@ def as_pieces(documents: Sequence, vocab_size: Optional[int] = None) -> list[Pie
         if vocab_size is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
             bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
             raise ValueError(f"document {i}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        if vocab_size is not None and p.next_token >= vocab_size:  # -1: no next token
+            raise ValueError(f"document {i}: next_token {p.next_token} is outside the model's vocabulary")
     return [p if p.tokens.dtype == np.int32 else p._replace(tokens=p.tokens.astype(np.int32)) for p in pieces]
 
 

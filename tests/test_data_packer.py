@@ -50,6 +50,10 @@ def test_pack_never_drops_pieces():
         pack(pieces, rows=1, seq_len=8)
     with pytest.raises(ValueError, match="piece lengths"):
         place(np.array([9]), rows=1, seq_len=8)
+    # an empty piece with its own placement: its next token would be the previous piece's target
+    empty = [Piece(np.arange(1, 4), 0, -1), Piece(np.zeros(0, np.int32), 1, 9)]
+    with pytest.raises(ValueError, match="piece 1 is empty"):
+        pack(empty, rows=1, seq_len=4, placement=np.array([0, 0]))
 
 
 def _check_invariants(batch: PackedBatch, pieces: list[Piece], seq_len: int) -> None:

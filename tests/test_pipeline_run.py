@@ -16,6 +16,7 @@ from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, pl
 from pipeline_helpers import reference_batch as _reference_batch
 
 from jvarlen.api import Session
+from jvarlen.data import Piece
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import chunk_links, split_documents
 from jvarlen.parallel.pipeline.prepare import pad_plan
@@ -156,6 +157,8 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
         step.prepare([pa, pb], [da])
     with pytest.raises(ValueError, match="token id 64 is outside the model's vocabulary"):
         step.prepare([pa, pb], [[np.full(len(d), 64) for d in da], db])
+    with pytest.raises(ValueError, match="next_token 64 is outside the model's vocabulary"):
+        session.layout_step(Layout(dp=8), rows=8, seq_len=16).prepare([Piece(np.arange(1, 5), 0, 64)])
     other = session.plan_step(Layout(dp=1, pp=2, sp=4), bucket=32)
     with pytest.raises(ValueError, match=r"a plan for Layout\(dp=2, pp=2, sp=2\) given to the pipeline step of"):
         other.prepare([pa], [da])

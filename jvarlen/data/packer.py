@@ -106,6 +106,8 @@ def pack(pieces: Sequence[Piece], rows: int, seq_len: int, placement: Optional[n
     ValueError. Inside a row pieces keep their order in ``pieces``.
     """
     lengths = np.array([len(p.tokens) for p in pieces], dtype=np.int64)
+    if (lengths < 1).any():  # its next_token would land on the previous piece's last token
+        raise ValueError(f"piece {int(np.argmin(lengths))} is empty; every piece needs at least one token")
     if placement is None:
         placement = place(lengths, rows, seq_len)
     placement = np.asarray(placement, dtype=np.int64)
