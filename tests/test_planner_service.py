@@ -6,7 +6,7 @@ import os
 import pytest
 from conftest import small_cost, tight_budget
 
-from jvarlen.plan.api import PlannerOptions, plan_iteration
+from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.service import PlanningService, deterministic_options
 from jvarlen.plan.workloads import sample_batch
 
@@ -109,15 +109,46 @@ class _DiesOn:
 
 def test_a_dead_worker_is_replaced_and_its_waiting_batches_solved():
     """A worker that dies breaks its whole process pool: the service starts a new one, the dead
-    worker's batch falls back, and the batches queued behind it and every later one are solved."""
+    worker's batch falls back (the consumer does not wait), and the batches queued behind it and
+    every later one are solved."""
     fallback = lambda lengths: plan_iteration(lengths, cost=_cost(), policy="seq1f1b-tuned", options=OPTS)  # noqa: E731
     with PlanningService(None, workers=1, solve=_DiesOn([666]), fallback=fallback) as svc:
         svc.submit(0, [666])
         svc.submit(1, [3000, 2000])
-        assert svc.get(0, wait=True).stats["service_source"] == "fallback:failed"
+        assert svc.get(0, timeout_s=120).stats["service_source"] == "fallback:failed"
         assert svc.events[0].kind == "failed" and "BrokenProcessPool" in svc.events[0].detail
         assert svc.restarts == 1
         assert svc.get(1, wait=True).stats["service_source"] == "solver"
         svc.submit(2, [3000, 1000])
         assert svc.get(2, wait=True).stats["service_source"] == "solver"
         assert len(svc.events) == 1
+
+
+class _DiesOnce:
+    """Kills its worker the first time it sees a batch (a marker file says it did)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __call__(self, lengths):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return plan_iteration(lengths, cost=_cost(), policy="epp-fast", options=OPTS)
+
+
+def test_a_waiting_consumer_gets_the_solvers_plan_after_a_worker_dies(tmp_path):
+    """With wait (plan.wait, or several processes, which must all run the same plan) a batch whose
+    worker died is solved again, never replaced by a fallback that the other processes do not
+    have; a batch that kills its worker every time stops training with PlanningError."""
+    fallback = lambda lengths: plan_iteration(lengths, cost=_cost(), policy="seq1f1b-tuned", options=OPTS)  # noqa: E731
+    with PlanningService(None, workers=1, solve=_DiesOnce(tmp_path / "died"), fallback=fallback) as svc:
+        svc.submit(0, [3000, 2000])
+        plan = svc.get(0, wait=True)
+        assert plan.stats["service_source"] == "solver" and svc.restarts == 1 and not svc.events
+        assert _strip(plan) == _strip(plan_iteration([3000, 2000], cost=_cost(), policy="epp-fast", options=OPTS))
+    with PlanningService(None, workers=1, solve=_DiesOn([666]), fallback=fallback) as svc:
+        svc.submit(0, [666])
+        with pytest.raises(PlanningError, match="iteration 0: the planning worker died 3 times"):
+            svc.get(0, wait=True)
+        assert svc.restarts == 3 and not svc.events

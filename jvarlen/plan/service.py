@@ -71,6 +71,11 @@ def _solve(lengths: Sequence[int], delay_s: float):
     return _WORKER["solve"](lengths)
 
 
+# A batch whose worker dies is solved again this many times in all when the consumer waits (plan.wait,
+# several processes): a fallback plan there would differ from the other processes' plans.
+WAIT_ATTEMPTS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class ServiceEvent:
     iteration: int
@@ -155,17 +160,28 @@ class PlanningService:
         if iteration not in self._jobs:
             raise KeyError(f"iteration {iteration} was never submitted")
         lengths, fut = self._jobs.pop(iteration)
-        try:
-            plan = fut.result(timeout=None if wait else timeout_s)
-            plan.stats["service_source"] = "solver"
-            return plan
-        except cf.TimeoutError:
-            fut.cancel()
-            return self._fallback(iteration, lengths, "late", "solver not finished when the consumer asked")
-        except Exception as e:  # the worker failed: never stall training
-            if isinstance(e, BrokenProcessPool):
+        for attempt in range(1, WAIT_ATTEMPTS + 1):
+            try:
+                plan = fut.result(timeout=None if wait else timeout_s)
+                plan.stats["service_source"] = "solver"
+                return plan
+            except cf.TimeoutError:
+                fut.cancel()
+                return self._fallback(iteration, lengths, "late", "solver not finished when the consumer asked")
+            except BrokenProcessPool as e:  # its worker died (the OS killed it, a native crash)
                 self._restart(f"{type(e).__name__}: {e}")
-            return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
+                if not wait:  # never stall training
+                    return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
+                if attempt == WAIT_ATTEMPTS:
+                    raise PlanningError(
+                        f"iteration {iteration}: the planning worker died {attempt} times solving it ({e}); with "
+                        "plan.wait (or several processes) the plan must be the solver's, so training stops here"
+                    ) from None
+                # waiting means the solver's plan, which the other processes get too: solve it again
+                fut = self._pool.submit(_solve, lengths, self.delay_s)
+            except Exception as e:  # the solver raised: the same on every process, so is its fallback
+                return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
+        raise AssertionError("unreachable")
 
     def _fallback(self, iteration: int, lengths: list[int], kind: str, detail: str) -> Plan:
         event = ServiceEvent(iteration, kind, detail, self.fallback_policy)
