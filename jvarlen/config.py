@@ -412,7 +412,9 @@ class PlanConfig:
     # processes, which must all run the same plans.
     wait: bool = False
     # Limits of each checkpointing MILP (CP-SAT). The deterministic-time limit binds first, so a
-    # resumed run plans the same chunks; the wall-clock limit is a safety net.
+    # resumed run plans the same chunks; the wall-clock limit is a safety net. With plan.wait (and
+    # always with several processes) every planner solve runs on one worker with the wall-clock
+    # limit raised to at least 120 s, so that machine load cannot change a plan (jvarlen/plan/cpsat.py).
     solver_deterministic_time: float = 0.5
     solver_time_limit_s: float = 30.0
     solver_workers: int = 1

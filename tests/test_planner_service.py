@@ -6,6 +6,7 @@ import os
 import pytest
 from conftest import small_cost, tight_budget
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.service import PlanningService, deterministic_options
 from jvarlen.plan.workloads import sample_batch
@@ -152,3 +153,28 @@ def test_a_waiting_consumer_gets_the_solvers_plan_after_a_worker_dies(tmp_path):
         with pytest.raises(PlanningError, match="iteration 0: the planning worker died 3 times"):
             svc.get(0, wait=True)
         assert svc.restarts == 3 and not svc.events
+
+
+class _Limits:
+    def __init__(self, limits):
+        self.stats = {"limits": limits}
+
+
+def _solver_limits(lengths):
+    """The limits a planner model's CP-SAT solve gets in this process."""
+    s = cpsat.solver(0.01, 0.5, workers=4)
+    return _Limits((s.parameters.max_time_in_seconds, s.parameters.num_workers))
+
+
+def test_a_service_that_waits_solves_on_the_deterministic_limit_alone():
+    """With ``reproducible`` (a run that waits for its plans, as every multi-process run does) the
+    wall-clock limits of every planner model are raised to a safety net and CP-SAT runs one worker:
+    only the deterministic limit stops a solve, so a loaded or stalled process plans the same."""
+    with PlanningService(None, workers=1, solve=_solver_limits, reproducible=True) as svc:
+        svc.submit(0, [1])
+        assert svc.get(0, wait=True).stats["limits"] == (cpsat.REPRODUCIBLE_SAFETY_S, 1)
+    with PlanningService(None, workers=1, solve=_solver_limits) as svc:
+        svc.submit(0, [1])
+        assert svc.get(0, wait=True).stats["limits"] == (0.01, 4)
+    assert cpsat.call_reproducibly(_solver_limits, [1]).stats["limits"] == (cpsat.REPRODUCIBLE_SAFETY_S, 1)
+    assert _solver_limits([1]).stats["limits"] == (0.01, 4)  # the mode ends with the call

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.units import backward_rank, backward_windows
@@ -274,11 +275,7 @@ def solve(problem: CkptProblem, options: SolverOptions = SolverOptions()) -> Ckp
             return make_solution(problem, zero, "infeasible", "greedy found no feasible point; solver skipped")
         return make_solution(problem, hint, "greedy", "solver skipped (no time)")
     model, xs = _cp_model(problem, hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(options.time_limit_s)
-    solver.parameters.max_deterministic_time = float(options.deterministic_time)
-    solver.parameters.num_workers = int(options.workers)
-    solver.parameters.random_seed = int(options.seed)
+    solver = cpsat.solver(options.time_limit_s, options.deterministic_time, options.workers, options.seed)
     status = solver.solve(model)
     name = solver.status_name(status)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import balanced_split
 from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
@@ -309,11 +310,7 @@ def solve(
         value = problem.makespan_us(hint)
         upper = int(value) if math.isfinite(value) else None
     m = _cp_model(problem, classes, hint, upper)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(options.time_limit_s)
-    solver.parameters.max_deterministic_time = float(options.deterministic_time)
-    solver.parameters.num_workers = int(options.workers)
-    solver.parameters.random_seed = int(options.seed)
+    solver = cpsat.solver(options.time_limit_s, options.deterministic_time, options.workers, options.seed)
     # Presolve, probing and the LP relaxation cost more than they find here (measured on GPT-7B /
     # github iterations: with them CP-SAT spent a 0.1-0.3 deterministic budget before even taking
     # the hint, status UNKNOWN; without, it starts from the hint and proves it optimal or improves it).

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.hydraulis_costs import SchemeTable
 
 
@@ -421,11 +422,7 @@ def exact_dispatch(
     if hint is None:
         hint = greedy_dispatch(problem, trials=8, seed=seed).assign
     model, m = _cp_model(problem, hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.max_deterministic_time = float(deterministic_time)
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = int(seed)
+    solver = cpsat.solver(time_limit_s, deterministic_time, 1, seed)
     status = solver.solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         assign = np.full(B, -1, dtype=np.int64)

@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.hydraulis_costs import SchemeTable
 
 _REL = 1e-9  # relative tolerance when comparing objectives
@@ -229,11 +230,7 @@ def _solve_v(data: _Data, v: int, hint: Optional[np.ndarray], options: PackOptio
     """Step 3: CP-SAT for one V. Returns (bins or None, status name, limit hit)."""
     hint = None if hint is None else _canonical(hint)
     model, o = _cp_model(data, v, hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(options.time_limit_s)
-    solver.parameters.max_deterministic_time = float(options.deterministic_time)
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = int(options.seed)
+    solver = cpsat.solver(options.time_limit_s, options.deterministic_time, 1, options.seed)
     solver.parameters.relative_gap_limit = float(options.gap)
     status = solver.solve(model)
     name = solver.status_name(status)

@@ -17,6 +17,7 @@ reproduces a run exactly.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -27,6 +28,7 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from jvarlen.plan import cpsat
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.plan import Plan
@@ -56,12 +58,14 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 _WORKER: dict = {}  # in a worker process: the solver its service started it with
 
 
-def _start_worker(parent_pid: int, solve: Callable) -> None:
+def _start_worker(parent_pid: int, solve: Callable, reproducible: bool = False) -> None:
     """Worker initializer: :func:`exit_with_parent`, and the solver, sent once and kept, so that
     what its cost models keep between calls (slice meshes, the schemes' cost tables) serves every
     batch the worker plans (a copy sent with each batch started cold: 1.27× the planning time,
     docs/benchmarks.md, "Strategies")."""
     exit_with_parent(parent_pid)
+    if reproducible:
+        cpsat.set_reproducible()
     _WORKER["solve"] = solve
 
 
@@ -103,11 +107,13 @@ class PlanningService:
         *,
         solve: Optional[Callable] = None,
         fallback: Optional[Callable] = None,
+        reproducible: bool = False,
     ):
         """``cost``/``policy``/``options``: an EPP-family policy of :func:`plan_iteration`, with the
         fast fallbacks ``fallback_policy``, ``epp-fast`` and ``seq1f1b-tuned``. Any other planner:
         ``solve(lengths) -> plan`` (picklable: it runs in the worker) and ``fallback(lengths) ->
-        plan`` (runs here when the solver is late or failed)."""
+        plan`` (runs here when the solver is late or failed). ``reproducible``: every solve in
+        :func:`jvarlen.plan.cpsat.reproducible` mode (a run that waits for its plans)."""
         self.cost = cost
         self.policy = policy
         self.options = deterministic_options() if options is None else options
@@ -117,6 +123,7 @@ class PlanningService:
         self.solve = solve or functools.partial(plan_iteration, cost=cost, policy=policy, options=self.options)
         self.fallback = fallback
         self.workers = workers
+        self.reproducible = reproducible
         self._pool = self._new_pool()
         self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
         self.events: list[ServiceEvent] = []
@@ -127,7 +134,7 @@ class PlanningService:
             max_workers=self.workers,
             mp_context=mp.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(os.getpid(), self.solve),
+            initargs=(os.getpid(), self.solve, self.reproducible),
         )
 
     def _restart(self, detail: str) -> None:
@@ -188,7 +195,8 @@ class PlanningService:
         self.events.append(event)
         log.warning("plan for iteration %d %s (%s); using %s", iteration, kind, detail, self.fallback_policy)
         if self.fallback is not None:
-            plan = self.fallback(lengths)
+            with cpsat.reproducible() if self.reproducible else contextlib.nullcontext():
+                plan = self.fallback(lengths)
             plan.stats["service_source"] = f"fallback:{kind}"
             plan.events.append(f"service: {kind} ({detail}); fallback plan")
             return plan

@@ -39,6 +39,7 @@ from jvarlen.parallel.layouts import FSDP
 from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_params
 from jvarlen.parallel.pipeline.executor import DATA
 from jvarlen.parallel.sharding import place_global, push
+from jvarlen.plan import cpsat
 from jvarlen.plan.strategy import StrategyPlan, plan_strategy
 from jvarlen.runtime.memory_fit import ensure_fits
 from jvarlen.runtime.step import CompiledStep
@@ -170,8 +171,11 @@ class GroupsStrategy(ExecutionStrategy):
             from jvarlen.plan.service import PlanningService
 
             fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
-            self._service = PlanningService(None, workers=self.workers, solve=solve, fallback=fallback)
-        return Planner(all_documents, solve, self._service, self.wait)
+            self._service = PlanningService(
+                None, workers=self.workers, solve=solve, fallback=fallback, reproducible=self.wait
+            )
+        inline = functools.partial(cpsat.call_reproducibly, solve) if self.wait else solve
+        return Planner(all_documents, inline, self._service, self.wait)
 
     # ---- host side
     def prepare(self, iteration, known=()) -> Prepared:

@@ -21,7 +21,7 @@ from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, prepare_plans, split_documents
 from jvarlen.parallel.pipeline.executor import DATA
 from jvarlen.parallel.pipeline.stage import residual_policy, stored_token_bytes
-from jvarlen.plan import chunk
+from jvarlen.plan import chunk, cpsat
 from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
@@ -125,8 +125,11 @@ class PipelineStrategy(ExecutionStrategy):
     def planner(self) -> Planner:
         solve = functools.partial(plan_iteration, cost=self.cost, policy=self.policy, options=self.options)
         if self.ahead > 0 and self._service is None:
-            self._service = PlanningService(self.cost, self.policy, self.options, workers=self.workers)
-        return Planner(split_by_rows(self.layout.dp, self.rows_per_batch), solve, self._service, self.wait)
+            self._service = PlanningService(
+                self.cost, self.policy, self.options, workers=self.workers, reproducible=self.wait
+            )
+        inline = functools.partial(cpsat.call_reproducibly, solve) if self.wait else solve
+        return Planner(split_by_rows(self.layout.dp, self.rows_per_batch), inline, self._service, self.wait)
 
     def prepare(self, iteration, known=()) -> Prepared:
         wrong = [p.layout for p in iteration.plans if p.layout != self.layout]
