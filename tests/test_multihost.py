@@ -352,3 +352,101 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         quiet=True,
     )
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
+
+
+@pytest.mark.slow  # the training CLI in two processes: ~1-2 min on 2 shared cores
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """SIGTERM reaches one host of a distributed run (a preemption notice, a scheduler): every
+    process checkpoints and stops after the same step (before: that process alone stopped, and
+    the others waited in the next step's collectives or in a checkpoint it never joined)."""
+    import json
+    import signal
+
+    import jax
+    from conftest import cli_env
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    port, run_dir = _free_port(), tmp_path / "two"
+    args = [a if not a.startswith("--train.steps") else "--train.steps=400" for a in CLI_ARGS]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jvarlen.train",
+                *args,
+                f"--logging.run_dir={run_dir}",
+                f"--data.cache_dir={tmp_path / f'cache{pid}'}",
+                "--checkpoint.every_steps=1000",
+                "--parallel.distributed=true",
+                f"--parallel.coordinator_address=127.0.0.1:{port}",
+                "--parallel.num_processes=2",
+                f"--parallel.process_id={pid}",
+            ],
+            env=cli_env(4, JAX_PLATFORMS="cpu"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for pid in (0, 1)
+    ]
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [143, 143], [log[-2000:] for log in logs]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert os.listdir(run_dir / "checkpoints") == [str(steps[-1])] and steps[-1] < 400
+
+
+@pytest.mark.slow  # two JAX processes start and stop before training: ~20-40 s on 2 shared cores
+def test_processes_that_differ_in_config_or_data_are_refused_before_training(tmp_path):
+    """Processes of one run must sample, plan and compile alike: a process given another config
+    value (here the learning rate) is refused on every process, naming what differs, before any step
+    (a profile in one host's ~/.cache/jvarlen/profiles or a different corpus is caught the same way)."""
+    import jax
+    from conftest import cli_env
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jvarlen.train",
+                *CLI_ARGS,
+                f"--logging.run_dir={tmp_path / 'two'}",
+                f"--data.cache_dir={tmp_path / f'cache{pid}'}",
+                f"--optimizer.learning_rate={0.001 * (pid + 1)}",
+                "--parallel.distributed=true",
+                f"--parallel.coordinator_address=127.0.0.1:{port}",
+                "--parallel.num_processes=2",
+                f"--parallel.process_id={pid}",
+            ],
+            env=cli_env(4, JAX_PLATFORMS="cpu"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for pid in (0, 1)
+    ]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [log[-2000:] for log in logs]
+    assert all("the 2 processes of this run differ in the configuration" in log for log in logs), logs[0][-2000:]
+    assert not (tmp_path / "two" / "metrics.jsonl").exists()

@@ -100,6 +100,15 @@ class DataPipeline:
             )
         self.sampler.restore(state["sampler"])
 
+    def fingerprint(self) -> str:
+        """A digest of the corpus' documents and pieces (what sampling depends on)."""
+        import hashlib
+
+        h = hashlib.sha256(np.asarray(self.corpus.lengths, np.int64).tobytes())
+        for a in (self.pieces.doc, self.pieces.start, self.pieces.length, self.pieces.has_next):
+            h.update(np.asarray(a, np.int64).tobytes())
+        return h.hexdigest()
+
     def summary(self) -> str:
         """One line for the logs: documents, tokens, length quantiles, split/truncation counts."""
         c, lengths = self.corpus, self.corpus.lengths

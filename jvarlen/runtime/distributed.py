@@ -42,3 +42,27 @@ def initialize(cfg: ParallelConfig) -> bool:
         jax.distributed.initialize()  # auto-detects SLURM / MPI / ... or raises
     _initialized = True
     return True
+
+
+def check_same(named: dict) -> None:
+    """Raises :class:`ConfigError` when the processes of a distributed run disagree on any of
+    ``named`` (what -> its text): they would plan, sample or compile differently, and hang in a
+    collective or train on different data. A no-op with one process."""
+    if jax.process_count() == 1:
+        return
+    import hashlib
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    names = sorted(named)
+    digests = [hashlib.sha256(str(named[k]).encode()).digest()[:4] for k in names]
+    mine = np.frombuffer(b"".join(digests), dtype=np.int32).copy()
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(names))
+    differ = [k for i, k in enumerate(names) if len(set(every[:, i].tolist())) > 1]
+    if differ:
+        raise ConfigError(
+            f"the {jax.process_count()} processes of this run differ in {', '.join(differ)}; every process must "
+            "see the same config, data, cost profile (train.cost_profile, ~/.cache/jvarlen/profiles) and caches "
+            "(data.cache_dir) or they would train differently"
+        )

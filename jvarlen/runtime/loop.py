@@ -5,12 +5,13 @@ checkpoint. The loop knows no strategy's internals (:mod:`jvarlen.runtime.strate
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, Optional
 
 import jax
 
-from jvarlen.config import Config
+from jvarlen.config import Config, to_dict
 from jvarlen.layout import Layout, resolve_layout
 from jvarlen.plan.strategy import SchemeCosts
 from jvarlen.runtime import distributed
@@ -104,6 +105,14 @@ def train(
     run = open_run(config, quiet, stop_after)
     try:
         strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
+        distributed.check_same(
+            {
+                "the configuration": _config_text(config),
+                "the corpus": run.pipeline.fingerprint(),
+                "the resumed step": run.start,
+                **strategy.fingerprint(),
+            }
+        )
     except BaseException:
         run.close()
         raise
@@ -167,3 +176,12 @@ def train(
         cache.close()
         run.close()
     return close_run(run, losses, tokens_seen, t_start, state)
+
+
+def _config_text(config: Config) -> str:
+    """The configuration but what may differ between the processes of one run."""
+    d = to_dict(config)
+    d["parallel"].pop("process_id", None)
+    d["data"].pop("cache_dir", None)
+    d["parallel"].pop("compilation_cache_dir", None)
+    return json.dumps(d, sort_keys=True, default=str)

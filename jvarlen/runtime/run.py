@@ -69,6 +69,17 @@ class StopSignals:
             flush=True,
         )
 
+    def agreed(self) -> Optional[int]:
+        """The signal this step stops on: with several processes, one any of them received (the
+        lowest process's), so that every process checkpoints and stops after the same step; a stop
+        on one process alone would leave the others waiting in the next step's collectives."""
+        if jax.process_count() == 1:
+            return self.received
+        from jax.experimental import multihost_utils
+
+        codes = np.ravel(multihost_utils.process_allgather(np.int32(self.received or 0)))
+        return next((int(c) for c in codes if c), None)
+
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
@@ -166,7 +177,7 @@ class Run:
                 f"their updates were skipped and no checkpoint holds them. Lower optimizer.learning_rate or check "
                 f"the data, then resume from the last checkpoint (train.max_nonfinite_steps={limit})"
             )
-        stop = self.signals.received
+        stop = self.signals.agreed()
         if self.checkpointer.should_save(step + 1, self.end) or stop is not None:
             data_state = self.pipeline.state() if data_state is None else data_state
             schedule = {

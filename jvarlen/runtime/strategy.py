@@ -111,5 +111,10 @@ class ExecutionStrategy(abc.ABC):
     def describe(self) -> str:
         return self.name
 
+    def fingerprint(self) -> dict:
+        """What every process of a distributed run must have alike for this strategy (the planner's
+        cost model, its options): name -> text (:func:`jvarlen.runtime.distributed.check_same`)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 (most strategies start nothing)
         """Releases what the strategy started (planner processes)."""

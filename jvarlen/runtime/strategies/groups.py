@@ -305,6 +305,12 @@ class GroupsStrategy(ExecutionStrategy):
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
         return {"groups_s": run_s, **check.observe_plans([g.plan for g in iteration.plans[0].groups], run_s)}
 
+    def fingerprint(self) -> dict:
+        from jvarlen.runtime.strategies.pipeline import _cost_text
+
+        text = _cost_text(self.costs.base) if self.costs is not None else ""
+        return {"the planner's cost model": text, "the policy's options (Hydraulis' candidates)": repr(self.options)}
+
     def describe(self) -> str:
         return f"heterogeneous device groups: policy {self.policy} on {len(self.ctx.placement.devices)} devices"
 
