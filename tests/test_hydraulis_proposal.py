@@ -149,3 +149,8 @@ def test_proposal_holds_the_corpus_and_is_cached(costs, tmp_path):
         corpus, sharded, 16384, options
     )
     assert len(list(tmp_path.iterdir())) == 2
+    # an unreadable file (a torn write on a network file system) is proposed again and replaced
+    for path in tmp_path.iterdir():
+        path.write_text("{not json")
+    assert cached_proposal(tmp_path, corpus, costs, 16384, options) == out
+    assert sum(p.read_text() != "{not json" for p in tmp_path.iterdir()) == 1 and len(list(tmp_path.iterdir())) == 2

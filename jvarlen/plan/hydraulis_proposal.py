@@ -60,6 +60,7 @@ import itertools
 import json
 import math
 import os
+import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
@@ -380,11 +381,14 @@ def _key(strategy: Strategy) -> tuple:
 # ---------------------------------------------------------------- cache
 
 
+PROPOSAL_VERSION = 2  # raise when propose_strategies would propose differently for the same inputs
+
+
 def proposal_key(corpus_lengths: Sequence[int], costs: SchemeCosts, max_len: int, options) -> str:
     """Hash of (lengths, model + coefficients, the memory model's stage weights and padding, device
     count, max_len, options): sharded stage weights change every scheme's MaxLen(P), so a run with
     the other setting must not reuse the candidates."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"proposal v{PROPOSAL_VERSION}|".encode())  # a new version of the search misses old files
     h.update(np.asarray(corpus_lengths, dtype=np.int64).tobytes())
     h.update(costs.model.key().encode())
     h.update(json.dumps(costs.coeffs.to_json(), sort_keys=True, default=str).encode())
@@ -403,14 +407,17 @@ def cached_proposal(
     """:func:`propose_strategies`, stored as JSON under ``cache_dir`` by :func:`proposal_key`."""
     key = proposal_key(corpus_lengths, costs, max_len, options)
     path = os.path.join(cache_dir, f"hydraulis-proposal-{key}.json")
-    if os.path.exists(path):
+    try:
         with open(path) as f:
             data = json.load(f)
         return tuple(tuple(Scheme(int(pp), int(sp)) for pp, sp in s) for s in data["strategies"])
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: propose again
+        pass
     out = propose_strategies(corpus_lengths, costs, max_len, options)
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    # a unique temporary name: hosts sharing cache_dir over a network file system may have equal pids
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
         json.dump({"key": key, "strategies": [[[s.pp, s.sp] for s in st] for st in out]}, f)
     os.replace(tmp, path)
     return out
