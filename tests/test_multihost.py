@@ -184,23 +184,32 @@ def test_distributed_config_is_all_or_nothing():
         parse_config(["--parallel.num_processes=2", "--parallel.process_id=2"])
 
 
-def _run_two_processes(command) -> None:
-    """Runs ``command(pid)`` for pids 0 and 1 (4 host CPU devices each) to completion; fails
-    with the log of a process that did not exit cleanly."""
+def _start_two_processes(command) -> list:
+    """Starts ``command(pid)`` for pids 0 and 1, 4 host CPU devices each."""
     from conftest import cli_env  # here: the workers import this module, and conftest sets 8 devices
 
     env = cli_env(4, JAX_PLATFORMS="cpu")
-    procs = [
+    return [
         subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in (0, 1)
     ]
+
+
+def _finish(procs, timeout: float = 400) -> list[str]:
+    """Each process's output once it exits; any still running after ``timeout`` is killed."""
     try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, log in zip(procs, logs):
+
+
+def _run_two_processes(command) -> None:
+    """Runs ``command(pid)`` for pids 0 and 1 to completion; fails with the log of a process that
+    did not exit cleanly."""
+    procs = _start_two_processes(command)
+    for p, log in zip(procs, _finish(procs)):
         assert p.returncode == 0, log[-3000:]
 
 
@@ -277,26 +286,28 @@ CLI_ARGS = [
 ]
 
 
+def _train_command(tmp_path, args, port: int):
+    """``command(pid)``: ``python -m jvarlen.train args`` as process ``pid`` of a two-process run
+    (run dir tmp_path/two, a corpus cache per process)."""
+    return lambda pid: [
+        sys.executable,
+        "-m",
+        "jvarlen.train",
+        *args,
+        f"--logging.run_dir={tmp_path / 'two'}",
+        f"--data.cache_dir={tmp_path / f'cache{pid}'}",
+        "--parallel.distributed=true",
+        f"--parallel.coordinator_address=127.0.0.1:{port}",
+        "--parallel.num_processes=2",
+        f"--parallel.process_id={pid}",
+    ]
+
+
 def _train_on_two_processes(tmp_path, args) -> list[dict]:
-    """``python -m jvarlen.train args`` as two processes of one distributed run (run dir
-    tmp_path/two, a corpus cache per process); the metrics records process 0 wrote."""
+    """:func:`_train_command` run to completion; the metrics records process 0 wrote."""
     import json
 
-    port = _free_port()
-    _run_two_processes(
-        lambda pid: [
-            sys.executable,
-            "-m",
-            "jvarlen.train",
-            *args,
-            f"--logging.run_dir={tmp_path / 'two'}",
-            f"--data.cache_dir={tmp_path / f'cache{pid}'}",
-            "--parallel.distributed=true",
-            f"--parallel.coordinator_address=127.0.0.1:{port}",
-            "--parallel.num_processes=2",
-            f"--parallel.process_id={pid}",
-        ]
-    )
+    _run_two_processes(_train_command(tmp_path, args, _free_port()))
     return [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -363,46 +374,22 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     import signal
 
     import jax
-    from conftest import cli_env
 
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
-    port, run_dir = _free_port(), tmp_path / "two"
+    run_dir = tmp_path / "two"
     args = [a if not a.startswith("--train.steps") else "--train.steps=400" for a in CLI_ARGS]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jvarlen.train",
-                *args,
-                f"--logging.run_dir={run_dir}",
-                f"--data.cache_dir={tmp_path / f'cache{pid}'}",
-                "--checkpoint.every_steps=1000",
-                "--parallel.distributed=true",
-                f"--parallel.coordinator_address=127.0.0.1:{port}",
-                "--parallel.num_processes=2",
-                f"--parallel.process_id={pid}",
-            ],
-            env=cli_env(4, JAX_PLATFORMS="cpu"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for pid in (0, 1)
-    ]
+    procs = _start_two_processes(_train_command(tmp_path, [*args, "--checkpoint.every_steps=1000"], _free_port()))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.time() + 300
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-            assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+            if any(p.poll() is not None for p in procs):
+                break  # exited early: the exit codes below fail with its log
             time.sleep(0.2)
         procs[1].send_signal(signal.SIGTERM)
-        logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        logs = _finish(procs, timeout=300)
     assert [p.returncode for p in procs] == [143, 143], [log[-2000:] for log in logs]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert os.listdir(run_dir / "checkpoints") == [str(steps[-1])] and steps[-1] < 400
@@ -414,39 +401,12 @@ def test_processes_that_differ_in_config_or_data_are_refused_before_training(tmp
     value (here the learning rate) is refused on every process, naming what differs, before any step
     (a profile in one host's ~/.cache/jvarlen/profiles or a different corpus is caught the same way)."""
     import jax
-    from conftest import cli_env
 
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jvarlen.train",
-                *CLI_ARGS,
-                f"--logging.run_dir={tmp_path / 'two'}",
-                f"--data.cache_dir={tmp_path / f'cache{pid}'}",
-                f"--optimizer.learning_rate={0.001 * (pid + 1)}",
-                "--parallel.distributed=true",
-                f"--parallel.coordinator_address=127.0.0.1:{port}",
-                "--parallel.num_processes=2",
-                f"--parallel.process_id={pid}",
-            ],
-            env=cli_env(4, JAX_PLATFORMS="cpu"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for pid in (0, 1)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    command = _train_command(tmp_path, CLI_ARGS, _free_port())
+    procs = _start_two_processes(lambda pid: [*command(pid), f"--optimizer.learning_rate={0.001 * (pid + 1)}"])
+    logs = _finish(procs, timeout=300)
     assert [p.returncode for p in procs] == [2, 2], [log[-2000:] for log in logs]
     assert all("the 2 processes of this run differ in the configuration" in log for log in logs), logs[0][-2000:]
     assert not (tmp_path / "two" / "metrics.jsonl").exists()
