@@ -12,6 +12,7 @@ figures (``jvarlen.plan.hardware``) or from an online refit (``jvarlen.plan.cost
 from __future__ import annotations
 
 import functools
+import json
 from typing import Optional
 
 import numpy as np
@@ -110,6 +111,12 @@ class CostModel:
         self._alltoall = BoundedMemo()
         self._p2p_link: dict = {}
         self.op_terms = BoundedMemo()  # the simulator's per-op durations (jvarlen.plan.simulator._Durations)
+
+    def fingerprint(self) -> str:
+        """What its predictions depend on beyond the layout, as text: the model shape, the
+        coefficients, the memory model's stage weights and padding (cache keys, cross-process checks)."""
+        coeffs = json.dumps(self.coeffs.to_json(), sort_keys=True, default=str)
+        return f"{self.model.key()}|{coeffs}|sharded={self.stage_weights_sharded}|pad_to={self.pad_to}"
 
     def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
         return CostModel(

@@ -390,9 +390,7 @@ def proposal_key(corpus_lengths: Sequence[int], costs: SchemeCosts, max_len: int
     the other setting must not reuse the candidates."""
     h = hashlib.sha256(f"proposal v{PROPOSAL_VERSION}|".encode())  # a new version of the search misses old files
     h.update(np.asarray(corpus_lengths, dtype=np.int64).tobytes())
-    h.update(costs.model.key().encode())
-    h.update(json.dumps(costs.coeffs.to_json(), sort_keys=True, default=str).encode())
-    h.update(f"sharded={costs.base.stage_weights_sharded}|pad_to={costs.base.pad_to}|".encode())
+    h.update(costs.base.fingerprint().encode())
     h.update(f"{costs.num_devices}|{int(max_len)}|{options!r}".encode())
     return h.hexdigest()[:24]
 

@@ -306,9 +306,7 @@ class GroupsStrategy(ExecutionStrategy):
         return {"groups_s": run_s, **check.observe_plans([g.plan for g in iteration.plans[0].groups], run_s)}
 
     def fingerprint(self) -> dict:
-        from jvarlen.runtime.strategies.pipeline import _cost_text
-
-        text = _cost_text(self.costs.base) if self.costs is not None else ""
+        text = self.costs.base.fingerprint() if self.costs is not None else ""
         return {"the planner's cost model": text, "the policy's options (Hydraulis' candidates)": repr(self.options)}
 
     def describe(self) -> str:

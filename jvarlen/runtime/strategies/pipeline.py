@@ -187,7 +187,7 @@ class PipelineStrategy(ExecutionStrategy):
         return {"pipeline_s": run_s, **check.observe_plans(iteration.plans, run_s)}
 
     def fingerprint(self) -> dict:
-        return {"the planner's cost model": _cost_text(self.cost), "the planner's options": repr(self.options)}
+        return {"the planner's cost model": self.cost.fingerprint(), "the planner's options": repr(self.options)}
 
     def describe(self) -> str:
         return (
@@ -199,8 +199,3 @@ class PipelineStrategy(ExecutionStrategy):
         if self._service is not None:
             self._service.close()
             self._service = None
-
-
-def _cost_text(cost: CostModel) -> str:
-    """The cost model's coefficients and memory model as text (what plans depend on)."""
-    return f"{cost.model.key()}|{cost.coeffs.to_json()}|sharded={cost.stage_weights_sharded}"
