@@ -30,19 +30,28 @@ def main(argv: list[str] | None = None) -> int:
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError
     from jvarlen.runtime.checkpoint import CheckpointMismatchError, NonFiniteStateError, NoReadableCheckpointError
+    from jvarlen.runtime.distributed import report_failure
     from jvarlen.runtime.loop import Interrupted, NonFiniteError, train
 
     try:
         train(config)
     except (ConfigError, DataError, CheckpointMismatchError, PlanningError) as error:  # fix the input
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
+        report_failure(2, error)
         return 2
     except (NonFiniteError, NonFiniteStateError, NoReadableCheckpointError) as error:  # the run failed
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
+        report_failure(1, error)
         return 1
-    except Interrupted as stop:
+    except Interrupted as stop:  # every process stops after the same step (agreed in the loop)
         print(f"jvarlen.train: {stop}; continue with --checkpoint.resume=true", file=sys.stderr)
         return stop.exit_code
+    except (
+        Exception,
+        KeyboardInterrupt,
+    ) as error:  # a bug, a second Ctrl-C: the other processes must not wait for this one
+        report_failure(130 if isinstance(error, KeyboardInterrupt) else 1, error)
+        raise
     return 0
 
 

@@ -410,3 +410,25 @@ def test_processes_that_differ_in_config_or_data_are_refused_before_training(tmp
     assert [p.returncode for p in procs] == [2, 2], [log[-2000:] for log in logs]
     assert all("the 2 processes of this run differ in the configuration" in log for log in logs), logs[0][-2000:]
     assert not (tmp_path / "two" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # two JAX processes start, one fails at once: ~20-40 s on 2 shared cores
+def test_a_process_that_fails_stops_every_process_with_its_reason(tmp_path):
+    """One host cannot read the corpus (a file system not mounted there): that process exits with
+    its error, and the other stops with the same exit code, naming the failed process and why
+    (before: it waited for the failed process in its first collective; on the CPU backend until
+    gloo gave up after 30 s with a traceback about a key-value timeout, exit 1)."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    missing = tmp_path / "not-mounted" / "corpus.jsonl"
+    command = _train_command(tmp_path, CLI_ARGS, _free_port())
+    unreadable = ["--data.source=jsonl", f"--data.path={missing}"]
+    procs = _start_two_processes(lambda pid: [*command(pid), *(unreadable if pid == 1 else [])])
+    logs = _finish(procs, timeout=300)
+    assert [p.returncode for p in procs] == [2, 2], [log[-2000:] for log in logs]
+    assert str(missing) in logs[1]
+    stopped = [line for line in logs[0].splitlines() if "process 1 of this run failed" in line]
+    assert len(stopped) == 1 and str(missing) in stopped[0] and "process 0 stops too" in stopped[0], logs[0][-2000:]
+    assert not (tmp_path / "two" / "metrics.jsonl").exists()

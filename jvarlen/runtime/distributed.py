@@ -10,15 +10,28 @@ Call :func:`initialize` before anything touches a device. With
 
 Every process then runs the same program; ``jax.devices()`` lists all devices of all
 processes and the layouts span them (jvarlen.parallel.layouts orders them by process).
+
+A process that fails (bad input on one host, a bug) says so through the coordination service
+(:func:`report_failure`) before it exits; the others stop with its exit code instead of waiting
+for it in the next collective (:class:`FailureWatch`).
 """
 
 from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from typing import Optional
 
 import jax
 
 from jvarlen.config import ConfigError, ParallelConfig
 
 _initialized = False
+_FAILED = "jvarlen/failed/"  # coordination-service key prefix: one key per failed process
+_watch: Optional["FailureWatch"] = None
 
 
 def initialize(cfg: ParallelConfig) -> bool:
@@ -41,7 +54,80 @@ def initialize(cfg: ParallelConfig) -> bool:
     else:
         jax.distributed.initialize()  # auto-detects SLURM / MPI / ... or raises
     _initialized = True
+    if jax.process_count() > 1:
+        _start_watch()
     return True
+
+
+class FailureWatch(threading.Thread):
+    """Ends this process when another process of the run reports a failure.
+
+    The main thread may be inside a collective that will never complete (on a GPU it waits
+    for the failed process indefinitely; on the CPU backend gloo gives up after 30 s with an
+    unrelated message), so the watch polls the coordination service's key-value store and, after
+    ``grace_s`` in which this process did not report a failure of its own (every process may
+    have hit the same error), shuts the distributed client down and exits with the failed
+    process's code. The exit skips clean-up as a kill would: a checkpoint being written is
+    left unfinished, which resume already handles.
+    """
+
+    def __init__(self, client, me: int, poll_s: float = 0.5, grace_s: float = 3.0):
+        super().__init__(name="jvarlen-failure-watch", daemon=True)
+        self.client, self.me, self.poll_s, self.grace_s = client, me, poll_s, grace_s
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        first_seen = None
+        while not self._done.wait(self.poll_s):
+            try:
+                reports = [kv for kv in self.client.key_value_dir_get(_FAILED) if kv[0] != f"{_FAILED}{self.me}"]
+            except Exception:  # the coordination service is gone: the run is ending anyway
+                return
+            if not reports:
+                continue
+            first_seen = time.monotonic() if first_seen is None else first_seen
+            if time.monotonic() - first_seen >= self.grace_s and not self._done.is_set():
+                self._stop_this_process(min(reports))
+
+    def _stop_this_process(self, report: tuple[str, str]) -> None:
+        key, value = report
+        code, _, reason = value.partition("\n")
+        print(
+            f"jvarlen.train: process {key[len(_FAILED) :]} of this run failed ({reason}); process {self.me} stops too",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            jax.distributed.shutdown()  # the failed process's own shutdown waits for this one
+        except Exception:
+            pass
+        os._exit(int(code))
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _start_watch() -> None:
+    global _watch
+    from jax._src import distributed as jax_distributed  # the client multihost_utils uses too
+
+    _watch = FailureWatch(jax_distributed.global_state.client, jax.process_index())
+    _watch.start()
+    atexit.register(_watch.stop)  # runs before JAX's own exit hook shuts the client down
+
+
+def report_failure(exit_code: int, error: BaseException) -> None:
+    """Tells the other processes of a distributed run that this one exits with ``exit_code``
+    because of ``error``, so that they stop too (:class:`FailureWatch`). A no-op with one
+    process."""
+    if _watch is None:
+        return
+    _watch.stop()
+    reason = " ".join(f"{type(error).__name__}: {error}".split())
+    try:
+        _watch.client.key_value_set(f"{_FAILED}{_watch.me}", f"{exit_code}\n{reason[:1000]}")
+    except Exception:  # the coordination service is gone (its host failed first): nothing to tell
+        pass
 
 
 def check_same(named: dict) -> None:
