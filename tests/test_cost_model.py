@@ -180,16 +180,18 @@ def test_model_state_memory_hand_computed():
     assert SchemeCosts(z, 8).cost(Scheme(pp=2, sp=4)).model_state_memory(0) == pytest.approx(z4.model_state_memory(0))
 
 
-def test_the_executor_backward_holds_its_layer_gradients_in_the_compute_dtype():
-    """The pipeline executor's backward returns its stage's layer gradients (compute dtype) before
-    adding them to the accumulator: ``e · L_s · layer params`` per device, the reduce-scattered
-    ``1/(dp·sp)`` with sharded stage weights; the fused step's peak has no such copy."""
-    c = coeffs(m_work_token=500.0)
+def test_the_executor_backward_holds_its_layer_gradients_until_they_are_accumulated():
+    """The pipeline executor's backward returns its stage's layer gradients before adding them to
+    the accumulator: ``e · L_s · layer params`` per device in the compute dtype, with sharded stage
+    weights the reduce-scattered ``1/(dp·sp)`` in the accumulator's dtype; the fused step's peak has
+    no such copy."""
+    c = coeffs(m_work_token=500.0)  # a bf16 copy and an fp32 accumulator: e = 2, 6 bytes per parameter
     cm = CostModel(MHA, Layout(2, 2, 2), c)
     stage_layers = MHA.num_layers // 2 * MHA.layer_params
     assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
     sharded = CostModel(MHA, Layout(2, 2, 2), c, stage_weights_sharded=True)
-    assert sharded.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers / 4)
+    accumulator = c.stage_bytes_per_param - c.bytes_per_element
+    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4)
     alone = CostModel(MHA, Layout(1, 2, 1), c, stage_weights_sharded=True)  # nothing to shard over
     assert alone.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
     ch = ChunkShape(0, (1024,))

@@ -310,13 +310,14 @@ class CostModel:
         """Bytes one device of a stage holds beside :meth:`working_memory` while the pipeline
         executor runs a backward: the op returns its layers' gradients stacked in the compute dtype,
         ``e · L_s · layer params`` (with sharded stage weights the reduce-scattered ``1/(dp·sp)`` of
-        them), and adds them into the gradient accumulator after it. A fused data-parallel step
-        (:meth:`peak_memory`) has no such copy."""
+        them, summed in the accumulator's dtype), and adds them into the gradient accumulator after
+        it. A fused data-parallel step (:meth:`peak_memory`) has no such copy."""
+        c = self.coeffs
         n = self.layers_per_stage * self.model.layer_params
         group = self.layout.dp * self.layout.sp
         if self.stage_weights_sharded and group > 1:
-            n /= group
-        return self.coeffs.bytes_per_element * n
+            return (c.stage_bytes_per_param - c.bytes_per_element) * n / group
+        return c.bytes_per_element * n
 
     def memory_floor(self, stage: int) -> float:
         """Bytes a device of ``stage`` needs before any token: :meth:`model_state_memory` and the

@@ -411,7 +411,7 @@ class StageProgram:
             v_own=kv_own,
             dck=dctx,
             dcv=dctx,
-            d_layers=jax.tree.map(jnp.zeros_like, layers),
+            d_layers=s.fns.weights.reduced_zeros(layers),
             d_rest=jax.tree.map(jnp.zeros_like, rest),
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.int32),

@@ -144,6 +144,17 @@ class StageWeights:
             out.append(g)
         return self.treedef.unflatten(out)
 
+    def reduced_zeros(self, layers):
+        """Zeros shaped and typed as :meth:`layer_pass` returns this device's reduced gradients of its
+        stage weights ``layers`` (an idle op's): the parameters' dtype where :meth:`reduce`
+        reduce-scatters, else the stage copy's."""
+        return self.treedef.unflatten(
+            [
+                jnp.zeros(x.shape, leaf.dtype if self.group and (leaf.canon, leaf.shard) != (None, None) else x.dtype)
+                for x, leaf in zip(jax.tree.leaves(layers), self.leaves)
+            ]
+        )
+
     def accumulators(self, layers):
         """Zero gradient accumulators for this device's stage weights ``layers``, in the parameters'
         dtype."""
@@ -181,8 +192,10 @@ class StageWeights:
 
     def reduce(self, grads):
         """The transpose of :meth:`gather`: one whole layer's gradient on each device of the group ->
-        this device's chunks of their sum, reduce-scattered in one collective per parameter dtype
-        (summed in the parameters' dtype, returned in the stage copy's)."""
+        this device's chunks of their sum, reduce-scattered in one collective per parameter dtype,
+        summed and returned in the parameters' dtype (the accumulator's: a bf16 copy of each chunk's
+        sum would round every chunk's share of the gradient, which the replicated stage, summing
+        fp32 accumulators once, does not)."""
         if not self.group:
             return grads
         leaves, treedef = jax.tree.flatten(grads)
@@ -192,8 +205,9 @@ class StageWeights:
             if leaf.canon is not None:
                 by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
             elif leaf.shard is not None:
-                g = jax.lax.psum_scatter(leaves[i].astype(leaf.dtype), SP, scatter_dimension=leaf.shard - 1, tiled=True)
-                out[i] = g.astype(leaf.compute_dtype)
+                out[i] = jax.lax.psum_scatter(
+                    leaves[i].astype(leaf.dtype), SP, scatter_dimension=leaf.shard - 1, tiled=True
+                )
         for dtype, idx in by_dtype.items():
             rows = [self._whole_to_chunks(leaves[i].astype(dtype), self.leaves[i].canon - 1) for i in idx]
             summed = jax.lax.psum_scatter(
@@ -205,7 +219,7 @@ class StageWeights:
             at = 0
             for i, r in zip(idx, rows):
                 n = r[0].size
-                out[i] = summed[at : at + n].reshape(r.shape[1:]).astype(self.leaves[i].compute_dtype)
+                out[i] = summed[at : at + n].reshape(r.shape[1:])
                 at += n
         return treedef.unflatten(out)
 
