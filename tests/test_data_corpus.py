@@ -13,6 +13,7 @@ import jvarlen.data.corpus as corpus_module
 from jvarlen.config import DataConfig
 from jvarlen.data import (
     ByteTokenizer,
+    Corpus,
     DataError,
     DataPipeline,
     EmptyCorpusError,
@@ -150,13 +151,42 @@ def test_cache_is_invalidated_when_the_source_or_tokenizer_changes(tmp_path, bui
     assert len(build_counter) == 4 and fourth.directory != third.directory
 
 
-def test_damaged_cache_is_rebuilt(tmp_path, build_counter):
+@pytest.mark.parametrize("damage", ["truncated tokens", "offsets.npy", "doc_source.npy"])
+def test_damaged_cache_is_rebuilt(tmp_path, build_counter, damage):
     path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}])
     first = _load(tmp_path, "jsonl", path)
-    with open(first.directory / "tokens.bin", "r+b") as f:
-        f.truncate(2)
+    if damage == "truncated tokens":
+        with open(first.directory / "tokens.bin", "r+b") as f:
+            f.truncate(2)
+    else:  # a file deleted (before: the load failed with a bare FileNotFoundError)
+        (first.directory / damage).unlink()
     again = _load(tmp_path, "jsonl", path)
     assert len(build_counter) == 2 and again.document(0).tolist() == [BOS, 97, 98, 99, EOS]
+
+
+def test_a_replacement_with_the_same_size_and_mtime_is_not_served_from_the_cache(tmp_path):
+    """``cp -p``, ``rsync -t`` or ``tar x`` of a corrected file keeps its size and mtime: the cache key
+    also holds the ctime and inode, which no copy can keep (before: the old tokens were served)."""
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "the cat sat"}])
+    stat = path.stat()
+    assert _load(tmp_path, "jsonl", path).document(0).tolist()[1:4] == list(b"the")
+    _jsonl(tmp_path / "new.jsonl", [{"text": "one dog ran"}])
+    os.replace(tmp_path / "new.jsonl", path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert _load(tmp_path, "jsonl", path).document(0).tolist()[1:-1] == list(b"one dog ran")
+
+
+def test_the_digest_of_the_first_documents_is_that_of_a_corpus_of_them(tmp_path):
+    """``Corpus.digest``: recorded when the cache is built, computed for a ``data.max_documents``
+    prefix; the two agree, and documents of the same lengths with other tokens differ."""
+    records = [{"text": "abc"}, {"text": "de"}, {"text": "fgh"}]
+    whole = _load(tmp_path, "jsonl", _jsonl(tmp_path / "a.jsonl", records))
+    first_two = _load(tmp_path, "jsonl", _jsonl(tmp_path / "b.jsonl", records[:2]))
+    assert Corpus(whole.directory, limit=2).digest == first_two.digest == first_two.meta["digest"]
+    assert Corpus(whole.directory, limit=3).digest == whole.digest != first_two.digest
+    same_lengths = _load(tmp_path, "jsonl", _jsonl(tmp_path / "c.jsonl", [{"text": "abd"}, *records[1:]]))
+    assert same_lengths.digest != whole.digest
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -134,6 +134,41 @@ def test_restore_rejects_state_of_another_corpus_or_shape(tmp_path):
         DataPipeline(_config(tmp_path, path, max_doc_tokens=12, max_documents=5)).restore(state)
 
 
+def test_restore_refuses_a_state_saved_for_other_documents_of_the_same_shape(tmp_path):
+    """The corpus file rewritten with its documents in another order (or edited in place, the same
+    lengths): the counts all match, but the saved position would point at other documents, training
+    some twice and others never in this epoch. Refused, as different data on two processes is."""
+    path, texts = _write_corpus(tmp_path, LENGTHS)
+    config = _config(tmp_path, path, max_doc_tokens=12)
+    first = DataPipeline(config)
+    first.next_batch()
+    state = json.loads(json.dumps(first.state()))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in reversed(texts)))
+    reordered = DataPipeline(config)
+    assert reordered.corpus.num_documents == first.corpus.num_documents
+    assert reordered.fingerprint() != first.fingerprint()
+    with pytest.raises(SamplerStateError, match="saved for other data"):
+        reordered.restore(state)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))  # the data restored
+    DataPipeline(config).restore(state)
+
+
+def test_the_fingerprint_covers_the_tokens_not_only_the_lengths(tmp_path):
+    """Two hosts' copies of the data that differ in content but not in lengths must not pass the
+    multi-process check (before: it hashed document lengths and pieces only)."""
+    path, texts = _write_corpus(tmp_path, LENGTHS)
+    config = _config(tmp_path, path, max_doc_tokens=12)
+    one = DataPipeline(config)
+    edited = [t[::-1] for t in texts]  # the same lengths, other tokens
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other, _ = _write_corpus(other_dir, [])
+    other.write_text("".join(json.dumps({"text": t}) + "\n" for t in edited))
+    two = DataPipeline(_config(tmp_path, other, max_doc_tokens=12))
+    np.testing.assert_array_equal(one.corpus.lengths, two.corpus.lengths)
+    assert one.fingerprint() != two.fingerprint()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 16), min_size=1, max_size=60),
@@ -183,3 +218,24 @@ def test_make_batches_matches_pipeline(tmp_path):
     batches, pipeline = make_batches(config, 320), DataPipeline(config, vocab_size=320)
     for _ in range(3):
         np.testing.assert_array_equal(next(batches).tokens, pipeline.next_batch().tokens)
+
+
+def test_a_state_written_with_grains_shuffle_continues_with_it():
+    """Sampler states written before the sampler had its own permutation carry no ``shuffle``: a run
+    resumed from one keeps grain's order for the rest of its epochs (a new order mid-epoch would
+    train some pieces twice and others never)."""
+    import grain
+
+    from jvarlen.data.sampler import epoch_seed
+
+    lengths = np.full(50, 4, np.int64)
+    state = TokenBudgetSampler(lengths, rows=2, seq_len=16, seed=5).state()
+    del state["shuffle"]
+    resumed = TokenBudgetSampler(lengths, rows=2, seq_len=16, seed=5)
+    resumed.restore(state)
+    drawn = []
+    while resumed.epoch == 0:
+        drawn.extend(resumed.next().piece_ids.tolist())
+    order = grain.MapDataset.range(50).shuffle(seed=epoch_seed(5, 0))
+    assert drawn == [int(order[i]) for i in range(50)]  # equal pieces: placed in drawing order
+    assert resumed.state()["shuffle"] == "grain"

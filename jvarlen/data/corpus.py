@@ -1,12 +1,13 @@
 """A tokenized corpus: one memory-mapped token array plus int64 document offsets.
 
-Built once per (source files, their sizes and mtimes, tokenizer) and cached on disk
+Built once per (source files, their sizes, mtimes, ctimes and inodes, tokenizer) and cached on disk
 under ``<cache_dir>/<kind>-<key>/``::
 
     tokens.bin      raw uint16 (vocab <= 65535) or uint32 token ids, all documents back to back
     offsets.npy     int64 [num_documents + 1]; document i = tokens[offsets[i]:offsets[i+1]]
     doc_source.npy  int64 [num_documents, 2]; (file index, line/row) each document came from
-    meta.json       dtype, counts, tokenizer identity, file list, skipped empty documents
+    meta.json       dtype, counts, tokenizer identity, file list, skipped empty documents,
+                    a SHA-256 of the tokens and document lengths (``digest``)
 
 Each stored document is ``[BOS] + tokens + [EOS]``; documents with no tokens are
 skipped and counted. The directory is written under a temporary name and renamed
@@ -30,13 +31,16 @@ from jvarlen.data.errors import EmptyCorpusError, TokenIdError, UnreadableFileEr
 from jvarlen.data.sources import Source
 from jvarlen.data.tokenizer import Tokenizer
 
-FORMAT_VERSION = 3  # 2: meta records binary files skipped under text_dir; 3: pre-tokenized ids within the tokenizer
+# 2: meta records binary files skipped under text_dir; 3: pre-tokenized ids within the tokenizer;
+# 4: meta records the digest of the tokens, and all four files must be present
+FORMAT_VERSION = 4
+CACHE_FILES = ("tokens.bin", "offsets.npy", "doc_source.npy", "meta.json")
 DEFAULT_CACHE_DIR = "~/.cache/jvarlen"
 _ENCODE_BATCH = 256
 
 
 def cache_key(source: Source, tokenizer: Tokenizer) -> str:
-    """Hex digest over the source fingerprint (paths, sizes, mtimes) and the tokenizer identity."""
+    """Hex digest over the source fingerprint (paths, sizes, mtimes, ctimes, inodes) and the tokenizer identity."""
     blob = json.dumps(
         {
             "version": FORMAT_VERSION,
@@ -69,6 +73,19 @@ class Corpus:
         tokens = np.memmap(self.directory / "tokens.bin", dtype=dtype, mode="r", shape=size)
         self.tokens = tokens[: int(self.offsets[-1])]
         self.lengths = np.diff(self.offsets)  # int64 [num_documents]
+        self._digest: Optional[str] = (
+            meta_digest if (meta_digest := self.meta.get("digest")) and self._limit == total else None
+        )
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the documents' tokens, then their offsets as little-endian int64: the
+        cache's recorded digest, or, for the first ``limit`` documents, computed on first use."""
+        if self._digest is None:
+            h = hashlib.sha256(np.ascontiguousarray(self.tokens).tobytes())
+            h.update(self.offsets.astype("<i8").tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
 
     @property
     def num_documents(self) -> int:
@@ -141,6 +158,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
     origins: list[tuple[int, int]] = []
     skipped = 0
     max_id = -1
+    digest = hashlib.sha256()  # of the stored tokens as written, then the document offsets
     try:
         with open(tmp / "tokens.bin", "wb") as out:
 
@@ -173,7 +191,9 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
                     row = np.empty(ids.size + 2, dtype=dtype)
                     row[0], row[-1] = tokenizer.bos_id, tokenizer.eos_id
                     row[1:-1] = ids
-                    out.write(row.tobytes())
+                    data = row.tobytes()
+                    out.write(data)
+                    digest.update(data)
                     lengths.append(row.size)
                     origins.append((doc.file_index, doc.record))
 
@@ -193,6 +213,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
             )
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        digest.update(offsets.astype("<i8").tobytes())
         np.save(tmp / "offsets.npy", offsets)
         np.save(tmp / "doc_source.npy", np.asarray(origins, dtype=np.int64).reshape(-1, 2))
         meta = {
@@ -209,6 +230,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
             "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id,
             "files": [str(f) for f in source.files],
+            "digest": digest.hexdigest(),
             "created": time.time(),
         }
         with open(tmp / "meta.json", "w") as f:
@@ -228,7 +250,8 @@ def _valid_cache(directory: pathlib.Path) -> bool:
             meta = json.load(f)
         size = (directory / "tokens.bin").stat().st_size
         expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
-        return meta.get("version") == FORMAT_VERSION and size == expected
+        complete = all((directory / name).is_file() for name in CACHE_FILES)
+        return meta.get("version") == FORMAT_VERSION and size == expected and complete
     except (OSError, ValueError, KeyError):
         return False
 

@@ -57,6 +57,7 @@ class DataPipeline:
         self.rows, self.seq_len = config.rows_per_batch, config.seq_len
         self.sampler = TokenBudgetSampler(self.pieces.length, self.rows, self.seq_len, seed=config.seed)
         self.last_sample: Optional[SampledBatch] = None
+        self._fingerprint: Optional[str] = None
 
     @property
     def epoch(self) -> int:
@@ -86,6 +87,7 @@ class DataPipeline:
             "version": STATE_VERSION,
             "corpus": self.corpus.directory.name,
             "num_documents": self.corpus.num_documents,
+            "fingerprint": self.fingerprint(),
             "sampler": self.sampler.state(),
         }
 
@@ -98,16 +100,27 @@ class DataPipeline:
                 f"data pipeline state is for {state.get('num_documents')} documents, this corpus has "
                 f"{self.corpus.num_documents} (data.source / data.max_documents changed?)"
             )
+        saved = state.get("fingerprint")  # absent in states written before 2026-11-28
+        if saved is not None and saved != self.fingerprint():
+            raise SamplerStateError(
+                "data pipeline state was saved for other data: the corpus' tokens or its pieces differ "
+                f"from this run's (corpus {state.get('corpus')!r}, now {self.corpus.directory.name!r}; a data "
+                "file edited, reordered or replaced, another tokenizer or data.max_doc_tokens). Resuming would "
+                "train some documents twice and others never in this epoch; restore the data or start a new run"
+            )
         self.sampler.restore(state["sampler"])
 
     def fingerprint(self) -> str:
-        """A digest of the corpus' documents and pieces (what sampling depends on)."""
-        import hashlib
+        """A digest of the corpus' tokens and pieces (what the batches depend on besides the sampler's
+        position): equal on every process of a run, and from a checkpoint to its resume."""
+        if self._fingerprint is None:
+            import hashlib
 
-        h = hashlib.sha256(np.asarray(self.corpus.lengths, np.int64).tobytes())
-        for a in (self.pieces.doc, self.pieces.start, self.pieces.length, self.pieces.has_next):
-            h.update(np.asarray(a, np.int64).tobytes())
-        return h.hexdigest()
+            h = hashlib.sha256(self.corpus.digest.encode())
+            for a in (self.pieces.doc, self.pieces.start, self.pieces.length, self.pieces.has_next):
+                h.update(np.asarray(a, np.int64).tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def summary(self) -> str:
         """One line for the logs: documents, tokens, length quantiles, split/truncation counts."""

@@ -8,23 +8,22 @@ batch, never dropped. The epoch ends only once the permutation is exhausted *and
 the carry-over is empty, so every token of every piece is in exactly one batch per
 epoch (the epoch's last batch may be partly empty).
 
-Why grain: the permutation is ``grain.MapDataset.range(P).shuffle(seed)``, a
-random-access index shuffle. Element ``cursor`` of it is computed on demand, so the
-whole sampler position is ``(epoch, cursor, carry)``: a few integers to checkpoint,
-nothing to regenerate or store per piece, and identical across restarts. Grain's
-packing iterators are not used: they work on a record stream and cannot report or
-carry over pieces by our token-budget rule.
+The permutation is random-access (:class:`~jvarlen.data.permutation.IndexPermutation`):
+element ``cursor`` of it is computed on demand, so the whole sampler position is
+``(epoch, cursor, carry)``: a few integers to checkpoint, nothing to regenerate or store
+per piece, and identical across restarts. Grain's packing iterators are not used: they
+work on a record stream and cannot report or carry over pieces by our token-budget rule.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import grain
 import numpy as np
 
 from jvarlen.data.errors import SamplerStateError
 from jvarlen.data.packer import place
+from jvarlen.data.permutation import FEISTEL, LEGACY, IndexPermutation
 
 
 class SampledBatch(NamedTuple):
@@ -54,6 +53,7 @@ class TokenBudgetSampler:
         self.rows, self.seq_len, self.seed = int(rows), int(seq_len), int(seed)
         self.lookahead = self.seq_len if lookahead is None else int(lookahead)
         self.epoch, self.cursor, self.carry, self.batches = 0, 0, [], 0
+        self.shuffle = FEISTEL
         self._perm_epoch, self._perm = -1, None
 
     @property
@@ -62,7 +62,13 @@ class TokenBudgetSampler:
 
     def _permutation(self):
         if self._perm_epoch != self.epoch:
-            self._perm = grain.MapDataset.range(self.num_pieces).shuffle(seed=epoch_seed(self.seed, self.epoch))
+            seed = epoch_seed(self.seed, self.epoch)
+            if self.shuffle == LEGACY:  # a run resumed from a state written with grain's shuffle
+                import grain
+
+                self._perm = grain.MapDataset.range(self.num_pieces).shuffle(seed=seed)
+            else:
+                self._perm = IndexPermutation(self.num_pieces, seed)
             self._perm_epoch = self.epoch
         return self._perm
 
@@ -99,6 +105,7 @@ class TokenBudgetSampler:
             "rows": self.rows,
             "seq_len": self.seq_len,
             "lookahead": self.lookahead,
+            "shuffle": self.shuffle,
         }
 
     def restore(self, state: dict) -> None:
@@ -112,5 +119,9 @@ class TokenBudgetSampler:
         carry = [int(i) for i in state["carry"]]
         if not 0 <= int(state["cursor"]) <= self.num_pieces or any(not 0 <= i < self.num_pieces for i in carry):
             raise SamplerStateError(f"sampler state out of range for {self.num_pieces} pieces: {state}")
+        shuffle = state.get("shuffle", LEGACY)
+        if shuffle not in (FEISTEL, LEGACY):
+            raise SamplerStateError(f"sampler state uses the permutation {shuffle!r}, unknown to this version")
         self.epoch, self.cursor, self.carry = int(state["epoch"]), int(state["cursor"]), carry
+        self.shuffle, self._perm_epoch = shuffle, -1
         self.batches = int(state.get("batches", 0))

@@ -1,7 +1,7 @@
 """Where raw documents come from: the stdlib sources, JSONL, a text directory, Parquet.
 
 A :class:`Source` lists its files (sorted, for determinism), gives a fingerprint of
-them (paths, sizes, mtimes: part of the corpus cache key) and yields
+them (paths, sizes, mtimes, ctimes, inodes: part of the corpus cache key) and yields
 :class:`RawDocument` records, each either text (``str``/``bytes``) or token ids.
 Read errors become :class:`UnreadableFileError` / :class:`MissingFieldError` naming
 the file, line/row and field.
@@ -130,14 +130,15 @@ class Source:
         return cls(kind, files, text_field, tokens_field)
 
     def fingerprint(self) -> dict:
-        """JSON-able description that changes when any file is added, removed or modified."""
+        """JSON-able description that changes when any file is added, removed, modified or replaced."""
         entries = []
         for f in self.files:
             try:
                 st = f.stat()
             except OSError as error:
                 raise UnreadableFileError(f"cannot stat data file {str(f)!r}: {error}") from error
-            entries.append([str(f), st.st_size, st.st_mtime_ns])
+            # ctime and inode too: a replacement that keeps size and mtime (cp -p, rsync -t, tar x) changes them
+            entries.append([str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
         fields = None if self.kind in ("stdlib", "text_dir") else [self.text_field, self.tokens_field]
         return {"kind": self.kind, "fields": fields, "files": entries}
 
