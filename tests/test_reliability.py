@@ -392,6 +392,23 @@ def test_binary_files_in_a_text_dir_are_skipped_and_counted(tmp_path):
     assert "2 binary files skipped" in pipeline.summary()
 
 
+def test_text_files_that_are_not_utf8_are_counted(tmp_path):
+    """A Latin-1 file whose first non-ASCII byte lies past the binary sniff's 8 KiB is read as text;
+    a text tokenizer sees U+FFFD for its undecodable bytes. Kept (the byte tokenizer reads bytes),
+    but named in the corpus summary (before: nothing said so)."""
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataPipeline
+
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "a.txt").write_text("plain text " * 20)
+    (root / "latin1.txt").write_bytes(b"ascii line\n" * 1000 + "caf\xe9 cr\xe8me".encode("latin-1"))
+    pipeline = DataPipeline(DataConfig(source="text_dir", path=str(root), cache_dir=str(tmp_path / "cache")))
+    assert pipeline.corpus.num_documents == 2 and not pipeline.corpus.skipped_binary
+    assert [os.path.basename(p) for p in pipeline.corpus.not_utf8] == ["latin1.txt"]
+    assert "1 file not valid UTF-8 (read as bytes; first:" in pipeline.summary()
+
+
 def test_messages_name_what_is_wrong(tmp_path):
     from jvarlen.config import DataConfig
     from jvarlen.data import DataError, DataPipeline

@@ -110,6 +110,12 @@ class Corpus:
         return list(self.meta.get("skipped_binary", []))
 
     @property
+    def not_utf8(self) -> list[str]:
+        """Files read whole (text_dir, stdlib) that are not valid UTF-8: a text tokenizer reads their
+        undecodable bytes as U+FFFD; the byte tokenizer reads bytes."""
+        return list(self.meta.get("not_utf8", []))
+
+    @property
     def files(self) -> list[str]:
         return self.meta["files"]
 
@@ -224,6 +230,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
             "num_documents": len(lengths),
             "skipped_empty": skipped,
             "skipped_binary": list(source.skipped_binary),
+            "not_utf8": list(source.not_utf8),
             "max_token_id": max(max_id, tokenizer.bos_id, tokenizer.eos_id),
             "tokenizer": tokenizer.identity,
             "tokenizer_vocab_size": tokenizer.vocab_size,

@@ -23,7 +23,7 @@ from jvarlen.data.packer import PackedBatch, Piece, pack
 from jvarlen.data.sampler import SampledBatch, TokenBudgetSampler
 from jvarlen.data.sources import Source
 from jvarlen.data.split import split_documents
-from jvarlen.data.tokenizer import load_tokenizer
+from jvarlen.data.tokenizer import ByteTokenizer, load_tokenizer
 
 STATE_VERSION = 1
 
@@ -129,7 +129,8 @@ class DataPipeline:
         cache = "cached" if c.cache_hit else "tokenized"
         return (
             f"{c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped"
-            f"{f', {len(c.skipped_binary)} binary files skipped' if c.skipped_binary else ''}), "
+            f"{f', {len(c.skipped_binary)} binary files skipped' if c.skipped_binary else ''}"
+            f"{_not_utf8(c)}), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
             f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
             f"{cache} in {self.load_seconds:.2f}s"
@@ -139,3 +140,12 @@ class DataPipeline:
 def make_batches(config: DataConfig, model_vocab_size: Optional[int] = None) -> Iterator[PackedBatch]:
     """Endless iterator of packed batches (a :class:`DataPipeline` without checkpointing)."""
     return iter(DataPipeline(config, vocab_size=model_vocab_size))
+
+
+def _not_utf8(corpus: Corpus) -> str:
+    """The summary's note on files that are not valid UTF-8 (empty when there are none)."""
+    if not corpus.not_utf8:
+        return ""
+    what = "read as bytes" if corpus.meta["tokenizer"] == ByteTokenizer.identity else "undecodable bytes read as U+FFFD"
+    n = len(corpus.not_utf8)
+    return f", {n} file{'s' if n > 1 else ''} not valid UTF-8 ({what}; first: {corpus.not_utf8[0]})"

@@ -113,6 +113,7 @@ class Source:
     text_field: str = "text"
     tokens_field: Optional[str] = None
     skipped_binary: list[str] = dataclasses.field(default_factory=list)  # text_dir files that are not text
+    not_utf8: list[str] = dataclasses.field(default_factory=list)  # read whole, but not valid UTF-8
 
     @classmethod
     def create(
@@ -162,6 +163,10 @@ class Source:
         if self.kind == "text_dir" and looks_binary(data):
             self.skipped_binary.append(str(path))
             return
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:  # kept (the byte tokenizer reads bytes), but counted: a text tokenizer sees U+FFFD
+            self.not_utf8.append(str(path))
         yield RawDocument(index, 0, data, None)
 
     def _field(self, record: dict, where: str) -> tuple[Optional[str | bytes], Optional[np.ndarray]]:
