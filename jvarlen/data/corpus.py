@@ -242,6 +242,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
         }
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f)
+        _sync(tmp)  # on disk before the rename makes the cache valid: a power loss must not leave zeros
         try:
             os.rename(tmp, directory)
         except OSError:
@@ -249,6 +250,21 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(directory: pathlib.Path) -> None:
+    """fsync of the cache files in ``directory`` and of the directory itself."""
+    for name in CACHE_FILES:
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _valid_cache(directory: pathlib.Path) -> bool:
