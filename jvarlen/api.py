@@ -91,10 +91,17 @@ class LayoutStep(Step):
 
 class PlanStep(Step):
     def prepare(self, plans: Sequence, documents: Sequence[Sequence]) -> Prepared:
-        """One plan and the list of its documents per pipeline (``len(plans) == layout.dp``)."""
+        """One plan and the list of its documents per pipeline (``len(plans) == layout.dp``). Raises
+        :class:`~jvarlen.plan.plan.PlanError` for a plan whose chunks do not cover each of its
+        documents' tokens exactly once (a token left out is never trained, one in two chunks twice)
+        or whose schedule is not valid, as the training loop refuses it."""
         if len(plans) != len(documents):
             raise ValueError(f"{len(plans)} plans but {len(documents)} lists of documents: one per pipeline")
         groups = [as_pieces(docs, self.strategy.ctx.model.vocab_size) for docs in documents]
+        for plan, group in zip(plans, groups):
+            lengths = [len(p.tokens) for p in group]
+            if tuple(lengths) == tuple(plan.lengths):  # other documents: refused below, naming them
+                plan.validate(lengths)
         pieces = [p for g in groups for p in g]
         it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=groups, plans=list(plans))
         return self.strategy.prepare(it, self.cache.keys())

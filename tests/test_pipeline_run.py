@@ -22,7 +22,7 @@ from jvarlen.parallel.pipeline import chunk_links, split_documents
 from jvarlen.parallel.pipeline.prepare import pad_plan
 from jvarlen.plan import schedule as sch
 from jvarlen.plan.buffers import op_ticks, plan_ticks
-from jvarlen.plan.plan import Plan
+from jvarlen.plan.plan import Plan, PlanError
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import make_train_step, single_program_grads
 
@@ -138,7 +138,8 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
 
 def test_research_steps_refuse_inputs_they_would_run_wrongly():
     """What the research API refuses before compiling: documents longer than their plan says (the
-    executor would cut them to the plan's chunks), plans of another layout, a layout that does
+    executor would cut them to the plan's chunks), plans that leave tokens out or plan them twice,
+    plans of another layout, a layout that does
     not fit the devices, ids outside the vocabulary; and steps whose programs differ beyond their
     signature (residual policy, stage weights) keep separate compile caches."""
     require_devices(LAYOUT.num_devices)
@@ -155,6 +156,15 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
         step.prepare([pa, pb], [longer, db])
     with pytest.raises(ValueError, match="2 plans but 1 lists of documents"):
         step.prepare([pa, pb], [da])
+    # a plan whose chunks leave a document's tokens out or hold them twice (before: trained as is,
+    # the document never or twice)
+    lengths, chunks = PLAN_A
+    dropped = (lengths, [[(0, 0, 10)], *chunks[1:]])  # document 1's 7 tokens in no chunk
+    twice = (lengths, [chunks[0], [*chunks[1], (1, 0, 7)], *chunks[2:]])  # document 1 in two chunks
+    for template, problem in ((dropped, r"document 1: tokens 0\.\.7 missing"), (twice, "overlap")):
+        bad, docs = _plan(template, 10, "gpipe", 0)
+        with pytest.raises(PlanError, match=problem):
+            step.prepare([bad, pb], [docs, db])
     with pytest.raises(ValueError, match="token id 64 is outside the model's vocabulary"):
         step.prepare([pa, pb], [[np.full(len(d), 64) for d in da], db])
     with pytest.raises(ValueError, match="next_token 64 is outside the model's vocabulary"):
