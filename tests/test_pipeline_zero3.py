@@ -66,6 +66,7 @@ def _mixed_config():
         (Layout(dp=2, pp=1, sp=4), "tiny"),
         (Layout(dp=4, pp=2, sp=1), "tiny"),
         (Layout(dp=2, pp=2, sp=2), "mixed"),
+        (Layout(dp=4, pp=2, sp=1), "bias"),  # q/k bias: 8 elements over 8 devices; sharded, 2 per stage
     ],
     ids=str,
 )
@@ -76,10 +77,14 @@ def test_pull_and_push_move_the_right_chunks(layout, model, mode):
     op uses them; ``reduce`` per layer and push of per-device gradients give the canonical chunks
     of their sum; against numpy slicing of the whole leaves."""
     require_devices(layout.num_devices)
-    cfg = tiny_config(num_layers=4) if model == "tiny" else _mixed_config()
+    cfg = {
+        "tiny": tiny_config(num_layers=4),
+        "mixed": _mixed_config(),
+        "bias": dataclasses.replace(tiny_config(num_layers=4), qkv_bias=True),
+    }[model]
     state, weights = _weights(cfg, layout, mode)
     managed = [leaf.canon is not None for leaf in weights.leaves]
-    assert all(managed) if model == "tiny" else 0 < sum(managed) < len(managed)
+    assert 0 < sum(managed) < len(managed) if model == "mixed" else all(managed)
     assert weights.dp_sharded == (mode == "sharded" and layout.dp > 1)
     mesh = pipeline_mesh(layout)
     rng = np.random.default_rng(0)

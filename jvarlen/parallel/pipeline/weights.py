@@ -320,8 +320,11 @@ def _first_divided(shape, n: int) -> Optional[int]:
 
 def _interleaved_to_natural(x, axis: int, layout: Layout):
     """Axis ``axis`` of ``x`` in order ``(s, d, q, c)`` (gathered over sp from interleaved shards)
-    -> canonical order ``(d, q, s, c)``."""
+    -> canonical order ``(d, q, s, c)``. The identity with one sp device (then ``x`` may hold only
+    its pipeline's ``1/dp``, which the reshape below could not split)."""
     sp, m = layout.sp, layout.dp * layout.pp
+    if sp == 1:
+        return x
     shape = x.shape
     x = x.reshape(shape[:axis] + (sp, m, shape[axis] // (sp * m)) + shape[axis + 1 :])
     x = jax.numpy.swapaxes(x, axis, axis + 1)
@@ -331,6 +334,8 @@ def _interleaved_to_natural(x, axis: int, layout: Layout):
 def _natural_to_interleaved(x, axis: int, layout: Layout):
     """The inverse of :func:`_interleaved_to_natural`."""
     sp, m = layout.sp, layout.dp * layout.pp
+    if sp == 1:
+        return x
     shape = x.shape
     x = x.reshape(shape[:axis] + (m, sp, shape[axis] // (sp * m)) + shape[axis + 1 :])
     x = jax.numpy.swapaxes(x, axis, axis + 1)
