@@ -55,3 +55,23 @@ def test_data_parallel_step_runs_one_attention_forward_per_layer():
     assert report.count("varlen_flash_dq") == 1 and report.count("varlen_flash_dkv") == 1
     fit = check_fit(report.memory, device_bytes=target.memory_bytes, env={})
     assert fit.fits, fit.message
+
+
+@pytest.mark.parametrize("dp,sp", [(8, 1), (2, 4)])
+def test_data_parallel_step_sums_weight_gradients_in_fp32(dp, sp):
+    """bf16 compute on 8 abstract H100s: the partitioner sums the layer matrices' gradients over dp / sp
+    where their matmuls produce them, in the dot's output dtype. Every all-reduce / reduce-scatter of
+    the compiled step is fp32 (before: the layer gradients went as one bf16 all-reduce per layer)."""
+    import re
+
+    from jvarlen.layout import Layout
+
+    model = {"compute_dtype": "bfloat16", "attention": "auto", "d_model": 256, "mlp_dim": 512, "num_heads": 8}
+    config = load_config("configs/epp-cpu.yaml", **{f"model.{k}": str(v) for k, v in model.items()})
+    with kernels.compile_for(gpu_aot.gpu_target("h100")):
+        lowered = gpu_aot.lower_train_step(
+            config, gpu_aot.abstract_devices("h100", 8), Layout(dp=dp, sp=sp), rows=8, seq_len=1024
+        )
+    hlo = lowered.compile().as_text()
+    sums = re.findall(r"= (\w+)\[[\d,]*\](?:\{[\d,]*\})? (?:all-reduce|reduce-scatter)(?:-start)?\(", hlo)
+    assert sums and set(sums) <= {"f32", "s32"}, sums

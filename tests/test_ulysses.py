@@ -16,7 +16,7 @@ from jvarlen.parallel.sharding import Placement, place_global
 from jvarlen.parallel.ulysses import gather_seq, heads_to_seq, kv_repeats, seq_to_heads, ulysses_attention_fn
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.state import create_train_state
-from jvarlen.runtime.step import loss_and_grads
+from jvarlen.runtime.step import loss_and_grads, single_program_grads
 from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, layout_loss_and_grads, shape_bucket
 from jvarlen.runtime.strategy import StepContext
 
@@ -251,3 +251,46 @@ def test_ulysses_rejects_indivisible_shapes():
     ids = jnp.ones((3, 32), jnp.int32)
     with pytest.raises(ValueError, match=r"batch rows \(3\) must be divisible by dp \(2\)"):
         fn(jnp.ones((3, 32, 8, 4)), jnp.ones((3, 32, 2, 4)), jnp.ones((3, 32, 2, 4)), AttentionInputs(ids, ids))
+
+
+def _dot_output_dtypes(closed, shapes) -> list[str]:
+    """dtypes of the dot_general outputs anywhere in ``closed`` (nested jaxprs too) shaped as one of
+    ``shapes``."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and tuple(eqn.outvars[0].aval.shape) in shapes:
+                found.append(str(eqn.outvars[0].aval.dtype))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def test_the_layouts_step_computes_layer_weight_gradients_with_fp32_outputs():
+    """The partitioner sums a weight's gradient over dp / sp at the dot that produces it, in that dot's
+    output dtype (on a GPU; XLA:CPU sums in fp32 whatever the dtype): the data-parallel layouts
+    compute the layer matrices' gradients with fp32 outputs, so a bf16 model's gradients are summed
+    in fp32 (tests/test_gpu_aot.py checks the compiled H100 step). The single-program step without
+    the layouts keeps bf16 outputs (its dots are visible to residual policies)."""
+    config = tiny_config(compute_dtype="bfloat16", mlp_dim=48)
+    graphdef, optimizer, state = create_train_state(config)
+    placement = Placement.for_state(state, optimizer)
+    ctx = StepContext(
+        graphdef, config.model, optimizer, placement, abstract_like(place_global(state, placement.state_sharding))
+    )
+    strategy = LayoutStrategy(ctx, LayoutPolicy(N, config.model.num_heads), B, T)
+    batch = packed_batch(0)
+    grads_fn, _, _ = strategy.step_inputs(("layout", Layout(dp=2, sp=4), shape_bucket(batch)))
+    layer = {name: tuple(x.shape[1:]) for name, x in jax.tree_util.tree_leaves_with_path(state.params["layers"])}
+    matrices = {shape for shape in layer.values() if len(shape) >= 2}
+    assert len(matrices) >= 4  # wq/wk/wv/wo and the MLP's, told apart by their shapes
+    layouts = _dot_output_dtypes(jax.make_jaxpr(grads_fn)(state.params, batch), matrices)
+    plain = _dot_output_dtypes(jax.make_jaxpr(single_program_grads(graphdef))(state.params, batch), matrices)
+    assert len(layouts) >= 7 and set(layouts) == {"float32"}, layouts  # one per matrix at least
+    assert plain and set(plain) == {"bfloat16"}, plain

@@ -7,6 +7,10 @@ F MLP width.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,6 +18,52 @@ from flax import nnx
 from jvarlen.config import ModelConfig
 from jvarlen.model.attention import AttentionFn, AttentionInputs
 from jvarlen.model.rope import inverse_frequencies, rotary
+
+# The data-parallel layouts leave the reduction of a weight's gradient over dp / sp to GSPMD, which
+# places it at the dot that produces the gradient, in that dot's output dtype: on a GPU, bf16 partial
+# sums summed in bf16 (XLA:CPU sums in fp32). Under :func:`fp32_weight_gradients` the layer matmuls
+# give their weight gradient an fp32 output, so the sum is fp32 and rounded to bf16 once, as one
+# device's dot rounds it (twice the bytes of that reduction). Only there: the pipeline executor and
+# the groups sum per-device fp32 accumulators themselves, and their residual policies must see the
+# dots, which a custom VJP hides.
+_FP32_WEIGHT_GRADIENTS = contextvars.ContextVar("fp32_weight_gradients", default=False)
+
+
+@contextlib.contextmanager
+def fp32_weight_gradients():
+    """While tracing inside it, :func:`project` computes weight gradients with an fp32 output."""
+    token = _FP32_WEIGHT_GRADIENTS.set(True)
+    try:
+        yield
+    finally:
+        _FP32_WEIGHT_GRADIENTS.reset(token)
+
+
+def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)`` of activations ``x`` and a weight ``w`` (see :func:`fp32_weight_gradients`)."""
+    if _FP32_WEIGHT_GRADIENTS.get():
+        return _project_fp32_weight_gradient(spec, x, w)
+    return jnp.einsum(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project_fp32_weight_gradient(spec, x, w):
+    return jnp.einsum(spec, x, w)
+
+
+def _project_forward(spec, x, w):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_backward(spec, residuals, dy):
+    x, w = residuals
+    (x_axes, w_axes), y_axes = spec.split("->")[0].split(","), spec.split("->")[1]
+    dx = jnp.einsum(f"{y_axes},{w_axes}->{x_axes}", dy, w)
+    dw = jnp.einsum(f"{x_axes},{y_axes}->{w_axes}", x, dy, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
+
+
+_project_fp32_weight_gradient.defvjp(_project_forward, _project_backward)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float) -> nnx.Param:
@@ -51,9 +101,9 @@ class Attention(nnx.Module):
         self.rope_scaling = cfg.rope_scaling
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, compute_dtype):
-        q = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(compute_dtype))
-        k = jnp.einsum("btd,dhk->bthk", x_btd, self.wk[...].astype(compute_dtype))
-        v = jnp.einsum("btd,dhk->bthk", x_btd, self.wv[...].astype(compute_dtype))
+        q = project("btd,dhk->bthk", x_btd, self.wq[...].astype(compute_dtype))
+        k = project("btd,dhk->bthk", x_btd, self.wk[...].astype(compute_dtype))
+        v = project("btd,dhk->bthk", x_btd, self.wv[...].astype(compute_dtype))
         if self.qkv_bias:
             q = q + self.q_bias[...].astype(compute_dtype)
             k = k + self.k_bias[...].astype(compute_dtype)
@@ -64,7 +114,7 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, inputs: AttentionInputs, attention_fn: AttentionFn, compute_dtype):
         q, k, v = self.qkv(x_btd, inputs.positions, compute_dtype)
         out_bthk = attention_fn(q, k, v, inputs)
-        return jnp.einsum("bthk,hkd->btd", out_bthk.astype(compute_dtype), self.wo[...].astype(compute_dtype))
+        return project("bthk,hkd->btd", out_bthk.astype(compute_dtype), self.wo[...].astype(compute_dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -75,9 +125,9 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dtype, f**-0.5)
 
     def __call__(self, x_btd, compute_dtype):
-        gate = x_btd @ self.w_gate[...].astype(compute_dtype)
-        up = x_btd @ self.w_up[...].astype(compute_dtype)
-        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(compute_dtype)
+        gate = project("btd,df->btf", x_btd, self.w_gate[...].astype(compute_dtype))
+        up = project("btd,df->btf", x_btd, self.w_up[...].astype(compute_dtype))
+        return project("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...].astype(compute_dtype))
 
 
 class DecoderLayer(nnx.Module):

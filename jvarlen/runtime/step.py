@@ -7,6 +7,7 @@ counts vary per batch), reduced over data-parallel shards by the sharded jit.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import jax
@@ -15,6 +16,7 @@ import optax
 from flax import nnx
 
 from jvarlen.model import AttentionInputs, cross_entropy_sums
+from jvarlen.model.layers import fp32_weight_gradients
 from jvarlen.runtime.state import TrainState
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
@@ -48,13 +50,17 @@ def single_program_grads(
     *,
     pull: Optional[Callable] = None,
     push: Optional[Callable] = None,
+    fp32_weight_sums: bool = False,
 ) -> GradsFn:
     """Gradients of one packed batch in one program (the data-parallel layouts' way): ``pull(params)``
     maps the stored parameters to what propagation uses and ``push(grads, params)`` maps the
-    gradients back (jvarlen.parallel.sharding); both default to the identity."""
+    gradients back (jvarlen.parallel.sharding); both default to the identity.
+    ``fp32_weight_sums``: the layer matmuls' weight gradients get an fp32 output, so that the
+    partitioner sums them over the layout's devices in fp32 (:func:`jvarlen.model.layers.fp32_weight_gradients`)."""
 
     def grads_fn(params, batch):
-        sums, grads = loss_and_grads(graphdef, params if pull is None else pull(params), batch, attention_fn)
+        with fp32_weight_gradients() if fp32_weight_sums else contextlib.nullcontext():
+            sums, grads = loss_and_grads(graphdef, params if pull is None else pull(params), batch, attention_fn)
         return sums, grads if push is None else push(grads, params), {}
 
     return grads_fn

@@ -136,6 +136,7 @@ class LayoutStrategy(ExecutionStrategy):
             ulysses_attention_fn(mesh, ctx.model.attention),
             pull=lambda params: pull(params, mesh, dtype),
             push=lambda grads, params: push(grads, ctx.placement.state_sharding.params, params, mesh),
+            fp32_weight_sums=True,
         )
         shapes = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype_)) for name, shape, dtype_ in bucket}
         return grads_fn, shapes, {name: batch_sharding(mesh) for name in shapes}
@@ -169,6 +170,7 @@ def layout_loss_and_grads(
         ulysses_attention_fn(mesh, attention),
         pull=lambda p: pull(p, mesh, dtype),
         push=lambda g, p: push(g, params_sharding, p, mesh),
+        fp32_weight_sums=True,
     )
 
     def run(p, b):
