@@ -288,8 +288,9 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 recs = [json.loads(line) for line in f if line.strip()]
-            warm = [r for r in recs[2:] if "step_time_s" in r] or recs
-            row["median_step_s"] = statistics.median(r.get("step_time_s", float("nan")) for r in warm)
+            warm = [r for r in recs[2:] if "step_seconds" in r] or recs
+            # the executor's step, not the plan wait (plan.wait) or a compile
+            row["median_step_s"] = statistics.median(r.get("step_seconds", float("nan")) for r in warm)
             row["tokens_per_s"] = statistics.median(r.get("tokens_per_s", float("nan")) for r in warm)
         else:
             row["stderr_tail"] = proc.stderr[-2000:]

@@ -194,3 +194,22 @@ def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, 
         )
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     assert (run_dir / "config.json").read_text() == config
+
+
+def test_learning_rate_warms_up_from_the_first_update_and_ends_at_the_final_rate():
+    """No update runs at zero (the first warmup update is at peak / warmup), and the last update of
+    the run uses ``min_lr_ratio · peak`` (before: the first update ran at zero, and the decay ended
+    one update after the run)."""
+    from jvarlen.config import OptimizerConfig
+    from jvarlen.runtime.state import learning_rate_schedule
+
+    def rates(warmup, steps):
+        cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=warmup, min_lr_ratio=0.1)
+        return [float(learning_rate_schedule(cfg, steps)(i)) for i in range(steps)]
+
+    r = rates(4, 20)
+    assert r[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0]) and r[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(r[3:], r[4:]))  # no rise after the peak
+    assert rates(0, 20)[0] == pytest.approx(1.0) and rates(0, 20)[-1] == pytest.approx(0.1)
+    assert rates(10, 5) == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])  # warmup cut to the run (reported)
+    assert rates(0, 1) == pytest.approx([1.0])

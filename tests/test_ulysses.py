@@ -294,3 +294,23 @@ def test_the_layouts_step_computes_layer_weight_gradients_with_fp32_outputs():
     plain = _dot_output_dtypes(jax.make_jaxpr(single_program_grads(graphdef))(state.params, batch), matrices)
     assert len(layouts) >= 7 and set(layouts) == {"float32"}, layouts  # one per matrix at least
     assert plain and set(plain) == {"bfloat16"}, plain
+
+
+def test_layouts_padding_ratio_counts_the_rows_dp_adds(tiny):
+    """5 full rows on dp = 4: the step computes 8 rows, 3 of them padding (before: logged 0.0, the
+    packed batch's ratio without the rows added for dp)."""
+    from jvarlen.data import Piece
+    from jvarlen.runtime.feed import Iteration
+
+    config, graphdef, optimizer, state = tiny
+    placement = Placement.for_state(state, optimizer)
+    ctx = StepContext(
+        graphdef, config.model, optimizer, placement, abstract_like(place_global(state, placement.state_sharding))
+    )
+    strategy = LayoutStrategy(
+        ctx, LayoutPolicy(N, config.model.num_heads), 5, T, layout_for_step=lambda *_: Layout(dp=4, sp=2)
+    )
+    pieces = [Piece(np.arange(1, T + 1, dtype=np.int32) % VOCAB, i, -1) for i in range(5)]
+    prepared = strategy.prepare(Iteration(0, pieces, np.arange(5), {}))
+    assert prepared.arrays["tokens"].shape == (8, T)
+    assert prepared.info["padding_ratio"] == pytest.approx(3 / 8)

@@ -129,7 +129,7 @@ def train(
     # picked different signatures for one step would run different programs in one collective.
     signatures: dict = {}
     last_layout = None
-    tokens_seen, t_start = 0.0, time.perf_counter()
+    tokens_seen, seconds_in_steps, t_start = 0.0, 0.0, time.perf_counter()
     try:
         for step in range(run.start, run.end):
             t0 = time.perf_counter()
@@ -149,9 +149,11 @@ def train(
             metrics = jax.device_get(metrics)
             run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile
             dt = time.perf_counter() - t0
-            record = step_record(metrics, dt, run.learning_rate(step))
+            real = sum(len(p.tokens) for p in it.pieces)
+            record = step_record(metrics, dt, run_s, run.learning_rate(step), real)
             losses.append(record["loss"])
-            tokens_seen += record["real_tokens"]
+            tokens_seen += real
+            seconds_in_steps += run_s
             record.update(
                 pieces=len(it.pieces),
                 documents=it.documents,
@@ -175,7 +177,7 @@ def train(
         strategy.close()
         cache.close()
         run.close()
-    return close_run(run, losses, tokens_seen, t_start, state)
+    return close_run(run, losses, tokens_seen, t_start, state, seconds_in_steps)
 
 
 def _config_text(config: Config) -> str:

@@ -27,7 +27,7 @@ from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
 from jvarlen.runtime.compile_cache import enable_persistent_cache
 from jvarlen.runtime.metrics import MetricsLogger
-from jvarlen.runtime.state import create_train_state, learning_rate_schedule
+from jvarlen.runtime.state import create_train_state, learning_rate_schedule, warmup_updates
 
 
 class NonFiniteError(RuntimeError):
@@ -245,6 +245,12 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
+    warmup = warmup_updates(config.optimizer, total)
+    if warmup < config.optimizer.warmup_steps:
+        say(
+            f"[jvarlen] optimizer.warmup_steps={config.optimizer.warmup_steps} does not fit train.steps={total}: "
+            f"the warmup takes {warmup} updates and the last update runs at the peak rate"
+        )
     return Run(
         config,
         main,
@@ -337,22 +343,30 @@ def _state_from_hf(config: Config, resuming: bool, say):
     return graphdef, optimizer, target, placement, state
 
 
-def close_run(run: Run, losses: list[float], tokens_seen: float, t_start: float, state) -> TrainResult:
-    """The closing summary line and the result (call after the loop's ``finally``)."""
+def close_run(
+    run: Run, losses: list[float], tokens_seen: float, t_start: float, state, step_seconds: float = 0.0
+) -> TrainResult:
+    """The closing summary line and the result (call after the loop's ``finally``): the tokens per
+    second of the steps themselves (``step_seconds``, their sum) and of the wall clock since the
+    loop started (compiles, plan waits, data and checkpoints included)."""
     if losses:
         k = max(1, min(10, len(losses) // 4))
         elapsed = time.perf_counter() - t_start
+        steps = f"{tokens_seen / step_seconds:.0f} tokens/s in steps, " if step_seconds > 0 else ""
         run.say(
             f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
-            f"last {k} avg {np.mean(losses[-k:]):.4f}; {tokens_seen / elapsed:.0f} tokens/s"
+            f"last {k} avg {np.mean(losses[-k:]):.4f}; {steps}{tokens_seen / elapsed:.0f} tokens/s wall-clock"
         )
     run.say(f"[jvarlen] done; run directory: {run.run_dir}")
     return TrainResult(run_dir=run.run_dir, first_step=run.start, losses=losses, final_state=state)
 
 
-def step_record(metrics: dict, step_time_s: float, learning_rate: float) -> dict:
-    """The metrics every training path logs for a step, from the step's host metrics."""
-    real = float(metrics["real_tokens"])
+def step_record(metrics: dict, step_time_s: float, step_seconds: float, learning_rate: float, real_tokens: int) -> dict:
+    """The metrics every training path logs for a step, from the step's host metrics: ``step_time_s``
+    the whole iteration (plan wait, compile, data), ``step_seconds`` the step itself, which
+    ``tokens_per_s`` divides ``real_tokens`` (the sampled pieces' tokens: not the one-token
+    stand-in of a pipeline an epoch's last batch leaves without documents) by."""
+    real = float(real_tokens)
     return {
         "loss": float(metrics["loss_sum"] / max(metrics["target_tokens"], 1.0)),
         "target_tokens": float(metrics["target_tokens"]),
@@ -361,5 +375,5 @@ def step_record(metrics: dict, step_time_s: float, learning_rate: float) -> dict
         "nonfinite": int(metrics["nonfinite"]),
         "learning_rate": learning_rate,
         "step_time_s": step_time_s,
-        "tokens_per_s": real / step_time_s,
+        "tokens_per_s": real / max(step_seconds, 1e-9),
     }

@@ -23,15 +23,30 @@ class TrainState:
     rng: jax.Array  # raw uint32 key data; folded with the step for any stochastic layer
 
 
+def warmup_updates(cfg: OptimizerConfig, total_steps: int) -> int:
+    """The warmup's updates: ``optimizer.warmup_steps``, at most ``total_steps - 1`` (the run's last
+    update then starts the decay)."""
+    return min(cfg.warmup_steps, max(total_steps - 1, 0))
+
+
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
-    )
+    """The rate of update ``count`` (0-based) of a ``total_steps`` run: ``w`` warmup updates
+    (:func:`warmup_updates`) rising linearly to the peak, the first at ``peak / w`` (none is
+    wasted at zero), then a cosine decay from the peak at update ``w`` to ``min_lr_ratio · peak``
+    at the last update, ``total_steps - 1`` (before 2026-11-28 the first update ran at zero and the
+    decay ended one update after the run)."""
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = warmup_updates(cfg, total_steps)
+    span = max(total_steps - 1 - warmup, 1)
+
+    def rate(count):
+        count = jnp.asarray(count, jnp.float32)
+        rising = peak * (count + 1) / max(warmup, 1)
+        progress = jnp.clip((count - warmup) / span, 0.0, 1.0)
+        decaying = end + (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(count < warmup, rising, decaying)
+
+    return rate
 
 
 def _decay_mask(params):

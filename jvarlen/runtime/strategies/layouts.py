@@ -121,7 +121,9 @@ class LayoutStrategy(ExecutionStrategy):
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         layout = self.layout_for_step(iteration.step, *arrays["tokens"].shape)
         arrays = pad_rows(arrays, layout.dp)
-        info = {"padding_ratio": float(batch.padding_ratio), "dp": layout.dp, "pp": 1, "sp": layout.sp}
+        # of the rows the step computes: the packed batch's and the all-padding rows dp needs
+        padding = float(np.mean(arrays["segment_ids"] == 0))
+        info = {"padding_ratio": padding, "dp": layout.dp, "pp": 1, "sp": layout.sp}
         return Prepared(("layout", layout, shape_bucket(arrays)), arrays, info)
 
     def step_inputs(self, key) -> tuple:
@@ -145,7 +147,8 @@ class LayoutStrategy(ExecutionStrategy):
         return self.ctx.compile(*self.step_inputs(key))
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
-        return check.observe(prepared.arrays["segment_ids"], prepared.key[1], step_s)
+        # the step itself, as the pipeline and groups paths are checked (not the host's sampling and packing)
+        return check.observe(prepared.arrays["segment_ids"], prepared.key[1], run_s)
 
     def describe(self) -> str:
         p = self.policy
