@@ -46,10 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:  # every process stops after the same step (agreed in the loop)
         print(f"jvarlen.train: {stop}; continue with --checkpoint.resume=true", file=sys.stderr)
         return stop.exit_code
-    except (
-        Exception,
-        KeyboardInterrupt,
-    ) as error:  # a bug, a second Ctrl-C: the other processes must not wait for this one
+    # a bug, a second Ctrl-C: the other processes of a distributed run must not wait for this one
+    except (Exception, KeyboardInterrupt) as error:
         report_failure(130 if isinstance(error, KeyboardInterrupt) else 1, error)
         raise
     return 0
