@@ -4,14 +4,14 @@ The sampler's position is then a few integers (epoch, cursor, carry), with nothi
 store or regenerate. Construction: a balanced Feistel network over the smallest domain of
 ``2·h`` bits that holds ``n`` (a bijection of that domain whatever its round function), and cycle
 walking: a value outside ``range(n)`` is encrypted again until it falls inside, which restricts
-the bijection to ``range(n)``. The domain is under ``4·n``, so a lookup takes fewer than four
-encryptions on average.
+the bijection to ``range(n)``. The domain holds at most ``4·n`` values, so a lookup takes at most
+four encryptions on average.
 
 Why not grain's ``MapDataset.shuffle`` (used until 2026-11-28): grain 0.2.18 sizes its domain from
 ``ceil(log2(n - 1))`` bits, so for ``n = 2^k + 1`` with even ``k ≥ 16`` (65,537; 262,145;
 1,048,577 pieces) the domain misses index ``n - 1``: every epoch trained one piece twice and never
 the last one. The arithmetic here is plain Python integers, the same on every platform and
-version; it is kept for sampler states written before (:data:`LEGACY`).
+version. Grain's shuffle still serves sampler states written before (:data:`LEGACY`).
 """
 
 from __future__ import annotations
