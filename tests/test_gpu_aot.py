@@ -61,7 +61,7 @@ def test_data_parallel_step_runs_one_attention_forward_per_layer():
 def test_data_parallel_step_sums_weight_gradients_in_fp32(dp, sp):
     """bf16 compute on 8 abstract H100s: the partitioner sums the layer matrices' gradients over dp / sp
     where their matmuls produce them, in the dot's output dtype. Every all-reduce / reduce-scatter of
-    the compiled step is fp32 (before: the layer gradients went as one bf16 all-reduce per layer)."""
+    the compiled step is fp32 (before: the layer matrices' gradients went as bf16 all-reduces in every layer)."""
     import re
 
     from jvarlen.layout import Layout
