@@ -73,9 +73,8 @@ class Corpus:
         tokens = np.memmap(self.directory / "tokens.bin", dtype=dtype, mode="r", shape=size)
         self.tokens = tokens[: int(self.offsets[-1])]
         self.lengths = np.diff(self.offsets)  # int64 [num_documents]
-        self._digest: Optional[str] = (
-            meta_digest if (meta_digest := self.meta.get("digest")) and self._limit == total else None
-        )
+        # the recorded digest covers every document; a prefix's is computed on first use
+        self._digest: Optional[str] = self.meta.get("digest") if self._limit == total else None
 
     @property
     def digest(self) -> str:

@@ -57,7 +57,8 @@ def _project_forward(spec, x, w):
 
 def _project_backward(spec, residuals, dy):
     x, w = residuals
-    (x_axes, w_axes), y_axes = spec.split("->")[0].split(","), spec.split("->")[1]
+    inputs, y_axes = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
     dx = jnp.einsum(f"{y_axes},{w_axes}->{x_axes}", dy, w)
     dw = jnp.einsum(f"{x_axes},{y_axes}->{w_axes}", x, dy, preferred_element_type=jnp.float32)
     return dx, dw.astype(w.dtype)
