@@ -1,6 +1,9 @@
 """Corpus sources, the on-disk cache, tokenizers and bad-input errors."""
 
+import bz2
+import gzip
 import json
+import lzma
 import os
 import time
 
@@ -85,6 +88,33 @@ def test_text_directory_sorted_recursive_skipping_hidden(tmp_path):
     corpus = _load(tmp_path, "text_dir", root)
     assert [corpus.document(i).tolist() for i in range(corpus.num_documents)] == [[BOS, 66, EOS], [BOS, 65, EOS]]
     assert corpus.describe(1).endswith("sub/a.md")
+
+
+def test_compressed_jsonl_is_read_and_other_files_are_named_as_skipped(tmp_path):
+    root = tmp_path / "shards"
+    root.mkdir()
+    line = lambda text: (json.dumps({"text": text}) + "\n").encode()  # noqa: E731
+    (root / "a.jsonl").write_bytes(line("a"))
+    (root / "b.jsonl.gz").write_bytes(gzip.compress(line("b")))
+    (root / "c.jsonl.bz2").write_bytes(bz2.compress(line("c")))
+    (root / "d.jsonl.xz").write_bytes(lzma.compress(line("d")))
+    (root / "e.json").write_bytes(line("e"))  # another suffix: not read, but said
+    corpus = _load(tmp_path, "jsonl", root)
+    assert [corpus.document(i).tolist()[1] for i in range(corpus.num_documents)] == [97, 98, 99, 100]
+    assert Source.create("jsonl", str(root)).skipped_other == [str(root / "e.json")]
+    config = DataConfig(source="jsonl", path=str(root), cache_dir=str(tmp_path / "cache"), seq_len=8)
+    assert "1 file of another suffix skipped (first: " in DataPipeline(config).summary()
+    (root / "f.jsonl.gz").write_bytes(gzip.compress(line("f"))[:-6])  # truncated download
+    with pytest.raises(UnreadableFileError, match=r"f\.jsonl\.gz' after line 1: Compressed file ended"):
+        _load(tmp_path, "jsonl", root)
+    with pytest.raises(EmptyCorpusError, match=r"no files matching .jsonl.*\(1 other files, e.g. .*e\.json'\)"):
+        _load(tmp_path, "jsonl", _directory_holding(tmp_path / "other", "e.json"))
+
+
+def _directory_holding(directory, name):
+    directory.mkdir()
+    (directory / name).write_text("{}")
+    return directory
 
 
 def test_parquet_text_and_token_columns(tmp_path):

@@ -48,6 +48,7 @@ class DataPipeline:
         self.tokenizer = load_tokenizer(config.tokenizer)
         source = Source.create(config.source, config.path, config.text_field, config.tokens_field)
         self.corpus: Corpus = load_corpus(source, self.tokenizer, config.cache_dir, config.max_documents)
+        self.skipped_files = source.skipped_other  # listed anew each start: not part of the cached corpus
         self.load_seconds = time.perf_counter() - start
         if vocab_size is not None:
             self.corpus.check_vocab(vocab_size)
@@ -130,7 +131,7 @@ class DataPipeline:
         return (
             f"{c.meta['kind']} corpus, {c.num_documents:,} documents ({c.skipped_empty} empty skipped"
             f"{f', {len(c.skipped_binary)} binary files skipped' if c.skipped_binary else ''}"
-            f"{_not_utf8(c)}), "
+            f"{_not_utf8(c)}{_skipped_files(self.skipped_files)}), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
             f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
             f"{cache} in {self.load_seconds:.2f}s"
@@ -140,6 +141,14 @@ class DataPipeline:
 def make_batches(config: DataConfig, model_vocab_size: Optional[int] = None) -> Iterator[PackedBatch]:
     """Endless iterator of packed batches (a :class:`DataPipeline` without checkpointing)."""
     return iter(DataPipeline(config, vocab_size=model_vocab_size))
+
+
+def _skipped_files(paths: list[str]) -> str:
+    """The summary's note on files in the data directory of a suffix the source does not read."""
+    if not paths:
+        return ""
+    n = len(paths)
+    return f", {n} file{'s' if n > 1 else ''} of another suffix skipped (first: {paths[0]})"
 
 
 def _not_utf8(corpus: Corpus) -> str:

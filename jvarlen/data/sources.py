@@ -1,4 +1,4 @@
-"""Where raw documents come from: the stdlib sources, JSONL, a text directory, Parquet.
+"""Where raw documents come from: the stdlib sources, JSONL (plain or gzip/bz2/xz), a text directory, Parquet.
 
 A :class:`Source` lists its files (sorted, for determinism), gives a fingerprint of
 them (paths, sizes, mtimes, ctimes, inodes: part of the corpus cache key) and yields
@@ -9,11 +9,15 @@ the file, line/row and field.
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
 import json
+import lzma
 import os
 import pathlib
 import sysconfig
+import zlib
 from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -21,6 +25,13 @@ import numpy as np
 from jvarlen.data.errors import EmptyCorpusError, MissingFieldError, TokenIdError, UnreadableFileError
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# what a directory source reads; other files in it are listed as skipped (Source.skipped_other)
+SUFFIXES = {
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz"),
+    "parquet": (".parquet",),
+    "text_dir": None,
+}
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
 
 class RawDocument(NamedTuple):
@@ -40,22 +51,22 @@ def stdlib_files() -> list[pathlib.Path]:
     return sorted(files)
 
 
-def _files_under(path: pathlib.Path, suffixes: tuple[str, ...] | None) -> list[pathlib.Path]:
+def _files_under(path: pathlib.Path, suffixes: tuple[str, ...] | None) -> tuple[list[pathlib.Path], list[str]]:
+    """The files a source reads under ``path`` (sorted; hidden ones left out) and the others it
+    skips (their suffix is not one it reads: said in the corpus summary, never silently)."""
     if not path.exists():
         raise UnreadableFileError(f"data path {str(path)!r} does not exist")
     if path.is_file():
-        return [path]
-    files = [
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        and (suffixes is None or p.name.endswith(suffixes))
-    ]
+        return [path], []
+    visible = sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(q.startswith(".") for q in p.relative_to(path).parts)
+    )
+    files = [p for p in visible if suffixes is None or p.name.endswith(suffixes)]
     if not files:
         wanted = f" matching {', '.join(suffixes)}" if suffixes else ""
-        raise EmptyCorpusError(f"data path {str(path)!r} contains no files{wanted}")
-    return sorted(files)
+        others = f" ({len(visible)} other files, e.g. {str(visible[0])!r})" if visible else ""
+        raise EmptyCorpusError(f"data path {str(path)!r} contains no files{wanted}{others}")
+    return files, [str(p) for p in visible if suffixes is not None and not p.name.endswith(suffixes)]
 
 
 def _token_ids(value, where: str, name: str) -> np.ndarray:
@@ -114,21 +125,22 @@ class Source:
     tokens_field: Optional[str] = None
     skipped_binary: list[str] = dataclasses.field(default_factory=list)  # text_dir files that are not text
     not_utf8: list[str] = dataclasses.field(default_factory=list)  # read whole, but not valid UTF-8
+    skipped_other: list[str] = dataclasses.field(default_factory=list)  # in the directory, of another suffix
 
     @classmethod
     def create(
         cls, kind: str, path: Optional[str] = None, text_field: str = "text", tokens_field: Optional[str] = None
     ) -> "Source":
+        skipped: list[str] = []
         if kind == "stdlib":
             files = stdlib_files()
-        elif kind in ("jsonl", "text_dir", "parquet"):
+        elif kind in SUFFIXES:
             if path is None:
                 raise UnreadableFileError(f"data.path is required for data.source={kind!r}")
-            suffixes = {"jsonl": (".jsonl",), "text_dir": None, "parquet": (".parquet",)}[kind]
-            files = _files_under(pathlib.Path(os.path.expanduser(path)), suffixes)
+            files, skipped = _files_under(pathlib.Path(os.path.expanduser(path)), SUFFIXES[kind])
         else:
             raise ValueError(f"unknown data.source {kind!r}; use stdlib, jsonl, text_dir or parquet")
-        return cls(kind, files, text_field, tokens_field)
+        return cls(kind, files, text_field, tokens_field, skipped_other=skipped)
 
     def fingerprint(self) -> dict:
         """JSON-able description that changes when any file is added, removed, modified or replaced."""
@@ -185,21 +197,23 @@ class Source:
         return (value, None)
 
     def _jsonl(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
+        opener = _OPENERS.get(path.suffix, open)
+        line_no = 0
         try:
-            f = open(path, "rb")
-        except OSError as error:
-            raise UnreadableFileError(f"cannot read data file {str(path)!r}: {error}") from error
-        with f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                    raise UnreadableFileError(f"{where}: corrupt JSONL line (invalid JSON: {error})") from error
-                text, ids = self._field(record, where)
-                yield RawDocument(index, line_no, text, ids)
+            with opener(path, "rb") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{line_no}"
+                    try:
+                        record = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                        raise UnreadableFileError(f"{where}: corrupt JSONL line (invalid JSON: {error})") from error
+                    text, ids = self._field(record, where)
+                    yield RawDocument(index, line_no, text, ids)
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # unreadable, or a damaged/truncated archive
+            after = f" after line {line_no}" if line_no else ""
+            raise UnreadableFileError(f"cannot read data file {str(path)!r}{after}: {error}") from error
 
     def _parquet(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
         import pyarrow as pa
