@@ -3,6 +3,7 @@ background, the groups strategy runs it, checkpoints and resume are those of eve
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -57,6 +58,16 @@ def test_groups_train_through_the_loop_and_resume_bitwise(tmp_path, corpus_cache
     records = _records(tmp_path / "full")
     assert all(r["strategy"] and r["groups"] >= 1 and np.isfinite(r["loss"]) for r in records)
     assert [r["step"] for r in _records(tmp_path / "cut")] == [1, 2]
+    _assert_cache_counts_steps(records)
+    _assert_cache_counts_steps(_records(tmp_path / "cut")[1:])  # the resumed process counts from its start
+
+
+def _assert_cache_counts_steps(records):
+    """``step_cache_hits/misses`` count this process' steps (a group step is several programs)."""
+    hits = [r["step_cache_hits"] for r in records]
+    misses = [r["step_cache_misses"] for r in records]
+    assert [h + m for h, m in zip(hits, misses)] == list(range(1, len(records) + 1))
+    assert misses == list(itertools.accumulate(int(r["compiled"]) for r in records))
 
 
 @pytest.mark.slow  # the real configs: ~10 group programs to compile on 2 shared cores (several minutes)
@@ -81,3 +92,4 @@ def test_cpu_configs_choose_several_strategies_and_stop_compiling(tmp_path, corp
         assert len({r["policy_chosen"] for r in records}) >= 2
     hits = [r["step_cache_hits"] for r in records]
     assert hits[-1] > hits[0] and not records[-1]["compiled"]
+    _assert_cache_counts_steps(records)

@@ -130,6 +130,9 @@ def train(
     signatures: dict = {}
     last_layout = None
     tokens_seen, seconds_in_steps, t_start = 0.0, 0.0, time.perf_counter()
+    # steps of this process that found their program compiled / waited for a compile (the cache's own
+    # counters count programs: a group strategy's step is several)
+    step_hits = step_misses = 0
     try:
         for step in range(run.start, run.end):
             t0 = time.perf_counter()
@@ -145,6 +148,7 @@ def train(
             t_run = time.perf_counter()
             compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
             signatures[prepared.key] = None
+            step_hits, step_misses = step_hits + (compile_s == 0), step_misses + (compile_s > 0)
             state, metrics = compiled(state, prepared.arrays)
             metrics = jax.device_get(metrics)
             run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile
@@ -164,8 +168,8 @@ def train(
                 compiled=compile_s > 0,
                 cache_hit=compile_s == 0,
                 step_seconds=run_s,
-                step_cache_hits=cache.stats.hits,
-                step_cache_misses=cache.stats.misses,
+                step_cache_hits=step_hits,
+                step_cache_misses=step_misses,
                 **strategy.record(it, prepared, metrics),
             )
             if check is not None and compile_s == 0:
