@@ -22,7 +22,12 @@ from conftest import cli_env
 from test_train import TINY_ARGS, _config
 
 from jvarlen.config import ConfigError, parse_config
-from jvarlen.runtime.checkpoint import Checkpointer, NonFiniteStateError, NoReadableCheckpointError
+from jvarlen.runtime.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    NonFiniteStateError,
+    NoReadableCheckpointError,
+)
 from jvarlen.runtime.loop import NonFiniteError, train
 from jvarlen.runtime.metrics import truncate_records
 from jvarlen.runtime.state import TrainState
@@ -190,8 +195,43 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp
     # every checkpoint damaged: a clear error, nothing trained
     for step in Checkpointer(ckpt_dir, parse_config([]).checkpoint).all_steps():
         _damage(ckpt_dir / str(step))
-    with pytest.raises(NoReadableCheckpointError, match="none of the 2 checkpoints"):
+    with pytest.raises(NoReadableCheckpointError, match="none of the 2 checkpoints.*rename one back"):
         train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+    # resumed again: refused, not started over (which would drop the run's records)
+    with pytest.raises(ConfigError, match=r"set aside 3 it could not read \(2\.unreadable-.*logging\.overwrite"):
+        train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_path, cache_dir, monkeypatch):
+    """A checkpoint whose train state another optimizer chain wrote (as another jvarlen version
+    may) is a mismatch, not damage, and a storage error is not damage: both refused, every
+    checkpoint left where it is."""
+    import jvarlen.runtime.state as state_module
+
+    run_dir = tmp_path / "run"
+    args = ("--train.steps=4", "--checkpoint.every_steps=2")
+    train(_config(run_dir, cache_dir, *args), quiet=True, stop_after=2)
+    chain = state_module.make_optimizer
+    monkeypatch.setattr(state_module, "make_optimizer", lambda *a: optax.chain(chain(*a), optax.scale(1.0)))
+    with pytest.raises(CheckpointMismatchError, match="checkpoint 2 .* another structure .*nothing was moved"):
+        train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
+    monkeypatch.setattr(state_module, "make_optimizer", chain)
+    # a storage error is not damage either: raised as it is, nothing moved
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    def failing_read(*_, **__):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.CheckpointManager, "restore", failing_read)
+        with pytest.raises(OSError, match="Input/output error"):
+            train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
+    assert train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True).first_step == 2
 
 
 def _tensorboard_events(path):

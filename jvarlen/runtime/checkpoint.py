@@ -8,7 +8,9 @@ Guarantees beyond Orbax's atomic step directories:
   or a failed write never leaves the run without its newest good checkpoint;
 * resume falls back from a checkpoint that cannot be read to the newest one that can, says which
   it skipped and why, and moves the damaged one aside (renamed, never deleted) so that the run
-  can write that step again.
+  can write that step again. What is not damage is not moved: a train state of another
+  structure (another optimizer chain, another jvarlen version) is a :class:`CheckpointMismatchError`,
+  a storage error (``OSError`` other than a missing file) is raised as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jvarlen.config import CheckpointConfig, ModelConfig
 
 
 class CheckpointMismatchError(ValueError):
-    """The checkpoint does not belong to this model (shape or dtype differ)."""
+    """The checkpoint does not belong to this model or train state (shape, dtype or structure differ)."""
 
 
 class NoReadableCheckpointError(RuntimeError):
@@ -91,14 +93,21 @@ class Checkpointer:
         for old in steps[: max(0, len(steps) - keep)]:
             self.manager.delete(old)
 
+    def set_aside(self) -> list[str]:
+        """The checkpoints an earlier resume found unreadable and renamed (``<step>.unreadable-<time>``)."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(name for name in os.listdir(self.directory) if ".unreadable-" in name)
+
     def restore(self, abstract_state: Any, model_cfg: ModelConfig, step: Optional[int] = None):
         """Returns (step, state, data_state); ``abstract_state`` gives shapes and shardings.
 
         Without ``step``: the newest checkpoint that can be read. A checkpoint that cannot be read
         is reported, renamed to ``<step>.unreadable-<time>`` (kept for inspection, out of the way of
         new saves) and the next older one is tried; :class:`NoReadableCheckpointError` when none can
-        be read. A checkpoint of another model raises :class:`CheckpointMismatchError` (no fallback:
-        that is a configuration error, not damage)."""
+        be read. A checkpoint of another model or train-state structure raises
+        :class:`CheckpointMismatchError` and a storage error is raised as it is (no fallback, nothing
+        moved: neither is damage)."""
         steps = self.all_steps() if step is None else [step]
         if not steps:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
@@ -108,7 +117,8 @@ class Checkpointer:
                 saved_model = self.manager.restore(candidate, args=ocp.args.Composite(model=ocp.args.JsonRestore()))[
                     "model"
                 ]
-            except Exception as error:  # noqa: BLE001 (any read failure means: damaged)
+            except Exception as error:  # noqa: BLE001 (a read failure that is not a storage error: damaged)
+                _raise_unless_damage(error, candidate, self.directory)
                 skipped.append(self._set_aside(candidate, error))
                 continue
             _check_same_model(saved_model, dataclasses.asdict(model_cfg), self.directory)
@@ -120,6 +130,7 @@ class Checkpointer:
                     ),
                 )
             except Exception as error:  # noqa: BLE001
+                _raise_unless_damage(error, candidate, self.directory)
                 skipped.append(self._set_aside(candidate, error))
                 continue
             if not bool(_all_finite(restored["state"])):
@@ -127,13 +138,16 @@ class Checkpointer:
                 continue
             return candidate, restored["state"], restored["data"]
         raise NoReadableCheckpointError(
-            f"none of the {len(steps)} checkpoints in {self.directory} can be read: " + "; ".join(skipped)
+            f"none of the {len(steps)} checkpoints in {self.directory} can be read: " + "; ".join(skipped) + ". "
+            "They were renamed <step>.unreadable-<time> (nothing deleted); rename one back to <step> to retry it"
         )
 
     def _set_aside(self, step: int, error: Exception) -> str:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
         path = os.path.join(self.directory, str(step))
         aside = f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+        if os.path.exists(aside):  # the same step set aside twice within a second
+            aside = f"{aside}-{len([n for n in os.listdir(self.directory) if n.startswith(os.path.basename(aside))])}"
         if jax.process_index() == 0 and os.path.isdir(path):
             os.rename(path, aside)
         self.manager.reload()
@@ -147,6 +161,19 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._rotate(keep=self.cfg.max_to_keep)
         self.manager.close()
+
+
+def _raise_unless_damage(error: Exception, step: int, directory: str) -> None:
+    """Raises what a failed read of checkpoint ``step`` means when it is not damage."""
+    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError)):
+        raise error  # storage (EIO, a stale mount, permissions): the checkpoint may be fine
+    if isinstance(error, ValueError) and "structures do not match" in str(error):
+        diff = "\n".join(str(error).splitlines()[1:9])
+        raise CheckpointMismatchError(
+            f"cannot resume from checkpoint {step} in {directory}: its train state has another structure than "
+            "this run's (another optimizer chain or another jvarlen version wrote it); nothing was moved. "
+            f"Differences (checkpoint: Metadata):\n{diff}"
+        ) from None
 
 
 def _check_same_model(saved: dict, current: dict, directory: str) -> None:

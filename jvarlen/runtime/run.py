@@ -242,6 +242,13 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         pipeline.restore(data_state)
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
+        aside = checkpointer.set_aside()
+        if aside:  # starting over would drop the run's records: the checkpoints may be fine after all
+            raise ConfigError(
+                f"checkpoint.resume: no checkpoint to resume from in {checkpointer.directory}, but an earlier "
+                f"resume set aside {len(aside)} it could not read ({', '.join(aside)}). Rename one back to its "
+                "step to retry it, or start over without checkpoint.resume and with logging.overwrite=true"
+            )
         say("[jvarlen] checkpoint.resume set but no checkpoint found; starting fresh")
     end = total if stop_after is None else min(stop_after, total)
     lr_at = learning_rate_schedule(config.optimizer, total)
