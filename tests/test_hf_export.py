@@ -185,3 +185,31 @@ def test_unreadable_files_are_named(tmp_path):
     (directory / INDEX).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(HFCheckpointError, match="not a safetensors index with a weight_map"):
         SafetensorsDir(directory)
+
+
+def test_export_copies_the_tokenizer_that_made_the_training_ids(tmp_path):
+    """The run's data.tokenizer goes with the export: none for the byte tokenizer (not init_from's,
+    which did not make its ids), and a path that cannot be found from here is an error, not a
+    fallback to init_from's."""
+    run, base, _ = _saved_run(tmp_path)
+    config = {"data": {"tokenizer": "byte"}}
+    (run / "config.json").write_text(json.dumps(config))
+    assert "tokenizer.json" not in _export(run, tmp_path / "byte")
+    config["data"]["tokenizer"] = "relative/tokenizer.json"
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="data.tokenizer 'relative/tokenizer.json' is not a file"):
+        _export(run, tmp_path / "missing")
+    config["data"]["tokenizer"] = str(base / "tokenizer.json")
+    (run / "config.json").write_text(json.dumps(config))
+    _export(run, tmp_path / "own")
+    assert (tmp_path / "own" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+
+
+def test_float16_export_refuses_values_beyond_its_range(tmp_path):
+    run, _, params = _saved_run(tmp_path)
+    cfg = _plain(model_config(fixture("tiny-llama")))
+    big = jax.tree.map(lambda x: x, params)
+    big["final_norm"]["scale"] = jax.tree.map(lambda x: x * 1e5, big["final_norm"]["scale"])
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: \d+ value\(s\) beyond float16's range"):
+        write_hf(big, cfg, str(tmp_path / "fp16"), "float16")
+    write_hf(big, cfg, str(tmp_path / "bf16"), "bfloat16")  # within bfloat16's range

@@ -60,6 +60,20 @@ def test_model_fields_come_from_config_json():
     assert "rope_theta=10000.0" in llama.describe_checkpoint_fields()
 
 
+def test_a_pretrained_model_with_the_byte_tokenizer_is_refused(tmp_path):
+    """Byte ids (and BOS 256 / EOS 257) mean other tokens to a pretrained model: a training run from
+    init_from needs the tokenizer it was trained with, and the message names the one beside it
+    (before the run directory is touched)."""
+    from jvarlen.config import parse_config
+    from jvarlen.runtime.run import open_run
+
+    run_dir = tmp_path / "run"
+    args = [f"--model.init_from={fixture('tiny-llama')}", f"--logging.run_dir={run_dir}"]
+    with pytest.raises(ConfigError, match=r"data.tokenizer=byte .*--data.tokenizer=.*tiny-llama/tokenizer.json"):
+        open_run(parse_config(args), quiet=True, stop_after=None)
+    assert not run_dir.exists()
+
+
 def test_rope_overrides_and_conflicts(tmp_path):
     extended = model_config(fixture("tiny-llama"), rope_theta=500_000.0)
     assert extended.rope_theta == 500_000.0 and "rope_theta" not in extended.from_checkpoint
@@ -91,9 +105,14 @@ def _config(**changes) -> dict:
         (dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rule 'dynamic'"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding_window=4096"),
-        (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "use_sliding_window"),
-        (dict(architectures=["MistralForCausalLM"]), r"sliding_window=4096 \(the default of an absent key\)"),
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096), "sliding_window=4096"),
+        (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
+        (
+            dict(architectures=["MistralForCausalLM"], model_type="mistral"),
+            r"sliding_window=4096 \(the default of an absent key\)",
+        ),
+        # transformers builds the model by model_type: a Mistral (with its window) under a Llama's name
+        (dict(model_type="mistral", sliding_window=8), "names LlamaForCausalLM but model_type is 'mistral'"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
         (dict(rope_parameters={"factor": 4.0, "rope_theta": 1e4}), "factor 4.0 names no rule"),
         (dict(num_attention_heads=None), "num_attention_heads|wrong type"),
@@ -108,7 +127,8 @@ def test_legacy_rope_spelling_and_mistral_without_window():
     legacy = _config(rope_parameters=None, rope_theta=5e5, rope_scaling={"type": "linear", "factor": 4.0})
     fields = model_fields(legacy)
     assert fields["rope_theta"] == 5e5 and fields["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
-    assert model_fields(_config(architectures=["MistralForCausalLM"], sliding_window=None))["qkv_bias"] is False
+    mistral = _config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    assert model_fields(mistral)["qkv_bias"] is False
 
 
 def test_weights_that_do_not_match_config_json_are_refused(tmp_path):

@@ -5,7 +5,8 @@ reads the run's newest (or given) checkpoint, only its parameters, as numpy arra
 restore: the optimizer moments are not read), and writes ``config.json``
 (:func:`jvarlen.hf.hf_config.hf_config_dict`), the weights in ``--dtype`` as ``model.safetensors``
 or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``: ``--tokenizer``,
-else the run's ``data.tokenizer`` file, else the one beside ``model.init_from``. Host memory: the
+else the run's ``data.tokenizer`` file (none for the byte tokenizer), else, for a run directory
+without ``config.json``, the one beside ``model.init_from``. Host memory: the
 parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
 ``OUT_DIR`` and moved in when complete; an ``OUT_DIR`` that already holds a model is refused unless
 ``--overwrite true`` (its earlier weights, index, config and tokenizer are then replaced), and so
@@ -117,7 +118,8 @@ def write_hf(
             full = arrays[m.path]
             for layer in range(model.num_layers) if m.stacked else [None]:
                 jv = full if layer is None else full[layer]
-                yield m.hf_name(layer), m.hf_shape, np_dtype, (lambda m=m, jv=jv: m.to_hf(jv).astype(np_dtype))
+                name = m.hf_name(layer)
+                yield name, m.hf_shape, np_dtype, (lambda m=m, jv=jv, name=name: _cast(name, m.to_hf(jv), np_dtype))
 
     files = write_sharded(out_dir, tensors(), max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -129,17 +131,38 @@ def write_hf(
     return files
 
 
+def _cast(name: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x`` in the export dtype; a value beyond its range (float16: 65,504) is refused, not
+    written as inf."""
+    with np.errstate(over="ignore"):
+        y = x.astype(dtype)
+    if not np.all(np.isfinite(y)):
+        over = int(np.sum(~np.isfinite(y)))
+        raise ValueError(
+            f"{name}: {over} value(s) beyond {dtype.name}'s range (largest |x| {float(np.max(np.abs(x))):.4g}); "
+            "export as bfloat16 or float32"
+        )
+    return y
+
+
 def _tokenizer_for(run_dir: str, init_from: Optional[str]) -> Optional[str]:
+    """The tokenizer.json the run's data went through: its ``data.tokenizer`` (None for the byte
+    tokenizer); beside ``init_from`` only when the run directory has no ``config.json`` (a research
+    API run)."""
     try:
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
             spec = json.load(f)["data"]["tokenizer"]
-        if spec != "byte" and os.path.isfile(spec):
-            return spec
     except (OSError, KeyError, ValueError):
-        pass
-    if init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
-        return os.path.join(init_from, "tokenizer.json")
-    return None
+        if init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+            return os.path.join(init_from, "tokenizer.json")
+        return None
+    if spec == "byte":
+        return None
+    if not os.path.isfile(spec):  # another tokenizer would claim ids it did not make
+        raise FileNotFoundError(
+            f"the run's data.tokenizer {spec!r} is not a file (from {os.getcwd()}); pass --tokenizer=<that file>"
+        )
+    return spec
 
 
 def _model_files(directory: str) -> list[str]:

@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` <-> jvarlen's model fields (pure Python: no JAX, and no import of
 ``jvarlen.config``, which calls :func:`read_model_fields` for ``model.init_from``).
 
-Supported architectures (``architectures[0]`` of config.json, else its ``model_type``):
+Supported architectures (``architectures[0]`` of config.json, else its ``model_type``; the two
+must agree when both are given, as transformers builds the model by ``model_type``):
 ``LlamaForCausalLM`` (no attention or MLP biases), ``Qwen2ForCausalLM`` (q/k/v biases, no sliding
 window) and ``MistralForCausalLM`` without a sliding window (a Llama then). Anything else is refused
 by name. RoPE: plain, ``linear`` and ``llama3`` scaling; other rules (``dynamic``, ``yarn``,
@@ -60,6 +61,12 @@ def architecture(hf: dict, where: str = "config.json") -> str:
         raise HFCheckpointError(
             f"{where}: architecture {name!r} (model_type {hf.get('model_type')!r}) is not supported; jvarlen "
             f"imports {', '.join(ARCHITECTURES)}"
+        )
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type != ARCHITECTURES[name][0]:
+        raise HFCheckpointError(
+            f"{where}: architectures names {name} but model_type is {model_type!r} (transformers builds a "
+            f"{model_type!r} model from it); correct one of the two"
         )
     return name
 

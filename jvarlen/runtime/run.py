@@ -200,6 +200,7 @@ class Run:
 
 def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     """Run directory, data pipeline, canonical FSDP state (resumed if asked), logger."""
+    _check_tokenizer(config)
     distributed.initialize(config.parallel)
     enable_persistent_cache(config.parallel.compilation_cache_dir)
     main = jax.process_index() == 0
@@ -280,6 +281,20 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         nonfinite_run=in_a_row,
         nonfinite_total=skipped,
     )
+
+
+def _check_tokenizer(config: Config) -> None:
+    """A pretrained model (``model.init_from``) trains on its own tokenizer's ids, never on the byte
+    tokenizer's default ones."""
+    init_from = config.model.init_from
+    if init_from is not None and config.data.tokenizer == "byte":
+        own = os.path.join(init_from, "tokenizer.json")
+        hint = f"--data.tokenizer={own} (the model's own)" if os.path.isfile(own) else "--data.tokenizer=<its file>"
+        raise ConfigError(
+            f"model.init_from={init_from!r} with data.tokenizer=byte (the default): the corpus would be byte ids "
+            "with BOS 256 / EOS 257, which mean other tokens to a pretrained model's embedding; set "
+            f"{hint}, the tokenizer the model was trained with"
+        )
 
 
 def _check_horizon(start: int, total: int, saved_total: Optional[int], say) -> None:
