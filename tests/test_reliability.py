@@ -130,6 +130,26 @@ def test_resume_checks_the_horizon():
     ]
 
 
+def test_a_resume_with_other_optimizer_settings_says_so_and_keeps_the_earlier_config(tmp_path, cache_dir, capsys):
+    run_dir = tmp_path / "run"
+    args = ("--train.steps=3", "--checkpoint.every_steps=2")
+    train(_config(run_dir, cache_dir, *args), quiet=True, stop_after=2)
+    first = json.loads((run_dir / "config.json").read_text())
+    changed = ("--optimizer.learning_rate=0.001", "--optimizer.b2=0.99", "--checkpoint.resume=true")
+    train(_config(run_dir, cache_dir, *args, *changed))
+    out = capsys.readouterr().out
+    assert (
+        "optimizer settings differ from the checkpoint's run: learning_rate 0.003 -> 0.001, b2 0.95 -> 0.99; "
+        "the updates after step 2 use the new ones (the earlier config: config.until-step-2.json)"
+    ) in out
+    assert json.loads((run_dir / "config.until-step-2.json").read_text()) == first
+    assert json.loads((run_dir / "config.json").read_text())["optimizer"]["learning_rate"] == 0.001
+    # the same settings again (at step 3, nothing left to train): nothing said, nothing kept
+    train(_config(run_dir, cache_dir, *args, *changed))
+    assert "optimizer settings differ" not in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.glob("config*.json")) == ["config.json", "config.until-step-2.json"]
+
+
 # ------------------------------------------------------------------------------------- checkpoints
 
 

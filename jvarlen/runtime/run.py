@@ -134,8 +134,7 @@ class Run:
                 os.path.join(self.run_dir, "checkpoints"), self.config.checkpoint, say=self.say
             )
         if self.main:
-            with open(os.path.join(self.run_dir, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(to_dict(self.config), f, indent=2)
+            _write_config(self.run_dir, self.config, self.start)
         self.logger = MetricsLogger(
             self.run_dir,
             self.config.logging,
@@ -184,6 +183,7 @@ class Run:
                 "train_steps": self.config.train.steps,
                 "skipped_updates": self.nonfinite_total,
                 "skipped_in_a_row": self.nonfinite_run,
+                "optimizer": dataclasses.asdict(self.config.optimizer),
             }
             self.checkpointer.save(step + 1, state, {**data_state, RUN_STATE: schedule}, self.config.model)
         if stop is not None:
@@ -238,6 +238,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         start, state, data_state = checkpointer.restore(target, config.model)
         saved = data_state.pop(RUN_STATE, {})
         _check_horizon(start, total, saved.get("train_steps"), say)
+        _report_optimizer_changes(saved.get("optimizer"), config, start, say)
         skipped = int(saved.get("skipped_updates", 0))
         in_a_row = int(saved.get("skipped_in_a_row", 0))  # train.max_nonfinite_steps counts on across the resume
         pipeline.restore(data_state)
@@ -297,6 +298,37 @@ def _check_tokenizer(config: Config) -> None:
         )
 
 
+def _report_optimizer_changes(saved: Optional[dict], config: Config, start: int, say) -> None:
+    """One line naming every ``optimizer.*`` setting that differs from the checkpoint's run (taken
+    up from the resumed step on: a deliberate change, e.g. a lower rate after a loss spike, or an
+    edited config file; either way the log says so). Checkpoints written before 2026-11-29 hold none."""
+    if not saved:
+        return
+    now = dataclasses.asdict(config.optimizer)
+    changes = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if changes:
+        say(
+            f"[jvarlen] optimizer settings differ from the checkpoint's run: {', '.join(changes)}; the updates "
+            f"after step {start} use the new ones (the earlier config: config.until-step-{start}.json)"
+        )
+
+
+def _write_config(run_dir: str, config: Config, start: int) -> None:
+    """Writes ``config.json``; a resume whose configuration differs keeps the earlier one as
+    ``config.until-step-<start>.json`` (the first kept where a step is resumed more than once: the
+    steps after it that a later resume discarded were never checkpointed)."""
+    path = os.path.join(run_dir, "config.json")
+    text = json.dumps(to_dict(config), indent=2)
+    if start > 0 and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            earlier = f.read()
+        before = os.path.join(run_dir, f"config.until-step-{start}.json")
+        if earlier != text and not os.path.exists(before):
+            os.replace(path, before)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _check_horizon(start: int, total: int, saved_total: Optional[int], say) -> None:
     """A resumed run's ``train.steps``: the checkpoint's step must not lie beyond it, and a horizon
     other than the one the run was started with is reported (the learning-rate schedule's decay
@@ -349,7 +381,8 @@ def _claim_fresh(run_dir: str, overwrite: bool) -> Optional[str]:
 
 
 def _delete_earlier_run(run_dir: str) -> None:
-    for name in ("metrics.jsonl", "config.json"):
+    earlier_configs = [n for n in os.listdir(run_dir) if n.startswith("config.until-step-")]
+    for name in ("metrics.jsonl", "config.json", *earlier_configs):
         if os.path.exists(os.path.join(run_dir, name)):
             os.remove(os.path.join(run_dir, name))
     for name in ("checkpoints", "tensorboard"):
