@@ -73,6 +73,20 @@ def corpus_cache() -> str:
     return os.environ["JVARLEN_TEST_CORPUS_CACHE"]
 
 
+def flip_a_bit(step_dir) -> str:
+    """Flips one bit in the middle of the largest array data file of a checkpoint's train state
+    (bit rot, a bad copy: the file stays readable); returns the file's path."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True), key=os.path.getsize)
+    with open(files[-1], "r+b") as f:
+        f.seek(os.path.getsize(files[-1]) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
+    return files[-1]
+
+
 def require_devices(n: int) -> None:
     """Skips the calling test when fewer than ``n`` devices are visible."""
     if jax.device_count() < n:

@@ -213,3 +213,13 @@ def test_float16_export_refuses_values_beyond_its_range(tmp_path):
     with pytest.raises(ValueError, match=r"model\.norm\.weight: \d+ value\(s\) beyond float16's range"):
         write_hf(big, cfg, str(tmp_path / "fp16"), "float16")
     write_hf(big, cfg, str(tmp_path / "bf16"), "bfloat16")  # within bfloat16's range
+
+
+def test_export_refuses_a_checkpoint_whose_bits_changed(tmp_path):
+    from conftest import flip_a_bit
+
+    run, _, _ = _saved_run(tmp_path)
+    flip_a_bit(run / "checkpoints" / "7")
+    with pytest.raises(ValueError, match=r"checkpoint 7 .*: params/.* does not hold the bits that were written"):
+        _export(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -8,7 +8,8 @@ Guarantees beyond Orbax's atomic step directories:
   or a failed write never leaves the run without its newest good checkpoint;
 * resume falls back from a checkpoint that cannot be read to the newest one that can, says which
   it skipped and why, and moves the damaged one aside (renamed, never deleted) so that the run
-  can write that step again. What is not damage is not moved: a train state of another
+  can write that step again. Damage includes a state whose bits differ from those written (every
+  leaf's checksums are saved beside it, :func:`state_checksums`). What is not damage is not moved: a train state of another
   structure (another optimizer chain, another jvarlen version) is a :class:`CheckpointMismatchError`,
   a storage error (``OSError`` other than a missing file) is raised as it is.
 """
@@ -45,6 +46,53 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
+CHECKSUMS = "state_checksums"  # key of the train state's checksums in a checkpoint's data item
+_WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """Two uint32 sums of a leaf's bit patterns (wrapping): plain, and weighted by odd position
+    factors (moved data changes it). Orbax's files carry no checksum: a flipped bit or a damaged
+    chunk would restore as finite, wrong values."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        words = jax.lax.bitcast_convert_type(x, _WORDS[x.dtype.itemsize]).astype(jnp.uint32)
+    words = words.reshape(-1)
+    weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
+
+
+_checksums = jax.jit(lambda tree: [_leaf_checksum(x) for x in jax.tree.leaves(tree)])
+
+
+def state_checksums(tree) -> dict[str, list[int]]:
+    """Leaf name (its path's keys joined by ``/``) -> the leaf's two checksums; equal for the same
+    bits whatever the sharding or the tree's container types (a train state, its params as numpy)."""
+    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    sums = jax.device_get(_checksums(tree))
+    return {name: [int(v) for v in value] for name, value in zip(paths, sums)}
+
+
+def _leaf_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def verify_checksums(tree, saved: Optional[dict]) -> Optional[str]:
+    """The first leaf of ``tree`` whose checksums differ from ``saved`` (None when all agree, or
+    when the checkpoint predates checksums). Leaves ``saved`` lacks are not checked (a partial
+    restore reads a subset)."""
+    if not saved:
+        return None
+    for name, value in state_checksums(tree).items():
+        if name in saved and list(saved[name]) != value:
+            return name
+    return None
+
+
 class Checkpointer:
     """Saves ``TrainState`` + data-pipeline state + model config every N steps (async)."""
 
@@ -76,6 +124,7 @@ class Checkpointer:
                 f"not writing checkpoint {step}: the train state holds NaN or Inf; the newest good checkpoint "
                 f"in {self.directory} is {self.latest_step()}"
             )
+        data_state = {**data_state, CHECKSUMS: state_checksums(state)}
         self.manager.wait_until_finished()  # the previous save is finalized: older ones may go now
         self._rotate(keep=self.cfg.max_to_keep)
         self.manager.save(
@@ -136,7 +185,13 @@ class Checkpointer:
             if not bool(_all_finite(restored["state"])):
                 skipped.append(self._set_aside(candidate, ValueError("state holds NaN or Inf")))
                 continue
-            return candidate, restored["state"], restored["data"]
+            data = dict(restored["data"])
+            differs = verify_checksums(restored["state"], data.pop(CHECKSUMS, None))
+            if differs is not None:
+                error = ValueError(f"{differs} does not hold the bits that were written (checksum)")
+                skipped.append(self._set_aside(candidate, error))
+                continue
+            return candidate, restored["state"], data
         raise NoReadableCheckpointError(
             f"none of the {len(steps)} checkpoints in {self.directory} can be read: " + "; ".join(skipped) + ". "
             "They were renamed <step>.unreadable-<time> (nothing deleted); rename one back to <step> to retry it"
