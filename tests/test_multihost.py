@@ -365,11 +365,12 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
 
 
-@pytest.mark.slow  # the training CLI in two processes: ~1-2 min on 2 shared cores
+@pytest.mark.slow  # the training CLI in two processes, twice: ~2-3 min on 2 shared cores
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
     """SIGTERM reaches one host of a distributed run (a preemption notice, a scheduler): every
     process checkpoints and stops after the same step (before: that process alone stopped, and
-    the others waited in the next step's collectives or in a checkpoint it never joined)."""
+    the others waited in the next step's collectives or in a checkpoint it never joined); the
+    two processes then resume from that checkpoint."""
     import json
     import signal
 
@@ -393,6 +394,14 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     assert [p.returncode for p in procs] == [143, 143], [log[-2000:] for log in logs]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert os.listdir(run_dir / "checkpoints") == [str(steps[-1])] and steps[-1] < 400
+    # both processes resume from that checkpoint (its state checksums verified on the sharded arrays)
+    last = steps[-1]
+    resumed = [a if not a.startswith("--train.steps") else f"--train.steps={last + 2}" for a in CLI_ARGS]
+    procs = _start_two_processes(_train_command(tmp_path, [*resumed, "--checkpoint.resume=true"], _free_port()))
+    logs = _finish(procs, timeout=300)
+    assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
+    assert f"resumed from step {last}" in logs[0]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-3:] == [last, last + 1, last + 2]
 
 
 @pytest.mark.slow  # two JAX processes start and stop before training: ~20-40 s on 2 shared cores
