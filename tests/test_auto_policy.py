@@ -180,18 +180,26 @@ def test_group_plans_are_timed_as_the_executor_runs_them(costs, policy):
 
 
 def test_policies_keep_the_fastest_plan_that_fits_memory():
-    """Under a tight budget the fastest candidate (2 × sp = 2) needs more than the budget by the
+    """Under a tight budget the fastest layout (2 × sp = 2) needs more than the budget by the
     executor's account even recomputing every layer, while 1 × sp = 4 fits: every policy, and
-    auto, keep the one that fits (before: the faster one, with no event)."""
+    auto, keep the one that fits (before: the faster one, with no event). sp = 2 cannot hold the
+    47,269-token document: its executor bucket (49,152 tokens) is over what the executor's account
+    holds even recomputing every layer (44,924), so sp = 2 admits at most 40,960 tokens and a
+    layout that puts the document there is refused at once (before: planned, not fitting)."""
     model = ModelConfig(vocab_size=320, d_model=256, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=768)
     base = make_cost(ModelShape.from_config(model), "a800", Layout(8, 1, 1))
     tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2.231e9)), 4)
     lengths = [47269, 24697, 4049, 12039, 40594, 3242, 139, 4221, 4516]
     from jvarlen.plan.hydraulis import HomogeneousOptions
-    from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
+    from jvarlen.plan.sp_assemble import assemble_strategy, fastest_fitting, fits_memory
+    from jvarlen.plan.sp_groups import GroupCosts
     from jvarlen.plan.strategy import Scheme
 
-    faster = plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 2)))
+    with pytest.raises(PlanningError, match=r"largest MaxLen: \(pp=1, sp=2\): 40960"):
+        plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 2)))
+    gc = GroupCosts(tight)  # the 2 × sp = 2 layout put together by hand, past the policies' admission
+    groups = [gc.flex_group(lengths, Scheme(1, 2), docs) for docs in ([0, 3, 8], [1, 2, 4, 5, 6, 7])]
+    faster = assemble_strategy("p", lengths, gc, groups, "paired", 0.0)
     fitting = plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 4)))
     assert not fits_memory(faster) and fits_memory(fitting)
     assert faster.stats["iteration_time_s"] < fitting.stats["iteration_time_s"]
@@ -200,9 +208,12 @@ def test_policies_keep_the_fastest_plan_that_fits_memory():
         plan = plan_strategy(policy, lengths, tight)
         assert fits_memory(plan) and plan.stats["fits_memory"], policy
         assert plan.stats["iteration_time_s"] <= fitting.stats["iteration_time_s"] + 1e-12, policy
-    # DCP-inter's candidates (every layer recomputed, its own bucketings) hold none that fits: it says so
+    # DCP-inter's candidates (every layer recomputed, its own bucketings) cut micro-batches at what
+    # both memory accounts hold (before: at the planner's count alone, and none of them fitted)
     inter = plan_strategy("dcp-inter", lengths, tight)
-    assert not fits_memory(inter) and "dcp-inter: none of 5 candidate(s) fits memory" in inter.events[-1]
-    # with nothing that fits, the fastest is kept and says so
+    assert fits_memory(inter) and not any("none of" in e for e in inter.events)
+    # the fastest that fits is kept over a faster one that does not; with nothing that fits, the
+    # fastest is kept and says so
+    assert fastest_fitting([faster, fitting], "p") == 1
     assert fastest_fitting([fitting, faster][1:], "p") == 0
     assert faster.events[-1] == "p: none of 1 candidate(s) fits memory by the planner's account; kept the fastest"

@@ -366,6 +366,7 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
         micro_batch_tokens=options.micro_batch_tokens,
         padded=options.simulation == "paired",
         max_parts=options.bucket_parts,
+        executor_fit=options.simulation != "async",  # (the executor's fit runs in "ticks" and "paired")
     )
     bad = infeasible_documents(lengths, gc)
     if bad:

@@ -397,6 +397,7 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
         max_recompute=options.max_recompute,
         padded=options.simulation == "paired",
         max_parts=options.bucket_parts,
+        executor_fit=options.simulation != "async",  # (the executor's fit runs in "ticks" and "paired")
     )
     bad = infeasible_documents(lengths, gc)
     if bad:

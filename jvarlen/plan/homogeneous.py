@@ -58,6 +58,7 @@ def group_costs(costs: SchemeCosts, options: HomogeneousOptions) -> GroupCosts:
         max_recompute=options.max_recompute,
         padded=options.simulation == "paired",
         max_parts=options.bucket_parts,
+        executor_fit=options.simulation != "async",  # (the executor's fit runs in "ticks" and "paired")
     )
 
 

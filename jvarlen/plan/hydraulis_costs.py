@@ -24,6 +24,10 @@ model) and caches them per ``SchemeCosts`` object.
   the transients of the one backward in flight (``CostModel.backward_memory``: its working
   memory per token, and the layer gradients the executor's backward returns).
   ``MaxLen(P)`` is ``caps[L/pp]`` (full recomputation) or ``caps[0]`` (``recompute="none"``).
+  Where the group plans are fitted to the executor's account (``"ticks"``, ``"paired"``), a
+  ``pp = 1`` scheme's micro-batch also needs its executor bucket within that account at the same
+  recomputation (:func:`~jvarlen.plan.sp_groups.executor_cap`): ``MaxLen(P)`` is the longest that
+  fits both at some ``r`` (:func:`~jvarlen.plan.sp_groups.bucket_fit`), and ``caps`` stop there.
 * **Executor (κ).** Eq. 1 prices a pipeline as ``(PP - 1 + V)`` slowest micro-batches: the
   asynchronous 1F1B of the paper (``simulation="async"``, κ = 1). jvarlen's executor runs the
   stages in lock-step ticks; in the steady state a tick pairs one stage's forward with another
@@ -52,6 +56,7 @@ from typing import Sequence
 import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.sp_groups import bucket_fit, executor_cap
 from jvarlen.plan.strategy import Scheme, SchemeCosts
 
 _FIT_MIN = 16  # shortest length of the fitting grid (tokens)
@@ -170,6 +175,12 @@ def build_table(
     util = int(np.ceil(theta * c / ((1.0 - theta) * b))) if b > 0 and 0 < theta < 1 else 1
     if not recompute:
         caps = caps[:1]
+    max_len = top
+    if pp == 1 and simulation in ("ticks", "paired"):
+        # the executor pads a step's micro-batches to a bucket, and its account of a one-stage step
+        # must hold that bucket at the recomputation the time line's cap assumes
+        max_len = max(bucket_fit(int(n), executor_cap(costs, scheme, r, r), sp) for r, n in enumerate(caps))
+        caps = np.minimum(caps, max_len)
     steady = 1.0
     if simulation == "ticks" and pp > 1:
         # lock-step 1F1B: a steady-state tick pairs one stage's forward with another's backward and
@@ -186,7 +197,7 @@ def build_table(
         rb=rb,
         rc=rc,
         caps=caps,
-        max_len=top,
+        max_len=int(max_len),
         util_len=max(1, util),
         overhead_s=float(cost.step_overhead()),
         fit_error=err,

@@ -7,7 +7,9 @@ cost model (:class:`~jvarlen.plan.strategy.SchemeCosts`, all-to-all per layer in
 
 * memory: the tokens a micro-batch may hold with ``r`` recomputed layers
   (``caps[s][r]``: model states + :meth:`CostModel.peak_memory` within the budget), hence the
-  least recomputation that fits a micro-batch (DCP-intra's Alg. 1 line 5-10 for one (b, p));
+  least recomputation that fits a micro-batch (DCP-intra's Alg. 1 line 5-10 for one (b, p)); the
+  longest micro-batch a scheme admits (:meth:`GroupCosts.cap_full`) also has its executor bucket
+  within the executor's account at the same ``r`` (:meth:`GroupCosts.fit_caps`);
 * time: a micro-batch costs ``Σ_docs (T(l, P) - c_P) + c_P + recomputation`` where ``c_P`` is the
   per-micro-batch constant of the cost model (launch overheads, all-to-all latencies): additive
   per document, which is what the assignment searches use (:meth:`work`); the exact time of a
@@ -89,6 +91,18 @@ def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int
     return max(0, int((budget - (t1 - slope * b1)) // slope))
 
 
+def bucket_fit(tokens: int, cap: int, sp: int) -> int:
+    """The longest micro-batch of at most ``tokens`` tokens whose executor bucket
+    (:func:`~jvarlen.plan.chunk.executor_bucket`) is at most ``cap`` tokens (0: none). The bucket
+    grows with the tokens, so that is ``tokens`` itself or the largest bucket within ``cap``."""
+    tokens, cap = int(tokens), int(cap)
+    if tokens <= 0 or cap <= 0:
+        return 0
+    if executor_bucket(tokens, sp) <= cap:
+        return tokens
+    return min(tokens, executor_bucket_below(cap, sp) or 0)  # (cap < that bucket: bounded)
+
+
 class GroupCosts:
     """Per-scheme quantities of SP groups on the run's ``costs.num_devices`` devices.
 
@@ -100,7 +114,10 @@ class GroupCosts:
     largest one, as the paired executor pads them (the ``"paired"`` simulation); False: each over its
     own token bucket (``"ticks"``, ``"async"``). The additive :meth:`work` model is unpadded.
     ``max_parts``: padded, a group's step may run in up to that many parts, each padded to its own
-    bucket (docs/design/bucket-parts.md); 1: one bucket per group.
+    bucket (docs/design/bucket-parts.md); 1: one bucket per group. ``executor_fit``: the group plans
+    are fitted to the executor's memory account (``"ticks"`` and ``"paired"`` simulations, not
+    ``"async"``), so a scheme admits a micro-batch only where its executor bucket fits too
+    (:meth:`fit_caps`).
     """
 
     def __init__(
@@ -111,8 +128,10 @@ class GroupCosts:
         max_recompute: Optional[int] = None,
         padded: bool = True,
         max_parts: int = 2,
+        executor_fit: bool = True,
     ):
         self.costs = costs
+        self.executor_fit = bool(executor_fit)
         self.padded = bool(padded)
         if int(max_parts) < 1:
             raise ValueError(f"max_parts must be >= 1, got {max_parts}")
@@ -149,9 +168,24 @@ class GroupCosts:
         """Tokens a micro-batch may hold without recomputation."""
         return int(self.caps(scheme)[0])
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def fit_caps(self, scheme: Scheme) -> np.ndarray:
+        """``[R + 1]`` the longest micro-batch (tokens) that fits with ``r`` recomputed layers in both
+        memory accounts: :meth:`caps` (the planner's time line, unpadded tokens) and, where
+        :attr:`executor_fit`, the executor's account of a step padded to the micro-batch's bucket
+        (:meth:`executor_caps`, same ``r``): a micro-batch within ``caps[r]`` whose bucket exceeds
+        ``executor_caps[r]`` at every ``r`` makes a plan that does not fit."""
+        tl = self.caps(scheme)
+        if not self.executor_fit:
+            return tl
+        ex = self.executor_caps(scheme)
+        return np.array([bucket_fit(int(n), int(ex[r]), scheme.sp) for r, n in enumerate(tl)], np.int64)
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
     def cap_full(self, scheme: Scheme) -> int:
-        """Tokens a micro-batch may hold with the most recomputation allowed (the scheme's MaxLen)."""
-        return int(self.caps(scheme).max())
+        """The longest micro-batch the scheme admits, with the recomputation that lets it fit both
+        memory accounts (:meth:`fit_caps`; the scheme's MaxLen)."""
+        return int(self.fit_caps(scheme).max())
 
     def least_recompute(self, scheme: Scheme, tokens: int) -> Optional[int]:
         """The fewest recomputed layers with which a micro-batch of ``tokens`` fits; None if none does."""
@@ -194,7 +228,7 @@ class GroupCosts:
         """:meth:`work` of every length."""
         x = np.asarray(lengths, dtype=np.int64)
         out = self.doc_times(x, scheme) - self.mb_const(scheme)
-        for i in np.flatnonzero(x > self.cap_none(scheme)):
+        for i in np.flatnonzero(x > min(self.cap_none(scheme), self.cap_full(scheme))):
             out[i] = self.work(int(x[i]), scheme)
         return out
 
@@ -226,8 +260,11 @@ class GroupCosts:
         """Additive seconds one document adds to a group of ``scheme`` under FlexSP's micro-batching
         (:func:`~jvarlen.plan.chunking.chunk_group`): ``T(l) - c_P`` for a document packed with others;
         a document longer than a micro-batch without recomputation is its own micro-batch and pays
-        ``T(l)`` plus its least recomputation; ``inf`` when it does not fit the scheme at all."""
+        ``T(l)`` plus its least recomputation; ``inf`` when it does not fit the scheme at all (above
+        :meth:`cap_full`)."""
         length = int(length)
+        if length > self.cap_full(scheme):
+            return math.inf
         if length <= self.cap_none(scheme):
             return self.doc_time(length, scheme) - self.mb_const(scheme)
         r = self.least_recompute(scheme, length)
@@ -419,19 +456,25 @@ class GroupCosts:
 
 
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
-    """Documents no scheme can hold even with full recomputation."""
+    """Documents no scheme can hold even with full recomputation (in both memory accounts:
+    :meth:`GroupCosts.cap_full`)."""
     _, longest = gc.longest_fitting()
     return [i for i, n in enumerate(lengths) if int(n) > longest]
 
 
 def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: Sequence[int]) -> str:
     scheme, longest = gc.longest_fitting()
+    padded = ""
+    if gc.executor_fit and longest > 0:
+        padded = f", padded to the executor's {executor_bucket(longest, scheme.sp)}-token bucket"
+        if int(gc.caps(scheme).max()) > longest:
+            padded += f" (unpadded, the planner's count alone would allow {int(gc.caps(scheme).max())})"
     return (
         f"{policy}: document(s) {list(docs)[:5]} of {[int(lengths[d]) for d in docs][:5]} tokens do not fit "
         f"any SP group: the longest micro-batch that fits is {longest} tokens on sp={scheme.sp} with "
-        f"{gc.max_recompute} of {gc.layers} layers recomputed (sp <= {max(s.sp for s in gc.schemes)}: a power of two dividing the "
-        f"{gc.costs.model.num_heads} heads and the {gc.num_devices} devices)"
+        f"{gc.max_recompute} of {gc.layers} layers recomputed{padded} (sp <= {max(s.sp for s in gc.schemes)}: a "
+        f"power of two dividing the {gc.costs.model.num_heads} heads and the {gc.num_devices} devices)"
     )
 
 
-__all__ = ["GroupChoice", "GroupCosts", "executor_cap", "infeasible_documents", "too_long_message"]
+__all__ = ["GroupChoice", "GroupCosts", "bucket_fit", "executor_cap", "infeasible_documents", "too_long_message"]
