@@ -385,3 +385,22 @@ def test_the_best_one_degree_layouts_are_simulated_too():
     before = plan_strategy("flexsp", batch, costs, FlexSPOptions(homogeneous_top=0))
     assert before.describe() == "2×(pp=1, sp=4)"
     assert before.stats["iteration_time_s"] > plan.stats["iteration_time_s"]
+
+
+def test_planning_calls_leave_no_cost_objects_behind():
+    """The per-call cost objects' memos live on the objects (``functools.lru_cache`` on a method
+    held every ``GroupCosts`` of the run: ~70 KB per FlexSP call on a small instance), and pickle
+    without them (the planning service sends the run's ``SchemeCosts`` to its workers)."""
+    import gc
+    import pickle
+
+    costs = scheme_costs(8)
+    lengths = [4096, 1200, 900, 300, 2500, 77]
+    gc.collect()
+    before = sum(isinstance(o, GroupCosts) for o in gc.get_objects())
+    for _ in range(3):
+        plan_strategy("flexsp", lengths, costs)
+    gc.collect()
+    assert sum(isinstance(o, GroupCosts) for o in gc.get_objects()) == before
+    assert not any(k.startswith("_memo_") for k in pickle.loads(pickle.dumps(costs)).__dict__)
+    assert any(k.startswith("_memo_") for k in costs.__dict__)  # the run's object keeps its memos

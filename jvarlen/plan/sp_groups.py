@@ -36,6 +36,7 @@ import numpy as np
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group
 from jvarlen.plan.executor_memory import executor_account
+from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, enumerate_schemes
 
@@ -103,7 +104,7 @@ def bucket_fit(tokens: int, cap: int, sp: int) -> int:
     return min(tokens, executor_bucket_below(cap, sp) or 0)  # (cap < that bucket: bounded)
 
 
-class GroupCosts:
+class GroupCosts(MethodCaches):
     """Per-scheme quantities of SP groups on the run's ``costs.num_devices`` devices.
 
     ``schemes``: every ``Scheme(1, sp)`` with ``sp`` a power of two dividing the heads, at most
@@ -148,7 +149,7 @@ class GroupCosts:
         self.max_recompute = self.layers if max_recompute is None else max(0, min(int(max_recompute), self.layers))
 
     # ---- memory
-    @functools.lru_cache(maxsize=None)  # noqa: B019 (one object per planning call)
+    @method_cache()
     def caps(self, scheme: Scheme) -> np.ndarray:
         """``[R + 1]`` the most tokens one micro-batch may hold with ``r`` recomputed layers
         (model states + activations + the backward's working memory and the layer gradients the
@@ -168,7 +169,7 @@ class GroupCosts:
         """Tokens a micro-batch may hold without recomputation."""
         return int(self.caps(scheme)[0])
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def fit_caps(self, scheme: Scheme) -> np.ndarray:
         """``[R + 1]`` the longest micro-batch (tokens) that fits with ``r`` recomputed layers in both
         memory accounts: :meth:`caps` (the planner's time line, unpadded tokens) and, where
@@ -181,7 +182,7 @@ class GroupCosts:
         ex = self.executor_caps(scheme)
         return np.array([bucket_fit(int(n), int(ex[r]), scheme.sp) for r, n in enumerate(tl)], np.int64)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def cap_full(self, scheme: Scheme) -> int:
         """The longest micro-batch the scheme admits, with the recomputation that lets it fit both
         memory accounts (:meth:`fit_caps`; the scheme's MaxLen)."""
@@ -198,12 +199,12 @@ class GroupCosts:
         return best, self.cap_full(best)
 
     # ---- time
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def doc_time(self, length: int, scheme: Scheme) -> float:
         """Hydraulis T(l, P): forward + backward of a micro-batch holding one document, no recomputation."""
         return self.costs.T(int(length), scheme)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def _quadratic(self, scheme: Scheme) -> Optional[tuple[float, float, float]]:
         """``(a, b, c)`` with ``T(l, P) = a·l² + b·l + c`` when the cost model is exactly quadratic in
         the length for this scheme (no token buckets, per-bucket factors or block-skipping tiles),
@@ -232,14 +233,14 @@ class GroupCosts:
             out[i] = self.work(int(x[i]), scheme)
         return out
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def mb_const(self, scheme: Scheme) -> float:
         """The per-micro-batch constant ``c_P`` (launches, all-to-all latencies): what packing two
         documents into one micro-batch saves over running them separately."""
         a = 256
         return max(0.0, 2 * self.doc_time(a, scheme) - self.costs.micro_batch_time([a, a], scheme))
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def rec_const(self, scheme: Scheme) -> float:
         """The per-micro-batch constant of recomputing one layer (what ``c_P`` is to the forward)."""
         a = 256
@@ -247,12 +248,12 @@ class GroupCosts:
         two = self.costs.cost(scheme).recompute_time(ChunkShape(0, (a, a)), 1)
         return max(0.0, 2 * one - two)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def base(self, scheme: Scheme) -> float:
         """Seconds a group pays once per iteration (its step overhead: optimizer update and sync)."""
         return float(self.costs.cost(scheme).step_overhead())
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def recompute_time(self, length: int, scheme: Scheme, layers: int) -> float:
         return self.costs.cost(scheme).recompute_time(ChunkShape(0, (int(length),)), int(layers))
 
@@ -277,7 +278,7 @@ class GroupCosts:
     ) -> float:
         return self._micro_batch_time(tuple(int(x) for x in lengths), scheme, int(ckpt), pad_to)
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 (the cuts of one planning call share micro-batches)
+    @method_cache(limit=65536)  # the cuts of one planning call share micro-batches
     def _micro_batch_time(self, lengths: tuple, scheme: Scheme, ckpt: int, pad_to: Optional[int]) -> float:
         return self.costs.micro_batch_time(list(lengths), scheme, ckpt, pad_to)
 
@@ -359,7 +360,7 @@ class GroupCosts:
         micro_batches, ckpt, parts = self._flex_cut(scheme, tuple(int(lengths[d]) for d in docs), full_recompute)
         return GroupChoice(scheme, docs, micro_batches, ckpt, parts)
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 (FlexSP ranks, then plans, the same groups)
+    @method_cache(limit=4096)  # FlexSP ranks, then plans, the same groups
     def _flex_cut(self, scheme: Scheme, local: tuple, full_recompute: bool) -> tuple[tuple, tuple, tuple]:
         """:meth:`flex_group`'s micro-batches, recomputation and parts for documents of ``local`` lengths."""
         docs = tuple(range(len(local)))

@@ -30,7 +30,6 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -40,6 +39,7 @@ import numpy as np
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostModel
+from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import Plan, PlanError, _jsonable, replay_peaks
 
 STRATEGY_VERSION = 1
@@ -278,7 +278,7 @@ class StrategyPlan:
             raise PlanError(f"{len(errors)} problem(s) in strategy ({self.policy}): " + "; ".join(errors[:20]))
 
 
-class SchemeCosts:
+class SchemeCosts(MethodCaches):
     """Cost models of every scheme on the run's devices (Hydraulis App. B), from one fitted model.
 
     ``base`` is any :class:`CostModel` of the run's model and coefficients; its layout is
@@ -291,7 +291,7 @@ class SchemeCosts:
         self.model = base.model
         self.coeffs = base.coeffs
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 (a few schemes per run; the object lives as long as the run)
+    @method_cache()  # a few schemes per run; the object lives as long as the run
     def cost(self, scheme: Scheme) -> CostModel:
         return self.base.with_layout(scheme.layout, state_devices=self.num_devices)
 
@@ -303,7 +303,7 @@ class SchemeCosts:
         last = scheme.pp - 1
         return cost.fwd_time(chunk, last) + cost.bwd_time(chunk, last)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @method_cache()
     def padded_cost(self, scheme: Scheme, bucket: int) -> CostModel:
         """:meth:`cost` with every chunk's matmuls over ``bucket`` tokens (the executor's padding)."""
         return self.cost(scheme).padded(int(bucket))
