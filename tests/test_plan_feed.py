@@ -85,6 +85,27 @@ def test_late_solver_gives_logged_fallback_plans_after_the_first_iteration(corpu
         plan.validate(lens)
 
 
+def test_a_plan_over_the_memory_budget_is_reported(corpus_cache):
+    """A policy that finds no candidate within the budget keeps the fastest and says so in the plan;
+    the feed says it in the run's log, where an out-of-memory error would follow."""
+    cost = small_cost(pp=2, sp=1)
+
+    def over_budget(lengths):
+        plan = plan_iteration(lengths, cost=cost, policy="epp", options=OPTS)
+        plan.stats["fits_memory"] = False
+        plan.events.append("p: none of 1 candidate(s) fits memory by the planner's account; kept the fastest")
+        return plan
+
+    said = []
+    planner = Planner(split_by_rows(LAYOUT.dp, 4), over_budget, None, False)
+    IterationFeed(_pipeline(corpus_cache), planner, 0, 1, ahead=0, say=said.append).next()
+    assert said == [
+        f"[jvarlen] step 1 plan {g}: over the memory budget by the planner's account (p: none of 1 candidate(s) "
+        "fits memory by the planner's account; kept the fastest); the step may run out of device memory"
+        for g in range(LAYOUT.dp)
+    ]
+
+
 def test_split_by_rows_leaves_no_pipeline_without_documents():
     """An epoch's last batch: best fit fills the first rows, so the last pipelines would get nothing.
     Every piece still goes to exactly one pipeline, none is left empty while another holds two, and

@@ -125,6 +125,12 @@ class IterationFeed:
                     it.fallbacks += 1
                     self.say(f"[jvarlen] step {it.step + 1} plan {g}: {plan.events[-1]}")
             plan.validate(lengths)
+            if plan.stats.get("fits_memory") is False:  # a policy found no candidate within the budget
+                why = f" ({plan.events[-1]})" if plan.events else ""
+                self.say(
+                    f"[jvarlen] step {it.step + 1} plan {g}: over the memory budget by the planner's account{why}; "
+                    "the step may run out of device memory"
+                )
             it.plans.append(plan)
         it.plan_s = time.perf_counter() - start
         self.first = False
