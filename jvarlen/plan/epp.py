@@ -26,6 +26,65 @@ from jvarlen.plan.simulator import lower_bound
 from jvarlen.plan.units import PlannedChunk, families_of
 
 
+def split_memory_bound(length: int, cost) -> tuple[float, int]:
+    """``(bytes, stage)``: a lower bound on the peak memory per device of any plan of a document of
+    ``length`` tokens, split or not, on its worst stage, under the memory model plans are checked
+    against (the simulator's time line, :func:`jvarlen.plan.plan.replay_peaks`, Alg. 2's windows).
+
+    A slice's activations stay on a stage from its forward to its backward, and that backward
+    needs the dK/dV of the next slice's (:func:`jvarlen.plan.schedule.dependencies`), so while the
+    last slice's backward runs, every earlier slice is live. With ``s`` tokens in the last slice
+    (its context is the other ``length - s``) the stage then holds at least
+    ``memory_floor + (length - s)·(a + c) + s·(t + w)``: ``a`` and ``t`` what a non-tail and a tail
+    chunk keep per token, the cheaper of no and full recomputation (memory is linear in the layers
+    recomputed, Eq. 19), ``w`` the least backward working memory per token and ``c`` its part per
+    context token; the slices' own context terms and the other documents' chunks only add. That is
+    linear in ``s``, so its least value over ``1 <= s <= length`` (``s = length``: not split) is at
+    an end. Assumes the memory coefficients are non-negative (as profiled and analytic ones are)."""
+    sp, layers = cost.layout.sp, cost.layers_per_stage
+    split, whole = ChunkShape(0, (sp,), tail=False), ChunkShape(0, (sp,), tail=True)
+    w = min(cost.working_memory(whole, r) for r in (0, layers)) / sp
+    c = (cost.working_memory(ChunkShape(sp, (sp,)), 0) - cost.working_memory(whole, 0)) / sp
+    worst, stage = -math.inf, 0
+    for p in range(cost.layout.pp):
+        a = min(cost.activation_memory(split, r, p) for r in (0, layers)) / sp + c
+        t = min(cost.activation_memory(whole, r, p) for r in (0, layers)) / sp + w
+        need = cost.memory_floor(p) + min((length - 1) * a + t, length * t)
+        if need > worst:
+            worst, stage = need, p
+    return worst, stage
+
+
+def _states_error(cost) -> PlanningError:
+    state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
+    return PlanningError(
+        f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
+        f"memory budget ({cost.memory_budget / 2**30:.2f} GiB per device): add pipeline stages or devices"
+    )
+
+
+def refuse_unsplittable(lengths: Sequence[int], cost) -> None:
+    """Raises :class:`PlanningError` at once where the longest document fits no plan by
+    :func:`split_memory_bound` (every slicing, every recomputation); before it, the search would
+    chunk, group and simulate every slice number and bucket size to find none fits."""
+    longest = max(lengths)
+    if longest <= cost.max_tokens(in_flight=1, tail=True):
+        return  # fits unsplit
+    if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
+        raise _states_error(cost)
+    need, p = split_memory_bound(longest, cost)
+    if need <= cost.memory_budget:
+        return
+    floor = cost.memory_floor(p)
+    raise PlanningError(
+        f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: every "
+        f"earlier slice stays in memory until the last slice's backward, so stage {p} needs at least "
+        f"{need / 2**30:.2f} GiB per device (model states and layer gradients {floor / 2**30:.2f} GiB + "
+        f"{(need - floor) / longest:,.0f} bytes per token, the least any recomputation keeps), over the budget "
+        f"({cost.memory_budget / 2**30:.2f} GiB per device); raise pp or sp, or shorten data.seq_len"
+    )
+
+
 def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> int:
     """Smallest N whose longest mesh slice fits the cost model's per-chunk token capacity.
 
@@ -33,18 +92,15 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
     largest admissible time target is that of a capacity-sized first slice, and one cut of the
     longest document at that target counts the slices needed: O(N) cost evaluations. Never
     finer than an average slice of ``min_slice_tokens``; raises :class:`PlanningError` saying
-    what fits when no N does."""
+    what fits when no N does, and before any cut where no slicing can (:func:`refuse_unsplittable`)."""
     longest = max(lengths)
     if longest <= cost.max_tokens(in_flight=1, tail=True):
         return 1  # nothing needs splitting: every document fits as a (tail) chunk of its own
     cap = cost.max_tokens(in_flight=1, tail=False)
     budget = f"{cost.memory_budget / 2**30:.2f} GiB per device"
     if cap < 1:
-        state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
-        raise PlanningError(
-            f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
-            f"memory budget ({budget}): add pipeline stages or devices"
-        )
+        raise _states_error(cost)
+    refuse_unsplittable(lengths, cost)
     n_max = max(2, longest // max(1, min_slice_tokens))
     advice = "raise pp or sp, lower plan.min_slice_tokens, or shorten data.seq_len"
     tau = cost.bwd_time(ChunkShape(0, (cap,), tail=False))
@@ -326,6 +382,7 @@ def plan_epp(
     """
 
     ceiling = ceiling if options.prune else math.inf
+    refuse_unsplittable(lengths, cost)  # not caught below: no bucket size can fit either
     search = _Search(policy, lengths, cost, options, mode, progress, ceiling)
     buckets = options.simulation == "paired" and options.n_slices is None and policy != "epp-fast"
     try:
@@ -387,6 +444,8 @@ __all__ = [
     "ordered_units",
     "plan_epp",
     "refine_candidate",
+    "refuse_unsplittable",
     "slice_candidates",
     "smallest_slices",
+    "split_memory_bound",
 ]
