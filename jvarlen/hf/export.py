@@ -32,7 +32,7 @@ from jvarlen.hf.hf_config import HFCheckpointError, hf_config_dict, read_hf_conf
 from jvarlen.hf.safetensors_dir import INDEX, write_sharded
 from jvarlen.hf.weights import tensor_maps
 from jvarlen.model import abstract_model
-from jvarlen.runtime.checkpoint import CHECKSUMS, verify_checksums
+from jvarlen.runtime.checkpoint import CHECKSUMS, state_checksums, verify_checksums
 
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
@@ -85,7 +85,7 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
     restored = manager.restore(step, args=ocp.args.Composite(state=args, data=ocp.args.JsonRestore()))
     manager.close()
     params = restored["state"]["params"]
-    differs = verify_checksums({"params": params}, (restored["data"] or {}).get(CHECKSUMS))
+    differs = verify_checksums(state_checksums({"params": params}), (restored["data"] or {}).get(CHECKSUMS))
     if differs is not None:
         raise ValueError(
             f"checkpoint {step} in {directory}: {differs} does not hold the bits that were written (checksum); "

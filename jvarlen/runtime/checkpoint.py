@@ -41,8 +41,7 @@ class NonFiniteStateError(RuntimeError):
     """A checkpoint was about to be written from a state holding NaN or Inf."""
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
+def _all_finite_of(tree) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
@@ -67,29 +66,33 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
 
 
-_checksums = jax.jit(lambda tree: [_leaf_checksum(x) for x in jax.tree.leaves(tree)])
+# one pass (and one compile per state structure) for both checks
+_inspect = jax.jit(lambda tree: (_all_finite_of(tree), [_leaf_checksum(x) for x in jax.tree.leaves(tree)]))
+
+
+def inspect_state(tree) -> tuple[bool, dict[str, list[int]]]:
+    """(every float finite, :func:`state_checksums`) of ``tree``."""
+    finite, sums = jax.device_get(_inspect(tree))
+    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return bool(finite), {name: [int(v) for v in value] for name, value in zip(paths, sums)}
 
 
 def state_checksums(tree) -> dict[str, list[int]]:
     """Leaf name (its path's keys joined by ``/``) -> the leaf's two checksums; equal for the same
     bits whatever the sharding or the tree's container types (a train state, its params as numpy)."""
-    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    sums = jax.device_get(_checksums(tree))
-    return {name: [int(v) for v in value] for name, value in zip(paths, sums)}
+    return inspect_state(tree)[1]
 
 
 def _leaf_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def verify_checksums(tree, saved: Optional[dict]) -> Optional[str]:
-    """The first leaf of ``tree`` whose checksums differ from ``saved`` (None when all agree, or
-    when the checkpoint predates checksums). Leaves ``saved`` lacks are not checked (a partial
-    restore reads a subset)."""
-    if not saved:
-        return None
-    for name, value in state_checksums(tree).items():
-        if name in saved and list(saved[name]) != value:
+def verify_checksums(sums: dict[str, list[int]], saved: Optional[dict]) -> Optional[str]:
+    """The first leaf whose checksums ``sums`` (:func:`state_checksums` of what was read) differ
+    from ``saved`` (None when all agree, or when the checkpoint predates checksums). Leaves
+    ``saved`` lacks are not checked (a partial restore reads a subset)."""
+    for name, value in sums.items():
+        if saved and name in saved and list(saved[name]) != value:
             return name
     return None
 
@@ -120,12 +123,13 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, model_cfg: ModelConfig) -> None:
         """Writes checkpoint ``step`` (in the background with ``async_save``); raises
         :class:`NonFiniteStateError` instead of writing a state with NaN/Inf."""
-        if not bool(_all_finite(state)):
+        finite, sums = inspect_state(state)
+        if not finite:
             raise NonFiniteStateError(
                 f"not writing checkpoint {step}: the train state holds NaN or Inf; the newest good checkpoint "
                 f"in {self.directory} is {self.latest_step()}"
             )
-        data_state = {**data_state, CHECKSUMS: state_checksums(state)}
+        data_state = {**data_state, CHECKSUMS: sums}
         self.manager.wait_until_finished()  # the previous save is finalized: older ones may go now
         self._rotate(keep=self.cfg.max_to_keep)
         self.manager.save(
@@ -183,11 +187,12 @@ class Checkpointer:
                 _raise_unless_damage(error, candidate, self.directory)
                 skipped.append(self._set_aside(candidate, error))
                 continue
-            if not bool(_all_finite(restored["state"])):
+            finite, sums = inspect_state(restored["state"])
+            if not finite:
                 skipped.append(self._set_aside(candidate, ValueError("state holds NaN or Inf")))
                 continue
             data = dict(restored["data"])
-            differs = verify_checksums(restored["state"], data.pop(CHECKSUMS, None))
+            differs = verify_checksums(sums, data.pop(CHECKSUMS, None))
             if differs is not None:
                 error = ValueError(f"{differs} does not hold the bits that were written (checksum)")
                 skipped.append(self._set_aside(candidate, error))
