@@ -5,12 +5,12 @@ slices together need a memory no slice count can shrink; the N search is not ent
 import glob
 
 import pytest
+from conftest import SMALL, tight_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
 from jvarlen.plan import epp
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
-from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.hardware import A800, analytic_coefficients
 from jvarlen.plan.strategy import SchemeCosts, enumerate_schemes, plan_strategy
@@ -18,17 +18,11 @@ from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 SHAPE = ModelShape.from_config(Config().model)
 COEFFS = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
-SMALL = ModelShape(
-    num_layers=8, d_model=1024, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=2816, vocab_size=32000
-)
 
 
 def tight(cost: CostModel, tokens: int) -> CostModel:
-    """``cost`` with a budget of the model states, layer gradients and ``tokens`` non-tail tokens
-    without recomputation on the last stage."""
-    state = max(map(cost.memory_floor, range(cost.layout.pp)))
-    act = cost.activation_memory(ChunkShape(0, (tokens,), tail=False), 0, cost.layout.pp - 1)
-    return CostModel(cost.model, cost.layout, cost.coeffs.replace(memory_budget=state + act))
+    """``cost`` with the budget of :func:`conftest.tight_budget`."""
+    return CostModel(cost.model, cost.layout, cost.coeffs.replace(memory_budget=tight_budget(cost, tokens)))
 
 
 def cpu_cost(pp: int, sp: int) -> CostModel:

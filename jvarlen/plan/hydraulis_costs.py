@@ -26,8 +26,8 @@ model) and caches them per ``SchemeCosts`` object.
   ``MaxLen(P)`` is ``caps[L/pp]`` (full recomputation) or ``caps[0]`` (``recompute="none"``).
   Where the group plans are fitted to the executor's account (``"ticks"``, ``"paired"``), a
   ``pp = 1`` scheme's micro-batch also needs its executor bucket within that account at the same
-  recomputation (:func:`~jvarlen.plan.sp_groups.executor_cap`): ``MaxLen(P)`` is the longest that
-  fits both at some ``r`` (:func:`~jvarlen.plan.sp_groups.bucket_fit`), and ``caps`` stop there.
+  recomputation: ``MaxLen(P)`` is the longest that fits both at some ``r``
+  (:func:`~jvarlen.plan.sp_groups.admitted_caps`), and ``caps`` stop there.
 * **Executor (κ).** Eq. 1 prices a pipeline as ``(PP - 1 + V)`` slowest micro-batches: the
   asynchronous 1F1B of the paper (``simulation="async"``, κ = 1). jvarlen's executor runs the
   stages in lock-step ticks; in the steady state a tick pairs one stage's forward with another
@@ -56,7 +56,7 @@ from typing import Sequence
 import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.sp_groups import bucket_fit, executor_cap
+from jvarlen.plan.sp_groups import admitted_caps
 from jvarlen.plan.strategy import Scheme, SchemeCosts
 
 _FIT_MIN = 16  # shortest length of the fitting grid (tokens)
@@ -179,7 +179,7 @@ def build_table(
     if pp == 1 and simulation in ("ticks", "paired"):
         # the executor pads a step's micro-batches to a bucket, and its account of a one-stage step
         # must hold that bucket at the recomputation the time line's cap assumes
-        max_len = max(bucket_fit(int(n), executor_cap(costs, scheme, r, r), sp) for r, n in enumerate(caps))
+        max_len = int(admitted_caps(costs, scheme, caps).max())
         caps = np.minimum(caps, max_len)
     steady = 1.0
     if simulation == "ticks" and pp > 1:

@@ -104,6 +104,15 @@ def bucket_fit(tokens: int, cap: int, sp: int) -> int:
     return min(tokens, executor_bucket_below(cap, sp) or 0)  # (cap < that bucket: bounded)
 
 
+def admitted_caps(costs: SchemeCosts, scheme: Scheme, caps) -> np.ndarray:
+    """``[R + 1]`` per recomputation level ``r``: the longest micro-batch within ``caps[r]`` (the
+    planner's count of its tokens) whose executor bucket fits the executor's account at the same
+    ``r`` (:func:`executor_cap`, :func:`bucket_fit`); ``pp = 1`` schemes."""
+    return np.array(
+        [bucket_fit(int(n), executor_cap(costs, scheme, r, r), scheme.sp) for r, n in enumerate(caps)], np.int64
+    )
+
+
 class GroupCosts(MethodCaches):
     """Per-scheme quantities of SP groups on the run's ``costs.num_devices`` devices.
 
@@ -176,11 +185,7 @@ class GroupCosts(MethodCaches):
         :attr:`executor_fit`, the executor's account of a step padded to the micro-batch's bucket
         (:meth:`executor_caps`, same ``r``): a micro-batch within ``caps[r]`` whose bucket exceeds
         ``executor_caps[r]`` at every ``r`` makes a plan that does not fit."""
-        tl = self.caps(scheme)
-        if not self.executor_fit:
-            return tl
-        ex = self.executor_caps(scheme)
-        return np.array([bucket_fit(int(n), int(ex[r]), scheme.sp) for r, n in enumerate(tl)], np.int64)
+        return admitted_caps(self.costs, scheme, self.caps(scheme)) if self.executor_fit else self.caps(scheme)
 
     @method_cache()
     def cap_full(self, scheme: Scheme) -> int:
@@ -478,4 +483,12 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
     )
 
 
-__all__ = ["GroupChoice", "GroupCosts", "bucket_fit", "executor_cap", "infeasible_documents", "too_long_message"]
+__all__ = [
+    "GroupChoice",
+    "GroupCosts",
+    "admitted_caps",
+    "bucket_fit",
+    "executor_cap",
+    "infeasible_documents",
+    "too_long_message",
+]
