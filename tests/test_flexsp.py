@@ -300,11 +300,11 @@ def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
     (``bucket_parts=1``): by the additive model the two best one-degree layouts are sp = 16 and 32;
     the exact group model, which runs every micro-batch of a group over its bucket with the
     recomputation that bucket needs, as the executor does, ranks 2×(pp=1, sp=32) and 8×(pp=1, sp=8)
-    first (0.803 s and 0.810 s; sp = 16: 0.845 s). Those two are planned, and FlexSP is as fast as
-    the per-iteration homogeneous reference. In up to two parts per group (the default) the long
-    documents' bucket no longer sets the short ones', the exact model agrees with the additive one
-    (sp = 32: 0.780 s, sp = 16: 0.790 s, sp = 8: 0.810 s), and FlexSP's heterogeneous plan beats both
-    (0.753 s)."""
+    first (0.803 s and 0.810 s; sp = 16: 0.845 s). Those two are planned, and FlexSP is at least as
+    fast as the per-iteration homogeneous reference (its MILP's mixed plan: 0.799 s). In up to two
+    parts per group (the default) the long documents' bucket no longer sets the short ones', the
+    exact model agrees with the additive one (sp = 16: 0.770 s, sp = 32: 0.780 s, sp = 8: 0.810 s),
+    and FlexSP's heterogeneous plan beats both (0.731 s)."""
     costs, batch = strategies_batch("stdlib 7B h100 64 dev 200K tok 32K ctx, pull/push", 3004)
     problem = flexsp.FlexSPProblem.build(batch, GroupCosts(costs))
     assert set(flexsp.homogeneous_finalists(problem, 2)) == {"sp=16", "sp=32"}  # the additive model's two best
@@ -317,8 +317,7 @@ def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
         assert planned == exact == want
         heuristic = next(c for c in plan.stats["candidates"] if c["source"] == "heuristic")
         if parts == 1:
-            assert plan.stats["source"] == f"sp={homog.stats['sp']}"
-            assert plan.stats["iteration_time_s"] == pytest.approx(homog.stats["iteration_time_s"])
+            assert plan.stats["iteration_time_s"] <= homog.stats["iteration_time_s"]
             assert plan.stats["iteration_time_s"] < heuristic["simulated_s"] / 1.005
         else:
             assert plan.stats["iteration_time_s"] == heuristic["simulated_s"]

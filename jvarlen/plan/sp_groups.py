@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
-from jvarlen.plan.chunking import chunk_group
+from jvarlen.plan.chunking import chunk_group, packed_group
 from jvarlen.plan.executor_memory import executor_account
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
@@ -352,6 +352,19 @@ class GroupCosts(MethodCaches):
                 out.add(b)
         return sorted(x for x in out if x >= longest)
 
+    def packing_caps(self, scheme: Scheme, longest: int) -> list[int]:
+        """Bin sizes (tokens) worth packing a padded group into whose longest document holds
+        ``longest`` tokens: every executor bucket from that document's up to :meth:`cap_full`, then
+        ``cap_full`` itself (the most any micro-batch may hold), smallest first."""
+        top = self.cap_full(scheme)
+        out, bucket = [], executor_bucket(int(longest), scheme.sp)
+        while bucket <= top:
+            out.append(bucket)
+            bucket = executor_bucket(bucket + 1, scheme.sp)
+        if top >= longest and (not out or out[-1] < top):
+            out.append(top)
+        return out
+
     # ---- FlexSP / homogeneous micro-batching
     def flex_group(
         self, lengths: Sequence[int], scheme: Scheme, documents: Sequence[int], full_recompute: bool = False
@@ -392,17 +405,30 @@ class GroupCosts(MethodCaches):
         Where :attr:`padded`, every micro-batch runs over the bucket of the group's largest and
         recomputes what that bucket needs (:meth:`group_time`): a long document sets both for the
         short ones. So the group is also cut by Eq. 23-24 at each of :meth:`bucket_caps` (the short
-        documents packed up to the bucket they pay for anyway), each cut is also tried in parts
-        (:attr:`max_parts`, each part its own bucket), and the cut :meth:`group_time` finds fastest
-        is kept (ties: the policy's)."""
+        documents packed up to the bucket they pay for anyway) and packed first-fit decreasing into
+        bins of each of :meth:`packing_caps` (micro-batches filled to a bucket, the remainder left
+        to a smaller one: balanced micro-batches all pay the largest one's bucket); each cut is also
+        tried in parts (:attr:`max_parts`, each part its own bucket), and the cut :meth:`group_time`
+        finds fastest is kept (ties: the policy's)."""
         docs = tuple(int(d) for d in documents)
         local = [int(lengths[d]) for d in docs]
         cuts = [[list(mb) for mb in micro_batches]]
+
+        def admissible(cut) -> bool:
+            count = min(int(min_batches), len(local)) <= len(cut) <= (max_batches or len(local))
+            return count and cut not in cuts
+
         if self.padded:
             for cap in self.bucket_caps(scheme, max(local)):
                 cut = chunk_group(local, cap, min_batches)
-                if cut not in cuts and (max_batches is None or len(cut) <= max_batches):
+                if admissible(cut):
                     cuts.append(cut)
+            for cap in self.packing_caps(scheme, max(local)):
+                cut = packed_group(local, cap)
+                if admissible(cut):
+                    cuts.append(cut)
+                if len(cut) == 1:  # larger bins hold the same single micro-batch
+                    break
         choices = [self._cut(scheme, docs, local, cuts[0], given=ckpt)]
         choices += [self._cut(scheme, docs, local, mbs) for mbs in cuts[1:]]
         return min(choices, key=lambda c: self.group_time(lengths, c))
