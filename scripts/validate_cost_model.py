@@ -15,6 +15,10 @@ time is recorded too). On CPU the reference probe (:func:`jvarlen.profile.harnes
 runs before every repeat, and the measurement is converted to the profile's clock with the probe
 readings of both (:func:`jvarlen.profile.clock.to_profile_clock`; this machine's speed drifts by
 20-30 % within an hour); the raw error is reported beside it (``--no_reference``: no probe). The
+reading beside a plan is the same statistic as the profile's (each probe chunk's minimum over as
+many calls as the calibration had rounds, ``--probe_calls``): the plan's own calls and those of
+the plans measured next to it (:func:`jvarlen.profile.clock.nearest_probe_reading`); the error
+with the plan's own calls alone is reported beside it (``own_probe``). The
 prediction is the simulator's iteration time (InfiniPipe Eq. 4-11 via the cost model) with the
 profile's coefficients for that sp. Chunk shapes that the profile's report timed are counted and
 reported (``profiled_shapes_in_plans``; 0 means every plan is held out).
@@ -163,6 +167,32 @@ def error_summary(rows: list[dict], key: str = "rel_err") -> dict:
     }
 
 
+def calibration_rounds(profile: str) -> int | None:
+    """Rounds of the profile's sp = 1 calibration (its report next to it), None without a report."""
+    path = profile.replace(".json", ".report.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("calibration_rounds")
+
+
+def pool_probe_readings(rows: list[dict], probe_name: str, calls: int) -> None:
+    """Sets ``reference_pooled_s`` of every row timed with the probe ``probe_name``:
+    :func:`~jvarlen.profile.clock.nearest_probe_reading` over the rows of the same measurement run
+    (``source``, sp), in measurement order."""
+    from jvarlen.profile.clock import nearest_probe_reading
+
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("reference_runs") and r.get("reference_probe") == probe_name:
+            runs.setdefault((r.get("source", ""), int(r.get("sp", 1))), []).append(r)
+    for run in runs.values():
+        run.sort(key=lambda r: r["plan"])
+        calls_per_plan = [r["reference_runs"] for r in run]
+        for i, r in enumerate(run):
+            r["reference_pooled_s"] = nearest_probe_reading(calls_per_plan, i, calls)
+
+
 def profiled_shapes(profile: str) -> dict[int, set[str]]:
     """Chunk shapes (``str(ChunkShape)``) timed by the profile's report, per sp: the layer-program
     grid and the calibration chunks. Empty when the report is not next to the profile."""
@@ -200,6 +230,11 @@ def main(argv=None):
     ap.add_argument("--no_pin", action="store_true", help="do not pin the process to one core (old clock)")
     ap.add_argument("--core", type=int, help="core to pin to (default: $JVARLEN_CPU_CORE or the first allowed)")
     ap.add_argument("--no_reference", action="store_true", help="CPU: no reference probe (plain seconds)")
+    ap.add_argument(
+        "--probe_calls",
+        type=int,
+        help="probe calls per reading beside a plan (default: the profile's calibration rounds; 0: the plan's own)",
+    )
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree of the measured plans (fake CPU devices)")
     ap.add_argument("--also_measurements", nargs="*", default=[], help="measured-plan JSONs of earlier runs to include")
     ap.add_argument(
@@ -276,6 +311,9 @@ def main(argv=None):
     cpu = jax.default_backend() == "cpu"
     profiled = profiled_shapes(args.profile)
     ref_profile, probe_name = coeffs.meta.reference_s, coeffs.meta.reference_probe
+    probe_calls = args.probe_calls if args.probe_calls is not None else calibration_rounds(args.profile) or 0
+    if cpu and ref_profile > 0 and probe_calls:
+        pool_probe_readings(rows, probe_name, probe_calls)
     for r in rows:
         sp = int(r.get("sp", 1))
         cost = CostModel(shape, Layout(1, 1, sp), coeffs)
@@ -285,8 +323,11 @@ def main(argv=None):
         raw = r["measured_cpu_s"] / r.get("clock_divisor", 1) if cpu else r["measured_wall_s"]
         measured = raw
         if cpu and ref_profile > 0 and r.get("reference_cpu_s") and r.get("reference_probe") == probe_name:
-            measured = to_profile_clock(raw, r["reference_cpu_s"], ref_profile)
-            r["speed_vs_profile"] = ref_profile / r["reference_cpu_s"]
+            reading = r.get("reference_pooled_s", r["reference_cpu_s"])
+            measured = to_profile_clock(raw, reading, ref_profile)
+            r["speed_vs_profile"] = ref_profile / reading
+            own = to_profile_clock(raw, r["reference_cpu_s"], ref_profile)
+            r["rel_err_own_probe"] = (result.iteration_time - own) / own
         r["sp"] = sp
         r["profiled_shapes"] = sum(str(c) in profiled.get(sp, set()) for c in shapes)
         r["predicted_s"] = result.iteration_time
@@ -308,10 +349,16 @@ def main(argv=None):
         "profile": args.profile,
         "reference": (
             f"{len(normalized)} of {len(rows)} plans converted to the profile's clock by the reference probe "
-            f"(profile reading {ref_profile * 1e3:.1f} ms; probe {probe_name})"
+            f"(profile reading {ref_profile * 1e3:.1f} ms; probe {probe_name}; "
+            + (
+                f"each reading the minimum over the {probe_calls} probe calls nearest the plan)"
+                if probe_calls
+                else "each reading the plan's own probe calls)"
+            )
             if normalized
             else "none (plain seconds)"
         ),
+        "own_probe": error_summary(normalized, "rel_err_own_probe") if normalized else None,
         "speed_vs_profile": (
             {q: float(np.percentile([r["speed_vs_profile"] for r in normalized], p)) for q, p in MIN_MED_MAX}
             if normalized

@@ -23,6 +23,12 @@ seconds it would have taken at the profile's speed. Readings are minima on both 
 chunk's and a plan's least disturbed run). The drift is not uniform over programs, so the probe
 is a mix: a single 512-token step once got 17 % faster within minutes while the plans beside it
 kept their speed.
+
+Both sides must also be the same statistic. A minimum over fewer draws is larger: the profile's
+reading is each chunk's minimum over the calibration's rounds (20), and the minimum of 5 of those
+20 rounds is 1.3-2.3 % larger on average, so a plan converted with only its own 5 probe calls
+was converted 1-2 % too fast. :func:`nearest_probe_reading` takes as many calls as the
+calibration had rounds: the plan's own and those of the plans measured next to it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 CORE_ENV = "JVARLEN_CPU_CORE"  # which core the profiler / validation pin to (default: the first allowed)
 CLOCK_NAME = "process CPU time, process pinned to one core"
@@ -83,6 +89,25 @@ def cpu_clock() -> Callable[[], float]:
 def describe() -> str:
     cores = sorted(os.sched_getaffinity(0))
     return CLOCK_NAME if len(cores) == 1 else f"process CPU time over {len(cores)} cores (NOT a one-core clock)"
+
+
+def nearest_probe_reading(calls_per_plan: Sequence[Sequence[Sequence[float]]], index: int, calls: int) -> float:
+    """The reference reading beside plan ``index`` taken as the profile's calibration takes it: per
+    probe chunk the minimum over ``calls`` probe calls (the calibration's round count), summed over
+    the chunks. ``calls_per_plan``: every plan's probe calls in measurement order, each call a
+    reading per chunk. The calls are the plan's own, then those of the plans measured nearest to it
+    (one before, one after, two before, ...), the last plan's cut to make ``calls``; all there are
+    when the plans have fewer. The machine's speed drifts over tens of minutes; the calls of a few
+    neighbouring plans span one or two."""
+    if not 0 <= index < len(calls_per_plan):
+        raise IndexError(f"plan {index} of {len(calls_per_plan)}")
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    order = sorted(range(len(calls_per_plan)), key=lambda j: (abs(j - index), j))
+    pool = [call for j in order for call in calls_per_plan[j]][:calls]
+    if not pool:
+        raise ValueError(f"plan {index} has no probe calls")
+    return float(sum(min(chunk) for chunk in zip(*pool)))
 
 
 def to_profile_clock(measured_s: float, reference_now_s: float, reference_profile_s: float) -> float:

@@ -378,8 +378,10 @@ def reference_probe(harness: ChunkHarness) -> Callable[[], list[float]]:
 
 def reference_seconds(readings: Sequence[Sequence[float]]) -> float:
     """One reference reading from probe calls (each a reading per reference chunk): the sum over
-    the chunks of each chunk's minimum, the same statistic as the profile's calibration
-    (:func:`jvarlen.profile.fit.reference_reading`)."""
+    the chunks of each chunk's minimum, the profile's statistic
+    (:func:`jvarlen.profile.fit.reference_reading`) when there are as many calls as its calibration
+    had rounds; fewer calls read larger (:func:`jvarlen.profile.clock.nearest_probe_reading` pools
+    neighbouring plans' calls to get there)."""
     if not readings:
         raise ValueError("no probe readings")
     return float(np.sum(np.min(np.asarray(readings, dtype=float), axis=0)))
