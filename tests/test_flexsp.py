@@ -304,7 +304,8 @@ def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
     fast as the per-iteration homogeneous reference (its MILP's mixed plan: 0.799 s). In up to two
     parts per group (the default) the long documents' bucket no longer sets the short ones', the
     exact model agrees with the additive one (sp = 16: 0.770 s, sp = 32: 0.780 s, sp = 8: 0.810 s),
-    and FlexSP's heterogeneous plan beats both (0.731 s)."""
+    and FlexSP's heterogeneous plan beats both (0.731 s; 0.729 s with documents moved by the exact
+    model, ``refine_groups``)."""
     costs, batch = strategies_batch("stdlib 7B h100 64 dev 200K tok 32K ctx, pull/push", 3004)
     problem = flexsp.FlexSPProblem.build(batch, GroupCosts(costs))
     assert set(flexsp.homogeneous_finalists(problem, 2)) == {"sp=16", "sp=32"}  # the additive model's two best
@@ -320,7 +321,7 @@ def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
             assert plan.stats["iteration_time_s"] <= homog.stats["iteration_time_s"]
             assert plan.stats["iteration_time_s"] < heuristic["simulated_s"] / 1.005
         else:
-            assert plan.stats["iteration_time_s"] == heuristic["simulated_s"]
+            assert plan.stats["iteration_time_s"] <= heuristic["simulated_s"]  # (or its refinement)
             assert plan.stats["iteration_time_s"] < homog.stats["iteration_time_s"] / 1.03
 
 

@@ -47,7 +47,7 @@ from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import balanced_split
 from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, refine_groups, too_long_message
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, register_policy
 from jvarlen.plan.work_table import WorkTable
 
@@ -435,6 +435,22 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
         record = candidate_record(lengths, gc, choices, source=name, model_makespan_s=problem.makespan_us(groups) / _US)
         candidates.append(record)
         options_of.append((choices, record))
+    if options.local_search:  # the fastest by the exact group model, documents moved where padding makes that pay
+        first = min(range(len(candidates)), key=lambda i: (candidates[i]["iteration_time_s"], i))
+        refined = refine_groups(lengths, gc, options_of[first][0])
+        if gc.strategy_time(lengths, refined) < candidates[first]["iteration_time_s"]:
+            t, row = problem.table, {d: i for i, d in enumerate(problem.table.docs)}
+            rows = [(t.schemes.index(c.scheme), [row[d] for d in c.documents]) for c in refined]
+            record = candidate_record(
+                lengths,
+                gc,
+                refined,
+                source="refined",
+                refined_from=candidates[first]["source"],
+                model_makespan_s=problem.makespan_us(rows) / _US,
+            )
+            candidates.append(record)
+            options_of.append((refined, record))
     searched = [c["model_makespan_s"] for c in candidates if c["source"] in ("heuristic", "milp")]
     stats = {
         "milp_status": status,

@@ -3,8 +3,9 @@
 What FlexSP and DCP are measured against (FlexSP §5: DeepSpeed-Ulysses at one SP degree; DCP
 §4.1: one parallel size for every batch): every group is ``Scheme(1, sp)`` for one ``sp``, the
 documents are dispatched greedily (LPT on the additive time model of
-:class:`~jvarlen.plan.work_table.WorkTable`, then the same local search FlexSP's heuristic uses),
-and each group is cut into micro-batches by the same Eq. 23-24 chunking with the least
+:class:`~jvarlen.plan.work_table.WorkTable`, then the same local search FlexSP's heuristic uses,
+then the moves by the exact group model that FlexSP's fastest candidate gets,
+:func:`~jvarlen.plan.sp_groups.refine_groups`), and each group is cut into micro-batches by the same Eq. 23-24 chunking with the least
 recomputation that fits (:meth:`GroupCosts.flex_group`). So the reference differs from FlexSP
 only in the group sizes.
 
@@ -26,7 +27,7 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
 from jvarlen.plan.sp_assemble import assemble_strategy
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
 from jvarlen.plan.work_table import WorkTable
 
@@ -66,7 +67,8 @@ def homogeneous_groups(
     lengths: Sequence[int], gc: GroupCosts, sp: int, local_search: bool = True, full_recompute: bool = False
 ) -> Optional[list[GroupChoice]]:
     """``N // sp`` groups of ``Scheme(1, sp)`` (as many as there are documents at most) with the
-    documents dispatched by LPT (+ local search); None when a document does not fit ``sp``."""
+    documents dispatched by LPT (+ local search on the additive model, then on the exact one:
+    :func:`~jvarlen.plan.sp_groups.refine_groups`); None when a document does not fit ``sp``."""
     scheme = Scheme(1, int(sp))
     if scheme not in gc.schemes:
         raise ValueError(f"sp={sp} is not an SP scheme of this run: {[s.sp for s in gc.schemes]}")
@@ -78,7 +80,8 @@ def homogeneous_groups(
         return None
     if local_search:
         members = table.improve(sizes, members)
-    return [gc.flex_group(lengths, scheme, [table.docs[i] for i in m], full_recompute) for m in members if m]
+    groups = [gc.flex_group(lengths, scheme, [table.docs[i] for i in m], full_recompute) for m in members if m]
+    return refine_groups(lengths, gc, groups, full_recompute) if local_search else groups
 
 
 def homogeneous_time(

@@ -487,6 +487,70 @@ class GroupCosts(MethodCaches):
         return GroupChoice(scheme, docs, tuple(tuple(mbs[i]) for i in order), tuple(table), parts)
 
 
+def refine_groups(
+    lengths: Sequence[int],
+    gc: GroupCosts,
+    choices: Sequence[GroupChoice],
+    full_recompute: bool = False,
+    max_groups: int = 64,
+    max_targets: int = 4,
+) -> list[GroupChoice]:
+    """``choices`` with documents moved off the slowest group while that makes the iteration faster
+    by the exact group model (:meth:`GroupCosts.group_time`, the executor's padding included), each
+    group regrouped by :meth:`GroupCosts.flex_group`. Per round every document of the slowest group
+    (longest first) is tried in each of the ``max_targets`` fastest other groups whose scheme holds
+    it, and the move that gives the fastest iteration is taken; it stops when no move makes the
+    iteration faster or after ``max_groups`` regrouped groups have been timed (a bound on planning
+    time: a regrouped group of a 64-device iteration costs ~1-5 ms). A group left without documents
+    is dropped.
+
+    Not in FlexSP: the policies assign documents by an additive model (FlexSP's MILP and greedy,
+    LPT) that cannot see which bucket a group's micro-batches pad to, so two assignments equal by
+    it can be far apart once padded (docs/design/heterogeneous.md, "Refining the assignment")."""
+    groups = [c for c in choices if c.documents]
+    if len(groups) < 2:
+        return list(groups)
+    times = [gc.group_time(lengths, c) for c in groups]
+    regroup = gc.flex_group
+    budget = int(max_groups)
+    while budget > 0:
+        j = max(range(len(groups)), key=lambda i: (times[i], -i))
+        top = times[j]
+        others = sorted((i for i in range(len(groups)) if i != j), key=lambda i: (times[i], i))
+        rest = [times[i] for i in others]
+        targets = others[:max_targets]
+        best = None  # (iteration time, document, target group, new j, new target)
+        for d in sorted(groups[j].documents, key=lambda d: (-int(lengths[d]), d)):
+            left = [x for x in groups[j].documents if x != d]
+            new_j = regroup(lengths, groups[j].scheme, left, full_recompute) if left else None
+            t_j = gc.group_time(lengths, new_j) if new_j is not None else 0.0
+            budget -= 1
+            if t_j >= top:
+                continue
+            for pos, k in enumerate(targets):
+                if budget <= 0:
+                    break
+                if int(lengths[d]) > gc.cap_full(groups[k].scheme):
+                    continue
+                new_k = regroup(lengths, groups[k].scheme, (*groups[k].documents, d), full_recompute)
+                budget -= 1
+                untouched = max(rest[:pos] + rest[pos + 1 :], default=0.0)
+                t = max(t_j, gc.group_time(lengths, new_k), untouched)
+                if t < top * (1 - 1e-12) and (best is None or t < best[0]):
+                    best = (t, d, k, new_j, new_k)
+            if budget <= 0:
+                break
+        if best is None:
+            break
+        _, d, k, new_j, new_k = best
+        groups[k], times[k] = new_k, gc.group_time(lengths, new_k)
+        if new_j is None:
+            del groups[j], times[j]
+        else:
+            groups[j], times[j] = new_j, gc.group_time(lengths, new_j)
+    return groups
+
+
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
     """Documents no scheme can hold even with full recomputation (in both memory accounts:
     :meth:`GroupCosts.cap_full`)."""
@@ -516,5 +580,6 @@ __all__ = [
     "bucket_fit",
     "executor_cap",
     "infeasible_documents",
+    "refine_groups",
     "too_long_message",
 ]
