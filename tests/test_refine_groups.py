@@ -92,7 +92,7 @@ def test_refining_keeps_every_document_once_and_never_slows_the_iteration():
         assert sorted(d for c in refined for d in c.documents) == list(range(len(lengths)))
         assert all(c.scheme == scheme and c.documents for c in refined)
         assert gc.strategy_time(lengths, refined) <= gc.strategy_time(lengths, groups)
-        capped = refine_groups(lengths, gc, groups, max_groups=1)  # the budget stops it before any move
+        capped = refine_groups(lengths, gc, groups, max_documents=1)  # the budget stops it before any move
         assert capped == groups
 
 

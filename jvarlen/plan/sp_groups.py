@@ -492,7 +492,7 @@ def refine_groups(
     gc: GroupCosts,
     choices: Sequence[GroupChoice],
     full_recompute: bool = False,
-    max_groups: int = 64,
+    max_documents: int = 512,
     max_targets: int = 4,
 ) -> list[GroupChoice]:
     """``choices`` with documents moved off the slowest group while that makes the iteration faster
@@ -500,9 +500,9 @@ def refine_groups(
     group regrouped by :meth:`GroupCosts.flex_group`. Per round every document of the slowest group
     (longest first) is tried in each of the ``max_targets`` fastest other groups whose scheme holds
     it, and the move that gives the fastest iteration is taken; it stops when no move makes the
-    iteration faster or after ``max_groups`` regrouped groups have been timed (a bound on planning
-    time: a regrouped group of a 64-device iteration costs ~1-5 ms). A group left without documents
-    is dropped.
+    iteration faster or once the regrouped groups have held ``max_documents`` documents in all (a
+    bound on planning time, which grows with the documents regrouped: ~0.1 ms each). A group left
+    without documents is dropped.
 
     Not in FlexSP: the policies assign documents by an additive model (FlexSP's MILP and greedy,
     LPT) that cannot see which bucket a group's micro-batches pad to, so two assignments equal by
@@ -512,7 +512,7 @@ def refine_groups(
         return list(groups)
     times = [gc.group_time(lengths, c) for c in groups]
     regroup = gc.flex_group
-    budget = int(max_groups)
+    budget = int(max_documents)
     while budget > 0:
         j = max(range(len(groups)), key=lambda i: (times[i], -i))
         top = times[j]
@@ -524,7 +524,7 @@ def refine_groups(
             left = [x for x in groups[j].documents if x != d]
             new_j = regroup(lengths, groups[j].scheme, left, full_recompute) if left else None
             t_j = gc.group_time(lengths, new_j) if new_j is not None else 0.0
-            budget -= 1
+            budget -= len(left)
             if t_j >= top:
                 continue
             for pos, k in enumerate(targets):
@@ -533,7 +533,7 @@ def refine_groups(
                 if int(lengths[d]) > gc.cap_full(groups[k].scheme):
                     continue
                 new_k = regroup(lengths, groups[k].scheme, (*groups[k].documents, d), full_recompute)
-                budget -= 1
+                budget -= len(new_k.documents)
                 untouched = max(rest[:pos] + rest[pos + 1 :], default=0.0)
                 t = max(t_j, gc.group_time(lengths, new_k), untouched)
                 if t < top * (1 - 1e-12) and (best is None or t < best[0]):
