@@ -71,6 +71,8 @@ class FlexSPOptions:
     the exact group model are planned for the executor as well (:func:`homogeneous_finalists`).
     ``simulation``: the executor model of the group plans. ``bucket_parts``: a group's step may
     run in up to this many parts, each padded to its own bucket (docs/design/bucket-parts.md).
+    ``local_search``: the assignments improved by moves and swaps on the additive model, and the
+    fastest candidate also by moves on the exact group model (``sp_groups.refine_groups``).
     """
 
     milp: bool = True

@@ -5,9 +5,9 @@ What FlexSP and DCP are measured against (FlexSP §5: DeepSpeed-Ulysses at one S
 documents are dispatched greedily (LPT on the additive time model of
 :class:`~jvarlen.plan.work_table.WorkTable`, then the same local search FlexSP's heuristic uses,
 then the moves by the exact group model that FlexSP's fastest candidate gets,
-:func:`~jvarlen.plan.sp_groups.refine_groups`), and each group is cut into micro-batches by the same Eq. 23-24 chunking with the least
-recomputation that fits (:meth:`GroupCosts.flex_group`). So the reference differs from FlexSP
-only in the group sizes.
+:func:`~jvarlen.plan.sp_groups.refine_groups`), and each group is cut into micro-batches by the
+same Eq. 23-24 chunking with the least recomputation that fits (:meth:`GroupCosts.flex_group`).
+So the reference differs from FlexSP only in the group sizes.
 
 * :func:`plan_homogeneous` returns the :class:`StrategyPlan` for one ``sp`` (or the best ``sp`` for
   this batch when ``sp`` is None: DCP's per-step SP degree without heterogeneity);
