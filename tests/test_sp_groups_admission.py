@@ -22,6 +22,7 @@ from jvarlen.plan.api import PlanningError
 from jvarlen.plan.chunk import executor_bucket
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.dcp import DCPOptions
+from jvarlen.plan.executor_memory import executor_memory
 from jvarlen.plan.flexsp import FlexSPOptions
 from jvarlen.plan.homogeneous import HomogeneousOptions as SPHomogeneousOptions
 from jvarlen.plan.homogeneous import plan_homogeneous
@@ -29,7 +30,7 @@ from jvarlen.plan.hydraulis import HomogeneousOptions, HydraulisOptions
 from jvarlen.plan.hydraulis_costs import build_table
 from jvarlen.plan.sp_assemble import fits_memory
 from jvarlen.plan.sp_groups import GroupCosts
-from jvarlen.plan.strategy import Scheme, SchemeCosts, plan_strategy
+from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 
@@ -98,6 +99,32 @@ def test_hydraulis_one_stage_maxlen(costs, limit):
     assert fits_memory(plan), plan.events
     with pytest.raises(PlanningError, match=rf"fits no scheme's memory; largest MaxLen: \(pp=1, sp=4\): {limit}"):
         plan_strategy("hydraulis", [limit + 1, 100], costs, options)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(2, 1), Scheme(2, 2), Scheme(2, 4), Scheme(4, 1), Scheme(4, 2)])
+def test_hydraulis_pipeline_maxlen_counts_the_executor_buckets(costs, scheme):
+    """Hydraulis' ``pp > 1`` MaxLen holds the executor's buffers of the ``pp`` micro-batches 1F1B
+    keeps in flight, padded to the bucket: a layout of documents at MaxLen (one, and ``pp + 1``)
+    plans and fits, one token more is refused. Before, MaxLen was the planner's unpadded count
+    (e.g. 2,991 tokens on (pp=2, sp=1), whose 3,072-token bucket needs 85.2 MB of the 78.5 MB
+    budget even recomputing every layer): 10 of 84 such boundary layouts planned over budget."""
+    table = build_table(costs, scheme, simulation="paired")
+    unpadded = build_table(costs, scheme, simulation="async").max_len
+    assert table.max_len < unpadded  # the premise: on this profile the bucket binds
+    assert executor_bucket(table.max_len + 1, scheme.sp) > executor_bucket(table.max_len, scheme.sp)
+    options = HomogeneousOptions(scheme=scheme)
+    for lengths in ([table.max_len], [table.max_len] * (scheme.pp + 1)):
+        plan = plan_strategy("homogeneous", lengths, costs, options)
+        plan.validate(lengths, costs)
+        assert fits_memory(plan), plan.events
+    with pytest.raises(PlanningError):
+        plan_strategy("homogeneous", [table.max_len + 1], costs, options)
+    # one token more pads to the next bucket, which the executor's account of pp such micro-batches
+    # in flight cannot hold even with every layer of every stage recomputed; nor the old limit's
+    cost, m = costs.cost(scheme), scheme.pp
+    for n in (table.max_len + 1, unpadded):
+        group = build_group_plan("t", scheme, [n] * m, [[i] for i in range(m)], costs, [cost.layers_per_stage] * m)
+        assert executor_memory(group, cost).total > cost.memory_budget, n
 
 
 @pytest.mark.parametrize("sp", [1, 2, 4])

@@ -25,9 +25,9 @@ model) and caches them per ``SchemeCosts`` object.
   memory per token, and the layer gradients the executor's backward returns).
   ``MaxLen(P)`` is ``caps[L/pp]`` (full recomputation) or ``caps[0]`` (``recompute="none"``).
   Where the group plans are fitted to the executor's account (``"ticks"``, ``"paired"``), a
-  ``pp = 1`` scheme's micro-batch also needs its executor bucket within that account at the same
-  recomputation: ``MaxLen(P)`` is the longest that fits both at some ``r``
-  (:func:`~jvarlen.plan.sp_groups.admitted_caps`), and ``caps`` stop there.
+  micro-batch also needs its executor bucket within that account at the same recomputation (for
+  ``pp > 1`` with the ``pp`` micro-batches 1F1B keeps in flight): ``MaxLen(P)`` is the longest that
+  fits both at some ``r`` (:func:`~jvarlen.plan.sp_groups.admitted_caps`), and ``caps`` stop there.
 * **Executor (κ).** Eq. 1 prices a pipeline as ``(PP - 1 + V)`` slowest micro-batches: the
   asynchronous 1F1B of the paper (``simulation="async"``, κ = 1). jvarlen's executor runs the
   stages in lock-step ticks; in the steady state a tick pairs one stage's forward with another
@@ -176,9 +176,9 @@ def build_table(
     if not recompute:
         caps = caps[:1]
     max_len = top
-    if pp == 1 and simulation in ("ticks", "paired"):
-        # the executor pads a step's micro-batches to a bucket, and its account of a one-stage step
-        # must hold that bucket at the recomputation the time line's cap assumes
+    if simulation in ("ticks", "paired"):
+        # the executor pads a step's micro-batches to a bucket, and its account of the step must
+        # hold that bucket at the recomputation the time line's cap assumes
         max_len = int(admitted_caps(costs, scheme, caps).max())
         caps = np.minimum(caps, max_len)
     steady = 1.0

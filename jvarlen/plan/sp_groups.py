@@ -60,30 +60,38 @@ class GroupChoice:
         return part_ranges(self.parts, len(self.micro_batches))
 
 
+def _probe_count(scheme: Scheme) -> int:
+    """Micro-batches of a probe plan: 1F1B holds ``pp`` in flight on the first stage, and more add
+    no executor slot (checked for pp = 2 and 4 up to 3·pp micro-batches); two for ``pp = 1``."""
+    return max(2, scheme.pp)
+
+
 @functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
 def _probe_accounts(costs: SchemeCosts, scheme: Scheme) -> tuple:
-    """Two one-stage group plans of two micro-batches each, padded to two probe buckets, and their
-    executor's accounts (functions of a recomputation table)."""
-    if scheme.pp != 1:
-        raise ValueError(f"the executor's bucket caps are for one-stage groups, got {scheme}")
+    """Two group plans of :func:`_probe_count` micro-batches of one document each, padded to two
+    probe buckets, and their executor's accounts (functions of a recomputation table)."""
     cost = costs.cost(scheme)
+    m = _probe_count(scheme)
     out = []
     for b in (4096 * scheme.sp, 8192 * scheme.sp):
-        plan = build_group_plan("probe", scheme, [b, b], [[0], [1]], costs, [0, 0], simulation="async")
+        plan = build_group_plan("probe", scheme, [b] * m, [[i] for i in range(m)], costs, [0] * m, simulation="async")
         out.append((b, executor_account(plan, cost)))
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=65536)
 def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int:
-    """The largest bucket (tokens) a ``pp = 1`` group's step may pad its micro-batches to when they
-    recompute between ``low`` and ``high`` layers (both counts present), by the executor's memory
+    """The largest bucket (tokens) a group's step may pad its micro-batches to when they recompute
+    between ``low`` and ``high`` layers per stage (both counts present), by the executor's memory
     account (:func:`~jvarlen.plan.executor_memory.executor_memory`). One stage runs one micro-batch
-    at a time, so the slots follow the extremes (the residual slots the micro-batch that stores
-    most, the checkpoint slots the one that recomputes most), and with no split document the
-    account is affine in the bucket: two probe buckets give it."""
+    at a time, so for ``pp = 1`` the slots follow the extremes (the residual slots the micro-batch
+    that stores most, the checkpoint slots the one that recomputes most); for ``pp > 1`` the probe's
+    first micro-batch recomputes ``low`` and the others ``high`` (exact for ``low == high``, as
+    Hydraulis' MaxLen asks). With no split document the account is affine in the bucket: two
+    probe buckets give it."""
     (b1, m1), (b2, m2) = _probe_accounts(costs, scheme)
-    table = np.array([[low], [high]], np.int32)
+    table = np.full((_probe_count(scheme), scheme.pp), high, np.int32)
+    table[0, :] = low
     t1, t2 = m1(table).total, m2(table).total
     slope = (t2 - t1) / (b2 - b1)
     budget = costs.cost(scheme).memory_budget * _SAFETY
@@ -105,9 +113,9 @@ def bucket_fit(tokens: int, cap: int, sp: int) -> int:
 
 
 def admitted_caps(costs: SchemeCosts, scheme: Scheme, caps) -> np.ndarray:
-    """``[R + 1]`` per recomputation level ``r``: the longest micro-batch within ``caps[r]`` (the
-    planner's count of its tokens) whose executor bucket fits the executor's account at the same
-    ``r`` (:func:`executor_cap`, :func:`bucket_fit`); ``pp = 1`` schemes."""
+    """``[R + 1]`` per recomputation level ``r`` (layers per stage): the longest micro-batch within
+    ``caps[r]`` (the planner's count of its tokens) whose executor bucket fits the executor's
+    account at the same ``r`` (:func:`executor_cap`, :func:`bucket_fit`)."""
     return np.array(
         [bucket_fit(int(n), executor_cap(costs, scheme, r, r), scheme.sp) for r, n in enumerate(caps)], np.int64
     )
