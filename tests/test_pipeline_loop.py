@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import cli_env, require_devices
 
 from jvarlen.config import ConfigError, load_config
 from jvarlen.layout import resolve_layout
@@ -33,7 +33,7 @@ PLAN_FIELDS = (
 
 def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the entry point sets 8 host devices itself
+    env = cli_env()  # no device count: the entry point sets 8 host devices itself
     proc = subprocess.run(
         [
             sys.executable,
@@ -74,9 +74,10 @@ def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path)
 
 
 def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path):
-    # no parallel settings and no XLA_FLAGS: auto stages give pp = 2 and the entry point
-    # gives the host platform the two devices (the default `python -m jvarlen.train`)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # no parallel settings and no device count in XLA_FLAGS: auto stages give pp = 2 and the entry
+    # point gives the host platform the two devices (the default `python -m jvarlen.train`; the
+    # suite's other XLA flags stay, as in every CLI test: they lower the compile's optimisation level)
+    env = cli_env()
     tiny = [
         "--model.d_model=32",
         "--model.num_layers=2",
@@ -98,33 +99,65 @@ def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path)
     assert (record["dp"], record["pp"], record["sp"]) == (1, 2, 1) and np.isfinite(record["loss"])
 
 
-def _config(run_dir, cache, *extra):
+def _config(run_dir, *extra):
+    # the session's persistent compilation cache (conftest): the runs of this module share their
+    # programs (test_layouts_loop checks parallel.compilation_cache_dir)
     return load_config(
         CONFIG,
         **{
             "logging.run_dir": str(run_dir),
             "logging.tensorboard": "false",
             "logging.progress_bar": "false",
-            "train.steps": "4",
+            "train.steps": "6",
             "checkpoint.every_steps": "2",
-            "parallel.compilation_cache_dir": str(cache),
             "plan.wait": "true",
+            # the online cost check (test_steps_log_predicted_vs_measured_time): the planner's cost model
+            # is this shipped profile with or without it (the stand-in for the config's shape), so the
+            # plans and the training are the same, and the resume test covers a run that refits
+            "train.cost_profile": _cost_profile(),
+            "train.cost_refit_every": "1",
             **dict(extra),
         },
     )
 
 
-def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path):
+def _cost_profile() -> str:
+    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
+
+    profile = sorted(p for p in os.listdir(PACKAGE_PROFILES) if p.endswith("__cpu__cpu.json"))[0]
+    return os.path.join(PACKAGE_PROFILES, profile)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted 6-step run of the config, shared by the tests below: (its result, the
+    ``(step, known signatures, key)`` of every ``PipelineStrategy.prepare`` call it made)."""
     require_devices(8)
-    cache = tmp_path / "xla-cache"
-    full = train(_config(tmp_path / "full", cache), quiet=True)
-    part = train(_config(tmp_path / "part", cache), quiet=True, stop_after=2)
-    resumed = train(_config(tmp_path / "part", cache, ("checkpoint.resume", "true")), quiet=True)
-    assert len(full.losses) == 4 and resumed.first_step == 2
+    from jvarlen.runtime.strategies.pipeline import PipelineStrategy
+
+    calls = []
+    prepare = PipelineStrategy.prepare
+
+    def recording(self, iteration, known=()):
+        prepared = prepare(self, iteration, known)
+        calls.append((iteration.step, list(known), prepared.key))
+        return prepared
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PipelineStrategy, "prepare", recording)
+        result = train(_config(tmp_path_factory.mktemp("pipeline-loop") / "full"), quiet=True)
+    return result, calls
+
+
+def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path, full_run):
+    full, _ = full_run
+    part = train(_config(tmp_path / "part"), quiet=True, stop_after=2)
+    resumed = train(_config(tmp_path / "part", ("checkpoint.resume", "true")), quiet=True)
+    assert len(full.losses) == 6 and resumed.first_step == 2
     assert part.losses + resumed.losses == full.losses  # bitwise on CPU
     for a, b in zip(jax.tree.leaves(full.final_state.params), jax.tree.leaves(resumed.final_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # the resumed run logged the plans of steps 3-4 exactly as the uninterrupted one
+    # the resumed run logged the plans of steps 3-6 exactly as the uninterrupted one
     plan = lambda run: [
         (r["step"], r["chunks"], r["split_documents"], r["predicted_iteration_time_s"])
         for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
@@ -153,22 +186,12 @@ def test_pipeline_layout_is_checked_with_clear_messages(tmp_path):
         resolve_layout(load_config(CONFIG, **{"parallel.sp_cycle": "[1,2]"}), 8)
 
 
-def test_steps_log_predicted_vs_measured_time(tmp_path):
+def test_steps_log_predicted_vs_measured_time(full_run):
     """The online cost check of the pipeline path: every step that did not compile logs the slowest
     plan's lock-step prediction next to the measured pipeline time (refitting after every step
     must not break the loop; the refit itself is tested in test_cost_check)."""
-    require_devices(8)
-    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
-
-    profile = sorted(p for p in os.listdir(PACKAGE_PROFILES) if p.endswith("__cpu__cpu.json"))[0]
-    config = _config(
-        tmp_path / "run",
-        tmp_path / "xla-cache",
-        ("train.cost_profile", os.path.join(PACKAGE_PROFILES, profile)),
-        ("train.cost_refit_every", "1"),
-    )
-    train(config, quiet=True)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    full, _ = full_run
+    records = [json.loads(line) for line in open(os.path.join(full.run_dir, "metrics.jsonl"))]
     observed = [r for r in records if not r["compiled"]]
     assert observed, [r["compiled"] for r in records]
     assert all("predicted_step_s" not in r for r in records if r["compiled"])
@@ -177,24 +200,12 @@ def test_steps_log_predicted_vs_measured_time(tmp_path):
         assert r["cost_error"] == pytest.approx(abs(r["predicted_step_s"] - r["pipeline_s"]) / r["pipeline_s"])
 
 
-def test_a_step_may_reuse_only_the_signatures_of_the_steps_before_it(tmp_path, monkeypatch):
+def test_a_step_may_reuse_only_the_signatures_of_the_steps_before_it(full_run):
     """Which compiled step an iteration runs must not depend on timing, or two processes of one run
     would run different programs in one collective: a step may reuse the signatures of the steps
     run before it, and the background compile of the next iteration sees those and the current
     step's, never what another compile has reached (the cache's keys did)."""
-    require_devices(8)
-    from jvarlen.runtime.strategies.pipeline import PipelineStrategy
-
-    calls = []
-    prepare = PipelineStrategy.prepare
-
-    def recording(self, iteration, known=()):
-        prepared = prepare(self, iteration, known)
-        calls.append((iteration.step, list(known), prepared.key))
-        return prepared
-
-    monkeypatch.setattr(PipelineStrategy, "prepare", recording)
-    train(_config(tmp_path / "run", tmp_path / "xla-cache", ("train.steps", "6")), quiet=True)
+    _, calls = full_run
     steps = sorted({step for step, _, _ in calls})
     assert steps == list(range(6))
     main = {step: (known, key) for step, known, key in calls}  # a step's last prepare is its own
