@@ -200,7 +200,7 @@ def _fits(costs, scheme, bucket, table) -> bool:
 
 
 def test_executor_cap_is_the_executor_account_of_the_padded_step():
-    """``sp_groups.executor_cap`` (the executor's account of a one-stage step is affine in its
+    """``executor_caps.executor_cap`` (the executor's account of a one-stage step is affine in its
     bucket and follows the extremes of the recomputation table, so two probe plans of two
     micro-batches give the largest bucket per (least, most) recomputed layers) against the account
     of real group plans padded to each bucket, uniform and mixed tables: on the small model a step
@@ -212,7 +212,7 @@ def test_executor_cap_is_the_executor_account_of_the_padded_step():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_flexsp_dcp as bench
 
-    from jvarlen.plan.sp_groups import executor_cap
+    from jvarlen.plan.executor_caps import executor_cap
 
     setting = next(s for s in bench.settings(False) if s.model == "7b" and not s.zero3)
     cases = [
@@ -247,7 +247,7 @@ def test_the_executor_table_is_what_the_fit_leaves():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_flexsp_dcp as bench
 
-    from jvarlen.plan.sp_groups import executor_cap
+    from jvarlen.plan.executor_caps import executor_cap
 
     setting = next(s for s in bench.settings(False) if s.model == "7b" and not s.zero3)
     costs = setting.costs()

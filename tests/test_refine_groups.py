@@ -1,4 +1,4 @@
-"""Documents moved between SP groups by the exact group model (``sp_groups.refine_groups``), as
+"""Documents moved between SP groups by the exact group model (``sp_refine.refine_groups``), as
 FlexSP's fastest candidate and the homogeneous reference get them, against brute force over every
 assignment of small batches.
 
@@ -21,7 +21,8 @@ from jvarlen.config import Config
 from jvarlen.layout import Layout
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.flexsp import FlexSPOptions
-from jvarlen.plan.sp_groups import GroupCosts, refine_groups
+from jvarlen.plan.sp_groups import GroupCosts
+from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, plan_strategy
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 

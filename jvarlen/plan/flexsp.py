@@ -47,7 +47,8 @@ from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import balanced_split
 from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, refine_groups, too_long_message
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
+from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, register_policy
 from jvarlen.plan.work_table import WorkTable
 
@@ -72,7 +73,7 @@ class FlexSPOptions:
     ``simulation``: the executor model of the group plans. ``bucket_parts``: a group's step may
     run in up to this many parts, each padded to its own bucket (docs/design/bucket-parts.md).
     ``local_search``: the assignments improved by moves and swaps on the additive model, and the
-    fastest candidate also by moves on the exact group model (``sp_groups.refine_groups``).
+    fastest candidate also by moves on the exact group model (``sp_refine.refine_groups``).
     """
 
     milp: bool = True

@@ -5,7 +5,7 @@ What FlexSP and DCP are measured against (FlexSP §5: DeepSpeed-Ulysses at one S
 documents are dispatched greedily (LPT on the additive time model of
 :class:`~jvarlen.plan.work_table.WorkTable`, then the same local search FlexSP's heuristic uses,
 then the moves by the exact group model that FlexSP's fastest candidate gets,
-:func:`~jvarlen.plan.sp_groups.refine_groups`), and each group is cut into micro-batches by the
+:func:`~jvarlen.plan.sp_refine.refine_groups`), and each group is cut into micro-batches by the
 same Eq. 23-24 chunking with the least recomputation that fits (:meth:`GroupCosts.flex_group`).
 So the reference differs from FlexSP only in the group sizes.
 
@@ -27,7 +27,8 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
 from jvarlen.plan.sp_assemble import assemble_strategy
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, refine_groups
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents
+from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
 from jvarlen.plan.work_table import WorkTable
 
@@ -68,7 +69,7 @@ def homogeneous_groups(
 ) -> Optional[list[GroupChoice]]:
     """``N // sp`` groups of ``Scheme(1, sp)`` (as many as there are documents at most) with the
     documents dispatched by LPT (+ local search on the additive model, then on the exact one:
-    :func:`~jvarlen.plan.sp_groups.refine_groups`); None when a document does not fit ``sp``."""
+    :func:`~jvarlen.plan.sp_refine.refine_groups`); None when a document does not fit ``sp``."""
     scheme = Scheme(1, int(sp))
     if scheme not in gc.schemes:
         raise ValueError(f"sp={sp} is not an SP scheme of this run: {[s.sp for s in gc.schemes]}")

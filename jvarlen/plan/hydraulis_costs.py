@@ -27,7 +27,7 @@ model) and caches them per ``SchemeCosts`` object.
   Where the group plans are fitted to the executor's account (``"ticks"``, ``"paired"``), a
   micro-batch also needs its executor bucket within that account at the same recomputation (for
   ``pp > 1`` with the ``pp`` micro-batches 1F1B keeps in flight): ``MaxLen(P)`` is the longest that
-  fits both at some ``r`` (:func:`~jvarlen.plan.sp_groups.admitted_caps`), and ``caps`` stop there.
+  fits both at some ``r`` (:func:`~jvarlen.plan.executor_caps.admitted_caps`), and ``caps`` stop there.
 * **Executor (κ).** Eq. 1 prices a pipeline as ``(PP - 1 + V)`` slowest micro-batches: the
   asynchronous 1F1B of the paper (``simulation="async"``, κ = 1). jvarlen's executor runs the
   stages in lock-step ticks; in the steady state a tick pairs one stage's forward with another
@@ -56,7 +56,7 @@ from typing import Sequence
 import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.sp_groups import admitted_caps
+from jvarlen.plan.executor_caps import admitted_caps
 from jvarlen.plan.strategy import Scheme, SchemeCosts
 
 _FIT_MIN = 16  # shortest length of the fitting grid (tokens)

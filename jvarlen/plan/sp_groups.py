@@ -9,11 +9,14 @@ cost model (:class:`~jvarlen.plan.strategy.SchemeCosts`, all-to-all per layer in
   (``caps[s][r]``: model states + :meth:`CostModel.peak_memory` within the budget), hence the
   least recomputation that fits a micro-batch (DCP-intra's Alg. 1 line 5-10 for one (b, p)); the
   longest micro-batch a scheme admits (:meth:`GroupCosts.cap_full`) also has its executor bucket
-  within the executor's account at the same ``r`` (:meth:`GroupCosts.fit_caps`);
+  within the executor's account at the same ``r`` (:meth:`GroupCosts.fit_caps`,
+  :mod:`jvarlen.plan.executor_caps`);
 * time: a micro-batch costs ``Σ_docs (T(l, P) - c_P) + c_P + recomputation`` where ``c_P`` is the
   per-micro-batch constant of the cost model (launch overheads, all-to-all latencies): additive
   per document, which is what the assignment searches use (:meth:`work`); the exact time of a
   group (:meth:`group_time`) re-evaluates its actual micro-batches.
+
+:func:`jvarlen.plan.sp_refine.refine_groups` moves documents between groups by that exact time.
 
 :class:`~jvarlen.plan.work_table.WorkTable` tabulates the additive model for the searches.
 
@@ -26,7 +29,6 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from typing import Optional, Sequence
@@ -35,12 +37,10 @@ import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group, packed_group
-from jvarlen.plan.executor_memory import executor_account
+from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
-from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, enumerate_schemes
-
-_SAFETY = 1.0 - 1e-9  # float headroom so that a cap computed here also passes Plan.validate
+from jvarlen.plan.strategy import Scheme, SchemeCosts, enumerate_schemes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,67 +58,6 @@ class GroupChoice:
 
     def part_ranges(self) -> list[tuple[int, int]]:
         return part_ranges(self.parts, len(self.micro_batches))
-
-
-def _probe_count(scheme: Scheme) -> int:
-    """Micro-batches of a probe plan: 1F1B holds ``pp`` in flight on the first stage, and more add
-    no executor slot (checked for pp = 2 and 4 up to 3·pp micro-batches); two for ``pp = 1``."""
-    return max(2, scheme.pp)
-
-
-@functools.lru_cache(maxsize=64)  # per run (the SchemeCosts of a run is not changed in place)
-def _probe_accounts(costs: SchemeCosts, scheme: Scheme) -> tuple:
-    """Two group plans of :func:`_probe_count` micro-batches of one document each, padded to two
-    probe buckets, and their executor's accounts (functions of a recomputation table)."""
-    cost = costs.cost(scheme)
-    m = _probe_count(scheme)
-    out = []
-    for b in (4096 * scheme.sp, 8192 * scheme.sp):
-        plan = build_group_plan("probe", scheme, [b] * m, [[i] for i in range(m)], costs, [0] * m, simulation="async")
-        out.append((b, executor_account(plan, cost)))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=65536)
-def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int:
-    """The largest bucket (tokens) a group's step may pad its micro-batches to when they recompute
-    between ``low`` and ``high`` layers per stage (both counts present), by the executor's memory
-    account (:func:`~jvarlen.plan.executor_memory.executor_memory`). One stage runs one micro-batch
-    at a time, so for ``pp = 1`` the slots follow the extremes (the residual slots the micro-batch
-    that stores most, the checkpoint slots the one that recomputes most); for ``pp > 1`` the probe's
-    first micro-batch recomputes ``low`` and the others ``high`` (exact for ``low == high``, as
-    Hydraulis' MaxLen asks). With no split document the account is affine in the bucket: two
-    probe buckets give it."""
-    (b1, m1), (b2, m2) = _probe_accounts(costs, scheme)
-    table = np.full((_probe_count(scheme), scheme.pp), high, np.int32)
-    table[0, :] = low
-    t1, t2 = m1(table).total, m2(table).total
-    slope = (t2 - t1) / (b2 - b1)
-    budget = costs.cost(scheme).memory_budget * _SAFETY
-    if slope <= 0:  # (no term grows with the bucket: any bucket fits or none does)
-        return 1 << 62 if t1 <= budget else 0
-    return max(0, int((budget - (t1 - slope * b1)) // slope))
-
-
-def bucket_fit(tokens: int, cap: int, sp: int) -> int:
-    """The longest micro-batch of at most ``tokens`` tokens whose executor bucket
-    (:func:`~jvarlen.plan.chunk.executor_bucket`) is at most ``cap`` tokens (0: none). The bucket
-    grows with the tokens, so that is ``tokens`` itself or the largest bucket within ``cap``."""
-    tokens, cap = int(tokens), int(cap)
-    if tokens <= 0 or cap <= 0:
-        return 0
-    if executor_bucket(tokens, sp) <= cap:
-        return tokens
-    return min(tokens, executor_bucket_below(cap, sp) or 0)  # (cap < that bucket: bounded)
-
-
-def admitted_caps(costs: SchemeCosts, scheme: Scheme, caps) -> np.ndarray:
-    """``[R + 1]`` per recomputation level ``r`` (layers per stage): the longest micro-batch within
-    ``caps[r]`` (the planner's count of its tokens) whose executor bucket fits the executor's
-    account at the same ``r`` (:func:`executor_cap`, :func:`bucket_fit`)."""
-    return np.array(
-        [bucket_fit(int(n), executor_cap(costs, scheme, r, r), scheme.sp) for r, n in enumerate(caps)], np.int64
-    )
 
 
 class GroupCosts(MethodCaches):
@@ -495,70 +434,6 @@ class GroupCosts(MethodCaches):
         return GroupChoice(scheme, docs, tuple(tuple(mbs[i]) for i in order), tuple(table), parts)
 
 
-def refine_groups(
-    lengths: Sequence[int],
-    gc: GroupCosts,
-    choices: Sequence[GroupChoice],
-    full_recompute: bool = False,
-    max_documents: int = 512,
-    max_targets: int = 4,
-) -> list[GroupChoice]:
-    """``choices`` with documents moved off the slowest group while that makes the iteration faster
-    by the exact group model (:meth:`GroupCosts.group_time`, the executor's padding included), each
-    group regrouped by :meth:`GroupCosts.flex_group`. Per round every document of the slowest group
-    (longest first) is tried in each of the ``max_targets`` fastest other groups whose scheme holds
-    it, and the move that gives the fastest iteration is taken; it stops when no move makes the
-    iteration faster or once the regrouped groups have held ``max_documents`` documents in all (a
-    bound on planning time, which grows with the documents regrouped: ~0.1 ms each). A group left
-    without documents is dropped.
-
-    Not in FlexSP: the policies assign documents by an additive model (FlexSP's MILP and greedy,
-    LPT) that cannot see which bucket a group's micro-batches pad to, so two assignments equal by
-    it can be far apart once padded (docs/design/heterogeneous.md, "Refining the assignment")."""
-    groups = [c for c in choices if c.documents]
-    if len(groups) < 2:
-        return list(groups)
-    times = [gc.group_time(lengths, c) for c in groups]
-    regroup = gc.flex_group
-    budget = int(max_documents)
-    while budget > 0:
-        j = max(range(len(groups)), key=lambda i: (times[i], -i))
-        top = times[j]
-        others = sorted((i for i in range(len(groups)) if i != j), key=lambda i: (times[i], i))
-        rest = [times[i] for i in others]
-        targets = others[:max_targets]
-        best = None  # (iteration time, document, target group, new j, new target)
-        for d in sorted(groups[j].documents, key=lambda d: (-int(lengths[d]), d)):
-            left = [x for x in groups[j].documents if x != d]
-            new_j = regroup(lengths, groups[j].scheme, left, full_recompute) if left else None
-            t_j = gc.group_time(lengths, new_j) if new_j is not None else 0.0
-            budget -= len(left)
-            if t_j >= top:
-                continue
-            for pos, k in enumerate(targets):
-                if budget <= 0:
-                    break
-                if int(lengths[d]) > gc.cap_full(groups[k].scheme):
-                    continue
-                new_k = regroup(lengths, groups[k].scheme, (*groups[k].documents, d), full_recompute)
-                budget -= len(new_k.documents)
-                untouched = max(rest[:pos] + rest[pos + 1 :], default=0.0)
-                t = max(t_j, gc.group_time(lengths, new_k), untouched)
-                if t < top * (1 - 1e-12) and (best is None or t < best[0]):
-                    best = (t, d, k, new_j, new_k)
-            if budget <= 0:
-                break
-        if best is None:
-            break
-        _, d, k, new_j, new_k = best
-        groups[k], times[k] = new_k, gc.group_time(lengths, new_k)
-        if new_j is None:
-            del groups[j], times[j]
-        else:
-            groups[j], times[j] = new_j, gc.group_time(lengths, new_j)
-    return groups
-
-
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
     """Documents no scheme can hold even with full recomputation (in both memory accounts:
     :meth:`GroupCosts.cap_full`)."""
@@ -584,10 +459,6 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
 __all__ = [
     "GroupChoice",
     "GroupCosts",
-    "admitted_caps",
-    "bucket_fit",
-    "executor_cap",
     "infeasible_documents",
-    "refine_groups",
     "too_long_message",
 ]
