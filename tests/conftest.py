@@ -1,6 +1,7 @@
 """Test setup: eight fake CPU devices, set before JAX starts; shared helpers (device check, small planner cost models)."""
 
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -18,13 +19,41 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 
-def cli_env(host_devices: Optional[int] = None, **extra: str) -> dict:
+def cli_env(host_devices: Optional[int] = None, values_only: bool = False, **extra: str) -> dict:
     """The environment of a CLI subprocess: the suite's XLA flags with ``host_devices`` host
-    devices (None: no count, the entry point gives the host what the run needs)."""
+    devices (None: no count, the entry point gives the host what the run needs); ``values_only``:
+    XLA:CPU's legacy emitters too, for a test that checks no compiled program's memory or HLO
+    (:func:`values_compile`)."""
     flags = _DEVICE_COUNT.sub("", os.environ["XLA_FLAGS"]).strip()
     if host_devices is not None:
         flags = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+    if values_only and _legacy_emitters():
+        flags = f"{flags} --xla_cpu_use_fusion_emitters=false"
     return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
+@functools.cache
+def _legacy_emitters() -> dict:
+    """``{"xla_cpu_use_fusion_emitters": False}`` where this XLA has the option, else ``{}``."""
+    import jax
+    import jax.numpy as jnp
+
+    option = {"xla_cpu_use_fusion_emitters": False}
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.zeros(())).compile(option)
+    except jax.errors.JaxRuntimeError:  # "No such compile option": an XLA without it keeps its emitters
+        return {}
+    return option
+
+
+def values_compile() -> dict:
+    """Compiler options for the tests that check values (losses and gradients against a reference,
+    bitwise resumes, logged metrics), never a compiled program's memory or HLO: the suite's -O0
+    backend and XLA:CPU's legacy (LLVM IR) emitters instead of its MLIR fusion emitters, which
+    compile each of a pipeline step's ~350 fusions as its own module (the 2-layer pipeline step of
+    test_pipeline_memory: 5.5 -> 1.9 s). The emitters decide some fusions and so the buffers (that
+    step's temp memory: +0.03..0.6 %): the memory and HLO tests keep XLA's defaults."""
+    return {"xla_backend_optimization_level": 0, **_legacy_emitters()}
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -9,10 +9,10 @@ import collections
 
 import jax
 import numpy as np
-from conftest import require_devices
+from conftest import require_devices, values_compile
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import FAST_COMPILE, PipelineGrads, tiny_config, tiny_params
+from pipeline_helpers import PipelineGrads, tiny_config, tiny_params
 
 from jvarlen.data.packer import Piece, pack, place
 from jvarlen.data.split import split_documents
@@ -131,6 +131,6 @@ def test_pipeline_loss_sums_equal_the_data_parallel_path_on_split_documents():
     schedule = sch.gpipe(len(chunks), layout.pp, chunk_links(chunks))
     ckpt = np.zeros((len(chunks), layout.pp), np.int32)
     sig, arrays = prepare_batch([pack_], [schedule], [ckpt], layout, cfg.num_layers)
-    sums, _, _ = PipelineGrads(graphdef, cfg, sig, params, compiler_options=FAST_COMPILE)(params, arrays)
+    sums, _, _ = PipelineGrads(graphdef, cfg, sig, params, compiler_options=values_compile())(params, arrays)
     assert float(sums["target_tokens"]) == float(dp_sums["target_tokens"]) == sum(n - 1 for n in lengths)
     np.testing.assert_allclose(float(sums["loss_sum"]), float(dp_sums["loss_sum"]), rtol=1e-5)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
-from pipeline_helpers import FAST_COMPILE, assert_tree_close, reference_batch, tiny_config, tiny_params
+from conftest import require_devices, values_compile
+from pipeline_helpers import assert_tree_close, reference_batch, tiny_config, tiny_params
 
 from jvarlen.api import Session
 from jvarlen.layout import Layout
@@ -85,7 +85,7 @@ def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
 
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     prepared = step.prepare(plan, docs)
     state, metrics = step(session.state, prepared)
@@ -101,7 +101,7 @@ def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous
     assert forwards[1] == [3 * 4 + 1]
 
     # the homogeneous data-parallel step on the same documents (one per row, 8 rows)
-    homogeneous = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    homogeneous = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     layout_step = homogeneous.layout_step(Layout(dp=8), rows=len(docs) + 7 - (len(docs) - 1) % 8, seq_len=40)
     batch = reference_batch(docs)
     padded = {k: np.concatenate([v, np.zeros((16 - len(docs), v.shape[1]), v.dtype)]) for k, v in batch.items()}
@@ -113,7 +113,7 @@ def test_known_groups_compile_nothing_and_groups_are_dispatched_without_a_host_s
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
     plan = strategy_plan(cfg)
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     state, _ = step(session.state, step.prepare(plan, docs))
     compiled = len(session.cache)
@@ -144,7 +144,7 @@ def test_a_mixed_iteration_of_accumulating_sp_groups_equals_the_reference(setup)
     assert [g.plan.ckpt_layers[:, 0].tolist() for g in plan.groups] == [[0], [2, 0], [0, 1, 3]]
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     state, metrics = step(session.state, step.prepare(plan, docs))
     np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
@@ -165,7 +165,7 @@ def test_groups_in_parts_equal_the_reference(setup):
     assert [g.plan.parts for g in plan.groups] == [(1, 2), (1, 1), ()]
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     prepared = step.prepare(plan, docs)
     assert prepared.info["group_parts"] == [2, 2, 1]  # in the step's record
@@ -184,7 +184,7 @@ def test_the_strategy_step_refuses_a_plan_that_is_not_of_its_documents(setup):
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
     plan = strategy_plan(cfg)
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     a, b = plan.groups
     twice = dataclasses.replace(b, documents=(3, *b.documents[1:]))  # document 3 in both, 4 in none
@@ -206,7 +206,7 @@ def test_a_group_program_that_cannot_fit_beside_the_state_is_refused_before_it_r
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
     plan = strategy_plan(cfg)
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     prepared = step.prepare(plan, docs)
     state_bytes = step.strategy._state_bytes_per_device()

@@ -45,7 +45,7 @@ def _run(tmp_path, name, steps, *extra) -> str:
         f"--train.steps={steps}", "--logging.tensorboard=false", "--logging.progress_bar=false",
         "--model.compute_dtype=float32", *extra,
     ]  # fmt: skip
-    env = cli_env(2)
+    env = cli_env(2, values_only=True)
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import values_compile
 
 from jvarlen.kernels import BlockSizes, block_info_for, reference_attention, varlen_attention
 from jvarlen.kernels import testing as kt
@@ -14,7 +15,7 @@ F32_TOL = 2e-5
 BF16_TOL = 2e-2
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "causal", "bq", "bk"))
+@functools.partial(jax.jit, static_argnames=("impl", "causal", "bq", "bk"), compiler_options=values_compile())
 def _fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, info, *, impl, causal, bq, bk):
     def f(q, k, v):
         return varlen_attention(
@@ -48,7 +49,9 @@ def fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, *, impl, causal, bq, bk):
 
 
 attention = jax.jit(
-    varlen_attention, static_argnames=("causal", "sm_scale", "block_sizes", "implementation", "interpret")
+    varlen_attention,
+    static_argnames=("causal", "sm_scale", "block_sizes", "implementation", "interpret"),
+    compiler_options=values_compile(),
 )
 
 
@@ -263,7 +266,7 @@ def test_xla_path_inside_shard_map_with_vma_checks():
 
     sharded = jax.shard_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), check_vma=True)
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, q_seg, kv_seg, q_pos, kv_pos) ** 2)  # noqa: E731
-    g_sharded = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    g_sharded = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)), compiler_options=values_compile())(q, k, v)
     reference = functools.partial(varlen_attention, implementation="reference")
     g_plain = jax.jit(
         jax.grad(
@@ -273,7 +276,8 @@ def test_xla_path_inside_shard_map_with_vma_checks():
                 )
             ),
             argnums=(0, 1, 2),
-        )
+        ),
+        compiler_options=values_compile(),
     )(q, k, v)
     for a, b in zip(g_sharded, g_plain):
         assert kt.rel_err(a, b) <= F32_TOL
@@ -305,8 +309,9 @@ def test_logsumexp_output_and_its_gradient(impl):
         (out, lse), vjp = jax.vjp(f, q, k, v)
         return out, lse, vjp((ct, ct_lse))
 
-    out, lse, grads = jax.jit(run, static_argnums=0)(impl)
-    ref_out, ref_lse, ref_grads = jax.jit(run, static_argnums=0)("reference")
+    run = jax.jit(run, static_argnums=0, compiler_options=values_compile())
+    out, lse, grads = run(impl)
+    ref_out, ref_lse, ref_grads = run("reference")
     seen = np.asarray(q_seg != 0)
     assert lse.shape == (4, len(q_seg)) and lse.dtype == jnp.float32
     assert np.all(np.asarray(lse)[:, ~seen] == -1e30)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import values_compile
 from test_kernels_attention import BF16_TOL, CONTEXT, F32_TOL, SELF, make_inputs
 
 from jvarlen import gpu_aot, kernels
@@ -18,7 +19,7 @@ from jvarlen.model import AttentionInputs, build_model
 from jvarlen.model.transformer import resolve_compute_dtype
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "config", "bq", "bk"))
+@functools.partial(jax.jit, static_argnames=("impl", "config", "bq", "bk"), compiler_options=values_compile())
 def _fwd_vjp(q, k, v, ct, q_seg, kv_seg, q_pos, kv_pos, *, impl, config=None, bq=32, bk=32):
     def f(q, k, v):
         return varlen_attention(

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import values_compile
 from test_kernels_attention import CONTEXT, GRID, SELF, check, fwd_vjp, make_inputs
 
 from jvarlen.kernels import BlockSizes, block_info_for, pallas_triton
@@ -61,8 +62,11 @@ def test_every_output_element_is_written():
     layout = (q_seg, q_pos, kv_seg, kv_pos)
     args, do = _padded(layout, 4, 2, 64, BlockSizes(32, 32))
     kw = dict(causal=True, sm_scale=0.125, interpret=True)
-    o, lse = jax.jit(pallas_triton.forward, static_argnames=tuple(kw))(*args, **kw)
-    grads = jax.jit(pallas_triton.backward, static_argnames=tuple(kw))(*args, o, lse, do, **kw)
+    options = values_compile()
+    o, lse = jax.jit(pallas_triton.forward, static_argnames=tuple(kw), compiler_options=options)(*args, **kw)
+    grads = jax.jit(pallas_triton.backward, static_argnames=tuple(kw), compiler_options=options)(
+        *args, o, lse, do, **kw
+    )
     for name, x in zip(["o", "lse", "dq", "dk", "dv"], [o, lse, *grads]):
         assert np.isfinite(np.asarray(x)).all(), name
     assert np.all(np.asarray(lse)[:, :, 50:] == -1e30)  # padding rows: finite sentinel lse
@@ -78,9 +82,9 @@ def test_block_skipping_counts_visited_tiles(layout, causal):
     info = block_info_for(
         *(jnp.asarray(x)[None] for x in (layout[0], layout[2], layout[1], layout[3])), causal=causal, block_sizes=bs
     )
-    visited = jax.jit(pallas_triton.tiles_visited, static_argnames=("causal", "sm_scale"))(
-        q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal, sm_scale=0.125
-    )
+    visited = jax.jit(
+        pallas_triton.tiles_visited, static_argnames=("causal", "sm_scale"), compiler_options=values_compile()
+    )(q, k, v, q_seg, q_pos, kv_seg, kv_pos, info, causal=causal, sm_scale=0.125)
     expected = kt.visible_tiles(kt.visible_pairs(*layout[:2], *layout[2:], causal=causal), 16, 16)
     np.testing.assert_array_equal(np.asarray(visited)[0, 0], expected)
     np.testing.assert_array_equal(np.asarray(visited)[0, 1], expected)

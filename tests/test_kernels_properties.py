@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import values_compile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kernels_attention import F32_TOL, fwd_vjp, make_inputs
@@ -104,7 +105,9 @@ def test_schedule_never_misses_a_tile(layout, causal):
         assert set(np.flatnonzero(any_vis[i]).tolist()) <= part[i] | full[i]
 
 
-_tiles_visited = jax.jit(pallas_triton.tiles_visited, static_argnames=("causal", "sm_scale"))
+_tiles_visited = jax.jit(
+    pallas_triton.tiles_visited, static_argnames=("causal", "sm_scale"), compiler_options=values_compile()
+)
 
 
 @functools.lru_cache(maxsize=None)

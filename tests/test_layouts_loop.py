@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import values_compile
 
 from jvarlen.config import parse_config
 from jvarlen.runtime.loop import train
@@ -50,7 +51,8 @@ def test_resume_across_layout_change(tmp_path):
             ]
         )
 
-    full = train(config("full", "--parallel.sp_cycle=[1,2]"), quiet=True)
+    fast = {"quiet": True, "compiler_options": values_compile()}
+    full = train(config("full", "--parallel.sp_cycle=[1,2]"), **fast)
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["dp"], r["sp"]) for r in records] == [(8, 1), (4, 2), (8, 1), (4, 2)]  # layout logged per step
     assert [r["step_cache_misses"] for r in records] == [1, 2, 2, 2]
@@ -58,9 +60,9 @@ def test_resume_across_layout_change(tmp_path):
     assert records[0]["compile_s"] > 0 and records[2]["compile_s"] == 0
     assert any(xla_cache.iterdir())  # the persistent compilation cache was written
 
-    part = train(config("part", "--parallel.sp_cycle=[1,2]"), quiet=True, stop_after=2)
+    part = train(config("part", "--parallel.sp_cycle=[1,2]"), stop_after=2, **fast)
     # the checkpoint of step 2 (written under sp=2) continues under a fixed sp=4 layout
-    resumed = train(config("part", "--parallel.sp=4", "--checkpoint.resume=true"), quiet=True)
+    resumed = train(config("part", "--parallel.sp=4", "--checkpoint.resume=true"), **fast)
     assert resumed.first_step == 2
     np.testing.assert_array_equal(part.losses, full.losses[:2])
     np.testing.assert_allclose(resumed.losses, full.losses[2:], rtol=1e-5)
@@ -83,7 +85,7 @@ def test_budget_policy_in_the_loop(tmp_path):
             "--parallel.tokens_per_device=128",
         ]
     )
-    result = train(config, quiet=True)
+    result = train(config, quiet=True, compiler_options=values_compile())
     record = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
     assert (record["dp"], record["sp"]) == (2, 4)
     assert np.isfinite(result.losses[0]) and record["real_tokens"] > 0

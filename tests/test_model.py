@@ -1,9 +1,12 @@
 """The decoder on packed documents equals the decoder on each document alone."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import values_compile
 from flax import nnx
 
 from jvarlen.config import CONFIG_DIR, ModelConfig, load_config
@@ -65,7 +68,7 @@ def test_packed_loss_and_grads_equal_documents_alone(lengths, attention):
     graphdef, params = _model(attention=attention)
     packed = pack_rows(docs, rows=2, seq_len=16)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=values_compile())
     def loss_and_grads(p, batch):
         def mean_loss(p):
             sums = loss_sums(graphdef, p, batch)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import require_devices, values_compile
 from pipeline_helpers import (
-    FAST_COMPILE,
     PLAN_A,
     PLAN_B,
     PLAN_C,
@@ -91,7 +90,9 @@ def test_matches_reference_under_every_table(layout):
         ]
     )
     assert sig.context > 0 and sig.n_res > 0
-    grads_of = PipelineGrads(graphdef, cfg, sig, params, compiler_options=FAST_COMPILE)  # new tables: same executable
+    grads_of = PipelineGrads(
+        graphdef, cfg, sig, params, compiler_options=values_compile()
+    )  # new tables: same executable
     refs = {}
     for name, pipes, scheds, ckpts, paired in cases:
         _, batch = pl.prepare_batch(

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_env, require_devices
+from conftest import cli_env, require_devices, values_compile
 
 from jvarlen.config import ConfigError, load_config
 from jvarlen.layout import resolve_layout
@@ -33,7 +33,7 @@ PLAN_FIELDS = (
 
 def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path):
     run_dir = tmp_path / "run"
-    env = cli_env()  # no device count: the entry point sets 8 host devices itself
+    env = cli_env(values_only=True)  # no device count: the entry point sets 8 host devices itself
     proc = subprocess.run(
         [
             sys.executable,
@@ -76,8 +76,8 @@ def test_cli_trains_two_iterations_with_epp_plans_that_split_documents(tmp_path)
 def test_default_cli_run_on_a_cpu_host_takes_the_elastic_pipeline_path(tmp_path):
     # no parallel settings and no device count in XLA_FLAGS: auto stages give pp = 2 and the entry
     # point gives the host platform the two devices (the default `python -m jvarlen.train`; the
-    # suite's other XLA flags stay, as in every CLI test: they lower the compile's optimisation level)
-    env = cli_env()
+    # suite's other XLA flags stay, as in every CLI test, and the values-only emitters of conftest)
+    env = cli_env(values_only=True)
     tiny = [
         "--model.d_model=32",
         "--model.num_layers=2",
@@ -145,14 +145,17 @@ def full_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PipelineStrategy, "prepare", recording)
-        result = train(_config(tmp_path_factory.mktemp("pipeline-loop") / "full"), quiet=True)
+        result = train(
+            _config(tmp_path_factory.mktemp("pipeline-loop") / "full"), quiet=True, compiler_options=values_compile()
+        )
     return result, calls
 
 
 def test_resume_reproduces_the_uninterrupted_loss_sequence_bitwise(tmp_path, full_run):
     full, _ = full_run
-    part = train(_config(tmp_path / "part"), quiet=True, stop_after=2)
-    resumed = train(_config(tmp_path / "part", ("checkpoint.resume", "true")), quiet=True)
+    fast = {"quiet": True, "compiler_options": values_compile()}
+    part = train(_config(tmp_path / "part"), stop_after=2, **fast)
+    resumed = train(_config(tmp_path / "part", ("checkpoint.resume", "true")), **fast)
     assert len(full.losses) == 6 and resumed.first_step == 2
     assert part.losses + resumed.losses == full.losses  # bitwise on CPU
     for a, b in zip(jax.tree.leaves(full.final_state.params), jax.tree.leaves(resumed.final_state.params)):

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
-from pipeline_helpers import FAST_COMPILE, PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
+from conftest import require_devices, values_compile
+from pipeline_helpers import PLAN_A, PLAN_B, assert_tree_close, plan_documents, tiny_config, tiny_params
 from pipeline_helpers import reference_batch as _reference_batch
 
 from jvarlen.api import Session
@@ -89,7 +89,7 @@ def test_runner_step_equals_reference_update_and_reuses_the_executable():
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     reference_state = state
     # the loop's canonical FSDP placement of the state stays the placement after each step
-    session = Session(graphdef, cfg, optimizer, state, compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, state, compiler_options=values_compile())
     state, placement, cache = session.state, session.placement, session.cache
     step = session.plan_step(LAYOUT, bucket=32, residual_policy="all")
     # the first plan's signature is predicted and compiled ahead of time in the background
@@ -147,7 +147,7 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
     graphdef, params = tiny_params(cfg)
     optimizer = optax.sgd(0.5)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
-    session = Session(graphdef, cfg, optimizer, state, compiler_options=FAST_COMPILE)
+    session = Session(graphdef, cfg, optimizer, state, compiler_options=values_compile())
     step = session.plan_step(LAYOUT, bucket=32)
     (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
     longer = list(da)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import require_devices, values_compile
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from pipeline_helpers import (
@@ -102,7 +102,8 @@ def test_pull_and_push_move_the_right_chunks(layout, model, mode):
 
     per_device = jax.tree.map(lambda _: P(("dp", "pp", "sp")), specs, is_leaf=lambda x: isinstance(x, P))
     held, used, pushed = jax.jit(
-        jax.shard_map(device, mesh=mesh, in_specs=(specs,), out_specs=(per_device, per_device, specs), check_vma=False)
+        jax.shard_map(device, mesh=mesh, in_specs=(specs,), out_specs=(per_device, per_device, specs), check_vma=False),
+        compiler_options=values_compile(),
     )(full)
     n, ls = layout.num_devices, cfg.num_layers // layout.pp
     for x, h, p, g, leaf in zip(
@@ -167,7 +168,8 @@ def test_layer_pass_reduces_each_layer_one_layer_late(reverse, ordered):
             in_specs=(specs,),
             out_specs=(P(("dp", "pp", "sp")), P(("dp", "pp", "sp")), per_device, per_device),
             check_vma=False,
-        )
+        ),
+        compiler_options=values_compile(),
     )(full)
     assert np.asarray(visited).tolist() == [ls] * layout.num_devices
     np.testing.assert_array_equal(np.asarray(order).reshape(layout.num_devices, ls), [list(range(ls))] * 8)
@@ -212,7 +214,7 @@ def test_sharded_stage_weights_match_reference(layout):
     assert sig.context > 0 and (pp == 1 or sig.n_res > 0)
     grads_of = PipelineGrads(
         graphdef, cfg, sig, params, residual_policy="dots_and_attention", stage_weights="sharded",
-        compiler_options=FAST_COMPILE,
+        compiler_options=values_compile(),
     )  # fmt: skip
     ref_sums, ref_grads = reference(graphdef, params, [d for docs, _ in pipes for d in docs])
     for name, (scheds, ckpts) in tables.items():
@@ -310,7 +312,7 @@ def test_bf16_stage_copy_matches_reference():
     for mode in ("replicated", "sharded"):
         grads_of = PipelineGrads(
             graphdef, cfg, sig, params, residual_policy="dots_and_attention", stage_weights=mode,
-            compiler_options=FAST_COMPILE,
+            compiler_options=values_compile(),
         )  # fmt: skip
         sums, grads[mode], _ = grads_of(params, batch)
         assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads[mode]))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import cli_env, flip_a_bit
+from conftest import cli_env, flip_a_bit, values_compile
 from test_train import TINY_ARGS, _config
 
 from jvarlen.config import ConfigError, parse_config
@@ -30,10 +30,16 @@ from jvarlen.runtime.checkpoint import (
     abstract_like,
     state_checksums,
 )
-from jvarlen.runtime.loop import NonFiniteError, train
+from jvarlen.runtime.loop import NonFiniteError
+from jvarlen.runtime.loop import train as _train
 from jvarlen.runtime.metrics import truncate_records
 from jvarlen.runtime.state import TrainState
 from jvarlen.runtime.step import apply_gradients
+
+
+def train(config, **kwargs):
+    """jvarlen's training loop, compiling with the values-only options of conftest.values_compile."""
+    return _train(config, compiler_options=values_compile(), **kwargs)
 
 
 @pytest.fixture
@@ -332,7 +338,7 @@ def test_truncate_records_drops_later_steps_and_a_torn_line(tmp_path):
 
 def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    env = cli_env(1, PYTHONUNBUFFERED="1")
+    env = cli_env(1, values_only=True, PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable,
         "-m",

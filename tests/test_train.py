@@ -8,12 +8,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_env
+from conftest import cli_env, values_compile
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.data.errors import UnreadableFileError
 from jvarlen.runtime.checkpoint import CheckpointMismatchError
-from jvarlen.runtime.loop import train
+from jvarlen.runtime.loop import train as _train
 
 TINY_ARGS = [
     "--model.vocab_size=320",
@@ -30,6 +30,11 @@ TINY_ARGS = [
     "--logging.progress_bar=false",
     "--parallel.pp=1",
 ]
+
+
+def train(config, **kwargs):
+    """jvarlen's training loop, compiling with the values-only options of conftest.values_compile."""
+    return _train(config, compiler_options=values_compile(), **kwargs)
 
 
 @pytest.fixture
@@ -53,7 +58,7 @@ def _config(run_dir, cache_dir, *extra):
 
 def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    env = cli_env(2)
+    env = cli_env(2, values_only=True)
     proc = subprocess.run(
         [
             sys.executable,

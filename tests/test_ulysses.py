@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import values_compile
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -144,7 +145,12 @@ def test_layout_switching_every_step_matches_fixed_layout(tiny):
     config, graphdef, optimizer, state = tiny
     placement = Placement.for_state(state, optimizer)
     ctx = StepContext(
-        graphdef, config.model, optimizer, placement, abstract_like(place_global(state, placement.state_sharding))
+        graphdef,
+        config.model,
+        optimizer,
+        placement,
+        abstract_like(place_global(state, placement.state_sharding)),
+        compiler_options=values_compile(),
     )
     strategy = LayoutStrategy(ctx, LayoutPolicy(N, config.model.num_heads), B, T)
     steps = {layout: strategy.compile(("layout", layout, shape_bucket(packed_batch(0)))) for layout in LAYOUTS[::3]}
@@ -202,11 +208,12 @@ def test_gqa_fewer_kv_heads_than_sp_matches_reference(num_kv_heads, layout):
     sharded = NamedSharding(mesh, P("dp", "sp"))
     q_s, k_s, v_s = (jax.device_put(x, NamedSharding(mesh, P("dp", "sp"))) for x in (q, k, v))
     inputs_s = AttentionInputs(segment_ids=jax.device_put(seg, sharded), positions=jax.device_put(pos, sharded))
-    out = jax.jit(lambda q, k, v: ulysses(q, k, v, inputs_s))(q_s, k_s, v_s)
+    out = jax.jit(lambda q, k, v: ulysses(q, k, v, inputs_s), compiler_options=values_compile())(q_s, k_s, v_s)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, k, v)), rtol=1e-5, atol=1e-6)
-    grads = jax.jit(jax.grad(lambda q, k, v: loss(lambda *a: ulysses(*a, inputs_s), q, k, v), argnums=(0, 1, 2)))(
-        q_s, k_s, v_s
-    )
+    grads = jax.jit(
+        jax.grad(lambda q, k, v: loss(lambda *a: ulysses(*a, inputs_s), q, k, v), argnums=(0, 1, 2)),
+        compiler_options=values_compile(),
+    )(q_s, k_s, v_s)
     ref_grads = jax.grad(lambda q, k, v: loss(ref_fn, q, k, v), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
