@@ -7,6 +7,7 @@ within 5 % of XLA's per-layer slope; the whole 4-layer program's peak within 10 
 """
 
 import glob
+import types
 
 import pytest
 
@@ -93,3 +94,34 @@ def test_memory_of_a_held_out_split_chunk_matches_xla(shipped):
     per_layer = predict_memory(shape, coeffs, MemoryCase(chunk, 1, 0))["eq10"]
     assert per_layer == pytest.approx((temp[4] - temp[2]) / 2, rel=0.05)
     assert predict_memory(shape, coeffs, MemoryCase(chunk, 4, 0))["peak"] == pytest.approx(temp[4], rel=0.10)
+
+
+@pytest.mark.parametrize("profile", ["analytic", "fitted"])
+def test_a_split_documents_kv_rows_cost_what_the_executor_holds(profile):
+    """A non-tail slice's tokens, every layer recomputed: Eq. 9's K/V kept for later slices plus
+    Eq. 5's M_dkv equal, per token, the executor's four context pools per row (K, V, dK, dV in the
+    compute dtype: ``4 · L/pp · K' · D · e``, :mod:`jvarlen.plan.executor_memory`), for a bf16 model
+    on the analytic GPU profile and on a profile fitted to the model config. The profiles priced
+    dK/dV in fp32 before (the paper's runtime): 1.5× the executor's rows."""
+    from jvarlen.plan.executor_memory import _Account
+    from jvarlen.plan.hardware import analytic_coefficients
+    from jvarlen.profile.fit import _default_base
+
+    config = ModelConfig(
+        vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=384, compute_dtype="bfloat16"
+    )
+    shape = ModelShape.from_config(config)
+    coeffs = analytic_coefficients(shape, "a800") if profile == "analytic" else _default_base(config)
+    assert coeffs.bytes_per_element == 2
+    layout = Layout(1, 2, 1)
+    cost = CostModel(shape, layout, coeffs)
+    ls, t = cost.layers_per_stage, 512
+    kv_rows = cost.activation_memory(ChunkShape(0, (t,), tail=False), ls) - cost.activation_memory(
+        ChunkShape(0, (t,), tail=True), ls
+    )
+
+    plan = types.SimpleNamespace(  # what the executor's account reads of a plan: its one chunk
+        chunk_shapes=lambda: [ChunkShape(0, (t,), tail=False)], schedule=types.SimpleNamespace(fusable=[False])
+    )
+    pools = 4 * ls * _Account(plan, cost, None, False).kv_row  # the four pools' bytes per row
+    assert kv_rows / t == pytest.approx(pools)

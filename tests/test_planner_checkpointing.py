@@ -141,7 +141,8 @@ def test_every_backward_window_holds_its_working_memory(seed):
     """A backward's working memory (``CostModel.working_memory``, larger where the chunk recomputes)
     count in its window: the solution is the brute-force optimum and fits when the stage's ops are
     replayed (activations + the running backward's working memory). Planned on activations
-    alone, at the same budget, seeds 0, 3 and 4 do not fit."""
+    alone, at the same budget, seeds 0, 2, 3 and 4 do not fit (0, 3 and 4 while the profiles priced
+    dK/dV in fp32)."""
     problem, schedule, unit, cost = _unit(seed, **WORK)
     sol = solve(problem)
     best = brute_force(problem)
@@ -154,4 +155,4 @@ def test_every_backward_window_holds_its_working_memory(seed):
     assert hint is not None and problem.feasible(hint)
     blind_problem, _, _, _ = _unit(seed)  # same budget, no working memory
     blind = ckpt_table(blind_problem, solve(blind_problem).values)
-    assert (replay_peaks(unit, schedule, blind, cost) > cost.memory_budget).any() == (seed in (0, 3, 4))
+    assert (replay_peaks(unit, schedule, blind, cost) > cost.memory_budget).any() == (seed in (0, 2, 3, 4))

@@ -199,7 +199,9 @@ class CostCoefficients:
       token (the cotangent of the concatenated K/V and the context gradient cut from it:
       ``2 · 2·e·kv_dim``). Used by :meth:`CostModel.peak_memory` only, not by Eq. 10.
     * ``bytes_per_element`` (``e``): compute dtype size, used for K/V, dK/dV, checkpoints, P2P and
-      all-to-all volumes. ``dkv_bytes_per_element``: accumulated dK/dV dtype (Eq. 5 M_dkv).
+      all-to-all volumes. ``dkv_bytes_per_element``: accumulated dK/dV dtype (Eq. 5 M_dkv; the
+      paper's fp32, 4, by default; jvarlen's executor accumulates in the compute dtype, and the
+      analytic and measured profiles say so).
     * Model state (per device): ``master_bytes_per_param`` (fp32 params + Adam m, v) sharded over
       all devices; ``stage_bytes_per_param`` (compute copy + fp32 gradient accumulator) for the
       stage's own parameters, on every device of the stage. ``workspace_bytes``: constant.

@@ -133,7 +133,7 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
         m_token=activation_bytes_per_token(model),
         m_head_token=6.0 * model.vocab_size,  # bf16 logits + fp32 log-softmax
         bytes_per_element=2,
-        dkv_bytes_per_element=4,
+        dkv_bytes_per_element=2,  # the executor's dK/dV pools are in the compute dtype (docs/design/pipeline.md)
         master_bytes_per_param=12.0,
         stage_bytes_per_param=6.0,
         workspace_bytes=c.workspace_bytes,

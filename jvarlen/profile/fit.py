@@ -133,6 +133,7 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
         m_context_token=2.0 * e * shape.kv_dim,
         m_work_context_token=2.0 * 2.0 * e * shape.kv_dim,
         bytes_per_element=e,
+        dkv_bytes_per_element=e,  # the executor's dK/dV pools: the compute dtype
         master_bytes_per_param=12.0,
         stage_bytes_per_param=6.0,
         memory_budget=budget,
