@@ -26,13 +26,13 @@ def refine_groups(
 ) -> list[GroupChoice]:
     """``choices`` with documents moved off the slowest group while that makes the iteration faster
     by the exact group model (:meth:`GroupCosts.group_time`, the executor's padding included), each
-    group regrouped by ``regroup(lengths, scheme, documents)`` (default :meth:`GroupCosts.flex_group`,
-    ``full_recompute`` passed on; a policy with its own cut passes its own). Per round every document of the slowest group
-    (longest first) is tried in each of the ``max_targets`` fastest other groups whose scheme holds
-    it, and the move that gives the fastest iteration is taken; it stops when no move makes the
-    iteration faster or once the regrouped groups have held ``max_documents`` documents in all (a
-    bound on planning time, which grows with the documents regrouped: ~0.1 ms each). A group left
-    without documents is dropped.
+    group regrouped by ``regroup(lengths, scheme, documents)`` (default: :meth:`GroupCosts.flex_group`
+    with ``full_recompute``; a policy with its own cut passes that). Per round every document of the
+    slowest group (longest first) is tried in each of the ``max_targets`` fastest other groups whose
+    scheme holds it, and the move that gives the fastest iteration is taken; it stops when no move
+    makes the iteration faster or once the regrouped groups have held ``max_documents`` documents in
+    all (a bound on planning time, which grows with the documents regrouped: ~0.1 ms each). A group
+    left without documents is dropped.
 
     Not in FlexSP: the policies assign documents by an additive model (FlexSP's MILP and greedy,
     LPT) that cannot see which bucket a group's micro-batches pad to, so two assignments equal by
