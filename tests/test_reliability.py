@@ -541,8 +541,11 @@ def test_the_planner_answers_an_impossible_budget_at_once():
     start = time.perf_counter()
     with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
         plan_iteration([2_000_000, 300], cost=tight, options=PlannerOptions(min_slice_tokens=512))
-    with pytest.raises(PlanningError, match="model states and a backward's layer gradients"):
-        plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2))
+    for policy in ("epp", "seq1f1b", "seq1f1b-tuned"):  # seq1f1b: a ValueError about chunk_tokens=0 before
+        with pytest.raises(PlanningError, match="model states and a backward's layer gradients"):
+            plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2), policy=policy)
+    dapple = plan_iteration([5000], cost=small_cost(pp=2, sp=1, budget=state / 2), policy="dapple")
+    assert not dapple.stats["fits_memory"] and "dapple: out of memory" in dapple.events[0]  # a baseline, flagged
     for policy in ("wo-wbc", "seq1f1b-tuned"):  # every fixed chunk size was tried first (147 s)
         with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
             plan_iteration([2_000_000, 300], cost=tight, policy=policy)

@@ -55,7 +55,8 @@ def split_memory_bound(length: int, cost) -> tuple[float, int]:
     return worst, stage
 
 
-def _states_error(cost) -> PlanningError:
+def states_error(cost) -> PlanningError:
+    """The error of a layout whose model states and a backward's layer gradients alone exceed the budget."""
     state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
     return PlanningError(
         f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
@@ -71,7 +72,7 @@ def refuse_unsplittable(lengths: Sequence[int], cost) -> None:
     if longest <= cost.max_tokens(in_flight=1, tail=True):
         return  # fits unsplit
     if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
-        raise _states_error(cost)
+        raise states_error(cost)
     need, p = split_memory_bound(longest, cost)
     if need <= cost.memory_budget:
         return
@@ -99,7 +100,7 @@ def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> 
     cap = cost.max_tokens(in_flight=1, tail=False)
     budget = f"{cost.memory_budget / 2**30:.2f} GiB per device"
     if cap < 1:
-        raise _states_error(cost)
+        raise states_error(cost)
     refuse_unsplittable(lengths, cost)
     n_max = max(2, longest // max(1, min_slice_tokens))
     advice = "raise pp or sp, lower plan.min_slice_tokens, or shorten data.seq_len"
