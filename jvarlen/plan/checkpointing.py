@@ -214,8 +214,8 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
     Returns ``values [n_vars]`` or None when even full recomputation does not fit.
     """
     c = np.zeros(problem.n_vars, dtype=np.int64)
+    excess = problem.violation(c)  # kept up to date below (integers: exact, and O(windows) a step)
     while True:
-        excess = problem.violation(c)
         r = int(np.argmax(excess))
         if excess[r] <= 0:
             return c
@@ -229,7 +229,11 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
         # layer may also change the backward's working memory), then re-check all windows.
         penalty = problem.remat_rows[r, j] if problem.remat_rows is not None and c[j] == 0 else 0
         need = int(math.ceil((excess[r] + max(0, penalty)) / gain[j]))
+        before = c[j]
         c[j] = min(problem.max_layers, c[j] + max(1, need))
+        excess -= problem.rows[:, j] * (c[j] - before)
+        if problem.remat_rows is not None and before == 0:
+            excess += problem.remat_rows[:, j]
 
 
 def _cp_model(problem: CkptProblem, hint: np.ndarray | None) -> tuple[cp_model.CpModel, list]:
