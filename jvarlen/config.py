@@ -316,6 +316,10 @@ class ParallelConfig:
     coordinator_address: Optional[str] = None
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
+    # Seconds without a heartbeat after which the coordination service declares a process dead and
+    # ends every other one (JAX's default, 100): what a run loses when a host dies without a word
+    # (SIGKILL, power, the OOM killer). Lower fails faster; too low ends healthy runs on a stall.
+    heartbeat_timeout_s: int = 100
     compilation_cache_dir: Optional[str] = None  # persistent XLA compilation cache
     # Layout per iteration (jvarlen.runtime.layout_policy). With tokens_per_device set,
     # each step uses the smallest sp whose per-device tokens fit it (dp and sp above are
@@ -358,6 +362,7 @@ class ParallelConfig:
             self.stage_weights in STAGE_WEIGHTS,
             f"parallel.stage_weights must be one of {STAGE_WEIGHTS}, got {self.stage_weights!r}",
         )
+        _positive("parallel", heartbeat_timeout_s=self.heartbeat_timeout_s)
         if self.num_processes is not None:
             _positive("parallel", num_processes=self.num_processes)
         if self.process_id is not None:

@@ -13,7 +13,9 @@ processes and the layouts span them (jvarlen.parallel.layouts orders them by pro
 
 A process that fails (bad input on one host, a bug) says so through the coordination service
 (:func:`report_failure`) before it exits; the others stop with its exit code instead of waiting
-for it in the next collective (:class:`FailureWatch`).
+for it in the next collective (:class:`FailureWatch`). A process that dies without a word (SIGKILL,
+a power loss) cannot report: the coordination service ends the others once it has missed its
+heartbeats for ``parallel.heartbeat_timeout_s`` seconds.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ def initialize(cfg: ParallelConfig) -> bool:
             coordinator_address=cfg.coordinator_address,
             num_processes=cfg.num_processes,
             process_id=cfg.process_id,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
         )
-    else:
-        jax.distributed.initialize()  # auto-detects SLURM / MPI / ... or raises
+    else:  # auto-detects SLURM / MPI / ... or raises
+        jax.distributed.initialize(heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
     _initialized = True
     if jax.process_count() > 1:
         _start_watch()
