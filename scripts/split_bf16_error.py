@@ -13,44 +13,27 @@ bf16 reference's own error. Ratios near 1 mean the split adds nothing visible to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import pathlib  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jvarlen.config import ModelConfig  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from pipeline_helpers import pipeline_mesh, reference, tiny_config, tiny_params  # noqa: E402
+
 from jvarlen.layout import Layout  # noqa: E402
-from jvarlen.model import build_model  # noqa: E402
 from jvarlen.parallel import pipeline as pl  # noqa: E402
-from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
 from jvarlen.plan import schedule as sch  # noqa: E402
-from jvarlen.runtime.state import split_model  # noqa: E402
-from jvarlen.runtime.step import loss_and_grads  # noqa: E402
 
 SLICE = 16
-
-
-def config(dtype: str) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=64, compute_dtype=dtype
-    )
-
-
-def reference(graphdef, params, docs):
-    width = max(len(d) for d in docs)
-    batch = {
-        k: np.zeros((len(docs), width), np.int32)
-        for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")
-    }
-    for i, doc in enumerate(docs):
-        n = len(doc)
-        batch["tokens"][i, :n], batch["segment_ids"][i, :n], batch["positions"][i, :n] = doc, 1, np.arange(n)
-        batch["targets"][i, : n - 1], batch["loss_mask"][i, : n - 1] = doc[1:], 1
-    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(params, batch)[1]
 
 
 def measure(slices: int, seed: int = 0) -> dict:
@@ -58,18 +41,18 @@ def measure(slices: int, seed: int = 0) -> dict:
     docs = [rng.integers(1, 64, size=slices * SLICE).astype(np.int32), rng.integers(1, 64, size=9).astype(np.int32)]
     chunks = [[(0, i * SLICE, SLICE)] for i in range(slices - 1)] + [[(0, (slices - 1) * SLICE, SLICE), (1, 0, 9)]]
     layout = Layout(pp=2)
-    cfg = config("bfloat16")
-    graphdef, params = split_model(build_model(cfg, seed=0))
-    graphdef32, _ = split_model(build_model(config("float32"), seed=0))
+    cfg = dataclasses.replace(tiny_config(), compute_dtype="bfloat16")  # the pipeline tests' model
+    graphdef, params = tiny_params(cfg)
+    graphdef32, _ = tiny_params(tiny_config())
     packed = pl.pack_chunks(chunks, docs, 32)
     schedule = sch.token_level_1f1b(packed.chunk_prev, layout.pp)
     ckpt = np.zeros((packed.n_chunks, layout.pp), np.int32)
     sig, batch = pl.prepare_batch([packed], [schedule], [ckpt], layout, cfg.num_layers)
-    mesh = layout_mesh(layout, jax.devices()[: layout.num_devices])
+    mesh = pipeline_mesh(layout)
     sharding = NamedSharding(mesh, P("dp"))
     grads_fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, mesh))
     _, got, _ = grads_fn(params, {k: jax.device_put(np.asarray(v), sharding) for k, v in batch.items()})
-    bf16, fp32 = reference(graphdef, params, docs), reference(graphdef32, params, docs)
+    bf16, fp32 = reference(graphdef, params, docs)[1], reference(graphdef32, params, docs)[1]
 
     def rms(a, b):
         return float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))

@@ -223,6 +223,16 @@ def _finish(procs, timeout: float = 400) -> list[str]:
                 p.kill()
 
 
+def _wait_for_records(procs, metrics, count: int, timeout: float = 300) -> None:
+    """Until ``metrics`` holds ``count`` step records, a process exits (its exit code then fails the
+    test with its log) or ``timeout`` seconds pass."""
+    deadline = time.time() + timeout
+    while not (metrics.exists() and metrics.read_text().count("\n") >= count) and time.time() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return
+        time.sleep(0.2)
+
+
 def _run_two_processes(command) -> None:
     """Runs ``command(pid)`` for pids 0 and 1 to completion; fails with the log of a process that
     did not exit cleanly."""
@@ -400,12 +410,8 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     args = [a if not a.startswith("--train.steps") else "--train.steps=400" for a in CLI_ARGS]
     procs = _start_two_processes(_train_command(tmp_path, [*args, "--checkpoint.every_steps=1000"], _free_port()))
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-            if any(p.poll() is not None for p in procs):
-                break  # exited early: the exit codes below fail with its log
-            time.sleep(0.2)
+        _wait_for_records(procs, metrics, 2)
         procs[1].send_signal(signal.SIGTERM)
     finally:
         logs = _finish(procs, timeout=300)
@@ -440,12 +446,8 @@ def test_a_killed_process_ends_the_others_within_the_heartbeat_timeout(tmp_path)
     command = _train_command(tmp_path, [*args, "--parallel.heartbeat_timeout_s=10"], _free_port())
     procs = _start_two_processes(command)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-            if any(p.poll() is not None for p in procs):
-                break  # exited early: the exit codes below fail with its log
-            time.sleep(0.2)
+        _wait_for_records(procs, metrics, 2)
         procs[1].send_signal(signal.SIGKILL)
         killed = time.time()
         procs[0].wait(timeout=120)
