@@ -71,3 +71,24 @@ def test_grouping_trades_recomputation_for_more_pipelines():
     assert len(dear.units) == 1 and dear.units[0].ckpt.cost_s > 0
     assert len(cheap.units) > 1
     assert sum(u.ckpt.cost_s for u in cheap.units) < dear.units[0].ckpt.cost_s
+
+
+@pytest.mark.parametrize("budget_tokens", [14_000, 20_000, 32_000])
+def test_a_memoised_range_is_the_range_solved_afresh(budget_tokens):
+    # group() shares one memo over its ranges and their halves: a hit must be what a fresh solve
+    # gives, whatever order the families come in (a unit depends on their set only).
+    cost, shapes, families = _instance(budget_tokens)
+    args = (shapes, cost, cost.layout.pp, cost.layers_per_stage, OPTS)
+    memo, split = {}, False
+    assert len(families) == 5
+    for fams in (families, families[:3], families[2:]):
+        first = solve_range(fams, *args, memo=memo)
+        split = split or first is None or len(first) > 1
+        assert solve_range(list(reversed(fams)), *args, memo=memo) is first
+        fresh = solve_range(list(reversed(fams)), *args)
+        assert (fresh is None) == (first is None)
+        for a, b in zip(fresh or [], first or [], strict=True):
+            assert (a.families, a.chunk_ids, a.schedule) == (b.families, b.chunk_ids, b.schedule)
+            assert a.ckpt.values.tolist() == b.ckpt.values.tolist() and a.ckpt.cost_s == b.ckpt.cost_s
+    # the halves of a range that does not fit as one unit are kept too
+    assert len(memo) > 3 if split else len(memo) == 3

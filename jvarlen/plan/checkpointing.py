@@ -113,13 +113,15 @@ class MemoryTable:
 
     ``act0 [pp, n]`` bytes with no recomputation, ``act1 [pp, n]`` with one layer
     recomputed (stage p, chunk k), ``rec1 [n]`` seconds to recompute one layer, ``work [2, n]``
-    bytes of the chunk's backward transients without and with recomputation.
+    bytes of the chunk's backward transients without and with recomputation, ``bwd [n]`` seconds
+    of the chunk's backward on a stage (what orders a unit's families).
     """
 
     act0: np.ndarray
     act1: np.ndarray
     rec1: np.ndarray
     work: np.ndarray
+    bwd: np.ndarray
 
     @classmethod
     def build(cls, shapes: Sequence[ChunkShape], cost, max_layers: int) -> "MemoryTable":
@@ -133,7 +135,8 @@ class MemoryTable:
         # what the pipeline executor pays for the recomputation (= recompute_time unless fitted)
         rec1 = np.array([cost.executor_recompute_time(s, 1) for s in shapes], dtype=np.float64)
         work = np.array([[cost.backward_memory(s, r) for s in shapes] for r in (0, 1)], dtype=np.float64)
-        return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1, work)
+        bwd = np.array([cost.bwd_time(s) for s in shapes], dtype=np.float64)
+        return cls(act0.reshape(pp, len(shapes)), act1.reshape(pp, len(shapes)), rec1, work, bwd)
 
 
 def build_problem(
@@ -214,23 +217,24 @@ def greedy(problem: CkptProblem) -> np.ndarray | None:
     Returns ``values [n_vars]`` or None when even full recomputation does not fit.
     """
     c = np.zeros(problem.n_vars, dtype=np.int64)
+    full = np.zeros(problem.n_vars, dtype=bool)  # variables at max_layers
     excess = problem.violation(c)  # kept up to date below (integers: exact, and O(windows) a step)
     while True:
-        r = int(np.argmax(excess))
+        r = int(excess.argmax())
         if excess[r] <= 0:
             return c
-        gain = problem.rows[r].astype(np.float64)
-        gain[c >= problem.max_layers] = 0.0
-        if not np.any(gain > 0):
+        ratio = problem.rows[r] / problem.weight_us  # KiB freed per µs (weights ≥ 1)
+        ratio[full] = 0.0
+        j = int(ratio.argmax())
+        if ratio[j] <= 0:
             return None
-        ratio = gain / problem.weight_us
-        j = int(np.argmax(ratio))
         # Raise by as many layers as this window needs from j alone (bounded; a first recomputed
         # layer may also change the backward's working memory), then re-check all windows.
         penalty = problem.remat_rows[r, j] if problem.remat_rows is not None and c[j] == 0 else 0
-        need = int(math.ceil((excess[r] + max(0, penalty)) / gain[j]))
+        need = int(math.ceil((excess[r] + max(0, penalty)) / int(problem.rows[r, j])))
         before = c[j]
         c[j] = min(problem.max_layers, c[j] + max(1, need))
+        full[j] = c[j] >= problem.max_layers
         excess -= problem.rows[:, j] * (c[j] - before)
         if problem.remat_rows is not None and before == 0:
             excess += problem.remat_rows[:, j]
