@@ -21,9 +21,10 @@
 8. ``retime``: the plans of earlier runs (``--runs``) timed again on today's executor, one run
    per input under the directory ``--out``: a refit after an executor change on the same steps.
 
-In 5 and 6, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
-worker 0 times the reference probe before every round and the measured steps are converted to
-the profile's clock (the machine's speed changes by 20-30 % within an hour here).
+In 5, 6 and 8, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
+worker 0 times the reference probe as many times as the profile's reading is the minimum over
+(the calibration's rounds, spread over the rounds) and the measured steps are converted to the
+profile's clock (the machine's speed changes by 20-30 % within an hour here).
 
     python scripts/bench_pipeline.py [--tokens 512] [--d-model 128] [--repeats 10] [--parts order]
     python scripts/bench_pipeline.py --parts policies --processes [--seeds 0,1,2] [--out runs/policies.json]
@@ -337,11 +338,14 @@ def run_policies(spec: dict, devices, say) -> dict:
             }
             entries[key] = prepared
             say(f"compiled {key}: {out[key]['compile_s']:.1f} s")
-    probe = None
-    if spec.get("reference_s"):  # the profile's reference probe, before every round (jvarlen.profile.clock)
+    probe, calls = None, [0] * spec["repeats"]
+    if spec.get("reference_s"):  # the profile's reference probe, before the rounds (jvarlen.profile.clock)
+        from jvarlen.profile.clock import calls_per_round
         from jvarlen.profile.harness import ChunkHarness, reference_probe
 
         probe = reference_probe(ChunkHarness(cfg))
+        # as many calls as the profile's reading is the minimum over (one per round where unknown)
+        calls = calls_per_round(spec.get("probe_calls") or spec["repeats"], spec["repeats"])
         out[REFERENCE_KEY] = []
     state = session.state
     for prepared in entries.values():  # warm-up
@@ -349,7 +353,7 @@ def run_policies(spec: dict, devices, say) -> dict:
         jax.block_until_ready(metrics)
     keys = list(entries)
     for r in range(spec["repeats"]):
-        if probe is not None:
+        for _ in range(calls[r]):
             out[REFERENCE_KEY].append(probe())
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # rotate the order every round
             t0 = time.perf_counter()
@@ -397,6 +401,7 @@ def overheads(cfg, args) -> None:
     import datetime
 
     from jvarlen.plan.cost_fit import EXECUTOR_TERMS, fit_tick_overhead, tick_overhead_terms
+    from jvarlen.profile.clock import calibration_rounds
 
     runs = load_runs(args.runs) if args.runs else [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
@@ -435,6 +440,8 @@ def overheads(cfg, args) -> None:
             else f"(--runs {', '.join(os.path.basename(s) for s in args.runs.split(','))}, {len(rows)} steps)"
         ),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # a profile written before ``reference_calls`` existed has them in its report only
+        reference_calls=cost.coeffs.meta.reference_calls or calibration_rounds(path) or 0,
     )
     fitted = dict(zip(EXECUTOR_TERMS, fit))
     cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
@@ -509,8 +516,14 @@ def retime(cfg, args) -> None:
 def time_spec(spec: dict, out: str, args) -> dict:
     """Writes ``spec`` beside ``out`` and times its plans, one process per stage with
     ``--processes``: the times, as :func:`run_policies` returns them."""
+    from jvarlen.profile.clock import calibration_rounds
+
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     spec["result"] = out.replace(".json", ".times.json")
+    if spec.get("reference_s"):
+        spec["probe_calls"] = calibration_rounds(spec["profile"]) if os.path.exists(spec["profile"]) else None
+        if not spec["probe_calls"]:
+            print(f"{spec['profile']}: its reading's probe calls are not recorded; one call per round", flush=True)
     spec_path = out.replace(".json", ".spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)

@@ -167,15 +167,6 @@ def error_summary(rows: list[dict], key: str = "rel_err") -> dict:
     }
 
 
-def calibration_rounds(profile: str) -> int | None:
-    """Rounds of the profile's sp = 1 calibration (its report next to it), None without a report."""
-    path = profile.replace(".json", ".report.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("calibration_rounds")
-
-
 def pool_probe_readings(rows: list[dict], probe_name: str, calls: int) -> None:
     """Sets ``reference_pooled_s`` of every row timed with the probe ``probe_name``:
     :func:`~jvarlen.profile.clock.nearest_probe_reading` over the rows of the same measurement run
@@ -263,7 +254,7 @@ def main(argv=None):
     from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
     from jvarlen.plan.schedule import one_f_one_b
     from jvarlen.plan.simulator import simulate
-    from jvarlen.profile.clock import to_profile_clock
+    from jvarlen.profile.clock import calibration_rounds, to_profile_clock
     from jvarlen.runtime.compile_cache import enable_persistent_cache as enable_compilation_cache
 
     enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla"))

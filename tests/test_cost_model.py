@@ -447,6 +447,7 @@ def test_shipped_measured_profile_is_labelled():
     assert "pinned to one core" in report["clock"]
     assert c.meta.reference_s > 0 and c.meta.reference_s == reference_reading(report)
     assert c.meta.reference_probe == REFERENCE_PROBE
+    assert c.meta.reference_calls == report["calibration_rounds"]  # the statistic a reading beside it must be
 
 
 def test_step_overhead_syncs_the_largest_stage():

@@ -12,7 +12,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from jvarlen.profile.clock import nearest_probe_reading, to_profile_clock
+from jvarlen.plan.coefficients import CostCoefficients, LayerTime, ProfileMeta
+from jvarlen.profile.clock import calibration_rounds, calls_per_round, nearest_probe_reading, to_profile_clock
+from jvarlen.profile.fit import profile_meta
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -71,3 +73,42 @@ def test_the_validation_pools_within_each_measurement_run_in_plan_order():
     module.pool_probe_readings(rows, probe, calls=2)
     # plan 0: its own call and plan 1's; plan 1: its own and plan 0's; plan 2: its own and plan 1's
     assert [r.get("reference_pooled_s") for r in rows] == [2.0 + 4.0, 2.0 + 4.0, 1.0 + 5.0, 1.0, 0.2, None]
+
+
+def test_a_profile_says_how_many_calls_its_reading_is_the_minimum_over(tmp_path):
+    meta = ProfileMeta(backend="cpu", reference_s=1.6, reference_probe="p", reference_calls=20)
+    CostCoefficients(fwd=LayerTime(1e-9, 1e-6, 0.0), meta=meta).save(tmp_path / "p.json")
+    assert CostCoefficients.load(tmp_path / "p.json").meta == meta
+    assert calibration_rounds(str(tmp_path / "p.json")) == 20
+    # written before the field: the report beside it says, else nobody does
+    old = ProfileMeta(backend="cpu", reference_s=1.6, reference_probe="p")
+    CostCoefficients(fwd=LayerTime(1e-9, 1e-6, 0.0), meta=old).save(tmp_path / "old.json")
+    assert calibration_rounds(str(tmp_path / "old.json")) is None
+    (tmp_path / "old.report.json").write_text('{"calibration_rounds": 12}')
+    assert calibration_rounds(str(tmp_path / "old.json")) == 12
+
+
+def test_the_fit_records_the_calibrations_rounds():
+    from jvarlen.config import ModelConfig
+    from jvarlen.plan.cost import ModelShape
+    from jvarlen.profile.harness import REFERENCE_CHUNKS
+
+    calibration = [[[c.context, list(c.slices), c.tail], 0.1] for c in REFERENCE_CHUNKS]
+    report = {"dual_layers": [2, 3], "raw": [], "repeats": 5, "calibration": calibration, "calibration_rounds": 17}
+    meta = profile_meta(ModelShape.from_config(ModelConfig()), report)
+    assert meta.reference_s == pytest.approx(0.1 * len(REFERENCE_CHUNKS)) and meta.reference_calls == 17
+    assert profile_meta(ModelShape.from_config(ModelConfig()), {**report, "calibration": []}).reference_calls == 0
+
+
+@pytest.mark.parametrize("calls,rounds", [(20, 5), (20, 3), (20, 20), (5, 5), (3, 7), (0, 4), (23, 6)])
+def test_the_benchmarks_probe_calls_spread_over_its_rounds(calls, rounds):
+    per = calls_per_round(calls, rounds)
+    assert len(per) == rounds and sum(per) == calls
+    assert max(per) - min(per) <= 1  # as even as they go: the reading follows the machine over the run
+
+
+def test_calls_per_round_refuses_nonsense():
+    with pytest.raises(ValueError):
+        calls_per_round(5, 0)
+    with pytest.raises(ValueError):
+        calls_per_round(-1, 3)

@@ -165,6 +165,9 @@ class ProfileMeta:
     # units") when the calibration was timed, and the probe's chunks; 0.0 = none (plain seconds)
     reference_s: float = 0.0
     reference_probe: str = ""
+    # probe calls each chunk's reading is the minimum over (the calibration's rounds); a reading
+    # beside a measurement must be the same statistic (jvarlen.profile.clock); 0 = not recorded
+    reference_calls: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,14 @@ Both sides must also be the same statistic. A minimum over fewer draws is larger
 reading is each chunk's minimum over the calibration's rounds (20), and the minimum of 5 of those
 20 rounds is 1.3-2.3 % larger on average, so a plan converted with only its own 5 probe calls
 was converted 1-2 % too fast. :func:`nearest_probe_reading` takes as many calls as the
-calibration had rounds: the plan's own and those of the plans measured next to it.
+calibration had rounds (:func:`calibration_rounds`): the plan's own and those of the plans
+measured next to it; the pipeline benchmark spreads that many calls over its rounds
+(:func:`calls_per_round`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -108,6 +111,27 @@ def nearest_probe_reading(calls_per_plan: Sequence[Sequence[Sequence[float]]], i
     if not pool:
         raise ValueError(f"plan {index} has no probe calls")
     return float(sum(min(chunk) for chunk in zip(*pool)))
+
+
+def calibration_rounds(profile_path: str) -> Optional[int]:
+    """Probe calls the profile's reference reading is the minimum over: its ``meta.reference_calls``,
+    for profiles written before that field the ``calibration_rounds`` of the report beside it;
+    None when neither says."""
+    with open(profile_path) as f:
+        calls = json.load(f).get("meta", {}).get("reference_calls", 0)
+    report = profile_path.replace(".json", ".report.json")
+    if not calls and os.path.exists(report):
+        with open(report) as f:
+            calls = json.load(f).get("calibration_rounds", 0)
+    return int(calls) or None
+
+
+def calls_per_round(calls: int, rounds: int) -> list[int]:
+    """``calls`` probe calls spread as evenly as they go over ``rounds`` rounds (sum = ``calls``),
+    so that the run's reading is the profile's statistic and follows the machine over the run."""
+    if calls < 0 or rounds < 1:
+        raise ValueError(f"need calls >= 0 and rounds >= 1, got {calls} and {rounds}")
+    return [calls * (r + 1) // rounds - calls * r // rounds for r in range(rounds)]
 
 
 def to_profile_clock(measured_s: float, reference_now_s: float, reference_profile_s: float) -> float:

@@ -85,6 +85,7 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         reference_s=reference,
         reference_probe=REFERENCE_PROBE if reference else "",
+        reference_calls=int(report.get("calibration_rounds", 0)) if reference else 0,
     )
 
 
