@@ -411,7 +411,8 @@ def overheads(cfg, args) -> None:
         sim = "paired" if table == "paired" else "ticks"
         terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
         rows.append((key, terms, measured))
-    fit = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows])
+    fit_terms = [t for t in args.fit_terms.split(",") if t]
+    fit = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows], fit=fit_terms)
     tick, per_token, per_context, recompute = fit
     print(
         f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token + {per_context * 1e6:.2f} us "
@@ -438,7 +439,8 @@ def overheads(cfg, args) -> None:
             f"(seeds {args.seeds}, {len(rows)} steps, {mode})"
             if not args.runs
             else f"(--runs {', '.join(os.path.basename(s) for s in args.runs.split(','))}, {len(rows)} steps)"
-        ),
+        )
+        + ("" if set(fit_terms) == set(EXECUTOR_TERMS) else f", fitted: {', '.join(fit_terms)}"),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # a profile written before ``reference_calls`` existed has them in its report only
         reference_calls=cost.coeffs.meta.reference_calls or calibration_rounds(path) or 0,
@@ -662,6 +664,11 @@ def main():
         "--runs",
         help="earlier runs' .spec.json files: --parts overheads fits on them instead of timing, --parts predict "
         "reports --profile's error on them",
+    )
+    parser.add_argument(
+        "--fit-terms",
+        default="tick_overhead,tick_token_overhead,tick_context_overhead,tick_recompute_factor",
+        help="--parts overheads: the executor terms fitted (the others 0)",
     )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

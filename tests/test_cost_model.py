@@ -367,6 +367,14 @@ def test_tick_overhead_recovered_from_simulated_steps():
     assert nothing_unexplained == pytest.approx((0.0, 0.0, 0.0, 0.0), abs=1e-12)
     with pytest.raises(ValueError):
         fit_tick_overhead(terms[:1], measured[:1])
+    # a subset of the terms: the others stay 0, and the fitted ones take what they can explain
+    three = ("tick_overhead", "tick_token_overhead", "tick_recompute_factor")
+    assert fit_tick_overhead(terms, measured, fit=three)[2] == 0.0
+    no_context_cost = [m - overhead["tick_context_overhead"] * t[3] for m, t in zip(measured, terms)]
+    refitted = fit_tick_overhead(terms, no_context_cost, fit=three)
+    assert refitted == pytest.approx((*list(overhead.values())[:2], 0.0, overhead["tick_recompute_factor"]), rel=0.3)
+    with pytest.raises(ValueError, match="fit must name"):
+        fit_tick_overhead(terms, measured, fit=("tick_bogus",))
 
 
 def test_executor_recomputation_is_charged_in_the_lock_step_models_only():

@@ -90,7 +90,7 @@ def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mo
 
 
 def fit_tick_overhead(
-    terms: Sequence[tuple[float, ...]], measured: Sequence[float]
+    terms: Sequence[tuple[float, ...]], measured: Sequence[float], fit: Sequence[str] = EXECUTOR_TERMS
 ) -> tuple[float, float, float, float]:
     """The executor's own costs, :data:`EXECUTOR_TERMS` (s per tick, s per tick and bucket token,
     s per tick and context token, forwards per recomputed layer), from timed executor steps: the
@@ -103,7 +103,15 @@ def fit_tick_overhead(
     cannot tell it from the others (NNLS then leaves one of them at 0; a term no step has, such as
     recomputation in plans that recompute nothing, stays 0). (A per-op overhead is not fitted: ops on
     the critical path grow with its ticks, and a fixed cost per layer call is already the layer
-    coefficients' intercept.)"""
+    coefficients' intercept.)
+
+    ``fit``: the terms fitted; the others stay 0. Where the steps vary two terms together (e.g. the
+    only steps that recompute are also those with the longest context), NNLS may give one term the
+    other's cost, and a term that cannot be 0 (a recomputed layer is not free) is fitted with the
+    collinear one left out."""
+    unknown = set(fit) - set(EXECUTOR_TERMS)
+    if unknown or not fit:
+        raise ValueError(f"fit must name some of {EXECUTOR_TERMS}, got {tuple(fit)}")
     width = 1 + len(EXECUTOR_TERMS)
     t = np.asarray(terms, float).reshape(-1, width)
     y = np.asarray(measured, float)
@@ -112,8 +120,11 @@ def fit_tick_overhead(
     if np.any(y <= 0):
         raise ValueError("measured step times must be positive")
     w = 1.0 / y
-    coef, _ = nnls(t[:, 1:] * w[:, None], (y - t[:, 0]) * w)
-    return tuple(float(c) for c in coef)
+    cols = [i for i, name in enumerate(EXECUTOR_TERMS) if name in fit]
+    coef, _ = nnls(t[:, 1:][:, cols] * w[:, None], (y - t[:, 0]) * w)
+    out = np.zeros(len(EXECUTOR_TERMS))
+    out[cols] = coef
+    return tuple(float(c) for c in out)
 
 
 # --------------------------------------------------------------------------- online refit
