@@ -70,6 +70,7 @@ from pipeline_policies import (  # noqa: E402
     POLICIES_RUN,
     REFERENCE_KEY,
     RESIDUAL_POLICY,
+    add_recompute_variants,
     batch_documents,
     load_runs,
     long_tailed_batch,
@@ -438,7 +439,7 @@ def overheads(cfg, args) -> None:
         + (
             f"(seeds {args.seeds}, {len(rows)} steps, {mode})"
             if not args.runs
-            else f"(--runs {', '.join(os.path.basename(s) for s in args.runs.split(','))}, {len(rows)} steps)"
+            else f"(--runs {', '.join(_short(s) for s in args.runs.split(','))}, {len(rows)} steps)"
         )
         + ("" if set(fit_terms) == set(EXECUTOR_TERMS) else f", fitted: {', '.join(fit_terms)}"),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -448,6 +449,11 @@ def overheads(cfg, args) -> None:
     fitted = dict(zip(EXECUTOR_TERMS, fit))
     cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
     print(f"wrote {args.profile_out}")
+
+
+def _short(path: str) -> str:
+    """A run's spec file as ``directory/file``: runs of one batch set sit in different directories."""
+    return os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
 
 
 def predict(cfg, args) -> None:
@@ -510,6 +516,8 @@ def retime(cfg, args) -> None:
         spec["retimed_from"] = os.path.basename(spec_path)
         spec["repeats"] = args.repeats
         spec["processes"] = args.processes
+        if args.recompute_variants:
+            add_recompute_variants(spec)
         out = os.path.join(args.out, os.path.basename(spec_path).replace(".spec.json", ".json"))
         print(f"retiming {spec_path} -> {out}", flush=True)
         report_policies(spec, time_spec(spec, out, args), out)
@@ -664,6 +672,11 @@ def main():
         "--runs",
         help="earlier runs' .spec.json files: --parts overheads fits on them instead of timing, --parts predict "
         "reports --profile's error on them",
+    )
+    parser.add_argument(
+        "--recompute-variants",
+        action="store_true",
+        help="--parts retime: also time each plan that recomputes nothing with every layer recomputed",
     )
     parser.add_argument(
         "--fit-terms",

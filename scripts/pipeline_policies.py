@@ -161,3 +161,30 @@ def timed_steps(runs: list[tuple[dict, dict]]):
                     key = f"{b['seed']}/{policy}/{table}"
                     if key in times:
                         yield key, Plan.from_json(plan_json), table, float(np.median(times[key]["times"])) * scale
+
+
+def add_recompute_variants(spec: dict) -> None:
+    """Beside every plan of ``spec`` that recomputes nothing, the same plan with every layer
+    recomputed (``<policy>+remat``: the same chunks, schedule and tick table, predicted with the
+    spec's profile): pairs of steps that differ in their recomputation only, which a fit of the
+    executor's terms can tell from the terms that grow with the ticks and buffers (otherwise the
+    steps that recompute are those with long contexts, and the fit gives one the other's cost)."""
+    import argparse
+
+    from jvarlen.config import ModelConfig
+    from jvarlen.plan.assemble import record_simulation
+    from jvarlen.plan.plan import Plan
+
+    for batch in spec["batches"]:
+        for policy, plan_json in list(batch["plans"].items()):
+            plan = Plan.from_json(plan_json)
+            layers = np.asarray(plan.ckpt_layers)
+            if layers.any():
+                continue
+            budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
+            ns = argparse.Namespace(profile=spec["profile"], budget_mb=budget, pp=spec["pp"])
+            cost, _ = policy_cost(ns, ModelConfig(**spec["model"]))
+            full = np.full_like(layers, cost.layers_per_stage)
+            variant = dataclasses.replace(plan, policy=f"{policy}+remat", ckpt_layers=full, stats={})
+            record_simulation(variant, cost, "paired")
+            batch["plans"][variant.policy] = variant.to_json()
