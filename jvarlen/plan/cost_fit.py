@@ -107,8 +107,8 @@ def fit_tick_overhead(
 
     ``fit``: the terms fitted; the others stay 0. Where the steps vary two terms together (e.g. the
     only steps that recompute are also those with the longest context), NNLS may give one term the
-    other's cost, and a term that cannot be 0 (a recomputed layer is not free) is fitted with the
-    collinear one left out."""
+    other's cost; leaving one out shows what the other takes, and steps that differ in one term only
+    (``bench_pipeline.py --parts retime --recompute-variants``) separate them."""
     unknown = set(fit) - set(EXECUTOR_TERMS)
     if unknown or not fit:
         raise ValueError(f"fit must name some of {EXECUTOR_TERMS}, got {tuple(fit)}")
