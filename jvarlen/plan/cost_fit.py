@@ -99,18 +99,13 @@ def fit_tick_overhead(
     seconds (``terms``: :func:`tick_overhead_terms` of each step's plan). It is the executor's own
     work that the layer coefficients do not see: the ``ppermute`` pair, slot gathers and scatters
     and the branch dispatch of every tick, the data-moving part of which grows with the buffers,
-    and a recomputed layer's forward rerun in a backward of its own. Steps that do not vary a term
-    cannot tell it from the others (NNLS then leaves one of them at 0; a term no step has, such as
-    recomputation in plans that recompute nothing, stays 0). (A per-op overhead is not fitted: ops on
-    the critical path grow with its ticks, and a fixed cost per layer call is already the layer
-    coefficients' intercept.)
-
-    ``fit``: the terms fitted; the others stay 0. Where the steps vary two terms together (e.g. the
-    only steps that recompute are also those with the longest context), NNLS may give one term the
-    other's cost; leaving one out shows what the other takes, and steps that differ in one term only
-    (``bench_pipeline.py --parts retime --recompute-variants``) separate them."""
-    unknown = set(fit) - set(EXECUTOR_TERMS)
-    if unknown or not fit:
+    and a recomputed layer's forward rerun in a backward of its own. A term no step has (such as
+    recomputation in plans that recompute nothing) stays 0, and where steps vary two terms together
+    (the only recomputing steps also have the longest contexts) NNLS may give one the other's cost:
+    steps that differ in one term only separate them (``bench_pipeline.py --recompute-variants``).
+    ``fit``: the terms fitted, the others 0. (A per-op overhead is not fitted: critical-path ops
+    grow with its ticks, and a layer call's fixed cost is the layer coefficients' intercept.)"""
+    if not fit or set(fit) - set(EXECUTOR_TERMS):
         raise ValueError(f"fit must name some of {EXECUTOR_TERMS}, got {tuple(fit)}")
     width = 1 + len(EXECUTOR_TERMS)
     t = np.asarray(terms, float).reshape(-1, width)
