@@ -332,7 +332,8 @@ def realise(lengths: Sequence[int], gc: GroupCosts, chosen: list[_Option], optio
     """Each group's documents, length-sorted, cut by Eq. 23-24 into its g micro-batches; each
     micro-batch recomputes the least layers that fit (DCP-intra) or all of them (DCP-inter).
     DCP-intra's groups are cut at their executor bucket instead where the group model finds that
-    faster (:meth:`GroupCosts.fastest_cut`)."""
+    faster (:meth:`GroupCosts.fastest_cut`); DCP-inter's as a fully recomputed ``flex_group`` where
+    that is faster (e.g. one micro-batch where b = 1 gave two, each padded to the group's bucket)."""
     out = []
     for opt in chosen:
         for grp in opt.groups:
@@ -344,7 +345,9 @@ def realise(lengths: Sequence[int], gc: GroupCosts, chosen: list[_Option], optio
             too_long = [n for n in (sum(local[i] for i in mb) for mb in mbs) if n > gc.cap_full(opt.scheme)]
             if too_long:
                 raise ValueError(f"dcp: a micro-batch of {too_long[0]} tokens does not fit {opt.scheme}")
-            out.append(GroupChoice(opt.scheme, tuple(grp), tuple(tuple(mb) for mb in mbs), (gc.layers,) * len(mbs)))
+            own = GroupChoice(opt.scheme, tuple(grp), tuple(tuple(mb) for mb in mbs), (gc.layers,) * len(mbs))
+            flex = gc.flex_group(lengths, opt.scheme, grp, full_recompute=True)
+            out.append(min((own, flex), key=lambda c: gc.group_time(lengths, c)))
     return out
 
 
