@@ -443,8 +443,7 @@ def overheads(cfg, args) -> None:
         )
         + ("" if set(fit_terms) == set(EXECUTOR_TERMS) else f", fitted: {', '.join(fit_terms)}"),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # a profile written before ``reference_calls`` existed has them in its report only
-        reference_calls=cost.coeffs.meta.reference_calls or calibration_rounds(path) or 0,
+        reference_calls=calibration_rounds(path) or 0,  # the meta's, else the report's beside it
     )
     fitted = dict(zip(EXECUTOR_TERMS, fit))
     cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)

@@ -175,6 +175,7 @@ def add_recompute_variants(spec: dict) -> None:
     from jvarlen.plan.assemble import record_simulation
     from jvarlen.plan.plan import Plan
 
+    costs: dict = {}  # by budget: the spec's plans share one or two
     for batch in spec["batches"]:
         for policy, plan_json in list(batch["plans"].items()):
             plan = Plan.from_json(plan_json)
@@ -182,8 +183,10 @@ def add_recompute_variants(spec: dict) -> None:
             if layers.any():
                 continue
             budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
-            ns = argparse.Namespace(profile=spec["profile"], budget_mb=budget, pp=spec["pp"])
-            cost, _ = policy_cost(ns, ModelConfig(**spec["model"]))
+            if budget not in costs:
+                ns = argparse.Namespace(profile=spec["profile"], budget_mb=budget, pp=spec["pp"])
+                costs[budget] = policy_cost(ns, ModelConfig(**spec["model"]))[0]
+            cost = costs[budget]
             full = np.full_like(layers, cost.layers_per_stage)
             variant = dataclasses.replace(plan, policy=f"{policy}+remat", ckpt_layers=full, stats={})
             record_simulation(variant, cost, "paired")

@@ -58,7 +58,7 @@ def best_assignment(lengths: list[int], gc: GroupCosts, full_recompute: bool = F
         if (block, scheme) not in times:
             fits = all(lengths[d] <= gc.cap_full(scheme) for d in block)
             cut = gc.flex_group(lengths, scheme, block, full_recompute) if fits else None
-            times[block, scheme] = gc.group_time(lengths, cut) if fits else math.inf
+            times[block, scheme] = math.inf if cut is None else gc.group_time(lengths, cut)
         return times[block, scheme]
 
     best = math.inf

@@ -30,7 +30,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
 from jvarlen.plan.cost import CostModel, ModelShape
-from jvarlen.plan.epp import group_chunks, plan_epp, smallest_slices, states_error
+from jvarlen.plan.epp import group_chunks, plan_epp, refuse_states_over_budget, smallest_slices
 from jvarlen.plan.grouping import order_families
 from jvarlen.plan.options import LOCKSTEP, SIMULATIONS, PlannerOptions, PlanningError, SlowerThanCeiling
 from jvarlen.plan.plan import Plan
@@ -173,8 +173,7 @@ def _plan_seq1f1b(lengths, cost, options: PlannerOptions) -> Plan:
     (raised further only if this batch needs it)."""
     size = min(options.seq1f1b_chunk_tokens, cost.max_tokens(in_flight=1, tail=False))
     if size < 1:  # not even one token's chunk fits beside the model states
-        if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
-            raise states_error(cost)
+        refuse_states_over_budget(cost)
         raise PlanningError("seq1f1b: no chunk fits the memory left beside the model states, even fully recomputed")
     ref = reference_uniform_layers(cost, size, options.seq1f1b_reference_context)
     chunks = fixed_size_chunks(lengths, size)

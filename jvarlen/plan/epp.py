@@ -64,6 +64,13 @@ def states_error(cost) -> PlanningError:
     )
 
 
+def refuse_states_over_budget(cost) -> None:
+    """Raises :func:`states_error` where the model states and a backward's layer gradients of some
+    stage alone reach the budget (no plan of any policy fits)."""
+    if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
+        raise states_error(cost)
+
+
 def refuse_unsplittable(lengths: Sequence[int], cost) -> None:
     """Raises :class:`PlanningError` at once where the longest document fits no plan by
     :func:`split_memory_bound` (every slicing, every recomputation); before it, the search would
@@ -71,8 +78,7 @@ def refuse_unsplittable(lengths: Sequence[int], cost) -> None:
     longest = max(lengths)
     if longest <= cost.max_tokens(in_flight=1, tail=True):
         return  # fits unsplit
-    if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
-        raise states_error(cost)
+    refuse_states_over_budget(cost)
     need, p = split_memory_bound(longest, cost)
     if need <= cost.memory_budget:
         return
@@ -445,6 +451,7 @@ __all__ = [
     "ordered_units",
     "plan_epp",
     "refine_candidate",
+    "refuse_states_over_budget",
     "refuse_unsplittable",
     "slice_candidates",
     "smallest_slices",
