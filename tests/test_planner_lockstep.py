@@ -1,6 +1,7 @@
 """Planning for jvarlen's lock-step executor (PlannerOptions.simulation="ticks"): units run in
 GPipe order where the lock-step simulator says that is faster and memory allows."""
 
+import dataclasses
 import glob
 
 import numpy as np
@@ -11,7 +12,7 @@ from jvarlen.layout import Layout
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.assemble import simulate
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
-from jvarlen.plan.epp import bucket_candidates
+from jvarlen.plan.epp import bucket_candidates, chunk_candidate
 from jvarlen.plan.plan import stage_peak_memory
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.workloads import sample_batch
@@ -164,6 +165,43 @@ def test_paired_planning_falls_back_to_bucket_slices_when_no_equal_time_mesh_fit
     assert (stage_peak_memory(p, cost) <= budget).all()
     with pytest.raises(PlanningError, match="cannot be split into slices that fit memory"):
         plan(SPLIT, budget=budget, simulation="ticks")
+
+
+def test_a_bucket_mesh_that_splits_nothing_has_the_tail_capacity():
+    """Slices no shorter than the longest document split nothing, so every chunk is a tail, as
+    with N = 1: a chunk may hold what one tail chunk in flight may (here 2,080 tokens under 60 MB),
+    not only what a split slice may (1,919). A 2,000-token document then has bucket meshes too."""
+    lengths = [2000, 300, 200]
+    cost = CostModel(SHAPE, Layout(1, 2, 1), COEFFS.replace(memory_budget=60e6))
+    assert cost.max_tokens(in_flight=1, tail=False) < 2000 <= cost.max_tokens(in_flight=1, tail=True)
+    assert chunk_candidate(lengths, cost, 1).n_slices == 1
+    bucket = chunk_candidate(lengths, cost, 0, 4096)
+    assert bucket.n_slices == 1 and {p[2] for c in bucket.chunks for p in c.pieces} == set(lengths)
+    with pytest.raises(ValueError, match="capacity 1919"):  # slices that split it: a split slice's capacity
+        chunk_candidate(lengths, cost, 0, 1984)
+
+
+def test_a_document_that_cannot_be_split_takes_the_short_ones_into_its_bucket():
+    """A 20,677-token document on a (pp = 2, sp = 4) pipeline of a 32B model (Hydraulis' A800s,
+    sharded stage weights) fits memory only unsplit. Before its bucket meshes had the tail
+    capacity, N = 1 was the only plan: the short documents went into a second chunk, padded to the
+    first one's 24,576-token bucket (16.9 s). A 32K-token mesh packs them into the long
+    document's chunk: one chunk, the time of one (12.3 s)."""
+    from jvarlen.plan.api import make_cost
+    from jvarlen.plan.hardware import CLUSTERS
+    from jvarlen.plan.strategy import Scheme, SchemeCosts
+
+    shape = ModelShape(60, 6656, 52, 52, 128, 17920, 32000, tie_embeddings=False)
+    spec = dataclasses.replace(CLUSTERS["a800"], network_bandwidth_per_node=200e9)
+    base = make_cost(shape, spec, Layout(32, 1, 1))
+    base = CostModel(shape, base.layout, base.coeffs.replace(sync_bytes_per_param=0.0), stage_weights_sharded=True)
+    cost = SchemeCosts(base, 32).cost(Scheme(2, 4))
+    lengths = [196, 152, 259, 339, 397, 20677, 315, 310]
+    opts = PlannerOptions(min_slice_tokens=512, n_candidates=2, simulation="paired")
+    p = plan_iteration(lengths, cost=cost, policy="epp", options=opts)
+    p.validate(lengths, cost)
+    assert p.n_chunks == 1 and p.stats["fits_memory"]
+    assert p.stats["iteration_time_s"] < 0.8 * p.stats["tuned_iteration_times"]["1"]
 
 
 def test_bucket_sizes_stay_where_the_profile_measured():

@@ -209,7 +209,9 @@ class Candidate:
 def chunk_candidate(lengths, cost, n: int, slice_tokens: Optional[int] = None) -> Candidate:
     """Alg. 1's chunks for N = ``n`` (or bucket-sized slices of ``slice_tokens``), capped by what one
     chunk in flight may hold and batched chunks by a full window (``pp`` in flight)."""
-    cap = cost.max_tokens(in_flight=1, tail=n == 1)  # N = 1 splits nothing: all chunks are tails
+    # N = 1, or slices no shorter than the longest document, split nothing: all chunks are tails
+    splits = max(lengths) > slice_tokens if slice_tokens is not None else n > 1
+    cap = cost.max_tokens(in_flight=1, tail=not splits)
     pack = cost.max_tokens(in_flight=cost.layout.pp, tail=True)
     res = chunk_batch(lengths, cost, n, token_capacity=cap, pack_tokens=pack, slice_tokens=slice_tokens)
     chunks = list(res.chunks)
