@@ -10,7 +10,7 @@
   ``not_faster_than_s``).
 * ``auto``: plans the iteration with every policy of ``AutoOptions.policies`` (the best homogeneous
   layout, EPP pipelines, Hydraulis, FlexSP, DCP), estimates each with the cost model (their
-  ``iteration_time_s``, simulated in the executor's lock-step model) and returns the fastest, with
+  ``iteration_time_s``, simulated in the executor's model: paired ticks, padded buckets) and returns the fastest, with
   every estimate in ``stats["auto_estimates"]`` and the winner in ``stats["policy_chosen"]``. A
   policy that cannot plan the batch (no layout fits, say) is skipped and its reason recorded.
   EPP pipelines are planned last, with the others' best time as their ceiling: their search
