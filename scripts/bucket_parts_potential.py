@@ -13,7 +13,13 @@ at ``max_parts = K`` for each ``--parts K`` (what the planners use; default 2), 
 per micro-batch (``K = inf``: a bound no number of parts beats, with FlexSP's plain Eq. 23-24
 cut). What the model leaves out: a part's program launch, the compile of more signatures.
 
-    python scripts/bucket_parts_potential.py [--parts 2 3] [--seeds 2]
+``--pipelines``: the same question for ``epp-pipelines`` (pipelines keep one bucket per step): on
+each setting of ``scripts/bench_strategies.py`` and its first ``--seeds`` batches, the slowest
+pipeline's simulated time with every chunk padded to the step's bucket against the same plans with
+no padding at all (``CostModel.padded(1)``). That ratio bounds what any number of buckets per
+pipeline step could gain, before the pipeline drains they would add.
+
+    python scripts/bucket_parts_potential.py [--parts 2 3] [--seeds 2] [--pipelines]
 """
 
 from __future__ import annotations
@@ -56,11 +62,40 @@ def best_layout_time(lengths, gc: GroupCosts) -> tuple[float, int]:
     return min(out)
 
 
+def pipeline_padding(seeds: int) -> None:
+    """``--pipelines``: padded / unpadded slowest-pipeline time of ``epp-pipelines`` plans."""
+    from bench_strategies import corpus, costs_for, token_batch
+    from bench_strategies import settings as strategy_settings
+
+    from jvarlen.plan.assemble import simulate
+    from jvarlen.plan.auto import EPPPipelinesOptions
+    from jvarlen.plan.strategy import plan_strategy
+
+    print("| setting | strategy (first batch) | padded / unpadded per batch |\n|---|---|---|")
+    ratios = []
+    for s in strategy_settings(False):
+        costs, pool = costs_for(s), corpus(s.workload, s.context)
+        cells, first = [], None
+        for i in range(seeds):
+            plan = plan_strategy("epp-pipelines", token_batch(pool, s.tokens, 1000 + i), costs, EPPPipelinesOptions())
+            first = first or plan.describe()
+            padded = max(simulate(g.plan, costs.cost(g.scheme), "paired").iteration_time for g in plan.groups)
+            bare = max(simulate(g.plan, costs.cost(g.scheme).padded(1), "paired").iteration_time for g in plan.groups)
+            ratios.append(padded / bare)
+            cells.append(f"{padded / bare:.3f}")
+        print(f"| {s.name} | {first} | {', '.join(cells)} |", flush=True)
+    print(f"padded / unpadded: {min(ratios):.3f}-{max(ratios):.3f}, median {statistics.median(ratios):.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", type=int, nargs="+", default=[2, 3], help="values of max_parts besides 1")
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--pipelines", action="store_true", help="EPP pipelines' padding instead (see the docstring)")
     args = ap.parse_args()
+    if args.pipelines:
+        pipeline_padding(args.seeds)
+        return 0
     names = [f"K={k}" for k in args.parts] + ["K=inf"]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     print("| setting | batch | K=1 s (sp) | " + " | ".join(f"{n} s (sp), gain" for n in names) + " |")
