@@ -156,6 +156,31 @@ def test_a_mixed_iteration_of_accumulating_sp_groups_equals_the_reference(setup)
     assert forwards == [4, 2 * 4 + 2, 3 * 4 + 1 + 3]
 
 
+def test_a_pipeline_group_in_gpipe_order_equals_the_reference(setup):
+    """A pp > 1 group's plan in GPipe order (what build_group_plan keeps where the executor's model
+    runs it faster and it fits: every stage's forwards, then its backwards) trains its documents as
+    the 1F1B plan does: one update equal to the single-device reference."""
+    from jvarlen.plan.schedule import gpipe
+
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    plan = strategy_plan(cfg)
+    a = plan.groups[0]
+    order = gpipe(a.plan.n_chunks, a.scheme.pp, a.plan.schedule.chunk_prev, a.plan.schedule.chunk_docs)
+    assert a.scheme.pp == 2 and order.stages != a.plan.schedule.stages
+    groups = (dataclasses.replace(a, plan=dataclasses.replace(a.plan, schedule=order)),) + plan.groups[1:]
+    plan = dataclasses.replace(plan, groups=groups)
+    plan.validate(LENGTHS)
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+    step = session.strategy_step(residual_policy="all")
+    state, metrics = step(session.state, step.prepare(plan, docs))
+    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+    assert_tree_close(state.params, expected.params)
+
+
 def test_groups_in_parts_equal_the_reference(setup):
     """A group's step in parts, each padded to its own bucket with its own tables and run one after
     the other from the same accumulators in one program, updates as the single-device reference."""

@@ -350,16 +350,17 @@ def build_group_plan(
 ) -> Plan:
     """The executor :class:`Plan` of one group: ``micro_batches`` (lists of indices into the group's
     document ``lengths``, each packed whole into one chunk, in execution order) as one 1F1B unit
-    on ``scheme`` (for ``pp = 1``: forward and backward of each micro-batch in turn, i.e. gradient
-    accumulation). ``parts`` (``pp = 1``): micro-batch counts of consecutive runs of
-    ``micro_batches``, each run its own unit and executor step (:attr:`Plan.parts`).
+    on ``scheme``, in GPipe order where that is faster and fits (:func:`assemble_faster_order`; for
+    ``pp = 1``: forward and backward of each micro-batch in turn, i.e. gradient accumulation).
+    ``parts`` (``pp = 1``): micro-batch counts of consecutive runs of ``micro_batches``, each run
+    its own unit and executor step (:attr:`Plan.parts`).
 
     ``ckpt``: recomputed layers per micro-batch (a sequence, one value per micro-batch, same on
     every stage; DCP-intra), ``"fit"`` (the least uniform count that fits memory), ``"milp"``
     (InfiniPipe Alg. 2 per chunk and stage) or ``"none"``. Stats come from simulating the plan
     under the scheme's cost model in ``simulation`` mode.
     """
-    from jvarlen.plan.assemble import assemble
+    from jvarlen.plan.assemble import assemble_faster_order
     from jvarlen.plan.units import PlannedChunk
 
     lengths = [int(x) for x in lengths]
@@ -376,7 +377,7 @@ def build_group_plan(
     units = [_group_unit(policy, scheme, [[k] for k in range(e - n, e)], shapes, cost, ckpt, solver, events)
              for n, e in zip(sizes, ends)]  # fmt: skip
     parts = tuple(sizes) if len(sizes) > 1 else ()
-    return assemble(policy, lengths, chunks, units, cost, stats, events, simulation=simulation, parts=parts)
+    return assemble_faster_order(policy, lengths, chunks, units, cost, stats, events, simulation, parts)
 
 
 def _group_unit(policy, scheme, families, shapes, cost, ckpt, solver, events):
@@ -419,8 +420,7 @@ def _group_unit(policy, scheme, families, shapes, cost, ckpt, solver, events):
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:
     """A strategy's predicted iteration time: its slowest group's (whose step overhead includes the
     parameter pull and gradient push of its stage)."""
-    slowest = max((g.predicted_time_s for g in groups), default=0.0)
-    return float(slowest)
+    return float(max((g.predicted_time_s for g in groups), default=0.0))
 
 
 def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]:
