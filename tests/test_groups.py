@@ -76,6 +76,25 @@ def _state(params, optimizer):
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
 
 
+def _step_equals_reference(setup, plan, inspect=None):
+    """One strategy step of ``plan`` (``inspect``: called on the prepared step first); its loss, gradient
+    norm and updated parameters equal the single-device reference's. Returns the step's metrics."""
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+    step = session.strategy_step(residual_policy="all")
+    prepared = step.prepare(plan, docs)
+    if inspect is not None:
+        inspect(prepared)
+    state, metrics = step(session.state, prepared)
+    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+    assert_tree_close(state.params, expected.params)
+    return metrics
+
+
 def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous_step(setup):
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
@@ -137,19 +156,10 @@ def test_known_groups_compile_nothing_and_groups_are_dispatched_without_a_host_s
 def test_a_mixed_iteration_of_accumulating_sp_groups_equals_the_reference(setup):
     """DCP's shape of an iteration: groups of different SP degrees accumulate different numbers of
     micro-batches with different recomputation; one update equals the single-device reference."""
-    cfg, graphdef, params, docs = setup
-    optimizer = optax.sgd(0.5)
-    plan = strategy_plan(cfg, MIXED)
+    plan = strategy_plan(setup[0], MIXED)
     assert [g.plan.n_chunks for g in plan.groups] == [1, 2, 3]
     assert [g.plan.ckpt_layers[:, 0].tolist() for g in plan.groups] == [[0], [2, 0], [0, 1, 3]]
-    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all")
-    state, metrics = step(session.state, step.prepare(plan, docs))
-    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
-    assert_tree_close(state.params, expected.params)
+    metrics = _step_equals_reference(setup, plan)
     # layer forwards per group: 4 layers per chunk plus the recomputed layers (the chunks padding
     # the counts to an even number run nothing)
     forwards = [int(np.asarray(f).sum()) for f in metrics["group_layer_forwards"]]
@@ -162,45 +172,29 @@ def test_a_pipeline_group_in_gpipe_order_equals_the_reference(setup):
     the 1F1B plan does: one update equal to the single-device reference."""
     from jvarlen.plan.schedule import gpipe
 
-    cfg, graphdef, params, docs = setup
-    optimizer = optax.sgd(0.5)
-    plan = strategy_plan(cfg)
+    plan = strategy_plan(setup[0])
     a = plan.groups[0]
     order = gpipe(a.plan.n_chunks, a.scheme.pp, a.plan.schedule.chunk_prev, a.plan.schedule.chunk_docs)
     assert a.scheme.pp == 2 and order.stages != a.plan.schedule.stages
     groups = (dataclasses.replace(a, plan=dataclasses.replace(a.plan, schedule=order)),) + plan.groups[1:]
     plan = dataclasses.replace(plan, groups=groups)
     plan.validate(LENGTHS)
-    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all")
-    state, metrics = step(session.state, step.prepare(plan, docs))
-    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
-    assert_tree_close(state.params, expected.params)
+    _step_equals_reference(setup, plan)
 
 
 def test_groups_in_parts_equal_the_reference(setup):
     """A group's step in parts, each padded to its own bucket with its own tables and run one after
     the other from the same accumulators in one program, updates as the single-device reference."""
-    cfg, graphdef, params, docs = setup
-    optimizer = optax.sgd(0.5)
-    plan = strategy_plan(cfg, PARTS)
+    plan = strategy_plan(setup[0], PARTS)
     assert [g.plan.parts for g in plan.groups] == [(1, 2), (1, 1), ()]
-    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all")
-    prepared = step.prepare(plan, docs)
-    assert prepared.info["group_parts"] == [2, 2, 1]  # in the step's record
-    sigs = [k[4] for k in prepared.key[1]]
-    assert isinstance(sigs[0], tuple) and [s.bucket for s in sigs[0]] == [80, 16]  # 73 tokens, then 7 and 12
-    assert isinstance(sigs[1], tuple) and len(sigs[1]) == 2 and not isinstance(sigs[2], tuple)
-    state, metrics = step(session.state, prepared)
-    np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
-    assert_tree_close(state.params, expected.params)
+
+    def inspect(prepared):
+        assert prepared.info["group_parts"] == [2, 2, 1]  # in the step's record
+        sigs = [k[4] for k in prepared.key[1]]
+        assert isinstance(sigs[0], tuple) and [s.bucket for s in sigs[0]] == [80, 16]  # 73 tokens, then 7 and 12
+        assert isinstance(sigs[1], tuple) and len(sigs[1]) == 2 and not isinstance(sigs[2], tuple)
+
+    _step_equals_reference(setup, plan, inspect)
 
 
 def test_the_strategy_step_refuses_a_plan_that_is_not_of_its_documents(setup):

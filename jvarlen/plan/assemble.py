@@ -48,11 +48,34 @@ def assemble(
     run_simulation: bool = True,
     simulation: str = "async",
     parts: tuple[int, ...] = (),
+    gpipe_order: bool = False,
 ) -> Plan:
     """Orders chunks unit by unit (forward order), concatenates the unit schedules
     (:func:`jvarlen.plan.schedule.sequential`) and checkpointing tables, and fills
     ``stats`` with the iteration time, bubble ratio and peak memory simulated in ``simulation``
-    mode (see :func:`simulate`). ``parts``: :attr:`Plan.parts`."""
+    mode (see :func:`simulate`). ``parts``: :attr:`Plan.parts`.
+
+    ``gpipe_order`` (a pipeline, ``pp > 1``, in a lock-step ``simulation``): where units run faster
+    in GPipe order (:func:`jvarlen.plan.grouping.lockstep_order`, which keeps every chunk of a unit
+    in flight where memory allows, as EPP's units do), the plan in that order instead, only if it
+    still fits after the executor's buffers are fitted and simulates faster.
+    ``stats["gpipe_units"]``: the units reordered (0 for the plan as given)."""
+    if gpipe_order:
+        from jvarlen.plan.grouping import lockstep_order
+
+        plan = assemble(policy, lengths, chunks, units, cost, stats, events, run_simulation, simulation, parts)
+        plan.stats["gpipe_units"] = 0
+        if not run_simulation or cost.layout.pp == 1 or simulation not in ("ticks", "paired"):
+            return plan
+        shapes = [c.shape(lengths) for c in chunks]
+        ordered = [lockstep_order(u, shapes, cost, simulation) for u in units]
+        reordered = sum(a is not b for a, b in zip(ordered, units))
+        if reordered:
+            alt = assemble(policy, lengths, chunks, ordered, cost, stats, events, run_simulation, simulation, parts)
+            if alt.stats["fits_memory"] and alt.stats["iteration_time_s"] < plan.stats["iteration_time_s"]:
+                alt.stats["gpipe_units"] = reordered
+                return alt
+        return plan
     order = [k for u in units for k in u.chunk_ids]
     if sorted(order) != list(range(len(chunks))):
         raise ValueError("units must cover every chunk exactly once")
@@ -86,39 +109,6 @@ def assemble(
         plan = fit_executor_memory(plan, cost, simulation)
     if run_simulation:
         record_simulation(plan, cost, simulation)
-    return plan
-
-
-def assemble_faster_order(
-    policy: str,
-    lengths: Sequence[int],
-    chunks: Sequence[PlannedChunk],
-    units: Sequence[Unit],
-    cost,
-    stats: dict | None = None,
-    events: list | None = None,
-    simulation: str = "paired",
-    parts: tuple[int, ...] = (),
-) -> Plan:
-    """:func:`assemble`, or, where a pipeline's (``pp > 1``) units run faster in GPipe order in a
-    lock-step model (:func:`jvarlen.plan.grouping.lockstep_order`, which keeps every chunk of a unit
-    in flight where memory allows, as EPP's units do), the plan in that order: only if it still fits
-    after the executor's buffers are fitted and simulates faster. ``stats["gpipe_units"]``: the
-    units reordered (0 for the plan as given)."""
-    from jvarlen.plan.grouping import lockstep_order
-
-    plan = assemble(policy, lengths, chunks, units, cost, stats, events, simulation=simulation, parts=parts)
-    plan.stats["gpipe_units"] = 0
-    if cost.layout.pp == 1 or simulation not in ("ticks", "paired"):
-        return plan
-    shapes = [c.shape(lengths) for c in chunks]
-    ordered = [lockstep_order(u, shapes, cost, simulation) for u in units]
-    reordered = sum(a is not b for a, b in zip(ordered, units))
-    if reordered:
-        alt = assemble(policy, lengths, chunks, ordered, cost, stats, events, simulation=simulation, parts=parts)
-        if alt.stats["fits_memory"] and alt.stats["iteration_time_s"] < plan.stats["iteration_time_s"]:
-            alt.stats["gpipe_units"] = reordered
-            return alt
     return plan
 
 
@@ -208,12 +198,4 @@ def uniform_unit(
     ), False
 
 
-__all__ = [
-    "assemble",
-    "assemble_faster_order",
-    "simulate",
-    "record_simulation",
-    "uniform_unit",
-    "SolverOptions",
-    "stage_peak_memory",
-]
+__all__ = ["assemble", "simulate", "record_simulation", "uniform_unit", "SolverOptions", "stage_peak_memory"]

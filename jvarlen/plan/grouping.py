@@ -209,7 +209,7 @@ def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost, mode: str = "
     per stage and tick) or ``"paired"`` (the executor's: a backward and a forward per tick, where
     1F1B's steady state wastes nothing; GPipe order still wins where a unit's chunks are few and
     uneven: 8 of 66 EPP units on 8 strategies-benchmark settings × 2 batches, and the pipeline
-    groups of whole documents of :func:`jvarlen.plan.assemble.assemble_faster_order` more often)."""
+    groups of whole documents, ``assemble(..., gpipe_order=True)``, more often)."""
     from jvarlen.plan.schedule import gpipe
     from jvarlen.plan.simulator import simulate
 

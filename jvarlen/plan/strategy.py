@@ -350,7 +350,7 @@ def build_group_plan(
 ) -> Plan:
     """The executor :class:`Plan` of one group: ``micro_batches`` (lists of indices into the group's
     document ``lengths``, each packed whole into one chunk, in execution order) as one 1F1B unit
-    on ``scheme``, in GPipe order where that is faster and fits (:func:`assemble_faster_order`; for
+    on ``scheme``, in GPipe order where that is faster and fits (``assemble(gpipe_order=True)``; for
     ``pp = 1``: forward and backward of each micro-batch in turn, i.e. gradient accumulation).
     ``parts`` (``pp = 1``): micro-batch counts of consecutive runs of ``micro_batches``, each run
     its own unit and executor step (:attr:`Plan.parts`).
@@ -360,7 +360,7 @@ def build_group_plan(
     (InfiniPipe Alg. 2 per chunk and stage) or ``"none"``. Stats come from simulating the plan
     under the scheme's cost model in ``simulation`` mode.
     """
-    from jvarlen.plan.assemble import assemble_faster_order
+    from jvarlen.plan.assemble import assemble
     from jvarlen.plan.units import PlannedChunk
 
     lengths = [int(x) for x in lengths]
@@ -377,7 +377,7 @@ def build_group_plan(
     units = [_group_unit(policy, scheme, [[k] for k in range(e - n, e)], shapes, cost, ckpt, solver, events)
              for n, e in zip(sizes, ends)]  # fmt: skip
     parts = tuple(sizes) if len(sizes) > 1 else ()
-    return assemble_faster_order(policy, lengths, chunks, units, cost, stats, events, simulation, parts)
+    return assemble(policy, lengths, chunks, units, cost, stats, events, True, simulation, parts, gpipe_order=True)
 
 
 def _group_unit(policy, scheme, families, shapes, cost, ckpt, solver, events):
