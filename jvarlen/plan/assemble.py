@@ -57,8 +57,9 @@ def assemble(
 
     ``gpipe_order`` (a pipeline, ``pp > 1``, in a lock-step ``simulation``): where units run faster
     in GPipe order (:func:`jvarlen.plan.grouping.lockstep_order`, which keeps every chunk of a unit
-    in flight where memory allows, as EPP's units do), the plan in that order instead, only if it
-    still fits after the executor's buffers are fitted and simulates faster.
+    in flight where memory allows), the plan in that order instead where it fits after the
+    executor's buffers are fitted and simulates faster (or the plan as given does not fit). EPP's
+    candidates and pipeline groups choose their order here.
     ``stats["gpipe_units"]``: the units reordered (0 for the plan as given)."""
     if gpipe_order:
         from jvarlen.plan.grouping import lockstep_order
@@ -72,7 +73,8 @@ def assemble(
         reordered = sum(a is not b for a, b in zip(ordered, units))
         if reordered:
             alt = assemble(policy, lengths, chunks, ordered, cost, stats, events, run_simulation, simulation, parts)
-            if alt.stats["fits_memory"] and alt.stats["iteration_time_s"] < plan.stats["iteration_time_s"]:
+            faster = alt.stats["iteration_time_s"] < plan.stats["iteration_time_s"]
+            if alt.stats["fits_memory"] and (faster or not plan.stats["fits_memory"]):
                 alt.stats["gpipe_units"] = reordered
                 return alt
         return plan

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.assemble import assemble
 from jvarlen.plan.chunk import ChunkShape, executor_bucket
-from jvarlen.plan.grouping import group, lockstep_order, resolve_unit
-from jvarlen.plan.options import LOCKSTEP, PlannerOptions, PlanningError, SlowerThanCeiling
+from jvarlen.plan.grouping import group, resolve_unit
+from jvarlen.plan.options import PlannerOptions, PlanningError, SlowerThanCeiling
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import ChunkingResult, chunk_batch, cut, longest_slice, split_mesh
 from jvarlen.plan.simulator import lower_bound
@@ -202,7 +202,6 @@ class Candidate:
     shapes: list
     bound: float = 0.0
     grouping: object = None
-    ordered: Optional[dict] = None
     time: float = math.inf
 
 
@@ -228,6 +227,8 @@ class _Search:
         self.policy, self.lengths, self.cost, self.options, self.progress = policy, lengths, cost, options, progress
         self.ceiling = ceiling  # a plan this slow is not wanted (the caller has a faster one)
         self.tune_mode = "greedy" if mode == "milp" else mode  # the MILP re-solves the chosen units only
+        # planned for the lock-step executor, units run in GPipe order where that is faster and fits
+        self.assembly = dict(simulation=options.simulation, gpipe_order=options.gpipe_units)
         self.tuned: dict[str, float] = {}
         self.pruned: dict[str, float] = {}
         self.events: list[str] = []
@@ -250,10 +251,7 @@ class _Search:
                     self.progress(f"{what}: {len(cand.chunks)} chunks, skipped (lower bound {cand.bound:.4g} s)")
                 return None
         cand.grouping = group_chunks(cand.chunks, self.lengths, cost, options, self.tune_mode, cand.shapes)
-        cand.ordered = ordered_units(cand.grouping.units, cand.shapes, cost, options)
-        plan = assemble(
-            self.policy, self.lengths, cand.chunks, list(cand.ordered.values()), cost, simulation=options.simulation
-        )
+        plan = assemble(self.policy, self.lengths, cand.chunks, list(cand.grouping.units), cost, **self.assembly)
         if not plan.stats["fits_memory"]:  # the executor's buffers (paired), recomputing all they can
             raise PlanningError(f"needs {plan.stats.get('executor_memory_bytes', 0) / 1e6:,.0f} MB per device")
         cand.time = self.tuned[cand.key] = plan.stats["iteration_time_s"]
@@ -413,14 +411,9 @@ def plan_epp(
         raise PlanningError(f"{policy}: {unsliced}; no bucket-sized slices fit either") from unsliced
     if best is None:
         raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
-    planned = list(best.grouping.units)
+    units = list(best.grouping.units)
     if mode == "milp":
-        planned = [resolve_unit(u, best.shapes, cost, cost.layers_per_stage, options.solver) for u in planned]
-    # a unit the MILP left as it was keeps the order chosen while tuning
-    ordered = best.ordered
-    units = [
-        ordered[id(u)] if id(u) in ordered else ordered_units([u], best.shapes, cost, options)[id(u)] for u in planned
-    ]
+        units = [resolve_unit(u, best.shapes, cost, cost.layers_per_stage, options.solver) for u in units]
     res = best.result
     stats = dict(
         n_slices=best.n_slices,
@@ -432,25 +425,15 @@ def plan_epp(
         mesh=list(res.mesh.slices),
         perturbations=res.perturbations,
         ckpt_solves=best.grouping.solves,
-        gpipe_units=sum(a is not b for a, b in zip(planned, units)),  # units reordered for the lock-step executor
+        gpipe_units=0,  # assemble() counts the units it runs in GPipe order
     )
-    return assemble(policy, lengths, best.chunks, units, cost, stats, search.events, simulation=options.simulation)
-
-
-def ordered_units(units, shapes, cost, options: PlannerOptions) -> dict:
-    """``{id(unit): unit as the executor will run it}`` in unit order: planned for the lock-step
-    executor (``simulation`` "ticks" or "paired"), a unit runs in GPipe order where that is faster and fits
-    (:func:`jvarlen.plan.grouping.lockstep_order`); InfiniPipe's async model keeps 1F1B."""
-    if options.simulation not in LOCKSTEP or not options.gpipe_units or cost.layout.pp == 1:
-        return {id(u): u for u in units}
-    return {id(u): lockstep_order(u, shapes, cost, options.simulation) for u in units}
+    return assemble(policy, lengths, best.chunks, units, cost, stats, search.events, **search.assembly)
 
 
 __all__ = [
     "bucket_candidates",
     "chunk_candidate",
     "group_chunks",
-    "ordered_units",
     "plan_epp",
     "refine_candidate",
     "refuse_states_over_budget",
