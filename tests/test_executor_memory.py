@@ -280,3 +280,48 @@ def test_one_account_measuring_many_tables_gives_each_tables_own_account(plans, 
         assert kept.terms == fresh.terms and kept.sizes == fresh.sizes and dict(kept.peaks) == dict(fresh.peaks)
         stage, chunks = kept.peaks.chunks("res")
         assert (stage, chunks) == (fresh.peaks["res"][0], sorted({k for k, _ in fresh.peaks["res"][2]}))
+
+
+def test_the_fit_caps_the_first_stage_where_the_last_one_fuses():
+    """Five whole documents of ~6K tokens on a (pp = 2, sp = 4) group of a 13B model (A800s), no
+    recomputation, under a budget halfway between the fully recomputed and the stored plan's
+    accounts: the residual slots peak on the first stage, which holds two chunks in flight, while
+    the last stage fuses each chunk's forward and backward. A cap on the first stage alone fits
+    with the last stage storing every layer, faster than recomputing whole chunks or one cap for
+    both stages (which unfuses the last); the fit keeps it."""
+    from jvarlen.config import load_config
+    from jvarlen.plan.api import make_cost
+    from jvarlen.plan.executor_memory import _repair_by_cap, _repair_by_chunk
+    from jvarlen.plan.hardware import CLUSTERS
+    from jvarlen.plan.simulator import simulate
+    from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan
+
+    shape = ModelShape.from_config(load_config("configs/llama-13b.yaml").model)
+    coeffs = make_cost(shape, CLUSTERS["a800"], Layout(16, 1, 1)).coeffs
+    scheme, lengths = Scheme(2, 4), [7147, 5833, 6213, 6199, 6169]
+
+    def costs_under(budget):
+        return SchemeCosts(CostModel(shape, Layout(16, 1, 1), coeffs.replace(memory_budget=budget)), 16)
+
+    plan = build_group_plan("hydraulis", scheme, lengths, [[i] for i in range(5)], costs_under(1e12), [0] * 5)
+    loose = costs_under(1e12).cost(scheme)
+    ls = loose.layers_per_stage
+    everything = dataclasses.replace(plan, ckpt_layers=np.full_like(plan.ckpt_layers, ls))
+    floor, stored = executor_memory(everything, loose).total, executor_memory(plan, loose).total
+    cost = costs_under((floor + stored) / 2).cost(scheme)
+    ckpt, account, _ = fit_executor(plan, cost)
+    assert account.total <= cost.memory_budget
+    assert (ckpt[:, 1] == 0).all() and account.sizes["fused"]  # the last stage stores all and fuses
+    assert (ckpt[:, 0] == ckpt[0, 0]).all() and 0 < ckpt[0, 0] < ls  # one cap on the first stage
+
+    def measure(table):
+        return executor_memory(dataclasses.replace(plan, ckpt_layers=table), cost)
+
+    def seconds(table):
+        return simulate(plan.schedule, plan.chunk_shapes(), table, cost, "paired").iteration_time
+
+    start = np.asarray(plan.ckpt_layers, np.int32)
+    tokens = [s.tokens for s in plan.chunk_shapes()]
+    by_chunk, _ = _repair_by_chunk(start, measure(start), tokens, ls, cost.memory_budget, measure)
+    by_cap, _ = _repair_by_cap(start, ls, cost.memory_budget, measure)
+    assert seconds(ckpt) < min(seconds(by_chunk), seconds(by_cap))
