@@ -168,3 +168,24 @@ def test_no_recomputation_admits_what_fits_without_it(costs):
     assert fits_memory(plan) and all((np.asarray(g.plan.ckpt_layers) == 0).all() for g in plan.groups)
     with pytest.raises(PlanningError, match=f"the longest micro-batch that fits is {top} tokens .* with 0 of 4 layers"):
         plan_strategy("flexsp", [top + 1], costs, options)
+
+
+def test_states_over_the_budget_name_the_sharded_stage_weights():
+    """Where a pp = 1 group cannot hold its model states, no micro-batch length is the problem:
+    the refusal says what the states need and that sharding the stage weights over the group's
+    devices (parallel.stage_weights=sharded) fits them, and with it the same batch plans."""
+    shape = ModelShape.from_config(Config().model)
+    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+
+    def costs(budget, sharded=False):
+        cost = CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget), stage_weights_sharded=sharded)
+        return SchemeCosts(cost, 8)
+
+    floors = [costs(1e12, sharded).cost(Scheme(1, 4)).memory_floor(0) for sharded in (False, True)]
+    assert floors[1] < floors[0]
+    budget = 0.98 * floors[0]  # just below the replicated states (9.36 MB), 3.4 MB above the sharded ones
+    for policy in ("flexsp", "dcp"):
+        with pytest.raises(PlanningError, match="no SP group holds a single token") as e:
+            plan_strategy(policy, [300, 200, 100], costs(budget))
+        assert "parallel.stage_weights=sharded" in str(e.value) and "which fits" in str(e.value)
+        assert fits_memory(plan_strategy(policy, [300, 200, 100], costs(budget, sharded=True)))

@@ -37,6 +37,7 @@ import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group, packed_group
+from jvarlen.plan.cost import CostModel
 from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
@@ -443,6 +444,10 @@ def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
 
 def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: Sequence[int]) -> str:
     scheme, longest = gc.longest_fitting()
+    widest = max(gc.schemes, key=lambda s: s.sp)
+    cost = gc.costs.cost(widest)
+    if cost.memory_floor(0) > cost.memory_budget:  # not one token: the states alone are too big
+        return f"{policy}: {states_message(cost, widest)}"
     padded = ""
     if gc.executor_fit and longest > 0:
         padded = f", padded to the executor's {executor_bucket(longest, scheme.sp)}-token bucket"
@@ -456,9 +461,31 @@ def too_long_message(policy: str, lengths: Sequence[int], gc: GroupCosts, docs: 
     )
 
 
+def states_message(cost, scheme) -> str:
+    """Why a ``pp = 1`` group of ``scheme`` holds no token under ``cost``, and the remedy where one
+    exists: its devices hold every layer's weights (and one backward's layer gradients) unless the
+    run shards each stage's weights over them (``parallel.stage_weights``)."""
+    floor, budget = cost.memory_floor(0), cost.memory_budget
+    out = (
+        f"no SP group holds a single token: before any activation a device of a {scheme} group needs "
+        f"{floor / 1e6:,.1f} MB (the weights' compute copy and gradient accumulator, its share of the fp32 "
+        f"master weights and Adam moments, one backward's layer gradients), over the {budget / 1e6:,.1f} MB budget"
+    )
+    if not cost.stage_weights_sharded:
+        sharded = CostModel(cost.model, cost.layout, cost.coeffs, cost.state_devices, stage_weights_sharded=True)
+        need = sharded.memory_floor(0)
+        verdict = "which fits" if need < budget else "still over"
+        out += (
+            f"; with parallel.stage_weights=sharded its {scheme.sp} devices shard the weights: "
+            f"{need / 1e6:,.1f} MB, {verdict}"
+        )
+    return out
+
+
 __all__ = [
     "GroupChoice",
     "GroupCosts",
     "infeasible_documents",
+    "states_message",
     "too_long_message",
 ]
