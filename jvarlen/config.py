@@ -105,7 +105,7 @@ CHECKPOINT_FIELDS = (
 # Of those, the ones a run may change on purpose (context extension): set to a value other than
 # the default, they override the checkpoint's.
 ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
-STAGE_WEIGHTS = ("replicated", "sharded")  # parallel.stage_weights
+STAGE_WEIGHTS = ("replicated", "sharded", "auto")  # parallel.stage_weights
 
 
 @dataclasses.dataclass
@@ -333,7 +333,9 @@ class ParallelConfig:
     residual_policy: str = "dots_and_attention"
     # A pipeline stage's layers (and their gradient accumulator): "replicated" (every device holds
     # the stage) or "sharded" (ZeRO-3 over the stage's sp devices and the dp pipelines: 1/(dp·sp)
-    # each, a layer gathered whole one layer ahead of its use; the planner's memory model follows).
+    # each, a layer gathered whole one layer ahead of its use; the planner's memory model follows);
+    # "auto" (strategy policies only): whichever the planner predicts faster on the run's first
+    # sample batches, chosen once at the start.
     stage_weights: str = "replicated"
 
     @property
@@ -516,6 +518,13 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        _require(
+            self.parallel.stage_weights != "auto" or self.plan.uses_groups,
+            f"parallel.stage_weights=auto is chosen by planning sample batches with a strategy policy "
+            f"(plan.policy in {STRATEGY_POLICIES}); with plan.policy={self.plan.policy} set it to replicated or sharded",
+        )
 
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"

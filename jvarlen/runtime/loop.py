@@ -5,6 +5,7 @@ checkpoint. The loop knows no strategy's internals (:mod:`jvarlen.runtime.strate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Callable, Optional
@@ -45,9 +46,12 @@ def make_strategy(
     )
     wait = config.plan.wait or jax.process_count() > 1
     if config.plan.uses_groups:
-        from jvarlen.runtime.strategies.groups import GroupsStrategy, strategy_options
+        from jvarlen.runtime.strategies.groups import GroupsStrategy, choose_stage_weights, strategy_options
         from jvarlen.runtime.strategies.pipeline import cost_model
 
+        if config.parallel.stage_weights == "auto":
+            chosen = choose_stage_weights(config, run.pipeline, layout, run.say)
+            config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=chosen))
         costs = SchemeCosts(cost_model(config, layout, run.say), layout.num_devices)
         options = strategy_options(config, run.pipeline, costs, run.say)
         return GroupsStrategy(

@@ -23,6 +23,7 @@ reuses known groups compiles nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Optional, Sequence
@@ -40,7 +41,7 @@ from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_
 from jvarlen.parallel.pipeline.executor import DATA
 from jvarlen.parallel.sharding import place_global, push
 from jvarlen.plan import cpsat
-from jvarlen.plan.strategy import StrategyPlan, plan_strategy
+from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, plan_strategy
 from jvarlen.runtime.memory_fit import ensure_fits
 from jvarlen.runtime.step import CompiledStep
 from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
@@ -72,6 +73,59 @@ def strategy_options(config, pipeline, costs, say=lambda _: None):
     )
     hydraulis = HydraulisOptions(candidates=candidates)
     return hydraulis if policy == "hydraulis" else AutoOptions(options=(("hydraulis", hydraulis),))
+
+
+def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: int = 4) -> str:
+    """``parallel.stage_weights`` for a run that sets ``auto``: the run's policy plans the sampler's
+    first ``batches`` batches (from its seed, whatever step the run resumes at) with the stage
+    weights replicated and sharded, and the variant that plans more of them, then the one with the
+    shorter mean predicted iteration, is chosen (ties: replicated, which gathers nothing).
+    Sharding lets ``pp = 1`` groups hold a model whose replicated states exceed the budget (13B on
+    A800s: 115 GB per device replicated, 33 GB sharded over 8) and leaves every group more memory
+    for activations. The cost model takes its per-layer gathers and reduce-scatters as hidden behind
+    compute (issued a layer ahead; docs/benchmarks.md, "Pipeline stage weights"), so sharded is
+    predicted faster only where memory binds, and equal elsewhere."""
+    import statistics
+    import time
+
+    from jvarlen.data.sampler import TokenBudgetSampler
+    from jvarlen.plan.options import PlanningError
+    from jvarlen.runtime.strategies.pipeline import cost_model
+
+    start = time.perf_counter()
+    sampler = TokenBudgetSampler(
+        pipeline.pieces.length, config.data.rows_per_batch, config.data.seq_len, seed=config.data.seed
+    )
+    samples = [[int(pipeline.pieces.length[p]) for p in sampler.next().piece_ids] for _ in range(batches)]
+    ranked = []
+    for rank, choice in enumerate(("replicated", "sharded")):
+        variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
+        costs = SchemeCosts(cost_model(variant, layout, lambda _: None), layout.num_devices)
+        options = strategy_options(variant, pipeline, costs)
+        times = []
+        for lengths in samples:
+            try:
+                times.append(plan_strategy(config.plan.policy, lengths, costs, options).stats["iteration_time_s"])
+            except PlanningError:
+                pass
+        mean = statistics.fmean(times) if times else math.inf
+        ranked.append((-len(times), mean, rank, choice))
+    (planned, mean, _, chosen), (other_planned, other_mean, _, other) = sorted(ranked)
+
+    def outcome(n, t):
+        return "no plan" if not n else f"{t:.4g} s" + (f" on {-n} of them" if -n < batches else "")
+
+    took = f"chosen in {time.perf_counter() - start:.1f} s"
+    if not planned:
+        say(
+            f"[jvarlen] parallel.stage_weights=auto: replicated; neither plans any of {batches} sample batches ({took})"
+        )
+        return "replicated"
+    say(
+        f"[jvarlen] parallel.stage_weights=auto: {chosen} (mean predicted iteration over {batches} sample batches "
+        f"{outcome(planned, mean)}; {other}: {outcome(other_planned, other_mean)}; {took})"
+    )
+    return chosen
 
 
 def _estimate(v: dict):

@@ -1,0 +1,57 @@
+"""What ``parallel.stage_weights`` does to ``auto`` on the strategies benchmark's settings: the same
+batches (seeds 1000, 1001, ... as ``bench_strategies.py --parts compare``) planned with the
+stage weights replicated and sharded, which is the choice ``parallel.stage_weights=auto`` makes
+once per run (jvarlen.runtime.strategies.groups.choose_stage_weights). Prints a markdown table.
+
+    python scripts/stage_weights_choice.py --only '13B' --iterations 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import re
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_strategies as bs  # noqa: E402
+
+from jvarlen.plan.strategy import strategy_policies  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="13B", help="settings whose name matches this regex")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--policy", default="auto")
+    args = ap.parse_args()
+    _, options_type = strategy_policies()[args.policy]
+    print(
+        f"| setting | {args.policy} replicated s | sharded s | replicated / sharded | strategies sharded (first batches) |"
+    )
+    print("|---|---|---|---|---|")
+    for setting in [s for s in bs.settings(False) if re.search(args.only, s.name)]:
+        row = {}
+        for sharded in (False, True):
+            variant = dataclasses.replace(setting, sharded_stage_weights=sharded)
+            costs, pool = bs.costs_for(variant), bs.corpus(variant.workload, variant.context)
+            options, _ = bs.prepare(options_type, pool, costs, variant.context)
+            runs = [bs.run_plan(args.policy, bs.token_batch(pool, variant.tokens, 1000 + i), costs, options)
+                    for i in range(args.iterations)]  # fmt: skip
+            times = [r["iter_s"] for r in runs if "error" not in r]
+            row[sharded] = (statistics.fmean(times) if len(times) == len(runs) else None, runs)
+
+        def cell(t):
+            return "no plan" if t is None else f"{t:.3f}"
+
+        (rep, _), (sha, runs) = row[False], row[True]
+        ratio = f"{rep / sha:.3f}×" if rep and sha else "n/a"
+        shown = ", ".join(r.get("strategy", "no plan") for r in runs[:3])
+        print(f"| {setting.name} | {cell(rep)} | {cell(sha)} | {ratio} | {shown} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
