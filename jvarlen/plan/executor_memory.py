@@ -159,7 +159,7 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
       repair lets chunks keep stored layers;
     - *by stage*: a cap per stage, lowered on the stage where the residual slots peak
       (:func:`_repair_by_stage`): on the 13B Hydraulis groups of the strategies benchmark it
-      stores up to 8 of 20 layers on the first stage and leaves the last stage fused, 7-10 % less
+      stores 8 of 20 layers on the first stage and leaves the last stage fused, up to 9 % less
       time than either repair above.
 
     -> (ckpt ``[n, pp]``, :class:`ExecutorMemory`, (chunk, stage) pairs raised). With none

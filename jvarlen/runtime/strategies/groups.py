@@ -97,34 +97,42 @@ def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: 
         pipeline.pieces.length, config.data.rows_per_batch, config.data.seq_len, seed=config.data.seed
     )
     samples = [[int(pipeline.pieces.length[p]) for p in sampler.next().piece_ids] for _ in range(batches)]
-    ranked = []
-    for rank, choice in enumerate(("replicated", "sharded")):
+    planned = {}  # choice -> predicted iteration seconds of the batches it plans
+    for choice in ("replicated", "sharded"):
         variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
         costs = SchemeCosts(cost_model(variant, layout, lambda _: None), layout.num_devices)
         options = strategy_options(variant, pipeline, costs)
-        times = []
+        planned[choice] = []
         for lengths in samples:
-            try:
-                times.append(plan_strategy(config.plan.policy, lengths, costs, options).stats["iteration_time_s"])
+            try:  # reproducibly: every process of a run, and its resumption, must choose alike
+                plan = cpsat.call_reproducibly(plan_strategy, config.plan.policy, lengths, costs, options)
             except PlanningError:
-                pass
-        mean = statistics.fmean(times) if times else math.inf
-        ranked.append((-len(times), mean, rank, choice))
-    (planned, mean, _, chosen), (other_planned, other_mean, _, other) = sorted(ranked)
+                continue
+            planned[choice].append(plan.stats["iteration_time_s"])
 
-    def outcome(n, t):
-        return "no plan" if not n else f"{t:.4g} s" + (f" on {-n} of them" if -n < batches else "")
+    def rank(choice):  # more batches planned, then faster; the sort is stable, so ties keep replicated
+        times = planned[choice]
+        return -len(times), statistics.fmean(times) if times else math.inf
+
+    chosen, other = sorted(planned, key=rank)
+
+    def outcome(choice):
+        times = planned[choice]
+        if not times:
+            return "no plan"
+        return f"{statistics.fmean(times):.4g} s" + (f" on {len(times)} of them" if len(times) < batches else "")
 
     took = f"chosen in {time.perf_counter() - start:.1f} s"
-    if not planned:
+    if not planned[chosen]:
+        chosen = "replicated"
         say(
             f"[jvarlen] parallel.stage_weights=auto: replicated; neither plans any of {batches} sample batches ({took})"
         )
-        return "replicated"
-    say(
-        f"[jvarlen] parallel.stage_weights=auto: {chosen} (mean predicted iteration over {batches} sample batches "
-        f"{outcome(planned, mean)}; {other}: {outcome(other_planned, other_mean)}; {took})"
-    )
+    else:
+        say(
+            f"[jvarlen] parallel.stage_weights=auto: {chosen} (mean predicted iteration over {batches} sample "
+            f"batches {outcome(chosen)}; {other}: {outcome(other)}; {took})"
+        )
     return chosen
 
 
