@@ -52,3 +52,26 @@ def test_cli_rejects_unknown_policies():
         PlanCli(lengths="x", config="y", policy="nope")
     with pytest.raises(ValueError, match="--devices"):
         PlanCli(lengths="x", config="y", policy="hydraulis", devices=-1)
+
+
+@pytest.mark.parametrize("stage_weights", ["replicated", "sharded", "auto"])
+def test_cli_plans_with_the_configs_stage_weights(tmp_path, capsys, stage_weights):
+    """FlexSP plans a 13B model on 16 A800s only with the groups' layers sharded (replicated, a
+    one-stage group needs 115 GB per device): the CLI plans with the config's
+    ``parallel.stage_weights`` as the run does, and with ``auto`` chooses as the run does."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = tmp_path / "llama-13b.yaml"
+    extra = f"parallel:\n  stage_weights: {stage_weights}\nplan:\n  policy: flexsp\n"  # auto needs a strategy policy
+    config.write_text(open(os.path.join(root, "configs", "llama-13b.yaml")).read() + extra)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [9_000, 4_000, 1_500, 800, 300] * 4) + "\n")
+    args = ["--lengths", str(lengths), "--config", str(config), "--policy", "flexsp", "--devices", "16"]
+    code = main(args + ["--cluster", "a800", "--batch-size", "10", "--iterations", "2"])
+    printed = capsys.readouterr().out
+    if stage_weights == "replicated":
+        assert code == 1 and "no SP group holds a single token" in printed and "which fits" in printed
+    else:
+        assert code == 0 and "median solve" in printed
+    assert ("parallel.stage_weights=auto: sharded" in printed) == (stage_weights == "auto")

@@ -60,7 +60,7 @@ def test_auto_keeps_replicated_stage_weights_where_memory_does_not_bind(tmp_path
     pipeline = DataPipeline(config.data, config.model.vocab_size)
     said = []
     assert choose_stage_weights(config, pipeline, resolve_layout(config, 8), said.append) == "replicated"
-    predicted = re.findall(r"(\d+\.\d+) s;", said[-1])
+    predicted = re.findall(r"(\d+\.\d+) s[;)]", said[-1])
     assert "stage_weights=auto: replicated" in said[-1] and len(predicted) == 2 and predicted[0] == predicted[1]
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.cost import CostModel
 
 PROGRESS_AFTER_S = 2.0  # planning that takes longer than this reports its progress on stderr
 
@@ -280,7 +281,23 @@ def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
     except ConfigError as error:
         raise InputError(f"--config {path}: {error}") from None
     base = make_cost(cfg.model, cluster, Layout(n, 1, 1))  # n devices: the node count of the profile
-    return SchemeCosts(base, n)
+    return with_stage_weights(SchemeCosts(base, n), cfg.parallel.stage_weights == "sharded")  # auto: run_strategy
+
+
+def with_stage_weights(costs, sharded: bool):
+    """``costs`` with the groups' layers sharded over each group's devices, or replicated."""
+    from jvarlen.plan.strategy import SchemeCosts
+
+    base = costs.base
+    return SchemeCosts(
+        CostModel(base.model, base.layout, base.coeffs, stage_weights_sharded=sharded), costs.num_devices
+    )
+
+
+def stage_weights_of(path: str) -> str:
+    from jvarlen.config import load_config
+
+    return load_config(path).parallel.stage_weights
 
 
 def strategy_options(cli: PlanCli, corpus: list[int], costs):
@@ -307,8 +324,19 @@ def run_strategy(cli: PlanCli) -> int:
     if cli.context > 0:
         corpus = [min(x, cli.context) for x in corpus]
     options = strategy_options(cli, corpus, costs)
+    planned = list(batches(corpus, cli.batch_size, cli.iterations, cli.seed, 0))
+    if stage_weights_of(cli.config) == "auto":  # as the run chooses, on the batches planned here
+        from jvarlen.plan.stage_weights import choose
+
+        def variant(choice):
+            chosen = with_stage_weights(costs, choice == "sharded")
+            return chosen, strategy_options(cli, corpus, chosen)
+
+        choice, why = choose(cli.policy, planned[:4], variant)
+        print(f"parallel.stage_weights=auto: {why}")
+        costs, options = variant(choice)
     records, last, first = [], None, None
-    for i, batch in enumerate(batches(corpus, cli.batch_size, cli.iterations, cli.seed, 0)):
+    for i, batch in enumerate(planned):
         try:
             plan = plan_strategy(cli.policy, batch, costs, options)
         except PlanningError as e:

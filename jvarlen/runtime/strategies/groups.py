@@ -76,20 +76,13 @@ def strategy_options(config, pipeline, costs, say=lambda _: None):
 
 
 def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: int = 4) -> str:
-    """``parallel.stage_weights`` for a run that sets ``auto``: the run's policy plans the sampler's
-    first ``batches`` batches (from its seed, whatever step the run resumes at) with the stage
-    weights replicated and sharded, and the variant that plans more of them, then the one with the
-    shorter mean predicted iteration, is chosen (ties: replicated, which gathers nothing).
-    Sharding lets ``pp = 1`` groups hold a model whose replicated states exceed the budget (13B on
-    A800s: 115 GB per device replicated, 33 GB sharded over 8) and leaves every group more memory
-    for activations. The cost model takes its per-layer gathers and reduce-scatters as hidden behind
-    compute (issued a layer ahead; docs/benchmarks.md, "Pipeline stage weights"), so sharded is
-    predicted faster only where memory binds, and equal elsewhere."""
-    import statistics
+    """``parallel.stage_weights`` for a run that sets ``auto``: :func:`jvarlen.plan.stage_weights.choose`
+    on the sampler's first ``batches`` batches (from its seed, whatever step the run resumes at),
+    with the run's cost model and policy options under each choice."""
     import time
 
     from jvarlen.data.sampler import TokenBudgetSampler
-    from jvarlen.plan.options import PlanningError
+    from jvarlen.plan.stage_weights import choose
     from jvarlen.runtime.strategies.pipeline import cost_model
 
     start = time.perf_counter()
@@ -97,42 +90,14 @@ def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: 
         pipeline.pieces.length, config.data.rows_per_batch, config.data.seq_len, seed=config.data.seed
     )
     samples = [[int(pipeline.pieces.length[p]) for p in sampler.next().piece_ids] for _ in range(batches)]
-    planned = {}  # choice -> predicted iteration seconds of the batches it plans
-    for choice in ("replicated", "sharded"):
-        variant = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
-        costs = SchemeCosts(cost_model(variant, layout, lambda _: None), layout.num_devices)
-        options = strategy_options(variant, pipeline, costs)
-        planned[choice] = []
-        for lengths in samples:
-            try:  # reproducibly: every process of a run, and its resumption, must choose alike
-                plan = cpsat.call_reproducibly(plan_strategy, config.plan.policy, lengths, costs, options)
-            except PlanningError:
-                continue
-            planned[choice].append(plan.stats["iteration_time_s"])
 
-    def rank(choice):  # more batches planned, then faster; the sort is stable, so ties keep replicated
-        times = planned[choice]
-        return -len(times), statistics.fmean(times) if times else math.inf
+    def variant(choice):
+        chosen = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
+        costs = SchemeCosts(cost_model(chosen, layout, lambda _: None), layout.num_devices)
+        return costs, strategy_options(chosen, pipeline, costs)
 
-    chosen, other = sorted(planned, key=rank)
-
-    def outcome(choice):
-        times = planned[choice]
-        if not times:
-            return "no plan"
-        return f"{statistics.fmean(times):.4g} s" + (f" on {len(times)} of them" if len(times) < batches else "")
-
-    took = f"chosen in {time.perf_counter() - start:.1f} s"
-    if not planned[chosen]:
-        chosen = "replicated"
-        say(
-            f"[jvarlen] parallel.stage_weights=auto: replicated; neither plans any of {batches} sample batches ({took})"
-        )
-    else:
-        say(
-            f"[jvarlen] parallel.stage_weights=auto: {chosen} (mean predicted iteration over {batches} sample "
-            f"batches {outcome(chosen)}; {other}: {outcome(other)}; {took})"
-        )
+    chosen, why = choose(config.plan.policy, samples, variant)
+    say(f"[jvarlen] parallel.stage_weights=auto: {why}; chosen in {time.perf_counter() - start:.1f} s")
     return chosen
 
 
