@@ -15,7 +15,8 @@ import numpy as np
 from jvarlen.plan.checkpointing import SolverOptions, build_problem
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.executor_memory import executor_memory, fit_executor
-from jvarlen.plan.grouping import Unit
+from jvarlen.plan.grouping import Unit, lockstep_order
+from jvarlen.plan.options import LOCKSTEP
 from jvarlen.plan.plan import Plan, stage_peak_memory
 from jvarlen.plan.schedule import Op, Schedule
 from jvarlen.plan.simulator import SimResult, simulate_in_parts
@@ -62,11 +63,9 @@ def assemble(
     candidates and pipeline groups choose their order here.
     ``stats["gpipe_units"]``: the units reordered (0 for the plan as given)."""
     if gpipe_order:
-        from jvarlen.plan.grouping import lockstep_order
-
         plan = assemble(policy, lengths, chunks, units, cost, stats, events, run_simulation, simulation, parts)
         plan.stats["gpipe_units"] = 0
-        if not run_simulation or cost.layout.pp == 1 or simulation not in ("ticks", "paired"):
+        if not run_simulation or cost.layout.pp == 1 or simulation not in LOCKSTEP:
             return plan
         shapes = [c.shape(lengths) for c in chunks]
         ordered = [lockstep_order(u, shapes, cost, simulation) for u in units]

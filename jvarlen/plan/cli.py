@@ -14,7 +14,6 @@ import numpy as np
 
 from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
-from jvarlen.plan.cost import CostModel
 
 PROGRESS_AFTER_S = 2.0  # planning that takes longer than this reports its progress on stderr
 
@@ -266,8 +265,9 @@ STRATEGY_FIELDS = (
 
 
 def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
-    """:class:`~jvarlen.plan.strategy.SchemeCosts` of the config's model on ``devices`` devices of
-    ``cluster`` (0: the config's dp * pp * sp) with the analytic profile."""
+    """(:class:`~jvarlen.plan.strategy.SchemeCosts` of the config's model on ``devices`` devices of
+    ``cluster`` (0: the config's dp * pp * sp) with the analytic profile, the config's
+    ``parallel.stage_weights``); ``auto`` plans replicated (:func:`run_strategy` chooses)."""
     from jvarlen.config import ConfigError, load_config
     from jvarlen.layout import Layout, resolve_layout
     from jvarlen.plan.hardware import CLUSTERS
@@ -281,23 +281,7 @@ def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
     except ConfigError as error:
         raise InputError(f"--config {path}: {error}") from None
     base = make_cost(cfg.model, cluster, Layout(n, 1, 1))  # n devices: the node count of the profile
-    return with_stage_weights(SchemeCosts(base, n), cfg.parallel.stage_weights == "sharded")  # auto: run_strategy
-
-
-def with_stage_weights(costs, sharded: bool):
-    """``costs`` with the groups' layers sharded over each group's devices, or replicated."""
-    from jvarlen.plan.strategy import SchemeCosts
-
-    base = costs.base
-    return SchemeCosts(
-        CostModel(base.model, base.layout, base.coeffs, stage_weights_sharded=sharded), costs.num_devices
-    )
-
-
-def stage_weights_of(path: str) -> str:
-    from jvarlen.config import load_config
-
-    return load_config(path).parallel.stage_weights
+    return SchemeCosts(base.with_stage_weights(cfg.parallel.stage_weights == "sharded"), n), cfg.parallel.stage_weights
 
 
 def strategy_options(cli: PlanCli, corpus: list[int], costs):
@@ -317,19 +301,23 @@ def strategy_options(cli: PlanCli, corpus: list[int], costs):
 
 
 def run_strategy(cli: PlanCli) -> int:
-    from jvarlen.plan.strategy import plan_strategy
+    from jvarlen.plan.strategy import SchemeCosts, plan_strategy
 
-    costs = scheme_costs_from_config(cli.config, cli.cluster, cli.devices)
+    costs, stage_weights = scheme_costs_from_config(cli.config, cli.cluster, cli.devices)
     corpus = read_lengths(cli.lengths)
     if cli.context > 0:
         corpus = [min(x, cli.context) for x in corpus]
-    options = strategy_options(cli, corpus, costs)
     planned = list(batches(corpus, cli.batch_size, cli.iterations, cli.seed, 0))
-    if stage_weights_of(cli.config) == "auto":  # as the run chooses, on the batches planned here
+    if stage_weights != "auto":
+        options = strategy_options(cli, corpus, costs)
+    else:  # as the run chooses, on the batches planned here
+        import functools
+
         from jvarlen.plan.stage_weights import choose
 
+        @functools.cache  # the chosen one is used again below (Hydraulis' proposal: once per choice)
         def variant(choice):
-            chosen = with_stage_weights(costs, choice == "sharded")
+            chosen = SchemeCosts(costs.base.with_stage_weights(choice == "sharded"), costs.num_devices)
             return chosen, strategy_options(cli, corpus, chosen)
 
         choice, why = choose(cli.policy, planned[:4], variant)

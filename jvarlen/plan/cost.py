@@ -123,6 +123,11 @@ class CostModel:
             self.model, layout, self.coeffs, state_devices, stage_weights_sharded=self.stage_weights_sharded
         )
 
+    def with_stage_weights(self, sharded: bool) -> "CostModel":
+        """This cost model with the stages' decoder layers sharded over each stage's devices, or
+        replicated (``parallel.stage_weights``)."""
+        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, self.pad_to, sharded)
+
     def padded(self, bucket: Optional[int]) -> "CostModel":
         """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded); one object
         per bucket, so that its memos serve every simulation padded to that bucket."""

@@ -37,7 +37,6 @@ import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group, packed_group
-from jvarlen.plan.cost import CostModel
 from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
@@ -472,8 +471,7 @@ def states_message(cost, scheme) -> str:
         f"master weights and Adam moments, one backward's layer gradients), over the {budget / 1e6:,.1f} MB budget"
     )
     if not cost.stage_weights_sharded:
-        sharded = CostModel(cost.model, cost.layout, cost.coeffs, cost.state_devices, stage_weights_sharded=True)
-        need = sharded.memory_floor(0)
+        need = cost.with_stage_weights(True).memory_floor(0)
         verdict = "which fits" if need < budget else "still over"
         out += (
             f"; with parallel.stage_weights=sharded its {scheme.sp} devices shard the weights: "
