@@ -110,6 +110,7 @@ class CostModel:
         self._padded: dict = {}
         self._alltoall = BoundedMemo()
         self._p2p_link: dict = {}
+        self._gather_s, self._reduce_s = self._weight_comm_times()
         self.op_terms = BoundedMemo()  # the simulator's per-op durations (jvarlen.plan.simulator._Durations)
 
     def fingerprint(self) -> str:
@@ -211,21 +212,31 @@ class CostModel:
         return t
 
     def fwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
-        """Eq. 4 = Eq. 1 + Eq. 3 for the stage's layers (+ head on the last stage)."""
-        return self.fwd_compute_time(chunk, stage) + self.alltoall_time(chunk)
+        """Eq. 4 = Eq. 1 + Eq. 3 for the stage's layers (+ head on the last stage), plus the
+        sharded stage weights' gathers that compute does not hide (:meth:`weights_fwd_exposed`)."""
+        return self.fwd_compute_time(chunk, stage) + self.alltoall_time(chunk) + self.weights_fwd_exposed(chunk)
 
     def bwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
-        """Backward of the stage without recomputation (add :meth:`recompute_time`)."""
-        return self.bwd_compute_time(chunk, stage) + self.alltoall_time(chunk)
+        """Backward of the stage without recomputation (add :meth:`recompute_time`), plus the
+        sharded stage weights' gathers and reduce-scatters not hidden (:meth:`weights_bwd_exposed`)."""
+        return self.bwd_compute_time(chunk, stage) + self.alltoall_time(chunk) + self.weights_bwd_exposed(chunk)
 
     def recompute_time(self, chunk: ChunkShape, layers: int) -> float:
         """Eq. 11: re-running the forward of ``layers`` checkpointed layers in the backward
-        (measured ``coeffs.recompute`` when the profile has it, else the forward)."""
+        (measured ``coeffs.recompute`` when the profile has it, else the forward). With sharded
+        stage weights a recomputed layer's forward also hides more of the next layer's gather and
+        the previous layer's reduce-scatter, so it adds ``max(b + r, comm) - max(b, comm)`` per
+        layer (``b``, ``r``: the layer's backward and recomputation, ``comm``:
+        :meth:`weight_comm_times` summed), which keeps :meth:`bwd_time` plus this additive."""
         if not 0 <= layers <= self.layers_per_stage:
             raise ValueError(f"recompute layers must be in [0, {self.layers_per_stage}], got {layers}")
         if layers == 0:
             return 0.0
         compute = self._recompute(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
+        comm = self._gather_s + self._reduce_s
+        if comm > 0:
+            b = self.layer_bwd_compute(chunk)
+            compute = max(b + compute, comm) - max(b, comm)
         return layers * (compute + self.layer_alltoall_time(chunk))
 
     def executor_recompute_time(self, chunk: ChunkShape, layers: int) -> float:
@@ -234,6 +245,67 @@ class CostModel:
         t = self.recompute_time(chunk, layers)
         factor = self.coeffs.tick_recompute_factor
         return t + layers * factor * self.layer_fwd_compute(chunk) if factor else t
+
+    # ---- sharded stage weights: the per-layer gathers and reduce-scatters of the executor
+    def _group_collective_time(self, nbytes: float) -> float:
+        """Seconds of an all-gather (or reduce-scatter) of ``nbytes`` over a stage's ``dp x sp``
+        devices (mesh order ``(dp, pp, sp)``, ``sp`` fastest; the slowest stage decides): each
+        device takes in the ``(g-1)/g`` it lacks over its NVLink share (``p2p_intra``), and a node
+        holding ``m`` of the ``g`` devices takes in the ``1 - m/g`` held elsewhere once, over its
+        ``m`` devices' network shares (``p2p_inter``: a hierarchical collective sends each byte
+        into a node once, not once per device); the slower of the two, plus one latency."""
+        c, (dp, pp, sp) = self.coeffs, (self.layout.dp, self.layout.pp, self.layout.sp)
+        g = dp * sp
+        worst = 0.0
+        for p in range(pp):
+            per_node: dict[int, int] = {}
+            for d in range(dp):
+                for i in range((d * pp + p) * sp, (d * pp + p + 1) * sp):
+                    per_node[i // c.gpus_per_node] = per_node.get(i // c.gpus_per_node, 0) + 1
+            t = (g - 1) / g * nbytes / c.p2p_intra.bandwidth
+            if len(per_node) > 1:
+                inter = max((1 - m / g) * nbytes / (m * c.p2p_inter.bandwidth) for m in per_node.values())
+                t = max(t, inter) + c.p2p_inter.latency
+            else:
+                t += c.p2p_intra.latency
+            worst = max(worst, t)
+        return worst
+
+    def _weight_comm_times(self) -> tuple[float, float]:
+        if not self.stage_weights_sharded or self.layout.dp * self.layout.sp == 1:
+            return 0.0, 0.0
+        c, n = self.coeffs, self.model.layer_params
+        accumulator = c.stage_bytes_per_param - c.bytes_per_element
+        return self._group_collective_time(c.bytes_per_element * n), self._group_collective_time(accumulator * n)
+
+    def weight_comm_times(self) -> tuple[float, float]:
+        """Seconds of one decoder layer's all-gather (its weights in the compute dtype, ``e`` bytes
+        per parameter) and of its gradient's reduce-scatter (in the accumulator's dtype,
+        ``stage_bytes_per_param - e`` bytes) over the stage's ``dp x sp`` devices with sharded
+        stage weights (:meth:`_group_collective_time`); ``(0, 0)`` with replicated ones.
+        Embedding and head stay whole on their stages and gather nothing."""
+        return self._gather_s, self._reduce_s
+
+    def weights_fwd_exposed(self, chunk: ChunkShape) -> float:
+        """Seconds a forward pass over the stage's layers waits for sharded weights: the executor
+        gathers layer ``j + 1`` while layer ``j`` computes (docs/design/pipeline.md, "Stage
+        weights"), so the first gather is exposed and each layer takes
+        ``max(compute, gather)``: ``gather + L_s · max(0, gather - layer forward)``. The
+        all-to-alls stay on the critical path (:meth:`alltoall_time`), not behind the gathers."""
+        g = self._gather_s
+        if g <= 0:
+            return 0.0
+        return g + self.layers_per_stage * max(0.0, g - self.layer_fwd_compute(chunk))
+
+    def weights_bwd_exposed(self, chunk: ChunkShape) -> float:
+        """:meth:`weights_fwd_exposed` of the backward's descending pass: the next layer's gather
+        and the previous layer's reduce-scatter are in flight over a layer's backward, the first
+        gather and the last reduce-scatter are exposed. Recomputation hides more
+        (:meth:`recompute_time`)."""
+        comm = self._gather_s + self._reduce_s
+        if comm <= 0:
+            return 0.0
+        return comm + self.layers_per_stage * max(0.0, comm - self.layer_bwd_compute(chunk))
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the
@@ -265,7 +337,10 @@ class CostModel:
 
     def step_overhead(self) -> float:
         """Seconds per iteration outside the pipeline: ``step_overhead`` + gradient/parameter sync of
-        the largest stage (``sync_bytes_per_param`` over ``sync_link``)."""
+        the largest stage (``sync_bytes_per_param`` over ``sync_link``). The same with sharded stage
+        weights: a device group's step is handed every parameter whole either way
+        (docs/design/heterogeneous.md, "pull"); the pipeline strategy's sharded pull, which gathers
+        nothing over dp and sp, would sync less than this charges."""
         c = self.coeffs
         base = c.step_overhead_for(self.layout.sp)
         if c.sync_bytes_per_param <= 0:

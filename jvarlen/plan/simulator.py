@@ -21,7 +21,9 @@ per-tick work: slot gathers and scatters, the ``ppermute`` pair, the switch), ev
 fitted on executor steps (not charged in the async model).
 
 Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-all (Eq. 4);
-``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all.
+``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all;
+with sharded stage weights each op then waits ``AG``, the gathers (and a backward's
+reduce-scatters) its compute does not hide (``CostModel.weights_fwd_exposed`` / ``_bwd_``).
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
 the start of its forward to the end of its backward on that stage, plus
 :meth:`CostModel.backward_memory` of each backward while it runs (not in the paper: a backward's
@@ -43,13 +45,13 @@ from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, dependencies
 
-EVENT_KINDS = ("F", "B", "R", "A2A", "P2P", "idle")
+EVENT_KINDS = ("F", "B", "R", "A2A", "AG", "P2P", "idle")
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     stage: int
-    kind: str  # one of EVENT_KINDS; "R" = recomputation, "P2P" is drawn on the sender
+    kind: str  # one of EVENT_KINDS; "R" = recomputation, "AG" = exposed weight gathers, "P2P" is drawn on the sender
     chunk: int  # -1 for idle
     start: float
     end: float
@@ -67,7 +69,7 @@ class SimResult:
     events: list[Event]
     makespan: float  # seconds from the first op to the last op of the pipeline
     iteration_time: float  # makespan + step overhead (gradient sync, optimizer)
-    stage_busy: np.ndarray  # [pp] seconds of F + B + R + A2A per stage
+    stage_busy: np.ndarray  # [pp] seconds of F + B + R + A2A + AG per stage
     stage_recompute: np.ndarray  # [pp] seconds of R per stage
     bubble_ratio: float  # 1 - sum(stage_busy) / (pp * makespan)
     memory: list[tuple[np.ndarray, np.ndarray]]
@@ -116,9 +118,11 @@ class _Durations:
             a2a = cost.alltoall_time(chunk)
             if kind == "F":
                 got = [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+                got.append(("AG", cost.weights_fwd_exposed(chunk)))
             else:
                 redo = cost.executor_recompute_time if self.lockstep else cost.recompute_time
                 got = [("R", redo(chunk, layers)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
+                got.append(("AG", cost.weights_bwd_exposed(chunk)))
             self.memo.put(key, got)
         return got
 

@@ -160,11 +160,12 @@ class GroupCosts(MethodCaches):
     def _quadratic(self, scheme: Scheme) -> Optional[tuple[float, float, float]]:
         """``(a, b, c)`` with ``T(l, P) = a·l² + b·l + c`` when the cost model is exactly quadratic in
         the length for this scheme (no token buckets, per-bucket factors or block-skipping tiles),
-        checked at two further lengths; None otherwise."""
+        checked at three further lengths; None otherwise. (Sharded stage weights' gathers, exposed
+        below some length, make it piecewise: the check at one token catches that.)"""
         probes = np.array([1024.0, 2048.0, 4096.0])
         vals = np.array([self.doc_time(int(x), scheme) for x in probes])
         a, b, c = np.polyfit(probes, vals, 2)
-        for x in (3000, 100_003):
+        for x in (1, 3000, 100_003):
             if abs(a * x * x + b * x + c - self.doc_time(x, scheme)) > 1e-9 * self.doc_time(x, scheme):
                 return None
         return float(a), float(b), float(c)
