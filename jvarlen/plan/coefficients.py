@@ -209,7 +209,8 @@ class CostCoefficients:
       all devices; ``stage_bytes_per_param`` (compute copy + fp32 gradient accumulator) for the
       stage's own parameters, on every device of the stage. ``workspace_bytes``: constant.
     * ``alltoall_intra`` / ``alltoall_inter``: Eq. 3 bandwidth/latency keyed by sp degree
-      (``alltoall_default`` when the degree is missing); ``p2p_intra`` / ``p2p_inter`` for Eq. 2.
+      (``alltoall_default`` when the degree is missing); ``p2p_intra`` / ``p2p_inter`` for Eq. 2,
+      and per device for sharded stage weights' gathers (:meth:`CostModel.weight_comm_times`).
     * ``step_overhead``: seconds per iteration outside the pipeline (optimizer update, measured
       sync; ``step_overhead_per_sp`` overrides it per Ulysses degree); plus ``sync_bytes_per_param`` x the largest stage's parameters over ``sync_link``
       (gradient push to / parameter pull from the canonical sharded state, per layout).

@@ -3,9 +3,10 @@
 A group's step holds its layers replicated on every device of the group or sharded over them
 (ZeRO-3 within the group). Sharding leaves every group more memory for activations and lets a
 one-stage group hold a model whose replicated states exceed the budget (13B on A800s: 115 GB per
-device replicated, 33 GB sharded over 8). The cost model takes the sharded layers' gathers and
-reduce-scatters as hidden behind compute (issued a layer ahead; docs/benchmarks.md, "Pipeline
-stage weights"), so sharded is predicted faster only where memory binds, and equal elsewhere.
+device replicated, 33 GB sharded over 8). It costs time: every op gathers each layer and a backward
+reduce-scatters each layer's gradient, a layer ahead of (and behind) the compute that hides them,
+and the cost model charges what a layer's compute does not hide
+(:meth:`~jvarlen.plan.cost.CostModel.weight_comm_times`): short micro-batches on wide groups wait.
 The run (``jvarlen.runtime.strategies.groups.choose_stage_weights``) and ``python -m jvarlen.plan``
 choose with :func:`choose`.
 """
