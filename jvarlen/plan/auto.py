@@ -51,7 +51,8 @@ AUTO_POLICIES = ("homogeneous", "epp-pipelines", "hydraulis", "flexsp", "dcp")
 class EPPPipelinesOptions:
     """``scheme``: the pipelines' scheme (None: the ``pp ≥ 2`` schemes of the device count, the
     fastest kept). ``screen``: without a scheme, only the ``screen`` schemes whose longest-first
-    dispatch has the smallest largest pipeline load ``Σ T(l, P)`` are planned by EPP (an EPP plan
+    dispatch has the smallest largest pipeline load ``Σ T(l, P)`` plus step overhead (the stage's
+    pull and push, ``CostModel.step_overhead``) are planned by EPP (an EPP plan
     per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
     iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
     not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
@@ -140,7 +141,9 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
                 sum(costs.T(int(lengths[i]), scheme) for i in g)
                 for g in dispatch_longest_first(lengths, costs, scheme, d)
             ]
-            screened[scheme] = max(loads)
+            # what the groups' predicted time adds to the slowest pipeline: its stage's pull and push,
+            # which halve with every doubling of pp where they cross a slow link
+            screened[scheme] = max(loads) + costs.cost(scheme).step_overhead()
         schemes, wanted = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp)), options.screen
     best, tried, slower, errors = None, {}, {}, []
     for scheme in schemes:
@@ -176,7 +179,7 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
         strategy=plan.describe(),
         candidates=[{"strategy": s, "iteration_time_s": v} for s, v in tried.items()]
         + [{"strategy": s, "not_faster_than_s": v} for s, v in slower.items()],
-        screened_load_s={str(s): v for s, v in screened.items()},
+        screened_estimate_s={str(s): v for s, v in screened.items()},
         solve_seconds=time.perf_counter() - t0,
     )
     plan.events.extend(errors)
