@@ -54,11 +54,12 @@ def test_epp_pipelines_screening_plans_the_shortlisted_schemes_exactly_as_withou
 
 
 def test_a_screened_scheme_that_cannot_plan_hands_its_turn_to_the_next(costs):
-    """Under 2,060 MB per device the best-ranked scheme, (pp=2, sp=1), cannot plan the batch; the
-    screen then plans the next two of the ranking instead of one. (The 32B benchmark settings
-    ranked only schemes whose model states did not fit and got no plan at all.)"""
+    """Under 2,045 MB per device the best-ranked scheme, (pp=4, sp=1), cannot plan the batch (no
+    slicing of the 6,144-token document fits); the screen then plans the next two of the ranking
+    instead of one. (The 32B benchmark settings ranked only schemes whose model states did not fit
+    and got no plan at all.)"""
     base = costs.base
-    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2060e6)), 8)
+    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2045e6)), 8)
     full = plan_strategy("epp-pipelines", LENGTHS, tight, exhaustive(screen=0))
     screened = plan_strategy("epp-pipelines", LENGTHS, tight, exhaustive(screen=2))
     every = {c["strategy"]: c["iteration_time_s"] for c in full.stats["candidates"]}
@@ -85,6 +86,28 @@ def test_the_screen_ranks_schemes_with_their_pull_and_push(costs):
     estimates = screened.stats["screened_estimate_s"]
     by_load = sorted(estimates, key=lambda s: estimates[s] - slow.cost(_scheme(s)).step_overhead())
     assert best["strategy"] not in by_load[:2]
+
+
+def test_the_screen_charges_a_document_too_long_for_one_chunk_as_its_slices(costs):
+    """A document longer than a chunk of the scheme holds (``max_tokens`` with pp chunks in flight)
+    is charged as the equal slices memory forces, each recomputed with the earlier ones as context;
+    with sharded stage weights over a slow link each slice also waits for its gathers, which the
+    whole document's ``T(l, P)`` hides (the 32B benchmark batch whose screen kept (pp=4, sp=2),
+    39.0 s under EPP, and (pp=2, sp=4), 15.7 s, over (pp=4, sp=4), 6.8 s)."""
+    from jvarlen.plan.auto import screened_time
+    from jvarlen.plan.chunk import ChunkShape
+    from jvarlen.plan.strategy import Scheme
+
+    base = costs.base
+    slow = base.coeffs.replace(p2p_intra=Link(1e8, 1e-5))
+    sharded = SchemeCosts(CostModel(base.model, base.layout, slow, stage_weights_sharded=True), 8)
+    scheme = Scheme(2, 2)
+    cost = sharded.cost(scheme)
+    assert screened_time(sharded, scheme, 3000, 4096) == sharded.T(3000, scheme)  # fits: unchanged
+    slices = [ChunkShape(0, (1000,), tail=False), ChunkShape(1000, (1000,), tail=False), ChunkShape(2000, (1000,))]
+    by_hand = sum(cost.fwd_time(c, 1) + cost.bwd_time(c, 1) + cost.recompute_time(c, 4) for c in slices)
+    assert screened_time(sharded, scheme, 3000, 1024) == pytest.approx(by_hand)
+    assert by_hand > 1.5 * sharded.T(3000, scheme)  # three slices, three times the exposed gathers
 
 
 def _scheme(text: str):

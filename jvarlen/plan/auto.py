@@ -30,6 +30,7 @@ import numpy as np
 
 from jvarlen.plan.api import PlannerOptions, PlanningError, SlowerThanCeiling, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.sp_assemble import fits_memory
 from jvarlen.plan.strategy import (
     GroupPlan,
@@ -51,8 +52,9 @@ AUTO_POLICIES = ("homogeneous", "epp-pipelines", "hydraulis", "flexsp", "dcp")
 class EPPPipelinesOptions:
     """``scheme``: the pipelines' scheme (None: the ``pp ≥ 2`` schemes of the device count, the
     fastest kept). ``screen``: without a scheme, only the ``screen`` schemes whose longest-first
-    dispatch has the smallest largest pipeline load ``Σ T(l, P)`` plus step overhead (the stage's
-    pull and push, ``CostModel.step_overhead``) are planned by EPP (an EPP plan
+    dispatch has the smallest largest pipeline load plus step overhead (the stage's pull and push,
+    ``CostModel.step_overhead``) are planned by EPP (load: ``Σ T(l, P)``, a document too long for
+    one chunk of the scheme as the slices memory forces, :func:`screened_time`; an EPP plan
     per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
     iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
     not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
@@ -86,6 +88,26 @@ def dispatch_longest_first(
         out[j].append(i)
         load[j] += costs.T(int(lengths[i]), scheme)
     return [sorted(docs) for docs in out]
+
+
+def screened_time(costs: SchemeCosts, scheme: Scheme, length: int, cap: int) -> float:
+    """What the screen charges a document on ``scheme``: ``T(l, P)`` where it fits one chunk of
+    ``cap`` tokens (``CostModel.max_tokens`` with the pipeline's ``pp`` chunks in flight, fully
+    recomputed); a longer one as the ``ceil(l / cap)`` equal slices EPP must cut it into at least,
+    each recomputed and attending to the slices before it. Memory forces those slices on a scheme
+    whose chunks hold few tokens, and each slice is an op that pays its own launches and, with
+    sharded stage weights, its own layer gathers, which ``T(l, P)`` of the whole document hides."""
+    if not 0 < cap < length:
+        return costs.T(int(length), scheme)
+    cost, last = costs.cost(scheme), scheme.pp - 1
+    n = -(-int(length) // int(cap))
+    bounds = [int(length) * i // n for i in range(n + 1)]
+    total = 0.0
+    for i in range(n):
+        chunk = ChunkShape(bounds[i], (bounds[i + 1] - bounds[i],), tail=i == n - 1)
+        total += cost.fwd_time(chunk, last) + cost.bwd_time(chunk, last)
+        total += cost.recompute_time(chunk, cost.layers_per_stage)
+    return total
 
 
 def _epp_groups(
@@ -137,8 +159,9 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
     if options.scheme is None and 0 < options.screen < len(schemes):
         for scheme in schemes:
             d = costs.num_devices // scheme.num_devices
+            cap = costs.cost(scheme).max_tokens(in_flight=scheme.pp)
             loads = [
-                sum(costs.T(int(lengths[i]), scheme) for i in g)
+                sum(screened_time(costs, scheme, lengths[i], cap) for i in g)
                 for g in dispatch_longest_first(lengths, costs, scheme, d)
             ]
             # what the groups' predicted time adds to the slowest pipeline: its stage's pull and push,
