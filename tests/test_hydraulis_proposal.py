@@ -121,7 +121,7 @@ def costs():
     return SchemeCosts(small_cost(pp=1, sp=1, budget=6e9), 8)
 
 
-def test_proposal_holds_the_corpus_and_is_cached(costs, tmp_path):
+def test_proposal_holds_the_corpus_and_is_cached(costs, tmp_path, monkeypatch):
     from jvarlen.plan.workloads import GITHUB
 
     corpus = np.minimum(GITHUB.sample(5000, np.random.default_rng(0)), 16384)
@@ -154,3 +154,9 @@ def test_proposal_holds_the_corpus_and_is_cached(costs, tmp_path):
         path.write_text("{not json")
     assert cached_proposal(tmp_path, corpus, costs, 16384, options) == out
     assert sum(p.read_text() != "{not json" for p in tmp_path.iterdir()) == 1 and len(list(tmp_path.iterdir())) == 2
+    # a version of the search that proposes otherwise (3: sharded layers' gathers priced) misses old files
+    import jvarlen.plan.hydraulis_proposal as hp
+
+    key = proposal_key(corpus, sharded, 16384, options)
+    monkeypatch.setattr(hp, "PROPOSAL_VERSION", hp.PROPOSAL_VERSION - 1)
+    assert proposal_key(corpus, sharded, 16384, options) != key
