@@ -135,3 +135,34 @@ def test_group_costs_price_short_documents_with_their_exposed_gathers():
     np.testing.assert_allclose(gc.doc_times(lengths, scheme), [gc.doc_time(n, scheme) for n in lengths], rtol=1e-12)
     replicated = GroupCosts(SchemeCosts(CostModel(MHA, Layout(1, 1, 4), c), 4), max_sp=2)
     assert replicated._quadratic(scheme) is not None  # the closed form stays where it is exact
+
+
+def test_a_plain_backward_sharded_over_dp_waits_for_the_fused_ops_pass():
+    """Sharded over the dp pipelines, lane 0 runs one pass for every op kind, so where the step has
+    fused ops a plain backward also runs their ascending pass: L_s + 1 gathers with nothing to hide
+    them. Sharded over sp only, lane 0 keeps a branch per op kind and a plain backward has none."""
+    from jvarlen.plan.buffers import plan_tick_rows
+    from jvarlen.plan.chunk import executor_bucket
+    from jvarlen.plan.schedule import BWD, FUSED, LANE_B
+
+    shapes = [ChunkShape(0, (32,)), ChunkShape(0, (48,)), ChunkShape(0, (16,))]
+    ckpt = np.zeros((3, 2), dtype=np.int64)
+    schedule = one_f_one_b(3, 2)
+    ops = [row[p][LANE_B][0] for row in plan_tick_rows(schedule, ckpt) for p in range(2)]
+    plain, fused = ops.count(BWD), ops.count(FUSED)
+    assert plain > 0 and fused > 0
+    dp = CostModel(MHA, Layout(2, 2, 2), coeffs(), stage_weights_sharded=True)
+    gather, _ = dp.weight_comm_times()
+    assert dp.weights_idle_pass() == pytest.approx((MHA.num_layers // 2 + 1) * gather)
+    sim = simulate(schedule, shapes, ckpt, dp, mode="paired")
+    padded = dp.padded(executor_bucket(48, 2))  # the paired executor runs every chunk over one bucket
+    per_op = sum(padded.weights_fwd_exposed(s) + padded.weights_bwd_exposed(s) for s in shapes) * 2
+    waited = sum(e.duration for e in sim.events if e.kind == "AG")
+    assert waited == pytest.approx(per_op + plain * dp.weights_idle_pass())
+    # the same gathers over sp only: no pass for a plain backward
+    sp = CostModel(MHA, Layout(1, 2, 4), coeffs(), stage_weights_sharded=True)
+    assert sp.weight_comm_times()[0] == pytest.approx(gather) and sp.weights_idle_pass() == 0.0
+    sim = simulate(schedule, shapes, ckpt, sp, mode="paired")
+    padded = sp.padded(executor_bucket(48, 4))
+    per_op = sum(padded.weights_fwd_exposed(s) + padded.weights_bwd_exposed(s) for s in shapes) * 2
+    assert sum(e.duration for e in sim.events if e.kind == "AG") == pytest.approx(per_op)

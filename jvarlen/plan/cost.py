@@ -307,6 +307,17 @@ class CostModel:
             return 0.0
         return comm + self.layers_per_stage * max(0.0, comm - self.layer_bwd_compute(chunk))
 
+    def weights_idle_pass(self) -> float:
+        """Seconds of the ascending pass a plain backward runs with nothing to compute where the
+        stage's layers are sharded over the dp pipelines too and the step has fused ops: the
+        executor then runs one pass for every op kind of lane 0 (the gathers of a dp group must
+        match; docs/design/pipeline.md, "Stage weights"), ``L_s + 1`` gathers with no compute to
+        hide them. 0 with ``dp = 1`` (a branch per op kind, none for a plain backward) or replicated
+        stage weights. The paired simulation charges it."""
+        if self.layout.dp == 1 or self._gather_s <= 0:
+            return 0.0
+        return (self.layers_per_stage + 1) * self._gather_s
+
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the
         boundary between ``stage`` and ``stage + 1``: ``e · D · tokens / sp`` bytes per device.

@@ -23,7 +23,9 @@ fitted on executor steps (not charged in the async model).
 Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-all (Eq. 4);
 ``B`` = recomputation of ``ckpt_layers[k, p]`` layers (Eq. 11), backward compute, all-to-all;
 with sharded stage weights each op then waits ``AG``, the gathers (and a backward's
-reduce-scatters) its compute does not hide (``CostModel.weights_fwd_exposed`` / ``_bwd_``).
+reduce-scatters) its compute does not hide (``CostModel.weights_fwd_exposed`` / ``_bwd_``), and,
+sharded over dp too, a plain backward in a step with fused ops also the gathers of the ascending
+pass it runs without compute (``CostModel.weights_idle_pass``, paired mode).
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
 the start of its forward to the end of its backward on that stage, plus
 :meth:`CostModel.backward_memory` of each backward while it runs (not in the paper: a backward's
@@ -168,9 +170,10 @@ def simulate(
     tick_extra = cost.tick_overhead(context) if mode != "async" else 0.0
     durations = _Durations(cost, chunk_shapes, op_extra, mode != "async")
 
-    def emit(stage: int, kind: str, k: int, start: float, recompute_layers: bool = True) -> float:
+    def emit(stage: int, kind: str, k: int, start: float, recompute_layers: bool = True, wait: float = 0.0) -> float:
         t = start
-        for what, d in durations(stage, kind, k, layers_of[k][stage] if recompute_layers and kind == "B" else 0):
+        terms = durations(stage, kind, k, layers_of[k][stage] if recompute_layers and kind == "B" else 0)
+        for what, d in terms + [("AG", wait)] if wait else terms:
             if d > 0:
                 if timeline:
                     events.append(Event(stage, what, k, t, t + d))
@@ -238,7 +241,11 @@ def simulate(
             t0 = max(ends, default=t0) + max(sends)
     elif mode == "paired":
         t0 = 0.0
-        for row in plan_tick_rows(schedule, ckpt):  # fused as the executor fuses
+        rows = plan_tick_rows(schedule, ckpt)  # fused as the executor fuses
+        # sharded over dp, a plain backward also runs the fused ops' ascending pass (its gathers only)
+        fused = any(row[p][LANE_B][0] == FUSED for row in rows for p in range(pp))
+        idle_pass = cost.weights_idle_pass() if fused else 0.0
+        for row in rows:
             t0 += tick_extra
             ends, sends = [], [0.0]
             for p in range(pp):
@@ -252,7 +259,7 @@ def simulate(
                         kind = "B"
                     else:
                         kind = "F" if code == FWD else "B"
-                        t = emit(p, kind, k, t)
+                        t = emit(p, kind, k, t, wait=idle_pass if kind == "B" else 0.0)
                     sends.append(send(p, kind, k, t))
                 ends.append(t)
             t0 = max(ends, default=t0) + max(sends)
