@@ -4,33 +4,31 @@ the stage's dp x sp devices, charged where the layers' compute does not hide the
 
 import numpy as np
 import pytest
+from test_cost_model import MHA
+from test_cost_model import coeffs as cost_model_coeffs
 
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
+from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link
 from jvarlen.plan.schedule import one_f_one_b
 from jvarlen.plan.simulator import simulate
 
-MHA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=128, vocab_size=100)
 P = MHA.layer_params
 INTRA, INTER = Link(1e6, 1e-3), Link(1e5, 2e-3)
 
 
 def coeffs(**kw) -> CostCoefficients:
-    base = dict(
-        fwd=LayerTime(1e-6, 1e-3, 0.01),  # per-layer constants below a layer's gather (0.063 s at sp = 4)
+    """The cost-model tests' coefficients with per-layer constants below a layer's gather (0.063 s
+    at sp = 4) and finite links."""
+    timing = dict(
+        fwd=LayerTime(1e-6, 1e-3, 0.01),
         bwd=LayerTime(3e-6, 2e-3, 0.02),
         recompute=LayerTime(1e-6, 1e-3, 0.005),
-        m_token=100.0,
-        bytes_per_element=2,
-        stage_bytes_per_param=6.0,
         memory_budget=1e12,
-        gpus_per_node=8,
         p2p_intra=INTRA,
         p2p_inter=INTER,
     )
-    base.update(kw)
-    return CostCoefficients(**base)
+    return cost_model_coeffs(**{**timing, **kw})
 
 
 def test_a_layers_gather_and_reduce_scatter_move_what_each_device_lacks():
