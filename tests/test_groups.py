@@ -76,7 +76,7 @@ def _state(params, optimizer):
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
 
 
-def _step_equals_reference(setup, plan, inspect=None):
+def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated"):
     """One strategy step of ``plan`` (``inspect``: called on the prepared step first); its loss, gradient
     norm and updated parameters equal the single-device reference's. Returns the step's metrics."""
     cfg, graphdef, params, docs = setup
@@ -84,7 +84,7 @@ def _step_equals_reference(setup, plan, inspect=None):
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all")
+    step = session.strategy_step(residual_policy="all", stage_weights=stage_weights)
     prepared = step.prepare(plan, docs)
     if inspect is not None:
         inspect(prepared)
@@ -238,3 +238,99 @@ def test_a_group_program_that_cannot_fit_beside_the_state_is_refused_before_it_r
     monkeypatch.setattr(memory_fit, "_memory_stats", lambda device: {"bytes_limit": alone + state_bytes // 2})
     with pytest.raises(memory_fit.DeviceMemoryError, match=r"the group \(pp=2, sp=2\) on devices \[0, 1, 2, 3\]"):
         step(session.state, prepared)
+
+
+# two pipelines of 2 stages: every device needs half of the 4 layers
+HALVES = (
+    (Scheme(2, 2), (0, 1, 2, 3), (0, 1, 2, 3), [[0, 1], [2, 3]], "fit"),
+    (Scheme(2, 2), (4, 5, 6, 7), (4, 5, 6, 7, 8), [[0, 1], [2], [3, 4]], "fit"),
+)
+
+
+def test_a_device_receives_its_stages_layers_and_no_more(setup):
+    """With every group a pipeline of 2 stages, the pull hands each device 2 of the 4 layers (before:
+    every parameter); a strategy with a whole-model stage (pp = 1) pads every device to 4. The
+    steps still equal the single-device reference."""
+    cfg, graphdef, params, docs = setup
+    layer_bytes = sum(a.nbytes for a in jax.tree.leaves(params["layers"])) // cfg.num_layers
+    rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - cfg.num_layers * layer_bytes
+    pulled = {}
+
+    def inspect(prepared):
+        stage_layers = prepared.arrays["stage_layers"].shape[1]
+        optimizer = optax.sgd(0.5)
+        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+        pull = session.strategy_step(residual_policy="all").strategy.compile(prepared.key).pull
+        pulled[stage_layers] = pull.memory_analysis().output_size_in_bytes  # one device's
+
+    halves, mixed = strategy_plan(cfg, HALVES), strategy_plan(cfg)
+    _step_equals_reference(setup, halves, inspect)
+    _step_equals_reference(setup, mixed, inspect)  # its second group: one stage of all 4 layers
+    assert sorted(pulled) == [2, 4]
+    assert pulled[4] - pulled[2] == 2 * layer_bytes
+    assert 0 <= pulled[2] - (2 * layer_bytes + rest_bytes) < 256  # the output tuple's pointers
+    # the first group is the same in both: its compiled step serves either K (its rows are resized
+    # outside it), so the second iteration compiles only what K and the other group need
+    optimizer = optax.sgd(0.5)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+    step = session.strategy_step(residual_policy="all")
+    first, second = step.prepare(halves, docs), step.prepare(mixed, docs)
+    assert first.key[1][0] == second.key[1][0] and (first.key[2], second.key[2]) == (2, 4)
+    step.strategy.compile(first.key)
+    before = set(step.cache.keys())
+    step.strategy.compile(second.key)
+    new = {k[0] for k in set(step.cache.keys()) - before}
+    assert second.key[1][0] in before and new == {"pull", "update", "group", "rows"}
+
+
+def test_groups_with_sharded_stage_weights_equal_the_reference(setup):
+    """The stages' layers sharded over their sp devices inside the group (ZeRO-3 within the stage),
+    from the pulled stage layers."""
+    _step_equals_reference(setup, strategy_plan(setup[0]), stage_weights="sharded")
+
+
+def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(setup, monkeypatch):
+    """With a bf16 compute dtype the pull moves the weight matrices in bf16 (half the bytes, as the
+    cost model's ``sync_bytes_per_param`` charges) and the group's program takes them back to fp32
+    exactly: the update is bitwise the one of an fp32 pull, and the gradients accumulate in fp32."""
+    from jvarlen.runtime.strategies import groups as groups_runtime
+
+    cfg = dataclasses.replace(setup[0], compute_dtype="bfloat16")
+    graphdef, params = tiny_params(cfg)
+    docs = setup[3]
+    plan = strategy_plan(cfg)
+
+    def step_and_pulled_bytes():
+        optimizer = optax.sgd(0.5)
+        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+        step = session.strategy_step(residual_policy="all")
+        prepared = step.prepare(plan, docs)
+        state, metrics = step(session.state, prepared)
+        program = step.strategy.compile(prepared.key)
+        partial_dtypes = {np.dtype(d) for _, d in program.partial_shapes.values()}
+        return state, program.pull.memory_analysis().output_size_in_bytes, partial_dtypes, (program, prepared)
+
+    state, pulled, partial_dtypes, (program, prepared) = step_and_pulled_bytes()
+    assert partial_dtypes == {np.dtype(np.float32)}
+    # what a group's compiled step holds beyond its batch (arguments and outputs): its stage's
+    # layers as handed (bf16 matrices, fp32 vectors: the stage's compute copy itself), the embedding
+    # (fp32) and tied head's norm, and fp32 gradient rows of all of them; the planner's memory model
+    # charges the copy (docs/design/heterogeneous.md, "Bytes and memory")
+    layer_leaves = jax.tree.leaves(params["layers"])
+    rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
+    for g, ((compiled, *_), group) in enumerate(zip(program.groups, plan.groups)):
+        share = 1 / group.scheme.pp
+        handed = sum(a.nbytes // (2 if a.ndim >= 3 else 1) for a in layer_leaves) * share + rest_bytes
+        rows = sum(a.nbytes for a in layer_leaves) * share + rest_bytes
+        m = compiled.memory_analysis()
+        batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
+        held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
+        assert 0 <= held - (handed + rows) < 512, group.scheme  # and the output tuple's pointers
+    own = lambda part, compute: [a.dtype for a in jax.tree.leaves(part)]  # noqa: E731
+    monkeypatch.setattr(groups_runtime, "pulled_dtypes", own)
+    fp32_state, fp32_pulled, _, _ = step_and_pulled_bytes()
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fp32_state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # every layer (K = 4) moves its matrices in half the bytes; vectors and the embedding table in fp32
+    matrices = sum(a.nbytes for a in jax.tree.leaves(params["layers"]) if a.ndim >= 3)
+    assert fp32_pulled - pulled == matrices // 2

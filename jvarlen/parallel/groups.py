@@ -5,23 +5,28 @@ canonical fully-sharded state (the 1-D ``fsdp`` mesh over all devices) and the g
 programs that span *all* devices, so every transfer is a collective of one program — which is
 what multi-controller JAX supports (a ``device_put`` between different device sets is not) — and
 the hand-over between a group's program and an all-device program re-labels device buffers
-without copying them:
+without copying them. Each device moves its own pipeline stage's decoder layers, not the model:
 
-* **pull** (:func:`pull_replicated`, one program on all devices): the fp32 parameters are
-  all-gathered so that every device holds all of them; :func:`for_group` then views the buffers
-  of a group's devices as an array replicated over the group's mesh (no copy, no transfer);
-* **push**: a group's program ends with :func:`device_partials`: every device of the group returns
-  its share of the iteration's gradient with a leading axis of one (its stage's layers placed in
-  the full stack, zeros elsewhere; one replica of each stage contributes), scaled by the group's
-  share of the iteration's target tokens; :func:`gather_partials` views those buffers of all
-  groups as one ``[N, ...]`` array sharded over the ``fsdp`` axis (no copy), and the update
-  program (all devices) sums the axis into the canonical sharding (a reduce-scatter) and applies
-  one optimizer update.
+* :func:`stage_tables`: the iteration's ``[N, K]`` table of the layers each device's stage holds
+  (``K``: the largest stage of the iteration's groups; shorter stages padded with ``-1``);
+* **pull** (:func:`pull_stages`, one program on all devices): an all-to-all over the ``fsdp``
+  axis hands every device its stage's layers whole (``[K, ...]`` per device, one ``[N·K, ...]``
+  array); the rest of the model (embedding, final norm, head) is all-gathered onto every device.
+  :func:`stage_view` and :func:`for_group` then view a group's devices' buffers as its
+  ``P(pp)`` layer stack and its replicated rest (no copy, no transfer);
+* **push**: every device of a group returns its own contribution to its stage's layer gradients
+  as a ``[1, L/pp, ...]`` row (the pipeline executor's accumulators, not reduced within the
+  group; padded to ``K`` rows where the stage is shorter), and the group's first device the rest's
+  and the loss sums (:func:`device_partials`, ``[1, ...]``); :func:`gather_partials` views those
+  buffers of all groups as ``[N, ...]`` arrays sharded over ``fsdp`` (no copy), and the update
+  program (all devices) scales each device's rows by its group's share of the iteration's target
+  tokens and adds them into the canonical sharding: the layers by :func:`sum_stage_rows` (the
+  pull's all-to-all backwards, then a scatter-add by the table), the rest by a sum over the axis
+  (a reduce-scatter); then one optimizer update.
 
-Bytes per device per iteration: the pull receives the whole parameter set once (fp32,
-``4·P`` bytes, like the all-gather of a homogeneous ZeRO-3 step); the push sends ``4·P`` bytes of
-partial gradients into the reduce-scatter (a homogeneous step's reduce-scatter of the full
-gradient). docs/design/heterogeneous.md discusses the trade-offs.
+Bytes per device per iteration: the pull receives its stage's ``K`` layers (weight matrices in
+the compute dtype) and the rest, the push sends their fp32 gradient rows
+(docs/design/heterogeneous.md, "Bytes and memory").
 """
 
 from __future__ import annotations
@@ -54,6 +59,112 @@ def for_group(array: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, NamedSharding(mesh, P()), shards)
 
 
+def stage_tables(groups: Sequence[tuple[Layout, Sequence[int]]], num_devices: int, num_layers: int) -> np.ndarray:
+    """The ``[N, K]`` table of the decoder layers each of the run's devices holds for the iteration:
+    row ``i`` lists the layers of device ``i``'s pipeline stage in its group (``groups``: each
+    group's layout and its devices as indices into the run's device list, in the group mesh's
+    order), padded with ``-1``; devices in no group hold none. ``K`` is the largest stage."""
+    rows = max((num_layers // layout.pp for layout, _ in groups), default=1)
+    table = np.full((num_devices, rows), -1, np.int32)
+    for layout, devices in groups:
+        per_stage = num_layers // layout.pp
+        for i, device in enumerate(devices):
+            stage = np.unravel_index(i, (layout.dp, layout.pp, layout.sp))[1]
+            table[device, :per_stage] = np.arange(stage * per_stage, (stage + 1) * per_stage)
+    return table
+
+
+def fsdp_axis(sharding: NamedSharding):
+    """The axis of a canonical leaf split over the ``fsdp`` devices (None: replicated)."""
+    return next((i for i, entry in enumerate(sharding.spec) if entry is not None), None)
+
+
+def _keep(x, valid):
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)), x, jnp.zeros_like(x))
+
+
+def pull_stages(layers, table, axes: Sequence, mesh: Mesh):
+    """(Traced in a program over all devices.) The canonical stacked layers (``axes``: each leaf's
+    :func:`fsdp_axis` on ``mesh``, the state mesh) -> each device's stage layers whole, ``[K, ...]``
+    per device as one ``[N·K, ...]`` array sharded over ``fsdp`` (``table``: :func:`stage_tables`,
+    replicated). A leaf split on a weight axis travels by one all-to-all: device ``j`` sends every
+    device its chunk of that device's layers and receives its own layers' chunks from everyone
+    (``K`` layers per device). A leaf split on the layer axis or replicated (small vectors) is
+    all-gathered and indexed."""
+    leaves, treedef = jax.tree.flatten(layers)
+    specs = [P() if a is None else P(*([None] * a), FSDP) for a in axes]
+
+    def device_fn(leaves, table):
+        me = jax.lax.axis_index(FSDP)
+        valid, rows = table >= 0, jnp.maximum(table, 0)
+        out = []
+        for x, a in zip(leaves, axes):
+            if not a:  # replicated, or split on the layer axis
+                whole = x if a is None else jax.lax.all_gather(x, FSDP, axis=0, tiled=True)
+                out.append(_keep(jnp.take(whole, rows[me], axis=0), valid[me]))
+                continue
+            send = _keep(jnp.take(x, rows, axis=0), valid)  # [N, K, ...]: my chunk of each device's layers
+            got = jax.lax.all_to_all(send, FSDP, 0, 0, tiled=False)  # [N, K, ...]: chunk j of mine, from j
+            got = jnp.moveaxis(got, 0, a)  # [K, ..., N, chunk, ...]
+            out.append(got.reshape(got.shape[:a] + (-1,) + got.shape[a + 2 :]))
+        return out
+
+    out = jax.shard_map(
+        device_fn, mesh=mesh, in_specs=(specs, P()), out_specs=[P(FSDP)] * len(leaves), check_vma=False
+    )(leaves, table)
+    return treedef.unflatten(out)
+
+
+def sum_stage_rows(rows, table, weights, axes: Sequence, mesh: Mesh, num_layers: int):
+    """(Traced in a program over all devices.) The transpose of :func:`pull_stages`: every
+    device's ``[1, K, ...]`` row of stage gradients (one ``[N, K, ...]`` array per leaf, sharded
+    over ``fsdp``), scaled by its ``weights[i]`` (``[N]``, replicated) -> their sum over all
+    devices as canonical stacked layers. The all-to-all hands device ``j`` chunk ``j`` of every
+    device's rows, which it adds into its layers by the table (padding rows dropped); leaves split
+    on the layer axis or replicated are added whole and reduce-scattered or all-reduced."""
+    leaves, treedef = jax.tree.flatten(rows)
+    out_specs = [P() if a is None else P(*([None] * a), FSDP) for a in axes]
+
+    def device_fn(leaves, table, weights):
+        me = jax.lax.axis_index(FSDP)
+        ids = jnp.where(table >= 0, table, num_layers)  # padding: one extra segment, dropped
+        n = table.shape[0]
+        out = []
+        for x, a in zip(leaves, axes):
+            x = x[0]  # [K, ...]: this device's stage
+            if not a:
+                x = x * weights[me].astype(x.dtype)
+                whole = jax.ops.segment_sum(x, ids[me], num_segments=num_layers + 1)[:num_layers]
+                if a is None:
+                    out.append(jax.lax.psum(whole, FSDP))
+                else:
+                    out.append(jax.lax.psum_scatter(whole, FSDP, scatter_dimension=0, tiled=True))
+                continue
+            split = x.reshape(x.shape[:a] + (n, x.shape[a] // n) + x.shape[a + 1 :])
+            send = jnp.moveaxis(split, a, 0)  # [N, K, ..., chunk, ...]: chunk j for device j
+            got = jax.lax.all_to_all(send, FSDP, 0, 0, tiled=False)  # [N, K, ...]: device i's rows, my chunk
+            got = got * weights.astype(got.dtype).reshape((n,) + (1,) * (got.ndim - 1))
+            flat = got.reshape((-1,) + got.shape[2:])
+            out.append(jax.ops.segment_sum(flat, ids.reshape(-1), num_segments=num_layers + 1)[:num_layers])
+        return out
+
+    out = jax.shard_map(
+        device_fn, mesh=mesh, in_specs=([P(FSDP)] * len(leaves), P(), P()), out_specs=out_specs, check_vma=False
+    )(leaves, table, weights)
+    return treedef.unflatten(out)
+
+
+def stage_view(array: jax.Array, mesh: Mesh) -> jax.Array:
+    """The pulled ``[N·K, ...]`` stage layers (:func:`pull_stages`) seen as a group's ``[pp·K, ...]``
+    layer stack split over its ``pp`` axis (the same device buffers: each device of stage ``p``
+    holds block ``p``; no copy, no transfer)."""
+    want = set(mesh.devices.flat)
+    shards = [s.data for s in array.addressable_shards if s.device in want]
+    rows = array.sharding.shard_shape(array.shape)[0]
+    shape = (mesh.shape[PP] * rows, *array.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(PP)), shards)
+
+
 def gather_partials(
     arrays: Sequence[jax.Array], state_mesh: Mesh, order: Sequence[jax.Device], shape: tuple, dtype
 ) -> jax.Array:
@@ -74,43 +185,23 @@ def gather_partials(
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(state_mesh, P(FSDP)), [rows[d] for d in local])
 
 
-def device_partials(mesh: Mesh, layer_grads, rest_grads, sums: dict, weight, num_layers: int):
-    """A group's gradients (layers stacked ``[L/pp, ...]`` sharded over ``pp``, the rest replicated,
-    as the pipeline executor returns them after its reductions) as per-device partials with a
-    leading axis over the group's devices (``P((dp, pp, sp))``): one replica of each stage puts
-    its layers, scaled by ``weight``, at the stage's place in the full ``[L, ...]`` stack; the
-    group's first device adds the rest and the loss sums. Summing the partials of all groups gives
-    the iteration's gradient."""
-    pp = mesh.shape[PP]
-    layer_spec = jax.tree.map(lambda _: P(PP), layer_grads)
-    rest_spec = jax.tree.map(lambda _: P(), rest_grads)
-    sums_spec = jax.tree.map(lambda _: P(), sums)
+def device_partials(mesh: Mesh, rest_grads, sums: dict):
+    """A group's gradients of the rest of the model (embedding, final norm, head; replicated, as
+    the pipeline executor returns them) and its loss sums as per-device partials with a leading
+    axis over the group's devices (``P((dp, pp, sp))``): the group's first device holds them,
+    the others zeros. (Its layers' come from the executor as such rows already.)"""
     out_spec = P(GROUP_AXES)
 
-    def device_fn(layers, rest, sums, weight):
-        stage = jax.lax.axis_index(PP)
-        replica0 = (jax.lax.axis_index(DP) == 0) & (jax.lax.axis_index(SP) == 0)
-        first = replica0 & (stage == 0)
-        per_stage = num_layers // pp
-
-        def place(x):
-            full = jnp.zeros((num_layers, *x.shape[1:]), x.dtype)
-            full = jax.lax.dynamic_update_slice_in_dim(full, x * weight.astype(x.dtype), stage * per_stage, 0)
-            return jnp.where(replica0, full, jnp.zeros_like(full))[None]
-
-        layers = jax.tree.map(place, layers)
-        rest = jax.tree.map(lambda x: jnp.where(first, x * weight.astype(x.dtype), jnp.zeros_like(x))[None], rest)
+    def device_fn(rest, sums):
+        first = (jax.lax.axis_index(DP) == 0) & (jax.lax.axis_index(PP) == 0) & (jax.lax.axis_index(SP) == 0)
+        rest = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x))[None], rest)
         sums = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x))[None], sums)
-        return layers, rest, sums
+        return rest, sums
 
     return jax.shard_map(
         device_fn,
         mesh=mesh,
-        in_specs=(layer_spec, rest_spec, sums_spec, P()),
-        out_specs=(
-            jax.tree.map(lambda _: out_spec, layer_grads),
-            jax.tree.map(lambda _: out_spec, rest_grads),
-            jax.tree.map(lambda _: out_spec, sums),
-        ),
+        in_specs=(jax.tree.map(lambda _: P(), rest_grads), jax.tree.map(lambda _: P(), sums)),
+        out_specs=(jax.tree.map(lambda _: out_spec, rest_grads), jax.tree.map(lambda _: out_spec, sums)),
         check_vma=False,
-    )(layer_grads, rest_grads, sums, weight)
+    )(rest_grads, sums)

@@ -97,17 +97,23 @@ def is_compute_weight(axes: tuple) -> bool:
 GATHERED_TABLES = (("vocab", "embed"),)
 
 
+def pulled_dtypes(params, compute_dtype) -> list:
+    """Per leaf of ``params`` (leaf order), the dtype a pull moves it in: weight matrices in the
+    compute dtype, vectors and the embedding table (:data:`GATHERED_TABLES`) in their own."""
+    out = []
+    for axes, x in zip(param_axes(params), jax.tree.leaves(params)):
+        cast = is_compute_weight(axes) and tuple(axes) not in GATHERED_TABLES
+        out.append(jnp.dtype(compute_dtype) if cast and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
+    return out
+
+
 def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES):
-    """Canonical params -> params as the layout's propagation sees them (cast, resharded); the
-    embedding table keeps its dtype (:data:`GATHERED_TABLES`)."""
+    """Canonical params -> params as the layout's propagation sees them (cast to
+    :func:`pulled_dtypes`, resharded)."""
     compute = jax.tree.leaves(param_shardings(params, layout_mesh, rules))
     leaves = jax.tree.leaves(params)
-    out = []
-    for axes, x, sharding in zip(param_axes(params), leaves, compute):
-        cast = is_compute_weight(axes) and tuple(axes) not in GATHERED_TABLES
-        if cast and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(compute_dtype)
-        out.append(jax.lax.with_sharding_constraint(x, sharding))
+    dtypes = pulled_dtypes(params, compute_dtype)
+    out = [jax.lax.with_sharding_constraint(x.astype(d), s) for x, d, s in zip(leaves, dtypes, compute)]
     return _param_tree(params, out)
 
 

@@ -448,9 +448,14 @@ class StageProgram:
         return {k: carry[k] for k in ACCUMULATORS}
 
     def finish(self, acc: dict):
-        """-> (grads of the layers (this device's canonical chunks), of the rest, loss sum, layer
-        forwards [1, 1]) from the step's accumulators."""
-        g_layers = self.s.fns.weights.push(acc["g_layers"])  # summed, in the canonical placement
+        """-> (grads of the layers (this device's canonical chunks; with stage-own weights, this
+        device's contribution as a ``[1, L/pp, ...]`` row), of the rest, loss sum, layer forwards
+        [1, 1]) from the step's accumulators."""
+        weights = self.s.fns.weights
+        if weights.canonical:
+            g_layers = weights.push(acc["g_layers"])  # summed, in the canonical placement
+        else:
+            g_layers = jax.tree.map(lambda g: g[None], weights.push_rows(acc["g_layers"]))
         g_rest = jax.lax.psum(acc["g_rest"], (DATA, PP, SP))
         loss = jax.lax.psum(acc["loss"], (DATA, PP, SP))
         return g_layers, g_rest, loss, acc["count"].reshape(1, 1)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jvarlen.config import ModelConfig
-from jvarlen.parallel.layouts import PP
+from jvarlen.parallel.layouts import LAYOUT_AXES, PP
 from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.stage import stage_shapes
@@ -26,6 +26,7 @@ def make_pipeline_grads(
     attention_fn=None,
     residual_policy: Optional[str] = None,
     stage_weights: str = "replicated",
+    canonical: bool = True,
 ):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
@@ -40,12 +41,16 @@ def make_pipeline_grads(
     ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
     ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
     of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
+    ``canonical``: the layers arrive in the canonical placement over the mesh's devices (the
+    pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
+    the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``
+    over ``(dp, pp, sp)``, which sum to the layout's gradient (``StageWeights.push_rows``).
     """
     parts = isinstance(sig, tuple)
     sigs = sig if parts else (sig,)
     if not sigs or len({(s.layout, s.num_layers) for s in sigs}) != 1:
         raise ValueError(f"a step's parts need one layout and model, got {sigs}")
-    shapes = [stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights) for s in sigs]
+    shapes = [stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights, canonical) for s in sigs]
     weights = shapes[0].fns.weights  # the layout's: the same for every part
 
     cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
@@ -67,11 +72,12 @@ def make_pipeline_grads(
         layer_spec = weights.specs()
         rest_spec = jax.tree.map(lambda _: P(), rest)
         batch_spec = tuple({key: P(DATA) for key in b} for b in batches)
+        rows = jax.tree.map(lambda _: P(LAYOUT_AXES), layer_spec)  # canonical=False: a row per device
         g_layers, g_rest, loss, count = jax.shard_map(
             device_fn,
             mesh=mesh,
             in_specs=(layer_spec, rest_spec, batch_spec, P()),
-            out_specs=(layer_spec, rest_spec, P(), P(DATA, PP)),
+            out_specs=(layer_spec if canonical else rows, rest_spec, P(), P(DATA, PP)),
             check_vma=False,
         )(layers, rest, batches, scale)
         grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))

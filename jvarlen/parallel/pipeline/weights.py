@@ -63,12 +63,17 @@ class StageWeights:
     logical ``axes`` per leaf (``jvarlen.parallel.sharding.param_axes``). With ``compute_dtype``
     the stage holds its weight matrices in it (cast before they move: half the bytes for bf16),
     and accumulates their gradients in the parameters' dtype (the planner's
-    ``stage_bytes_per_param``: a bf16 copy and an fp32 accumulator, 6 bytes)."""
+    ``stage_bytes_per_param``: a bf16 copy and an fp32 accumulator, 6 bytes). ``canonical=False``:
+    the layers arrive as each stage's own, whole (spec ``P(pp)``: a device group's, pulled per
+    stage by :func:`jvarlen.parallel.groups.pull_stages`), so no leaf is managed here and the
+    gradients are summed over the stage's devices with ``psum``."""
 
-    def __init__(self, layer_state, axes, layout: Layout, mode: str = "replicated", compute_dtype=None):
+    def __init__(
+        self, layer_state, axes, layout: Layout, mode: str = "replicated", compute_dtype=None, canonical: bool = True
+    ):
         if mode not in STAGE_WEIGHTS:
             raise ValueError(f"stage_weights must be one of {STAGE_WEIGHTS}, got {mode!r}")
-        self.layout, self.mode = layout, mode
+        self.layout, self.mode, self.canonical = layout, mode, canonical
         self.sharded = mode == "sharded" and layout.sp > 1  # over the stage's sp devices
         dp_sharded = mode == "sharded" and layout.dp > 1
         state_mesh = jax.sharding.AbstractMesh((layout.num_devices,), (FSDP,))
@@ -76,7 +81,7 @@ class StageWeights:
         for leaf, leaf_axes in zip(jax.tree.leaves(layer_state), axes):
             spec = tuple(logical_to_spec(leaf_axes, leaf.shape, STATE_RULES, state_mesh))
             canon = next((i for i, entry in enumerate(spec) if entry is not None), None)
-            canon = canon if canon else None  # the layer axis itself: left to GSPMD
+            canon = canon if canon and canonical else None  # the layer axis itself: left to GSPMD
             shard = None
             if self.sharded:
                 shard = canon if canon is not None else _first_divided(leaf.shape, layout.sp)
@@ -141,6 +146,20 @@ class StageWeights:
                 if not leaf.dp_shard:
                     g = jax.lax.psum_scatter(g, DP, scatter_dimension=a, tiled=True)  # chunks (d, q, s)
                 g = jax.lax.all_to_all(g, PP, a, 0, tiled=True)  # every layer, chunk (d, p, s)
+            out.append(g)
+        return self.treedef.unflatten(out)
+
+    def push_rows(self, grads):
+        """``canonical=False``: this device's contribution to its stage's gradient, whole layers (the
+        gradients of all devices of all stages sum to the layout's): its own accumulators where the
+        stage is replicated (no reduction here: the groups' update adds every device's rows), and
+        where a leaf is sharded over ``sp`` (already summed over the ``sp`` devices by
+        :meth:`reduce`) the whole sum on ``sp`` index 0, zeros on the others."""
+        out = []
+        for g, leaf in zip(jax.tree.leaves(grads), self.leaves):
+            if leaf.shard is not None:
+                whole = jax.lax.all_gather(g, SP, axis=leaf.shard, tiled=True)
+                g = jnp.where(jax.lax.axis_index(SP) == 0, whole, jnp.zeros_like(whole))
             out.append(g)
         return self.treedef.unflatten(out)
 

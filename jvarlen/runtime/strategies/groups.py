@@ -3,22 +3,27 @@
 executor plan (micro-batches, 1F1B or gradient accumulation, recomputation) — and ends with one
 update of the canonical state (Hydraulis §5.1-5.2; FlexSP and DCP groups are ``pp = 1``).
 
-One iteration is four kinds of compiled programs, all from the one compile cache:
+One iteration runs these compiled programs, all from the one compile cache:
 
-* ``pull``: all devices; the fp32 parameters all-gathered onto every device
-  (:func:`jvarlen.parallel.groups.pull`);
+* ``pull``: all devices; each device's pipeline stage's decoder layers handed to it whole (weight
+  matrices in the compute dtype, by an all-to-all), the rest of the model all-gathered
+  (:func:`jvarlen.parallel.groups.pull_stages`);
 * one program per group, on the group's devices: the pipeline executor's gradients of the group's
-  plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads`; a plan in parts runs them one after
-  the other in this one program, each padded to its own bucket, docs/design/bucket-parts.md)
-  turned into per-device partials scaled by the group's share of the iteration's target tokens
-  (:func:`jvarlen.parallel.groups.device_partials`);
+  plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads` on the stages' own layers; a plan in
+  parts runs them one after the other in this one program, each padded to its own bucket,
+  docs/design/bucket-parts.md) as per-device rows: each device's own layer gradients, the rest's
+  on the group's first device (:func:`jvarlen.parallel.groups.device_partials`);
 * ``update``: all devices; the one train step of :mod:`jvarlen.runtime.step` whose "gradients"
-  are the sum of every device's partials, landing in the canonical sharding (a reduce-scatter).
+  are the sum of every device's rows scaled by its group's share of the iteration's target
+  tokens, landing in the canonical sharding (the pull's all-to-all backwards for the layers, a
+  reduce-scatter for the rest).
 
 The groups' programs are dispatched one after the other without waiting (asynchronous dispatch on
 disjoint devices: they run concurrently); nothing syncs with the host until the loop reads the
 metrics. Executables are cached per (scheme, devices, pipeline signature), so a strategy that
-reuses known groups compiles nothing.
+reuses known groups compiles nothing. The pull and the update are compiled per ``K``, the
+iteration's largest stage (in layers), which every device's buffers share; a group of shorter
+stages cuts and pads its rows in small ``rows`` programs, so its own program serves any ``K``.
 """
 
 from __future__ import annotations
@@ -35,11 +40,24 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.parallel.groups import GROUP_AXES, device_partials, for_group, gather_partials, group_mesh
-from jvarlen.parallel.layouts import FSDP
+from jvarlen.layout import Layout
+from jvarlen.model.transformer import resolve_compute_dtype
+from jvarlen.parallel.groups import (
+    GROUP_AXES,
+    device_partials,
+    for_group,
+    fsdp_axis,
+    gather_partials,
+    group_mesh,
+    pull_stages,
+    stage_tables,
+    stage_view,
+    sum_stage_rows,
+)
+from jvarlen.parallel.layouts import FSDP, PP
 from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_params
 from jvarlen.parallel.pipeline.executor import DATA
-from jvarlen.parallel.sharding import place_global, push
+from jvarlen.parallel.sharding import place_global, pulled_dtypes, push
 from jvarlen.plan import cpsat
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, plan_strategy
 from jvarlen.runtime.memory_fit import ensure_fits
@@ -112,7 +130,7 @@ def _estimate(v: dict):
 
 
 def _is_composite(key) -> bool:
-    return isinstance(key, tuple) and len(key) == 2 and key[0] == "groups"
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "groups"
 
 
 def all_documents(pieces, rows) -> list:
@@ -123,40 +141,52 @@ def all_documents(pieces, rows) -> list:
 class GroupsStep:
     """The executable of one strategy: pull, the groups' programs, update (see the module docstring)."""
 
-    def __init__(self, ctx: StepContext, pull, groups: Sequence, update: CompiledStep):
+    def __init__(self, ctx: StepContext, pull, groups: Sequence, update: CompiledStep, rows: int):
         self.ctx, self.pull, self.groups, self.update = ctx, pull, list(groups), update
         here = jax.process_index()  # a process dispatches only the groups with devices of its own
-        self.local = [any(d.process_index == here for d in mesh.devices.flat) for _, mesh, _ in self.groups]
-        n = len(ctx.placement.devices)  # the update's per-device partials: [N, *param] and [N] sums
-        self.partial_shapes = [((n, *a.shape), a.dtype) for a in jax.tree.leaves(ctx.abstract_state.params)]
-        self.partial_shapes += [((n,), np.float32)] * len(SUM_KEYS)
+        self.local = [any(d.process_index == here for d in mesh.devices.flat) for _, mesh, _, _ in self.groups]
+        n = len(ctx.placement.devices)  # the update's per-device partials: [N, K, *layer], [N, *param], [N]
+        layers, rest = split_params(ctx.abstract_state.params)
+        self.partial_shapes = {
+            f"l/{i}": ((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(jax.tree.leaves(layers))
+        }
+        self.partial_shapes.update({f"r/{i}": ((n, *a.shape), a.dtype) for i, a in enumerate(jax.tree.leaves(rest))})
+        self.partial_shapes.update({f"s/{key}": ((n,), np.float32) for key in SUM_KEYS})
+        self.table_sharding = ctx.placement.replicated
 
     def __call__(self, state, arrays: dict):
-        pulled = self.pull(state.params)
+        table = arrays["stage_layers"]
+        layers, rest = self.pull(state.params, place_global(table, self.table_sharding))
+        layer_def = jax.tree.structure(layers)
+        local = [(g, group) for g, group in enumerate(self.groups) if self.local[g]]  # others: their process's
+        # every group's view first: a resize donates its view, whose buffers the pulled arrays share
+        views = [[stage_view(a, group[1]) for a in jax.tree.leaves(layers)] for _, group in local]
         outs = []
-        for g, (program, mesh, batch_shardings) in enumerate(self.groups):
-            if not self.local[g]:
-                continue  # another process's group: that process dispatches it
-            params = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), pulled)
-            weight = place_global(arrays[f"{g}/weight"], NamedSharding(mesh, P()))
+        for (g, (program, mesh, batch_shardings, resize)), g_layers in zip(local, views):
+            g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
+            g_rest = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), rest)
             parts = [
                 {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
                 for prefix in (f"{g}/{i}/" for i in range(len(batch_shardings)))
             ]
             batch = parts[0] if len(parts) == 1 else tuple(parts)
             shardings = batch_shardings[0] if len(parts) == 1 else tuple(batch_shardings)
-            outs.append(program(params, place_global(batch, shardings), weight))
+            out = program(g_layers, g_rest, place_global(batch, shardings))
+            if resize is not None:
+                out = (resize[1](out[0]), *out[1:])
+            outs.append(out)
+        del layers, rest  # the pulled buffers go as the groups' programs finish with them
         placement = self.ctx.placement
-        columns = [[o[0][i] for o in outs] for i in range(len(self.partial_shapes) - len(SUM_KEYS))]
-        columns += [[o[1][key] for o in outs] for key in SUM_KEYS]
-        names = [f"g/{i}" for i in range(len(columns) - len(SUM_KEYS))] + [f"s/{key}" for key in SUM_KEYS]
+        columns = {f"l/{i}": [o[0][i] for o in outs] for i in range(len(outs[0][0]) if outs else 0)}
+        columns.update({f"r/{i}": [o[1][i] for o in outs] for i in range(len(outs[0][1]) if outs else 0)})
+        columns.update({f"s/{key}": [o[2][key] for o in outs] for key in SUM_KEYS})
         partials = {
-            name: gather_partials(column, placement.state_mesh, placement.devices, shape, dtype)
-            for name, column, (shape, dtype) in zip(names, columns, self.partial_shapes)
+            name: gather_partials(columns.get(name, []), placement.state_mesh, placement.devices, shape, dtype)
+            for name, (shape, dtype) in self.partial_shapes.items()
         }
-        state, metrics = self.update(state, partials)
+        state, metrics = self.update(state, {**partials, "t": table, "w": arrays["device_weights"]})
         # layer forwards of this process's groups (all of them in a single-process run)
-        return state, {**metrics, "group_layer_forwards": [o[2] for o in outs]}
+        return state, {**metrics, "group_layer_forwards": [o[3] for o in outs]}
 
     def memory_analysis(self):
         return self.update.memory_analysis()
@@ -209,7 +239,7 @@ class GroupsStrategy(ExecutionStrategy):
         plan: StrategyPlan = iteration.plans[0]
         docs = iteration.groups[0]
         num_layers = self.ctx.model.num_layers
-        keys, arrays, targets = [], {}, []
+        keys, arrays, targets, stages = [], {}, [], []
         known = [k for key in known for k in (key[1] if _is_composite(key) else (key,))]  # a step's group programs
         for g, group in enumerate(plan.groups):
             ids = (group.scheme.pp, group.scheme.sp, tuple(group.devices))
@@ -225,9 +255,14 @@ class GroupsStrategy(ExecutionStrategy):
                 arrays.update({f"{g}/{i}/{k}": v for k, v in batch.items()})
             keys.append(("group", *ids, sigs[0] if len(sigs) == 1 else tuple(sigs)))
             targets.append(target)
-        total = max(sum(targets), 1.0)
-        for g, t in enumerate(targets):
-            arrays[f"{g}/weight"] = np.float32(t / total)
+            stages.append((sigs[0].layout, group.devices))
+        table = stage_tables(stages, len(self.ctx.placement.devices), num_layers)
+        arrays["stage_layers"] = table
+        total = max(sum(targets), 1.0)  # each device's rows count by its group's share of the targets
+        weights = np.zeros(len(self.ctx.placement.devices), np.float32)
+        for group, t in zip(plan.groups, targets):
+            weights[list(group.devices)] = t / total
+        arrays["device_weights"] = weights
         info = {
             "strategy": plan.describe(),
             "groups": len(plan.groups),
@@ -239,26 +274,66 @@ class GroupsStrategy(ExecutionStrategy):
         estimates = plan.stats.get("auto_estimates")
         if estimates:  # auto: every policy's estimate of this iteration (or why it could not plan it)
             info["policy_estimates_s"] = {k: _estimate(v) for k, v in estimates.items()}
-        return Prepared(("groups", tuple(keys)), arrays, info)
+        return Prepared(("groups", tuple(keys), table.shape[1]), arrays, info)  # K sizes pull and update
 
     # ---- compiled programs
     def compile(self, key) -> GroupsStep:
         if self.cache is None:
             raise RuntimeError("GroupsStrategy.attach(cache) first: its programs live in the one compile cache")
-        _, group_keys = key
-        groups = [self.cache.get(k, self._compile_group) for k in group_keys]
-        pull = self.cache.get(("pull",), self._compile_pull)
-        update = self.cache.get(("update",), self._compile_update)
-        return GroupsStep(self.ctx, pull, groups, update)
+        _, group_keys, rows = key
+        groups = []
+        for k in group_keys:
+            program, mesh, batch_shardings = self.cache.get(k, self._compile_group)
+            per_stage, where = self.ctx.model.num_layers // k[1], k[1:4]
+            resize = None  # the pulled K rows to the stage's layers, its partial rows back to K
+            if per_stage != rows:
+                resize = (
+                    self.cache.get(("rows", *where, "stage", rows, per_stage), self._compile_rows),
+                    self.cache.get(("rows", *where, "partial", per_stage, rows), self._compile_rows),
+                )
+            groups.append((program, mesh, batch_shardings, resize))
+        pull = self.cache.get(("pull", rows), self._compile_pull)
+        update = self.cache.get(("update", rows), self._compile_update)
+        return GroupsStep(self.ctx, pull, groups, update, rows)
 
     def _devices(self, indices) -> list:
         return [self.ctx.placement.devices[i] for i in indices]
 
+    def _layer_axes(self) -> list:
+        """Each stacked layer leaf's canonical ``fsdp`` axis (:func:`jvarlen.parallel.groups.fsdp_axis`)."""
+        layers, _ = split_params(self.ctx.placement.state_sharding.params)
+        return [fsdp_axis(s) for s in jax.tree.leaves(layers)]
+
+    def _pulled(self):
+        """The layers and the rest as the pull moves them (abstract, unsharded): weight matrices in
+        the compute dtype (:func:`jvarlen.parallel.sharding.pulled_dtypes`), as a stage computes
+        with them."""
+        compute = resolve_compute_dtype(self.ctx.model.compute_dtype)
+        out = []
+        for part in split_params(self.ctx.abstract_state.params):
+            leaves, treedef = jax.tree.flatten(part)
+            dtypes = pulled_dtypes(part, compute)
+            out.append(treedef.unflatten([jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(leaves, dtypes)]))
+        return tuple(out)
+
     def _compile_pull(self, key):
+        _, rows = key
         placement = self.ctx.placement
-        replicated = jax.tree.map(lambda _: placement.replicated, self.ctx.abstract_state.params)
-        fn = jax.jit(lambda params: params, in_shardings=(placement.state_sharding.params,), out_shardings=replicated)
-        return fn.lower(self.ctx.abstract_state.params).compile(compiler_options=self.ctx.compiler_options)
+        mesh, replicated, axes = placement.state_mesh, placement.replicated, self._layer_axes()
+        layer_rows = NamedSharding(mesh, P(FSDP))
+        moved = self._pulled()
+
+        def pull(params, table):
+            layers, rest = jax.tree.map(lambda x, a: x.astype(a.dtype), split_params(params), moved)
+            rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), rest)
+            return pull_stages(layers, table, axes, mesh), rest
+
+        abstract = self.ctx.abstract_state.params
+        layers, rest = split_params(abstract)
+        out = (jax.tree.map(lambda _: layer_rows, layers), jax.tree.map(lambda _: replicated, rest))
+        table = jax.ShapeDtypeStruct((len(placement.devices), rows), np.int32)
+        fn = jax.jit(pull, in_shardings=(placement.state_sharding.params, replicated), out_shardings=out)
+        return fn.lower(abstract, table).compile(compiler_options=self.ctx.compiler_options)
 
     def _compile_group(self, key):
         _, pp, sp, devices, sig = key  # sig: one signature, or the step's parts' (a tuple)
@@ -266,38 +341,82 @@ class GroupsStrategy(ExecutionStrategy):
         sigs = sig if isinstance(sig, tuple) else (sig,)
         mesh = group_mesh(sigs[0].layout, self._devices(devices))
         grads = make_pipeline_grads(
-            ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual, stage_weights=self.stage_weights
+            ctx.graphdef,
+            ctx.model,
+            sig,
+            mesh,
+            residual_policy=self.residual,
+            stage_weights=self.stage_weights,
+            canonical=False,
         )
-        num_layers = ctx.model.num_layers
+        _, rest_dtype = split_params(ctx.abstract_state.params)
 
-        def program(params, batch, weight):
+        def program(layers, rest, batch):
+            # the layers as handed: the stage's copy in the compute dtype (the executor accumulates
+            # their gradients in the parameters'); the rest back in the parameters' dtype, exactly,
+            # since its gradients accumulate in its own
+            rest = jax.tree.map(lambda x, a: x.astype(a.dtype), rest, rest_dtype)
+            params = nnx.merge_state(rest, nnx.State({"layers": layers}))
             sums, g, layer_forwards = grads(params, batch)
             real = sum(jnp.sum(b["segment_ids"] > 0) for b in (batch if isinstance(batch, tuple) else (batch,)))
             sums = {**sums, "real_tokens": real.astype(jnp.float32)}
-            layers, rest = split_params(g)
-            p_layers, p_rest, p_sums = device_partials(mesh, layers, rest, sums, weight, num_layers)
-            partial_grads = nnx.merge_state(p_rest, nnx.State({"layers": p_layers}))
+            g_layers, g_rest = split_params(g)  # the layers: a row per device already
+            p_rest, p_sums = device_partials(mesh, g_rest, sums)
             # replicated over the group: a process holding any of its devices can read the counts
             # (sharded by stage, the stages of another process could not be fetched)
-            return jax.tree.leaves(partial_grads), p_sums, jax.lax.with_sharding_constraint(layer_forwards, replicated)
+            forwards = jax.lax.with_sharding_constraint(layer_forwards, replicated)
+            return jax.tree.leaves(g_layers), jax.tree.leaves(p_rest), p_sums, forwards
 
         replicated = NamedSharding(mesh, P())
         batch_sharding = NamedSharding(mesh, P(DATA))
-        params = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), ctx.abstract_state.params
-        )
+        layers, rest = self._pulled()
+        by_stage = NamedSharding(mesh, P(PP))
+        layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_stage), layers)
+        rest = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), rest)
         batches = [
             {k: jax.ShapeDtypeStruct(v, np.int32, sharding=batch_sharding) for k, v in s.input_shapes().items()}
             for s in sigs
         ]
         batch = batches[0] if len(sigs) == 1 else tuple(batches)
-        weight = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
-        compiled = jax.jit(program).lower(params, batch, weight).compile(compiler_options=ctx.compiler_options)
+        compiled = jax.jit(program).lower(layers, rest, batch).compile(compiler_options=ctx.compiler_options)
         here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         if here:  # the group's step runs beside the canonical state: both must fit (GPU; CPU has no limit)
             what = f"the group (pp={pp}, sp={sp}) on devices {list(devices)}: "
             ensure_fits(compiled, here[0], resident_bytes=self._state_bytes_per_device(), what=what)
         return compiled, mesh, [{k: batch_sharding for k in b} for b in batches]
+
+    def _compile_rows(self, key):
+        """A group's per-device layer rows resized, a copy on each device (no transfer): the pulled
+        ``K`` rows (``"stage"``, ``[pp·K, ...]`` over ``pp``) cut to its stage's layers, or its
+        partial gradient rows (``"partial"``, ``[n, rows, ...]`` over the group's devices) padded
+        to ``K`` with zeros. Outside the group's program, so that its memory holds its own stage
+        only, and its compiled step serves any ``K``."""
+        _, pp, sp, devices, what, rows_in, rows_out = key
+        layout = Layout(len(devices) // (pp * sp), pp, sp)
+        mesh = group_mesh(layout, self._devices(devices))
+        layers, _ = self._pulled() if what == "stage" else split_params(self.ctx.abstract_state.params)
+        leaves = jax.tree.leaves(layers)
+        if what == "stage":
+            spec, axis = P(PP), 0
+            shapes = [(pp * rows_in, *a.shape[1:]) for a in leaves]
+        else:
+            spec, axis = P(GROUP_AXES), 1
+            shapes = [(len(devices), rows_in, *a.shape[1:]) for a in leaves]
+
+        def resize(x):
+            if rows_out < rows_in:
+                return jax.lax.slice_in_dim(x, 0, rows_out, axis=axis)
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, rows_out - rows_in)
+            return jnp.pad(x, pad)
+
+        fn = jax.jit(
+            jax.shard_map(lambda xs: [resize(x) for x in xs], mesh=mesh, in_specs=spec, out_specs=spec),
+            donate_argnums=0,
+        )
+        sharding = NamedSharding(mesh, spec)
+        args = [jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding) for shape, a in zip(shapes, leaves)]
+        return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
 
     def _state_bytes_per_device(self) -> int:
         """Bytes of the canonical train state (master weights, optimizer moments) on one device."""
@@ -308,22 +427,32 @@ class GroupsStrategy(ExecutionStrategy):
         )
 
     def _compile_update(self, key) -> CompiledStep:
+        _, rows = key
         ctx = self.ctx
         placement = ctx.placement
-        n = len(placement.devices)
-        leaves = jax.tree.leaves(ctx.abstract_state.params)
-        treedef = jax.tree.structure(ctx.abstract_state.params)
+        n, num_layers, axes = len(placement.devices), ctx.model.num_layers, self._layer_axes()
+        layers, rest = split_params(ctx.abstract_state.params)
+        layer_def, rest_def = jax.tree.structure(layers), jax.tree.structure(rest)
+        layers, rest = jax.tree.leaves(layers), jax.tree.leaves(rest)
         canonical = placement.state_sharding.params
 
         def sum_partials(params, batch):
-            summed = [batch[f"g/{i}"].sum(0) for i in range(len(leaves))]
-            grads = push(jax.tree.unflatten(treedef, summed), canonical, params)
+            stage_rows = layer_def.unflatten([batch[f"l/{i}"] for i in range(len(layers))])
+            weights = batch["w"]
+            summed = sum_stage_rows(stage_rows, batch["t"], weights, axes, placement.state_mesh, num_layers)
+            scale = lambda x: x * weights.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
+            summed_rest = rest_def.unflatten([scale(batch[f"r/{i}"]).sum(0) for i in range(len(rest))])
+            grads = push(nnx.merge_state(summed_rest, nnx.State({"layers": summed})), canonical, params)
             return {k: batch[f"s/{k}"].sum(0) for k in SUM_KEYS}, grads, {}
 
-        rows = NamedSharding(placement.state_mesh, P(FSDP))
-        shapes = {f"g/{i}": jax.ShapeDtypeStruct((n, *a.shape), a.dtype) for i, a in enumerate(leaves)}
+        by_device = NamedSharding(placement.state_mesh, P(FSDP))
+        shapes = {f"l/{i}": jax.ShapeDtypeStruct((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(layers)}
+        shapes.update({f"r/{i}": jax.ShapeDtypeStruct((n, *a.shape), a.dtype) for i, a in enumerate(rest)})
         shapes.update({f"s/{k}": jax.ShapeDtypeStruct((n,), np.float32) for k in SUM_KEYS})
-        return ctx.compile(sum_partials, shapes, {k: rows for k in shapes})
+        shardings = {k: by_device for k in shapes}
+        shapes["t"], shardings["t"] = jax.ShapeDtypeStruct((n, rows), np.int32), placement.replicated
+        shapes["w"], shardings["w"] = jax.ShapeDtypeStruct((n,), np.float32), placement.replicated
+        return ctx.compile(sum_partials, shapes, shardings)
 
     # ---- records and the cost check
     def record(self, iteration, prepared: Prepared, metrics: dict) -> dict:
