@@ -1,5 +1,6 @@
 """Cost model (InfiniPipe Eq. 1-11), fitting and analytic profiles: hand-computed expectations."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -409,7 +410,7 @@ def test_executor_recomputation_is_charged_in_the_lock_step_models_only():
 )
 def test_tile_pairs_matches_the_harness_layout(chunk):
     """tile_pairs counts exactly the tiles a block-skipping kernel visits for the profiler's layout."""
-    from jvarlen.plan.cost import tile_pairs
+    from jvarlen.plan.chunk import tile_pairs
     from jvarlen.profile.harness import bucket, chunk_metadata
 
     b = 128
@@ -464,3 +465,38 @@ def test_step_overhead_syncs_the_largest_stage():
     big = max(MHA.stage_params(p, 2) for p in range(2))
     assert cm.step_overhead() == pytest.approx(0.5 + 6 * big / 1e6 + 0.01)
     assert CostModel(MHA, Layout(1, 1, 1), c).step_overhead() > cm.step_overhead()  # pp=1 holds everything
+
+
+def test_a_device_group_syncs_its_stages_layers_and_the_rest_of_the_model():
+    """The groups' pull and push (jvarlen/parallel/groups.py) move each device's stage layers and the
+    embedding and head to every device, and a group of smaller stages moves as many layers as the
+    iteration's largest stage: the strategy's predicted time charges that padding."""
+    from types import SimpleNamespace
+
+    from jvarlen.plan.strategy import GroupPlan, Scheme, SchemeCosts, predicted_time
+
+    c = coeffs(step_overhead=0.5, sync_bytes_per_param=6.0, sync_link=Link(1e6, 0.01))
+    untied = dataclasses.replace(MHA, tie_embeddings=False)
+    costs = SchemeCosts(CostModel(untied, Layout(1, 1, 1), c), 8)
+    rest = untied.embed_params + untied.head_params
+    assert untied.embed_params > 0 and untied.head_params > untied.embed_params  # untied: both move
+
+    def sync(layers):
+        return 6 * (layers * untied.layer_params + rest) / 1e6 + 0.01
+
+    pipeline = costs.cost(Scheme(2, 1))
+    assert pipeline.step_overhead() == pytest.approx(0.5 + sync(2))
+    assert pipeline.sync_time(4) == pytest.approx(sync(4))
+    # the pipeline strategy's own stages: the largest one (the head's), not the embedding too
+    assert CostModel(untied, Layout(1, 2, 1), c).step_overhead() == pytest.approx(
+        0.5 + 6 * (2 * untied.layer_params + untied.head_params) / 1e6 + 0.01
+    )
+    assert costs.cost(Scheme(1, 1)).step_overhead() == pytest.approx(0.5 + sync(4))  # pp = 1: everything
+
+    def group(scheme, devices, seconds):  # a group whose plan's simulated time is ``seconds``
+        return GroupPlan(scheme, devices, (0,), SimpleNamespace(stats={"iteration_time_s": seconds}))
+
+    two = [group(Scheme(2, 1), (0, 1), 3.0), group(Scheme(2, 1), (2, 3), 2.0)]
+    assert predicted_time(two, costs) == 3.0  # stages alike: nothing padded
+    mixed = [group(Scheme(1, 1), (0,), 3.0), group(Scheme(2, 1), (2, 3), 2.99)]
+    assert predicted_time(mixed, costs) == pytest.approx(2.99 + sync(4) - sync(2))  # pads to 4 layers

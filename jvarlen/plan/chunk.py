@@ -6,7 +6,10 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +102,32 @@ def executor_context(shapes: Sequence[ChunkShape], bucket: int) -> int:
     if not linked:
         return 0
     return -(-(max(linked) + bucket) // bucket) * bucket
+
+
+@functools.lru_cache(maxsize=65536)
+def tile_pairs(chunk: ChunkShape, block: int) -> float:
+    """Attention work of a block-skipping kernel in units of ``attention_pairs``.
+
+    Layout assumed (and used by the profiler's harness): the chunk's slices are consecutive
+    from a block boundary, the ``C`` context keys fill whole blocks right before it. A
+    ``block x block`` tile is visited when some document has a query in its row block and a
+    visible key (causal) in its column block; it costs ``2·block²`` (``attention_pairs`` counts
+    ``(C+s)² − C²``, twice the causal pairs). For one slice of ``n`` whole blocks this is
+    ``block²·n(n+1) ≈ T² + T·block``.
+    """
+    b = block
+    nq = -(-chunk.tokens // b)
+    nctx = -(-chunk.context // b)
+    if len(chunk.slices) == 1:  # the planner's hot path: one slice, nq(nq+1)/2 causal tiles
+        return 2.0 * b * b * (nq * (nq + 1) // 2 + nctx * nq)
+    # Row block i sees the columns [first(i), i], first(i) being the first block of the earliest
+    # slice with a query in row block i (every slice's visible columns end at the diagonal):
+    # O(blocks) instead of a blocks² mask (a 2M-token slice has 15,625 blocks of 128).
+    ends = np.cumsum(chunk.slices)
+    first = np.empty(nq, np.int64)
+    for start, end in reversed(list(zip(ends - np.asarray(chunk.slices), ends))):
+        first[start // b : (end - 1) // b + 1] = start // b
+    tiles = int((np.arange(nq) - first + 1).sum())
+    if chunk.context:
+        tiles += nctx * ((chunk.slices[0] - 1) // b + 1)
+    return 2.0 * b * b * tiles

@@ -11,14 +11,11 @@ figures (``jvarlen.plan.hardware``) or from an online refit (``jvarlen.plan.cost
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Optional
 
-import numpy as np
-
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, tile_pairs
 from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost model's vocabulary)
     CostCoefficients,
     LayerTime,
@@ -28,35 +25,6 @@ from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost mod
     profile_filename,
 )
 from jvarlen.plan.memo import BoundedMemo
-
-
-@functools.lru_cache(maxsize=65536)
-def tile_pairs(chunk: ChunkShape, block: int) -> float:
-    """Attention work of a block-skipping kernel in units of ``attention_pairs``.
-
-    Layout assumed (and used by the profiler's harness): the chunk's slices are consecutive
-    from a block boundary, the ``C`` context keys fill whole blocks right before it. A
-    ``block x block`` tile is visited when some document has a query in its row block and a
-    visible key (causal) in its column block; it costs ``2·block²`` (``attention_pairs`` counts
-    ``(C+s)² − C²``, twice the causal pairs). For one slice of ``n`` whole blocks this is
-    ``block²·n(n+1) ≈ T² + T·block``.
-    """
-    b = block
-    nq = -(-chunk.tokens // b)
-    nctx = -(-chunk.context // b)
-    if len(chunk.slices) == 1:  # the planner's hot path: one slice, nq(nq+1)/2 causal tiles
-        return 2.0 * b * b * (nq * (nq + 1) // 2 + nctx * nq)
-    # Row block i sees the columns [first(i), i], first(i) being the first block of the earliest
-    # slice with a query in row block i (every slice's visible columns end at the diagonal):
-    # O(blocks) instead of a blocks² mask (a 2M-token slice has 15,625 blocks of 128).
-    ends = np.cumsum(chunk.slices)
-    first = np.empty(nq, np.int64)
-    for start, end in reversed(list(zip(ends - np.asarray(chunk.slices), ends))):
-        first[start // b : (end - 1) // b + 1] = start // b
-    tiles = int((np.arange(nq) - first + 1).sum())
-    if chunk.context:
-        tiles += nctx * ((chunk.slices[0] - 1) // b + 1)
-    return 2.0 * b * b * tiles
 
 
 class CostModel:
@@ -75,6 +43,7 @@ class CostModel:
         state_devices: Optional[int] = None,
         pad_to: Optional[int] = None,
         stage_weights_sharded: bool = False,
+        group: bool = False,
     ):
         """``state_devices``: the devices the fp32 master parameters and optimizer moments are sharded
         over (the canonical state of the whole run); default the layout's. A device group of a
@@ -84,7 +53,9 @@ class CostModel:
         ``stage_weights_sharded``: the compute copy and gradient accumulator of the stage's decoder
         layers are sharded over its sp group and the dp pipelines (ZeRO-3, the executor's
         ``stage_weights="sharded"``), so a device holds ``stage_bytes_per_param / (dp·sp)`` per
-        layer parameter (embedding and head: ``stage_bytes_per_param``)."""
+        layer parameter (embedding and head: ``stage_bytes_per_param``). ``group``: the layout is a
+        device group of a heterogeneous strategy, whose pull and push move the rest of the model
+        (embedding, head) to and from every device (:meth:`step_overhead`)."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -95,6 +66,7 @@ class CostModel:
         self.state_devices = layout.num_devices if state_devices is None else int(state_devices)
         self.pad_to = pad_to
         self.stage_weights_sharded = bool(stage_weights_sharded)
+        self.group = bool(group)
         if self.state_devices < layout.num_devices:
             raise ValueError(
                 f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices} devices"
@@ -117,27 +89,38 @@ class CostModel:
         """What its predictions depend on beyond the layout, as text: the model shape, the
         coefficients, the memory model's stage weights and padding (cache keys, cross-process checks)."""
         coeffs = json.dumps(self.coeffs.to_json(), sort_keys=True, default=str)
-        return f"{self.model.key()}|{coeffs}|sharded={self.stage_weights_sharded}|pad_to={self.pad_to}"
-
-    def with_layout(self, layout: Layout, state_devices: Optional[int] = None) -> "CostModel":
-        return CostModel(
-            self.model, layout, self.coeffs, state_devices, stage_weights_sharded=self.stage_weights_sharded
+        return (
+            f"{self.model.key()}|{coeffs}|sharded={self.stage_weights_sharded}|pad_to={self.pad_to}|group={self.group}"
         )
+
+    def replace(self, **changes) -> "CostModel":
+        """A new cost model with these constructor arguments changed (fresh memos)."""
+        args = dict(
+            model=self.model,
+            layout=self.layout,
+            coeffs=self.coeffs,
+            state_devices=self.state_devices,
+            pad_to=self.pad_to,
+            stage_weights_sharded=self.stage_weights_sharded,
+            group=self.group,
+        )
+        return CostModel(**{**args, **changes})
+
+    def with_layout(self, layout: Layout, state_devices: Optional[int] = None, group: bool = False) -> "CostModel":
+        """This cost model for another layout (unpadded; ``state_devices``: default the layout's)."""
+        return self.replace(layout=layout, state_devices=state_devices, pad_to=None, group=group)
 
     def with_stage_weights(self, sharded: bool) -> "CostModel":
         """This cost model with the stages' decoder layers sharded over each stage's devices, or
         replicated (``parallel.stage_weights``)."""
-        return CostModel(self.model, self.layout, self.coeffs, self.state_devices, self.pad_to, sharded)
+        return self.replace(stage_weights_sharded=sharded)
 
     def padded(self, bucket: Optional[int]) -> "CostModel":
         """This cost model with every chunk padded to ``bucket`` tokens (None: unpadded); one object
         per bucket, so that its memos serve every simulation padded to that bucket."""
         got = self._padded.get(bucket)
         if got is None:
-            got = CostModel(
-                self.model, self.layout, self.coeffs, self.state_devices, bucket, self.stage_weights_sharded
-            )
-            self._padded[bucket] = got
+            got = self._padded[bucket] = self.replace(pad_to=bucket)
         return got
 
     def _is_last(self, stage: Optional[int]) -> bool:
@@ -347,17 +330,27 @@ class CostModel:
         return self.coeffs.op_overhead
 
     def step_overhead(self) -> float:
-        """Seconds per iteration outside the pipeline: ``step_overhead`` + gradient/parameter sync of
-        the largest stage (``sync_bytes_per_param`` over ``sync_link``). The same with sharded stage
-        weights: a device group's step is handed every parameter whole either way
-        (docs/design/heterogeneous.md, "pull"); the pipeline strategy's sharded pull, which gathers
-        nothing over dp and sp, would sync less than this charges."""
-        c = self.coeffs
-        base = c.step_overhead_for(self.layout.sp)
+        """Seconds per iteration outside the pipeline: ``step_overhead`` + :meth:`sync_time`."""
+        return self.coeffs.step_overhead_for(self.layout.sp) + self.sync_time()
+
+    def sync_time(self, stage_layers: Optional[int] = None) -> float:
+        """The parameter pull and gradient push of one device (``sync_bytes_per_param`` over
+        ``sync_link``): the largest stage's parameters, or for a device group (``group``) its stage's
+        decoder layers, ``stage_layers`` of them if given (a group's devices move the iteration's
+        largest stage, jvarlen/parallel/groups.py), and the rest of the model, which the groups' pull
+        hands every device. The same with sharded stage weights: a group's program is handed its
+        stages' layers whole (docs/design/heterogeneous.md, "Pull and push"); the pipeline
+        strategy's sharded pull, which gathers nothing over dp and sp, would sync less than this
+        charges."""
+        c, m = self.coeffs, self.model
         if c.sync_bytes_per_param <= 0:
-            return base
-        params = max(self.model.stage_params(p, self.layout.pp) for p in range(self.layout.pp))
-        return base + c.sync_link.time(c.sync_bytes_per_param * params)
+            return 0.0
+        if self.group:
+            layers = self.layers_per_stage if stage_layers is None else stage_layers
+            params = layers * m.layer_params + m.stage_params(0, 1) - m.num_layers * m.layer_params
+        else:
+            params = max(m.stage_params(p, self.layout.pp) for p in range(self.layout.pp))
+        return c.sync_link.time(c.sync_bytes_per_param * params)
 
     # ---- memory (bytes per device)
     def activation_memory(self, chunk: ChunkShape, ckpt_layers: int = 0, stage: Optional[int] = None) -> float:
@@ -437,7 +430,9 @@ class CostModel:
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights")."""
+        (docs/design/pipeline.md, "Stage weights"). Not charged: what a device group's program holds
+        beside these, its gradient rows for the update and the embedding and head on every device
+        (docs/design/heterogeneous.md, "Bytes and memory")."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model

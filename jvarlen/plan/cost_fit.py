@@ -82,7 +82,7 @@ def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mo
 
     def time(**overhead) -> float:
         coeffs = cost.coeffs.replace(**{**dict.fromkeys(EXECUTOR_TERMS, 0.0), **overhead})
-        model = CostModel(cost.model, cost.layout, coeffs, cost.state_devices, cost.pad_to, cost.stage_weights_sharded)
+        model = cost.replace(coeffs=coeffs)
         return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False, timeline=False).iteration_time
 
     base, h = time(), 1e-6

@@ -17,12 +17,9 @@ and what the heterogeneous executor runs:
   executor exactly as an EPP plan does.
 
 Costs: :class:`SchemeCosts` gives each scheme its :class:`~jvarlen.plan.cost.CostModel` (the
-run's fitted coefficients, the scheme's layout, model states sharded over *all* devices),
-Hydraulis' latency model ``T(l, P)`` (App. B.2, here from the fitted cost model) and memory
-model ``MaxLen(P)`` (App. B.1). A strategy's predicted time is its slowest group's: each group's
-simulated time already charges its step overhead, which includes the all-gather of its stage's
-parameters and the reduce-scatter of their gradients (``sync_bytes_per_param``) — the per-device
-volume of the pull and push between the canonical sharding and the group (docs/design/heterogeneous.md).
+run's coefficients, the scheme's layout, a device group's pull and push and model states sharded
+over *all* devices), Hydraulis' latency model ``T(l, P)`` (App. B.2) and memory model
+``MaxLen(P)`` (App. B.1). A strategy's predicted time: :func:`predicted_time`.
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -293,7 +290,7 @@ class SchemeCosts(MethodCaches):
 
     @method_cache()  # a few schemes per run; the object lives as long as the run
     def cost(self, scheme: Scheme) -> CostModel:
-        return self.base.with_layout(scheme.layout, state_devices=self.num_devices)
+        return self.base.with_layout(scheme.layout, state_devices=self.num_devices, group=True)
 
     def T(self, length: int, scheme: Scheme) -> float:
         """Hydraulis ``T(l, P)``: forward + backward of one stage for a micro-batch holding one whole
@@ -418,9 +415,12 @@ def _group_unit(policy, scheme, families, shapes, cost, ckpt, solver, events):
 
 
 def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:
-    """A strategy's predicted iteration time: its slowest group's (whose step overhead includes the
-    parameter pull and gradient push of its stage)."""
-    return float(max((g.predicted_time_s for g in groups), default=0.0))
+    """A strategy's predicted iteration time: its slowest group's, whose step overhead includes the
+    pull and push of its stage; every device moves as many layers as the iteration's largest stage
+    (jvarlen/parallel/groups.py), so a group of smaller stages also pays for the padding."""
+    rows = max((costs.model.num_layers // g.scheme.pp for g in groups), default=0)
+    pad = {g.scheme: costs.cost(g.scheme).sync_time(rows) - costs.cost(g.scheme).sync_time() for g in groups}
+    return float(max((g.predicted_time_s + pad[g.scheme] for g in groups), default=0.0))
 
 
 def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]:
