@@ -347,7 +347,7 @@ class CostModel:
             return 0.0
         if self.group:
             layers = self.layers_per_stage if stage_layers is None else stage_layers
-            params = layers * m.layer_params + m.stage_params(0, 1) - m.num_layers * m.layer_params
+            params = layers * m.layer_params + m.embed_params + m.head_params
         else:
             params = max(m.stage_params(p, self.layout.pp) for p in range(self.layout.pp))
         return c.sync_link.time(c.sync_bytes_per_param * params)

@@ -65,8 +65,8 @@ class StageWeights:
     and accumulates their gradients in the parameters' dtype (the planner's
     ``stage_bytes_per_param``: a bf16 copy and an fp32 accumulator, 6 bytes). ``canonical=False``:
     the layers arrive as each stage's own, whole (spec ``P(pp)``: a device group's, pulled per
-    stage by :func:`jvarlen.parallel.groups.pull_stages`), so no leaf is managed here and the
-    gradients are summed over the stage's devices with ``psum``."""
+    stage by :func:`jvarlen.parallel.groups.pull_stages`), so no leaf is managed here, and each
+    device returns its own contribution to its stage's gradient (:meth:`push_rows`)."""
 
     def __init__(
         self, layer_state, axes, layout: Layout, mode: str = "replicated", compute_dtype=None, canonical: bool = True
