@@ -334,3 +334,15 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
     # every layer (K = 4) moves its matrices in half the bytes; vectors and the embedding table in fp32
     matrices = sum(a.nbytes for a in jax.tree.leaves(params["layers"]) if a.ndim >= 3)
     assert fp32_pulled - pulled == matrices // 2
+
+
+def test_a_strategy_that_leaves_devices_idle_equals_the_reference(setup):
+    """Devices in no group (4-7 here) receive no layers (their table rows are padding), send zero
+    rows and count for nothing in the update."""
+    idle = ((Scheme(2, 2), (0, 1, 2, 3), tuple(range(len(LENGTHS))), [[0, 1, 2], [3, 4], [5, 6], [7, 8]], "fit"),)
+
+    def inspect(prepared):
+        assert (prepared.arrays["stage_layers"][4:] == -1).all()
+        assert (prepared.arrays["device_weights"][4:] == 0).all() and prepared.arrays["device_weights"][0] == 1
+
+    _step_equals_reference(setup, strategy_plan(setup[0], idle), inspect)
