@@ -1,15 +1,16 @@
 """Bytes one device holds for the heterogeneous groups' pull and push, read off the compiled
 programs (XLA's memory analysis; nothing is allocated, the train state is abstract).
 
-    python scripts/group_sync_bytes.py [--config configs/llama-7b.yaml] [--devices 16]
+    python scripts/group_sync_bytes.py [--config configs/llama-7b.yaml] [--devices 16] [--target h100]
 
 For each stage size ``K`` (the iteration's largest stage: ``L / pp`` for the shallowest pipeline
 of its groups) prints the pull's output per device (the stage's layers in the compute dtype, the
 embedding and head) and the update's input per device (every device's fp32 gradient rows), beside
 what a pull of every parameter onto every device (fp32) and full-size gradient rows would hold,
 the groups' exchange before it moved stages. Compiled for the host's CPU devices (fake ones:
-``XLA_FLAGS=--xla_force_host_platform_device_count``, set here); the byte counts do not depend on
-the platform.
+``XLA_FLAGS=--xla_force_host_platform_device_count``, set here), or with ``--target`` for that many
+abstract GPUs of one host (deviceless CUDA compilation: the ``gpu-aot`` extra, jvarlen.gpu_aot), which
+also shows that the programs compile for it.
 """
 
 from __future__ import annotations
@@ -23,27 +24,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 
 
+def peak(m) -> int:
+    """A compiled program's bytes on one device: arguments, outputs and temporaries, less aliasing."""
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-7b.yaml"))
     ap.add_argument("--devices", type=int, default=16)
     ap.add_argument("--compute_dtype", default="bfloat16")
+    ap.add_argument("--target", help="abstract GPUs of this target (h100, a100) instead of CPU devices")
     args = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: no driver needed to compile
     sys.path.insert(0, ROOT)
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jvarlen.config import load_config
-    from jvarlen.gpu_aot import abstract_step_context
+    from jvarlen.gpu_aot import abstract_devices, abstract_step_context
     from jvarlen.runtime.strategies.groups import GroupsStrategy
 
     config = load_config(args.config)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=args.compute_dtype))
-    ctx = abstract_step_context(config, jax.devices()[: args.devices])
+    devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
+    ctx = abstract_step_context(config, devices)
     strategy = GroupsStrategy(ctx, None, "", ahead=0)
     params = ctx.abstract_state.params
     total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
@@ -55,24 +64,28 @@ def main(argv=None) -> int:
     before = everything.lower(params).compile().memory_analysis().output_size_in_bytes
     layers = config.model.num_layers
     print(
-        f"{os.path.relpath(args.config, ROOT)}: {total / 4 / 1e9:.2f} B parameters, {args.devices} devices, compute {args.compute_dtype}; "
+        f"{os.path.relpath(args.config, ROOT)}: {total / 4 / 1e9:.2f} B parameters, {args.devices} "
+        f"{args.target or 'cpu'} devices, compute {args.compute_dtype}; "
         f"every parameter onto every device (fp32): {before / GB:.2f} GB pulled, {total / GB:.2f} GB of rows"
     )
     print(
-        "| largest stage K (layers) | pull per device (GB) | update's rows per device (GB) | both vs every parameter |"
+        "| largest stage K (layers) | pull per device (GB) | update's rows per device (GB) | both vs every parameter "
+        "| pull program peak (GB) | update program peak (GB) |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for pp in (1, 2, 4, 8):
         if layers % pp:
             continue
         rows = layers // pp
-        pulled = strategy._compile_pull(("pull", rows)).memory_analysis().output_size_in_bytes
+        pull = strategy._compile_pull(("pull", rows)).memory_analysis()
+        pulled = pull.output_size_in_bytes
         update = strategy._compile_update(("update", rows)).memory_analysis()
         pushed = update.argument_size_in_bytes - sum(
             a.size * a.dtype.itemsize // args.devices for a in jax.tree.leaves(ctx.abstract_state)
         )
         print(
-            f"| {rows} (pp = {pp}) | {pulled / GB:.2f} | {pushed / GB:.2f} | {(pulled + pushed) / (before + total):.2f}× |"
+            f"| {rows} (pp = {pp}) | {pulled / GB:.2f} | {pushed / GB:.2f} | {(pulled + pushed) / (before + total):.2f}× "
+            f"| {peak(pull) / GB:.2f} | {peak(update) / GB:.2f} |"
         )
     return 0
 
