@@ -315,7 +315,7 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
     # what a group's compiled step holds beyond its batch (arguments and outputs): its stage's
     # layers as handed (bf16 matrices, fp32 vectors: the stage's compute copy itself), the embedding
     # (fp32) and tied head's norm, and fp32 gradient rows of all of them; the planner's memory model
-    # charges the copy (docs/design/heterogeneous.md, "Bytes and memory")
+    # charges the copy and the accumulators, which the rows are (docs/design/heterogeneous.md)
     layer_leaves = jax.tree.leaves(params["layers"])
     rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
     for g, ((compiled, *_), group) in enumerate(zip(program.groups, plan.groups)):

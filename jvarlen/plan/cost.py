@@ -430,9 +430,9 @@ class CostModel:
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights"). Not charged: what a device group's program holds
-        beside these, its gradient rows for the update and the embedding and head on every device
-        (docs/design/heterogeneous.md, "Bytes and memory")."""
+        (docs/design/pipeline.md, "Stage weights"). Not charged: the embedding and head a device
+        group's program holds on every device, and with sharded stage weights its handed whole
+        layers and whole gradient rows (docs/design/heterogeneous.md, "Bytes and memory")."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
