@@ -95,16 +95,8 @@ class CostModel:
 
     def replace(self, **changes) -> "CostModel":
         """A new cost model with these constructor arguments changed (fresh memos)."""
-        args = dict(
-            model=self.model,
-            layout=self.layout,
-            coeffs=self.coeffs,
-            state_devices=self.state_devices,
-            pad_to=self.pad_to,
-            stage_weights_sharded=self.stage_weights_sharded,
-            group=self.group,
-        )
-        return CostModel(**{**args, **changes})
+        names = ("model", "layout", "coeffs", "state_devices", "pad_to", "stage_weights_sharded", "group")
+        return CostModel(**{**{name: getattr(self, name) for name in names}, **changes})
 
     def with_layout(self, layout: Layout, state_devices: Optional[int] = None, group: bool = False) -> "CostModel":
         """This cost model for another layout (unpadded; ``state_devices``: default the layout's)."""

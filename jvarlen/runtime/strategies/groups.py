@@ -138,6 +138,18 @@ def all_documents(pieces, rows) -> list:
     return [list(pieces)]
 
 
+def partial_shapes(ctx: StepContext, rows: int) -> dict:
+    """The update's per-device partials, name -> (shape, dtype): every device's ``K`` = ``rows``
+    layer rows (``l/i``, ``[N, K, *layer]``), its row of the rest (``r/i``, ``[N, *param]``) and of
+    the loss sums (``s/key``, ``[N]``)."""
+    n = len(ctx.placement.devices)
+    layers, rest = split_params(ctx.abstract_state.params)
+    out = {f"l/{i}": ((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(jax.tree.leaves(layers))}
+    out.update({f"r/{i}": ((n, *a.shape), a.dtype) for i, a in enumerate(jax.tree.leaves(rest))})
+    out.update({f"s/{key}": ((n,), np.float32) for key in SUM_KEYS})
+    return out
+
+
 class GroupsStep:
     """The executable of one strategy: pull, the groups' programs, update (see the module docstring)."""
 
@@ -145,13 +157,7 @@ class GroupsStep:
         self.ctx, self.pull, self.groups, self.update = ctx, pull, list(groups), update
         here = jax.process_index()  # a process dispatches only the groups with devices of its own
         self.local = [any(d.process_index == here for d in mesh.devices.flat) for _, mesh, _, _ in self.groups]
-        n = len(ctx.placement.devices)  # the update's per-device partials: [N, K, *layer], [N, *param], [N]
-        layers, rest = split_params(ctx.abstract_state.params)
-        self.partial_shapes = {
-            f"l/{i}": ((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(jax.tree.leaves(layers))
-        }
-        self.partial_shapes.update({f"r/{i}": ((n, *a.shape), a.dtype) for i, a in enumerate(jax.tree.leaves(rest))})
-        self.partial_shapes.update({f"s/{key}": ((n,), np.float32) for key in SUM_KEYS})
+        self.partial_shapes = partial_shapes(ctx, rows)
         self.table_sharding = ctx.placement.replicated
 
     def __call__(self, state, arrays: dict):
@@ -446,9 +452,7 @@ class GroupsStrategy(ExecutionStrategy):
             return {k: batch[f"s/{k}"].sum(0) for k in SUM_KEYS}, grads, {}
 
         by_device = NamedSharding(placement.state_mesh, P(FSDP))
-        shapes = {f"l/{i}": jax.ShapeDtypeStruct((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(layers)}
-        shapes.update({f"r/{i}": jax.ShapeDtypeStruct((n, *a.shape), a.dtype) for i, a in enumerate(rest)})
-        shapes.update({f"s/{k}": jax.ShapeDtypeStruct((n,), np.float32) for k in SUM_KEYS})
+        shapes = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in partial_shapes(ctx, rows).items()}
         shardings = {k: by_device for k in shapes}
         shapes["t"], shardings["t"] = jax.ShapeDtypeStruct((n, rows), np.int32), placement.replicated
         shapes["w"], shardings["w"] = jax.ShapeDtypeStruct((n,), np.float32), placement.replicated
