@@ -178,7 +178,8 @@ def test_model_state_memory_hand_computed():
     assert z1.model_state_memory(0) == pytest.approx(cm.with_layout(Layout(1, 2, 1), 8).model_state_memory(0))
     from jvarlen.plan.strategy import Scheme, SchemeCosts
 
-    assert SchemeCosts(z, 8).cost(Scheme(pp=2, sp=4)).model_state_memory(0) == pytest.approx(z4.model_state_memory(0))
+    scheme = SchemeCosts(z, 8).cost(Scheme(pp=2, sp=4))  # a device group's: the rest on every stage
+    assert scheme.model_state_memory(0) == pytest.approx(z4.replace(group=True).model_state_memory(0))
 
 
 def test_the_executor_backward_holds_its_layer_gradients_until_they_are_accumulated():
@@ -500,3 +501,26 @@ def test_a_device_group_syncs_its_stages_layers_and_the_rest_of_the_model():
     assert predicted_time(two, costs) == 3.0  # stages alike: nothing padded
     mixed = [group(Scheme(1, 1), (0,), 3.0), group(Scheme(2, 1), (2, 3), 2.99)]
     assert predicted_time(mixed, costs) == pytest.approx(2.99 + sync(4) - sync(2))  # pads to 4 layers
+
+
+def test_every_device_of_a_group_holds_the_embedding_and_the_head():
+    """The groups' pull hands every device of a device group the rest of the model (embedding,
+    final norm, head) with its stage's layers, and each returns their gradient rows: the memory
+    account charges them on every stage of a group, not on the first and last stage only as in the
+    pipeline strategy's own stages; with sharded stage weights only the decoder layers shrink."""
+    untied = dataclasses.replace(MHA, tie_embeddings=False)
+    p, layers = untied.param_count, untied.num_layers // 2 * untied.layer_params
+    rest = untied.embed_params + untied.head_params
+    pipeline = CostModel(untied, Layout(2, 2, 2), coeffs())
+    group = pipeline.replace(group=True)
+    for stage in (0, 1):
+        assert group.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers + rest) + 1000)
+        assert group.model_state_memory(stage) > pipeline.model_state_memory(stage)
+    in_flight = (3 * 2 + 4) * untied.layer_params
+    sharded = group.with_stage_weights(True)
+    assert sharded.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + rest) + in_flight + 1000)
+    from jvarlen.plan.strategy import Scheme, SchemeCosts
+
+    # the schemes a strategy policy prices are groups: every stage of theirs charges the rest
+    scheme = SchemeCosts(CostModel(untied, Layout(1, 1, 1), coeffs()), 8).cost(Scheme(pp=2, sp=4))
+    assert scheme.model_state_memory(0) == pytest.approx(scheme.model_state_memory(1))

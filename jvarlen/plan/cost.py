@@ -422,14 +422,17 @@ class CostModel:
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights"). Not charged: the embedding and head a device
-        group's program holds on every device, and with sharded stage weights its handed whole
-        layers and whole gradient rows (docs/design/heterogeneous.md, "Bytes and memory")."""
+        (docs/design/pipeline.md, "Stage weights"). A device group's (``group``) every device holds
+        the embedding and head with their gradients, whatever its stage: the groups' pull hands
+        every device the rest of the model (docs/design/heterogeneous.md, "Bytes and memory")."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
         sharded = c.master_bytes_per_param * m.param_count / self.state_devices
-        params = m.stage_params(stage, self.layout.pp)
+        if self.group:
+            params = self.layers_per_stage * m.layer_params + m.embed_params + m.head_params
+        else:
+            params = m.stage_params(stage, self.layout.pp)
         in_flight = 0.0
         group = self.layout.dp * self.layout.sp
         if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
