@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvarlen.layout import Layout
-from jvarlen.parallel.groups import pull_stages, stage_tables, sum_stage_rows
+from jvarlen.parallel.groups import pull_stages, shard_table, stage_shards, stage_tables, sum_stage_rows
 from jvarlen.parallel.layouts import FSDP, state_mesh
 
 N, L, K = 8, 8, 3
@@ -30,20 +30,36 @@ def _spec(axis):
 
 
 @functools.cache
-def _programs():
+def _programs(parts=None):
+    """The pull and the update's sum (``parts``: with a shard table, each weight axis kept
+    ``1/parts``)."""
     require_devices(N)
     mesh = state_mesh(jax.devices()[:N])
     canonical = {name: NamedSharding(mesh, _spec(axis)) for name, (_, axis) in LEAVES.items()}
     rows = {name: NamedSharding(mesh, P(FSDP)) for name in LEAVES}
     replicated = NamedSharding(mesh, P())
+    if parts is None:
+        pull = jax.jit(
+            lambda layers, table: pull_stages(layers, table, AXES, mesh),
+            in_shardings=(canonical, replicated),
+            out_shardings=rows,
+        )
+        push = jax.jit(
+            lambda stage_rows, table, weights: sum_stage_rows(stage_rows, table, weights, AXES, mesh, L),
+            in_shardings=(rows, replicated, replicated),
+            out_shardings=canonical,
+        )
+        return pull, push
     pull = jax.jit(
-        lambda layers, table: pull_stages(layers, table, AXES, mesh),
-        in_shardings=(canonical, replicated),
+        lambda layers, table, shards: pull_stages(layers, table, AXES, mesh, shards, parts),
+        in_shardings=(canonical, replicated, replicated),
         out_shardings=rows,
     )
     push = jax.jit(
-        lambda stage_rows, table, weights: sum_stage_rows(stage_rows, table, weights, AXES, mesh, L),
-        in_shardings=(rows, replicated, replicated),
+        lambda stage_rows, table, weights, shards: sum_stage_rows(
+            stage_rows, table, weights, AXES, mesh, L, shards, parts
+        ),
+        in_shardings=(rows, replicated, replicated, replicated),
         out_shardings=canonical,
     )
     return pull, push
@@ -76,6 +92,70 @@ def test_the_pull_hands_each_device_its_tables_layers_and_the_push_adds_them_bac
                 if table[d, k] >= 0:
                     expected[table[d, k]] += weights[d] * r[d, k]
         np.testing.assert_allclose(np.asarray(summed[name]), expected, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@settings(max_examples=12, deadline=None)
+@given(tables, st.lists(st.sampled_from([1, 2, 4, 8]), min_size=N, max_size=N), st.integers(0, 2**31 - 1))
+def test_a_sharded_stage_receives_its_chunk_and_its_chunks_rows_are_added_back(table, counts, seed):
+    """With a shard table, each device keeps only the weight axis' ``1/parts`` from the start of its
+    chunk (``parts``: the smallest count; its group cuts the rest), and its rows, zero past its
+    chunk, land at the chunk's offset; the other leaves travel whole, as without."""
+    table = np.asarray(table, np.int32)
+    rng = np.random.default_rng(seed)
+    shards = np.array([(c, rng.integers(c)) for c in counts], np.int32)
+    parts = min(counts)
+    pull, push = _programs(parts)
+    layers = {name: rng.standard_normal(shape).astype(np.float32) for name, (shape, _) in LEAVES.items()}
+    got = pull(layers, table, shards)
+    for name, x in layers.items():
+        a = LEAVES[name][1]
+        mine = np.where((table >= 0).reshape(N, K, *[1] * (x.ndim - 1)), x[np.maximum(table, 0)], 0)
+        if a:  # [N, K, ..., width] from each device's chunk start, zero past the axis' end
+            size = x.shape[a]
+            width, padded = size // parts, np.concatenate([mine, np.zeros_like(mine)], axis=a + 1)
+            start = [i * (size // c) for c, i in shards]
+            mine = np.stack([np.take(padded[d], np.arange(start[d], start[d] + width), axis=a) for d in range(N)])
+        np.testing.assert_array_equal(np.asarray(got[name]).reshape(mine.shape), mine, err_msg=name)
+
+    weights = rng.uniform(0, 1, N).astype(np.float32)
+    stage_rows, expected = {}, {}
+    for name, (shape, a) in LEAVES.items():
+        want = np.zeros(shape, np.float32)
+        if not a:
+            r = rng.standard_normal((N, K, *shape[1:])).astype(np.float32)
+            placed = r
+        else:
+            size, width = shape[a], shape[a] // parts
+            r = rng.standard_normal((N, K, *shape[1:a], width, *shape[a + 1 :])).astype(np.float32)
+            placed = np.zeros((N, K, *shape[1:]), np.float32)
+            for d, (c, i) in enumerate(shards):
+                keep = np.take(r[d], np.arange(size // c), axis=a)  # the chunk; zero past it
+                idx = [slice(None)] * keep.ndim
+                idx[a] = slice(i * (size // c), (i + 1) * (size // c))
+                placed[d][tuple(idx)] = keep
+                rest = [slice(None)] * r.ndim
+                rest[a + 1] = slice(size // c, None)
+                r[d][tuple(rest[1:])] = 0
+        stage_rows[name] = r
+        for d in range(N):
+            for k in range(K):
+                if table[d, k] >= 0:
+                    want[table[d, k]] += weights[d] * placed[d, k]
+        expected[name] = want
+    summed = push(stage_rows, table, weights, shards)
+    for name in LEAVES:
+        np.testing.assert_allclose(np.asarray(summed[name]), expected[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_a_group_shards_its_stage_where_dp_sp_divides_every_weight_axis():
+    layers = {name: jax.ShapeDtypeStruct(shape, np.float32) for name, (shape, _) in LEAVES.items()}
+    assert stage_shards(Layout(2, 2, 2), layers, AXES, sharded=True) == 4  # 16 on axis 1 and 2
+    assert stage_shards(Layout(2, 2, 2), layers, AXES, sharded=False) == 1
+    assert stage_shards(Layout(1, 1, 1), layers, AXES, sharded=True) == 1
+    assert stage_shards(Layout(3, 1, 1), layers, AXES, sharded=True) == 1  # 3 does not divide 16: whole
+    # a (dp=2, pp=1, sp=2) group on devices 4-7 split in 4; one device per stage on 0-1; 2-3 idle
+    table = shard_table([(Layout(2, 1, 2), (4, 5, 6, 7), 4), (Layout(1, 2, 1), (0, 1), 1)], 8)
+    assert table.tolist() == [[1, 0], [1, 0], [1, 0], [1, 0], [4, 0], [4, 1], [4, 2], [4, 3]]
 
 
 def test_stage_tables_list_each_devices_stage_padded_to_the_largest():

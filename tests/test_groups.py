@@ -228,7 +228,7 @@ def test_a_group_program_that_cannot_fit_beside_the_state_is_refused_before_it_r
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
     prepared = step.prepare(plan, docs)
-    state_bytes = step.strategy._state_bytes_per_device()
+    state_bytes = step.strategy.exchange.state_bytes_per_device()
     leaves = jax.tree.leaves(params)
     assert state_bytes >= sum(a.size * a.dtype.itemsize for a in leaves) / 8  # fp32 weights, sharded over 8
     # a limit the group's step alone fits, but not beside the state
@@ -283,17 +283,47 @@ def test_a_device_receives_its_stages_layers_and_no_more(setup):
     assert second.key[1][0] in before and new == {"pull", "update", "group", "rows"}
 
 
-def test_groups_with_sharded_stage_weights_equal_the_reference(setup):
-    """The stages' layers sharded over their sp devices inside the group (ZeRO-3 within the stage),
-    from the pulled stage layers."""
-    _step_equals_reference(setup, strategy_plan(setup[0]), stage_weights="sharded")
+def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the_reference(setup):
+    """With ``stage_weights=sharded`` each device of a group is handed its ``1/sp`` chunk of its
+    stage's layers and returns its chunk of their gradient (ZeRO-3 within the stage; before, whole
+    stages both ways): the group's compiled step holds ``1/sp`` of what a replicated stage's does
+    for every leaf split on a weight axis. GROUPS' stages are split in 2 and 4, so the exchange
+    moves halves and the sp = 4 group cuts and pads them; MIXED's in 4, 2 and 2."""
+    cfg, graphdef, params, docs = setup
+    layer_leaves = jax.tree.leaves(params["layers"])
+    rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
+    for layout in (GROUPS, MIXED):
+        plan = strategy_plan(cfg, layout)
+        programs = []
+
+        def inspect(prepared, plan=plan, programs=programs):
+            optimizer = optax.sgd(0.5)
+            session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+            strategy = session.strategy_step(residual_policy="all", stage_weights="sharded").strategy
+            programs.append((strategy.compile(prepared.key), prepared, strategy.ctx.placement.state_sharding))
+
+        _step_equals_reference(setup, plan, inspect, stage_weights="sharded")
+        ((program, prepared, sharding),) = programs
+        # leaves split on a weight axis in the canonical state: chunked; the rest whole
+        specs = [s.spec for s in jax.tree.leaves(sharding.params["layers"])]
+        chunked = [any(e is not None for e in spec[1:]) for spec in specs]
+        assert any(chunked)
+        for g, ((compiled, *_), group) in enumerate(zip(program.groups, plan.groups)):
+            stage = sum(
+                a.nbytes / group.scheme.pp / (group.scheme.sp if c else 1) for a, c in zip(layer_leaves, chunked)
+            )
+            m = compiled.memory_analysis()
+            batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
+            held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
+            # the handed chunks and their gradient rows (fp32 both), the rest and its rows whole
+            assert 0 <= held - 2 * (stage + rest_bytes) < 512, group.scheme  # and the output tuple's pointers
 
 
 def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(setup, monkeypatch):
     """With a bf16 compute dtype the pull moves the weight matrices in bf16 (half the bytes, as the
     cost model's ``sync_bytes_per_param`` charges) and the group's program takes them back to fp32
     exactly: the update is bitwise the one of an fp32 pull, and the gradients accumulate in fp32."""
-    from jvarlen.runtime.strategies import groups as groups_runtime
+    from jvarlen.runtime.strategies import group_exchange
 
     cfg = dataclasses.replace(setup[0], compute_dtype="bfloat16")
     graphdef, params = tiny_params(cfg)
@@ -327,7 +357,7 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
         held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
         assert 0 <= held - (handed + rows) < 512, group.scheme  # and the output tuple's pointers
     own = lambda part, compute: [a.dtype for a in jax.tree.leaves(part)]  # noqa: E731
-    monkeypatch.setattr(groups_runtime, "pulled_dtypes", own)
+    monkeypatch.setattr(group_exchange, "pulled_dtypes", own)
     fp32_state, fp32_pulled, _, _ = step_and_pulled_bytes()
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(fp32_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -330,10 +330,10 @@ class CostModel:
         ``sync_link``): the largest stage's parameters, or for a device group (``group``) its stage's
         decoder layers, ``stage_layers`` of them if given (a group's devices move the iteration's
         largest stage, jvarlen/parallel/groups.py), and the rest of the model, which the groups' pull
-        hands every device. The same with sharded stage weights: a group's program is handed its
-        stages' layers whole (docs/design/heterogeneous.md, "Pull and push"); the pipeline
-        strategy's sharded pull, which gathers nothing over dp and sp, would sync less than this
-        charges."""
+        hands every device. The same with sharded stage weights: a group's device receives its
+        stage's layers whole and keeps its chunk (docs/design/heterogeneous.md, "Bytes and
+        memory"); the pipeline strategy's sharded pull, which gathers nothing over dp and sp, would
+        sync less than this charges."""
         c, m = self.coeffs, self.model
         if c.sync_bytes_per_param <= 0:
             return 0.0

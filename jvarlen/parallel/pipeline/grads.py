@@ -27,6 +27,7 @@ def make_pipeline_grads(
     residual_policy: Optional[str] = None,
     stage_weights: str = "replicated",
     canonical: bool = True,
+    group_axes=None,
 ):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
@@ -45,12 +46,19 @@ def make_pipeline_grads(
     pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
     the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``
     over ``(dp, pp, sp)``, which sum to the layout's gradient (``StageWeights.push_rows``).
+    ``group_axes`` (with ``canonical=False`` and sharded stage weights): per layer leaf, the axis
+    its stage arrives split on over the stage's ``dp × sp`` devices (contiguous chunks), or None;
+    the rows are then each device's chunk of the stage's summed gradient. ``grads.layer_specs``:
+    the layers' partition specs it takes.
     """
     parts = isinstance(sig, tuple)
     sigs = sig if parts else (sig,)
     if not sigs or len({(s.layout, s.num_layers) for s in sigs}) != 1:
         raise ValueError(f"a step's parts need one layout and model, got {sigs}")
-    shapes = [stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights, canonical) for s in sigs]
+    shapes = [
+        stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights, canonical, group_axes)
+        for s in sigs
+    ]
     weights = shapes[0].fns.weights  # the layout's: the same for every part
 
     cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
@@ -83,4 +91,5 @@ def make_pipeline_grads(
         grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))
         return {"loss_sum": loss, "target_tokens": targets}, grads, count
 
+    grads.layer_specs = weights.specs()
     return grads

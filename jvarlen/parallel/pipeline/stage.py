@@ -212,9 +212,10 @@ def stage_shapes(
     residual_policy=None,
     stage_weights: str = "replicated",
     canonical: bool = True,
+    group_axes=None,
 ):
-    """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`); ``canonical``:
-    see :class:`~jvarlen.parallel.pipeline.weights.StageWeights`."""
+    """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`); ``canonical``
+    and ``group_axes``: see :class:`~jvarlen.parallel.pipeline.weights.StageWeights`."""
     sp = sig.layout.sp
     if sig.bucket % sp or cfg.num_heads % sp:
         raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
@@ -229,7 +230,9 @@ def stage_shapes(
         sp=sp,
         kv_repeats=repeats,
         residual_policy=residual_policy,
-        weights=StageWeights(layer_state, param_axes(layer_state), sig.layout, stage_weights, cdt, canonical),
+        weights=StageWeights(
+            layer_state, param_axes(layer_state), sig.layout, stage_weights, cdt, canonical, group_axes
+        ),
     )
     return StageShapes(
         sig,

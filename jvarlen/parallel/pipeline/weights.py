@@ -56,6 +56,7 @@ class LeafLayout:
     dp_shard: bool = False
     dtype: Any = None  # the canonical (parameter) dtype: of the gradient accumulator
     compute_dtype: Any = None  # of the stage's copy (weight matrices in the compute dtype)
+    local: bool = False  # a device group's sharded stage: ``shard`` split over (dp, sp), contiguous
 
 
 class StageWeights:
@@ -66,10 +67,21 @@ class StageWeights:
     ``stage_bytes_per_param``: a bf16 copy and an fp32 accumulator, 6 bytes). ``canonical=False``:
     the layers arrive as each stage's own, whole (spec ``P(pp)``: a device group's, pulled per
     stage by :func:`jvarlen.parallel.groups.pull_stages`), so no leaf is managed here, and each
-    device returns its own contribution to its stage's gradient (:meth:`push_rows`)."""
+    device returns its own contribution to its stage's gradient (:meth:`push_rows`). With
+    ``mode="sharded"`` and ``group_axes`` (per leaf an axis, or None) such a stage arrives sharded
+    instead: device ``(d, p, s)`` holds the contiguous chunk ``d·sp + s`` of the stage's layers
+    on that axis (``local`` leaves, gathered over ``dp × sp`` per layer like the canonical ones)
+    and returns its chunk of their reduce-scattered gradient."""
 
     def __init__(
-        self, layer_state, axes, layout: Layout, mode: str = "replicated", compute_dtype=None, canonical: bool = True
+        self,
+        layer_state,
+        axes,
+        layout: Layout,
+        mode: str = "replicated",
+        compute_dtype=None,
+        canonical: bool = True,
+        group_axes=None,
     ):
         if mode not in STAGE_WEIGHTS:
             raise ValueError(f"stage_weights must be one of {STAGE_WEIGHTS}, got {mode!r}")
@@ -77,8 +89,10 @@ class StageWeights:
         self.sharded = mode == "sharded" and layout.sp > 1  # over the stage's sp devices
         dp_sharded = mode == "sharded" and layout.dp > 1
         state_mesh = jax.sharding.AbstractMesh((layout.num_devices,), (FSDP,))
+        local_mode = mode == "sharded" and not canonical and group_axes is not None and layout.dp * layout.sp > 1
+        group_axes = group_axes if local_mode else [None] * len(axes)
         leaves = []
-        for leaf, leaf_axes in zip(jax.tree.leaves(layer_state), axes):
+        for leaf, leaf_axes, local in zip(jax.tree.leaves(layer_state), axes, group_axes):
             spec = tuple(logical_to_spec(leaf_axes, leaf.shape, STATE_RULES, state_mesh))
             canon = next((i for i, entry in enumerate(spec) if entry is not None), None)
             canon = canon if canon and canonical else None  # the layer axis itself: left to GSPMD
@@ -89,7 +103,12 @@ class StageWeights:
                 compute_dtype is not None and is_compute_weight(leaf_axes) and jnp.issubdtype(leaf.dtype, jnp.floating)
             )
             dp_shard = dp_sharded and canon is not None
-            leaves.append(LeafLayout(canon, shard, dp_shard, leaf.dtype, compute_dtype if cast else leaf.dtype))
+            if local:
+                if leaf.shape[local] % (layout.dp * layout.sp):
+                    raise ValueError(f"dp·sp = {layout.dp * layout.sp} does not divide axis {local} of {leaf.shape}")
+                shard, dp_shard = local, dp_sharded
+            compute = compute_dtype if cast else leaf.dtype
+            leaves.append(LeafLayout(canon, shard, dp_shard, leaf.dtype, compute, bool(local)))
         self.leaves = tuple(leaves)
         self.dp_sharded = any(leaf.dp_shard for leaf in self.leaves)  # over the dp pipelines
         # the devices a sharded stage's layer is gathered from: its dp pipelines' and its sp devices
@@ -106,6 +125,8 @@ class StageWeights:
         for leaf in self.leaves:
             if leaf.canon is not None:
                 out.append(P(*([None] * leaf.canon), LAYOUT_AXES))
+            elif leaf.local:
+                out.append(P(PP, *([None] * (leaf.shard - 1)), (DP, SP)))
             elif leaf.shard is not None:
                 out.append(P(PP, *([None] * (leaf.shard - 1)), SP))
             else:
@@ -154,10 +175,11 @@ class StageWeights:
         gradients of all devices of all stages sum to the layout's): its own accumulators where the
         stage is replicated (no reduction here: the groups' update adds every device's rows), and
         where a leaf is sharded over ``sp`` (already summed over the ``sp`` devices by
-        :meth:`reduce`) the whole sum on ``sp`` index 0, zeros on the others."""
+        :meth:`reduce`) the whole sum on ``sp`` index 0, zeros on the others; a ``local`` leaf's
+        chunk of the sum over the stage's ``dp × sp`` devices as it is (a row of the chunk)."""
         out = []
         for g, leaf in zip(jax.tree.leaves(grads), self.leaves):
-            if leaf.shard is not None:
+            if leaf.shard is not None and not leaf.local:
                 whole = jax.lax.all_gather(g, SP, axis=leaf.shard, tiled=True)
                 g = jnp.where(jax.lax.axis_index(SP) == 0, whole, jnp.zeros_like(whole))
             out.append(g)
@@ -192,7 +214,7 @@ class StageWeights:
         if not self.group:
             return lp
         leaves, treedef = jax.tree.flatten(lp)
-        flat = [i for i, leaf in enumerate(self.leaves) if leaf.canon is not None]
+        flat = [i for i, leaf in enumerate(self.leaves) if leaf.canon is not None or leaf.local]
         out = list(leaves)
         if flat:
             packed = jnp.concatenate([_to_bytes(leaves[i]) for i in flat])
@@ -202,10 +224,10 @@ class StageWeights:
                 x, leaf = leaves[i], self.leaves[i]
                 n = x.size * x.dtype.itemsize
                 part = _from_bytes(got[:, at : at + n], x.dtype).reshape((self._dg, self._sg) + x.shape)
-                out[i] = self._chunks_to_whole(part, leaf.canon - 1)
+                out[i] = self._chunks_to_whole(part, *self._chunk_axis(leaf))
                 at += n
         for i, leaf in enumerate(self.leaves):
-            if leaf.canon is None and leaf.shard is not None:
+            if leaf.canon is None and leaf.shard is not None and not leaf.local:
                 out[i] = jax.lax.all_gather(leaves[i], SP, axis=leaf.shard - 1, tiled=True)
         return treedef.unflatten(out)
 
@@ -221,14 +243,14 @@ class StageWeights:
         out = list(leaves)
         by_dtype: dict = {}
         for i, leaf in enumerate(self.leaves):
-            if leaf.canon is not None:
+            if leaf.canon is not None or leaf.local:
                 by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
             elif leaf.shard is not None:
                 out[i] = jax.lax.psum_scatter(
                     leaves[i].astype(leaf.dtype), SP, scatter_dimension=leaf.shard - 1, tiled=True
                 )
         for dtype, idx in by_dtype.items():
-            rows = [self._whole_to_chunks(leaves[i].astype(dtype), self.leaves[i].canon - 1) for i in idx]
+            rows = [self._whole_to_chunks(leaves[i].astype(dtype), *self._chunk_axis(self.leaves[i])) for i in idx]
             summed = jax.lax.psum_scatter(
                 jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1),
                 self.group,
@@ -242,10 +264,15 @@ class StageWeights:
                 at += n
         return treedef.unflatten(out)
 
-    def _chunks_to_whole(self, x, a: int):
+    def _chunk_axis(self, leaf: LeafLayout) -> tuple[int, int]:
+        """A gathered leaf's axis within one layer, and the pipeline stages its chunks interleave
+        (a ``local`` leaf's chunk is contiguous: 1)."""
+        return (leaf.shard - 1, 1) if leaf.local else (leaf.canon - 1, self.layout.pp)
+
+    def _chunks_to_whole(self, x, a: int, pp: int):
         """[dg, sg, ..., pp·c (axis ``a`` of a chunk, order (q, c)), ...] -> the whole leaf, axis ``a``
         in canonical order (d, q, s, c)."""
-        dg, sg, pp = self._dg, self._sg, self.layout.pp
+        dg, sg = self._dg, self._sg
         shape = x.shape[2:]
         x = x.reshape((dg, sg) + shape[:a] + (pp, shape[a] // pp) + shape[a + 1 :])
         # (dg, sg, pre..., pp, c, post...) -> (pre..., dg, pp, sg, c, post...)
@@ -254,9 +281,9 @@ class StageWeights:
         x = x.transpose(pre + (0, 2 + a, 1, 3 + a) + post)
         return x.reshape(shape[:a] + (dg * sg * shape[a],) + shape[a + 1 :])
 
-    def _whole_to_chunks(self, g, a: int):
+    def _whole_to_chunks(self, g, a: int, pp: int):
         """The inverse of :meth:`_chunks_to_whole`, flattened per device: [dg·sg, (d, s)] of chunks."""
-        dg, sg, pp = self._dg, self._sg, self.layout.pp
+        dg, sg = self._dg, self._sg
         shape = g.shape
         c = shape[a] // (dg * pp * sg)
         g = g.reshape(shape[:a] + (dg, pp, sg, c) + shape[a + 1 :])

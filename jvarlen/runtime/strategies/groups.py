@@ -5,14 +5,16 @@ update of the canonical state (Hydraulis §5.1-5.2; FlexSP and DCP groups are ``
 
 One iteration runs these compiled programs, all from the one compile cache:
 
-* ``pull``: all devices; each device's pipeline stage's decoder layers handed to it whole (weight
-  matrices in the compute dtype, by an all-to-all), the rest of the model all-gathered
+* ``pull``: all devices; each device's pipeline stage's decoder layers handed to it (weight
+  matrices in the compute dtype, by an all-to-all; whole, or with ``stage_weights=sharded`` the
+  device's chunk of them), the rest of the model all-gathered
   (:func:`jvarlen.parallel.groups.pull_stages`);
 * one program per group, on the group's devices: the pipeline executor's gradients of the group's
   plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads` on the stages' own layers; a plan in
   parts runs them one after the other in this one program, each padded to its own bucket,
   docs/design/bucket-parts.md) as per-device rows: each device's own layer gradients, the rest's
-  on the group's first device (:func:`jvarlen.parallel.groups.device_partials`);
+  on the group's first device (:func:`jvarlen.parallel.groups.device_partials`); a sharded stage's
+  rows are each device's chunk of the stage's reduce-scattered gradient;
 * ``update``: all devices; the one train step of :mod:`jvarlen.runtime.step` whose "gradients"
   are the sum of every device's rows scaled by its group's share of the iteration's target
   tokens, landing in the canonical sharding (the pull's all-to-all backwards for the layers, a
@@ -22,15 +24,15 @@ The groups' programs are dispatched one after the other without waiting (asynchr
 disjoint devices: they run concurrently); nothing syncs with the host until the loop reads the
 metrics. Executables are cached per (scheme, devices, pipeline signature), so a strategy that
 reuses known groups compiles nothing. The pull and the update are compiled per ``K``, the
-iteration's largest stage (in layers), which every device's buffers share; a group of shorter
-stages cuts and pads its rows in small ``rows`` programs, so its own program serves any ``K``.
+iteration's largest stage (in layers), and chunk count, which every device's buffers share; a
+group of shorter stages (or smaller chunks) cuts and pads its rows in small ``rows`` programs, so
+its own program serves any of them (:mod:`jvarlen.runtime.strategies.group_exchange`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -40,31 +42,22 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.layout import Layout
-from jvarlen.model.transformer import resolve_compute_dtype
 from jvarlen.parallel.groups import (
-    GROUP_AXES,
     device_partials,
     for_group,
-    fsdp_axis,
     gather_partials,
     group_mesh,
-    pull_stages,
+    shard_table,
     stage_tables,
-    stage_view,
-    sum_stage_rows,
 )
-from jvarlen.parallel.layouts import FSDP, PP
 from jvarlen.parallel.pipeline import make_pipeline_grads, prepare_plans, split_params
 from jvarlen.parallel.pipeline.executor import DATA
-from jvarlen.parallel.sharding import place_global, pulled_dtypes, push
+from jvarlen.parallel.sharding import place_global
 from jvarlen.plan import cpsat
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, plan_strategy
 from jvarlen.runtime.memory_fit import ensure_fits
-from jvarlen.runtime.step import CompiledStep
+from jvarlen.runtime.strategies.group_exchange import SUM_KEYS, Exchange
 from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
-
-SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
 
 
 def strategy_options(config, pipeline, costs, say=lambda _: None):
@@ -130,7 +123,7 @@ def _estimate(v: dict):
 
 
 def _is_composite(key) -> bool:
-    return isinstance(key, tuple) and len(key) == 3 and key[0] == "groups"
+    return isinstance(key, tuple) and len(key) == 4 and key[0] == "groups"
 
 
 def all_documents(pieces, rows) -> list:
@@ -138,37 +131,27 @@ def all_documents(pieces, rows) -> list:
     return [list(pieces)]
 
 
-def partial_shapes(ctx: StepContext, rows: int) -> dict:
-    """The update's per-device partials, name -> (shape, dtype): every device's ``K`` = ``rows``
-    layer rows (``l/i``, ``[N, K, *layer]``), its row of the rest (``r/i``, ``[N, *param]``) and of
-    the loss sums (``s/key``, ``[N]``)."""
-    n = len(ctx.placement.devices)
-    layers, rest = split_params(ctx.abstract_state.params)
-    out = {f"l/{i}": ((n, rows, *a.shape[1:]), a.dtype) for i, a in enumerate(jax.tree.leaves(layers))}
-    out.update({f"r/{i}": ((n, *a.shape), a.dtype) for i, a in enumerate(jax.tree.leaves(rest))})
-    out.update({f"s/{key}": ((n,), np.float32) for key in SUM_KEYS})
-    return out
-
-
 class GroupsStep:
     """The executable of one strategy: pull, the groups' programs, update (see the module docstring)."""
 
-    def __init__(self, ctx: StepContext, pull, groups: Sequence, update: CompiledStep, rows: int):
-        self.ctx, self.pull, self.groups, self.update = ctx, pull, list(groups), update
+    def __init__(self, exchange: Exchange, pull, groups: Sequence, update, rows: int, parts: int):
+        self.ctx, self.pull, self.groups, self.update = exchange.ctx, pull, list(groups), update
+        self.exchange = exchange
         here = jax.process_index()  # a process dispatches only the groups with devices of its own
-        self.local = [any(d.process_index == here for d in mesh.devices.flat) for _, mesh, _, _ in self.groups]
-        self.partial_shapes = partial_shapes(ctx, rows)
-        self.table_sharding = ctx.placement.replicated
+        self.local = [any(d.process_index == here for d in g[1].devices.flat) for g in self.groups]
+        self.partial_shapes = exchange.partial_shapes(rows, parts)
+        self.table_sharding = self.ctx.placement.replicated
 
     def __call__(self, state, arrays: dict):
-        table = arrays["stage_layers"]
-        layers, rest = self.pull(state.params, place_global(table, self.table_sharding))
+        table, shards = arrays["stage_layers"], arrays["stage_shards"]
+        tables = [place_global(t, self.table_sharding) for t in (table, shards)]
+        layers, rest = self.pull(state.params, *tables)
         layer_def = jax.tree.structure(layers)
         local = [(g, group) for g, group in enumerate(self.groups) if self.local[g]]  # others: their process's
         # every group's view first: a resize donates its view, whose buffers the pulled arrays share
-        views = [[stage_view(a, group[1]) for a in jax.tree.leaves(layers)] for _, group in local]
+        views = [self.exchange.views(jax.tree.leaves(layers), group[1], group[4]) for _, group in local]
         outs = []
-        for (g, (program, mesh, batch_shardings, resize)), g_layers in zip(local, views):
+        for (g, (program, mesh, batch_shardings, resize, _)), g_layers in zip(local, views):
             g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
             g_rest = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), rest)
             parts = [
@@ -190,7 +173,7 @@ class GroupsStep:
             name: gather_partials(columns.get(name, []), placement.state_mesh, placement.devices, shape, dtype)
             for name, (shape, dtype) in self.partial_shapes.items()
         }
-        state, metrics = self.update(state, {**partials, "t": table, "w": arrays["device_weights"]})
+        state, metrics = self.update(state, {**partials, "t": table, "c": shards, "w": arrays["device_weights"]})
         # layer forwards of this process's groups (all of them in a single-process run)
         return state, {**metrics, "group_layer_forwards": [o[3] for o in outs]}
 
@@ -223,6 +206,7 @@ class GroupsStrategy(ExecutionStrategy):
         self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
         self.residual = None if residual == "all" else residual
         self.stage_weights = stage_weights
+        self.exchange = Exchange(ctx, stage_weights == "sharded")
         self.fallback_policy = fallback_policy
         self._service = None
         self.cache = None
@@ -264,6 +248,10 @@ class GroupsStrategy(ExecutionStrategy):
             stages.append((sigs[0].layout, group.devices))
         table = stage_tables(stages, len(self.ctx.placement.devices), num_layers)
         arrays["stage_layers"] = table
+        chunks = [self.exchange.shards(layout) for layout, _ in stages]
+        parts = min(chunks, default=1)  # the exchange's buffers: 1/parts of each weight axis
+        stages = [(layout, devices, c) for (layout, devices), c in zip(stages, chunks)]
+        arrays["stage_shards"] = shard_table(stages, len(self.ctx.placement.devices))
         total = max(sum(targets), 1.0)  # each device's rows count by its group's share of the targets
         weights = np.zeros(len(self.ctx.placement.devices), np.float32)
         for group, t in zip(plan.groups, targets):
@@ -280,66 +268,31 @@ class GroupsStrategy(ExecutionStrategy):
         estimates = plan.stats.get("auto_estimates")
         if estimates:  # auto: every policy's estimate of this iteration (or why it could not plan it)
             info["policy_estimates_s"] = {k: _estimate(v) for k, v in estimates.items()}
-        return Prepared(("groups", tuple(keys), table.shape[1]), arrays, info)  # K sizes pull and update
+        return Prepared(("groups", tuple(keys), table.shape[1], parts), arrays, info)  # size pull and update
 
     # ---- compiled programs
     def compile(self, key) -> GroupsStep:
         if self.cache is None:
             raise RuntimeError("GroupsStrategy.attach(cache) first: its programs live in the one compile cache")
-        _, group_keys, rows = key
-        groups = []
+        _, group_keys, rows, parts = key
+        exchange, groups = self.exchange, []
         for k in group_keys:
             program, mesh, batch_shardings = self.cache.get(k, self._compile_group)
-            per_stage, where = self.ctx.model.num_layers // k[1], k[1:4]
-            resize = None  # the pulled K rows to the stage's layers, its partial rows back to K
-            if per_stage != rows:
+            layout = k[4][0].layout if isinstance(k[4], tuple) else k[4].layout
+            per_stage, where, chunks = self.ctx.model.num_layers // k[1], k[1:4], exchange.shards(layout)
+            resize = None  # the pulled buffers to the stage's layers and chunks, its partial rows back
+            if (per_stage, chunks) != (rows, parts):
                 resize = (
-                    self.cache.get(("rows", *where, "stage", rows, per_stage), self._compile_rows),
-                    self.cache.get(("rows", *where, "partial", per_stage, rows), self._compile_rows),
+                    self.cache.get(("rows", *where, "stage", rows, per_stage, parts, chunks), exchange.compile_rows),
+                    self.cache.get(("rows", *where, "partial", per_stage, rows, chunks, parts), exchange.compile_rows),
                 )
-            groups.append((program, mesh, batch_shardings, resize))
-        pull = self.cache.get(("pull", rows), self._compile_pull)
-        update = self.cache.get(("update", rows), self._compile_update)
-        return GroupsStep(self.ctx, pull, groups, update, rows)
+            groups.append((program, mesh, batch_shardings, resize, layout))
+        pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
+        update = self.cache.get(("update", rows, parts), exchange.compile_update)
+        return GroupsStep(exchange, pull, groups, update, rows, parts)
 
     def _devices(self, indices) -> list:
         return [self.ctx.placement.devices[i] for i in indices]
-
-    def _layer_axes(self) -> list:
-        """Each stacked layer leaf's canonical ``fsdp`` axis (:func:`jvarlen.parallel.groups.fsdp_axis`)."""
-        layers, _ = split_params(self.ctx.placement.state_sharding.params)
-        return [fsdp_axis(s) for s in jax.tree.leaves(layers)]
-
-    def _pulled(self):
-        """The layers and the rest as the pull moves them (abstract, unsharded): weight matrices in
-        the compute dtype (:func:`jvarlen.parallel.sharding.pulled_dtypes`), as a stage computes
-        with them."""
-        compute = resolve_compute_dtype(self.ctx.model.compute_dtype)
-        out = []
-        for part in split_params(self.ctx.abstract_state.params):
-            leaves, treedef = jax.tree.flatten(part)
-            dtypes = pulled_dtypes(part, compute)
-            out.append(treedef.unflatten([jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(leaves, dtypes)]))
-        return tuple(out)
-
-    def _compile_pull(self, key):
-        _, rows = key
-        placement = self.ctx.placement
-        mesh, replicated, axes = placement.state_mesh, placement.replicated, self._layer_axes()
-        layer_rows = NamedSharding(mesh, P(FSDP))
-        moved = self._pulled()
-
-        def pull(params, table):
-            layers, rest = jax.tree.map(lambda x, a: x.astype(a.dtype), split_params(params), moved)
-            rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), rest)
-            return pull_stages(layers, table, axes, mesh), rest
-
-        abstract = self.ctx.abstract_state.params
-        layers, rest = split_params(abstract)
-        out = (jax.tree.map(lambda _: layer_rows, layers), jax.tree.map(lambda _: replicated, rest))
-        table = jax.ShapeDtypeStruct((len(placement.devices), rows), np.int32)
-        fn = jax.jit(pull, in_shardings=(placement.state_sharding.params, replicated), out_shardings=out)
-        return fn.lower(abstract, table).compile(compiler_options=self.ctx.compiler_options)
 
     def _compile_group(self, key):
         _, pp, sp, devices, sig = key  # sig: one signature, or the step's parts' (a tuple)
@@ -354,6 +307,7 @@ class GroupsStrategy(ExecutionStrategy):
             residual_policy=self.residual,
             stage_weights=self.stage_weights,
             canonical=False,
+            group_axes=self.exchange.group_axes(sigs[0].layout),
         )
         _, rest_dtype = split_params(ctx.abstract_state.params)
 
@@ -375,9 +329,12 @@ class GroupsStrategy(ExecutionStrategy):
 
         replicated = NamedSharding(mesh, P())
         batch_sharding = NamedSharding(mesh, P(DATA))
-        layers, rest = self._pulled()
-        by_stage = NamedSharding(mesh, P(PP))
-        layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_stage), layers)
+        layers, rest = self.exchange.pulled()
+        leaves, layer_def = jax.tree.flatten(layers)
+        specs = self.exchange.stage_specs(sigs[0].layout)  # as the pull's views (or resizes) hand them
+        layers = layer_def.unflatten(
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)) for a, p in zip(leaves, specs)]
+        )
         rest = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), rest)
         batches = [
             {k: jax.ShapeDtypeStruct(v, np.int32, sharding=batch_sharding) for k, v in s.input_shapes().items()}
@@ -388,75 +345,8 @@ class GroupsStrategy(ExecutionStrategy):
         here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         if here:  # the group's step runs beside the canonical state: both must fit (GPU; CPU has no limit)
             what = f"the group (pp={pp}, sp={sp}) on devices {list(devices)}: "
-            ensure_fits(compiled, here[0], resident_bytes=self._state_bytes_per_device(), what=what)
+            ensure_fits(compiled, here[0], resident_bytes=self.exchange.state_bytes_per_device(), what=what)
         return compiled, mesh, [{k: batch_sharding for k in b} for b in batches]
-
-    def _compile_rows(self, key):
-        """A group's per-device layer rows resized, a copy on each device (no transfer): the pulled
-        ``K`` rows (``"stage"``, ``[pp·K, ...]`` over ``pp``) cut to its stage's layers, or its
-        partial gradient rows (``"partial"``, ``[n, rows, ...]`` over the group's devices) padded
-        to ``K`` with zeros. Outside the group's program, so that its memory holds its own stage
-        only, and its compiled step serves any ``K``."""
-        _, pp, sp, devices, what, rows_in, rows_out = key
-        layout = Layout(len(devices) // (pp * sp), pp, sp)
-        mesh = group_mesh(layout, self._devices(devices))
-        layers, _ = self._pulled() if what == "stage" else split_params(self.ctx.abstract_state.params)
-        leaves = jax.tree.leaves(layers)
-        if what == "stage":
-            spec, axis = P(PP), 0
-            shapes = [(pp * rows_in, *a.shape[1:]) for a in leaves]
-        else:
-            spec, axis = P(GROUP_AXES), 1
-            shapes = [(len(devices), rows_in, *a.shape[1:]) for a in leaves]
-
-        def resize(x):
-            if rows_out < rows_in:
-                return jax.lax.slice_in_dim(x, 0, rows_out, axis=axis)
-            pad = [(0, 0)] * x.ndim
-            pad[axis] = (0, rows_out - rows_in)
-            return jnp.pad(x, pad)
-
-        fn = jax.jit(
-            jax.shard_map(lambda xs: [resize(x) for x in xs], mesh=mesh, in_specs=spec, out_specs=spec),
-            donate_argnums=0,
-        )
-        sharding = NamedSharding(mesh, spec)
-        args = [jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding) for shape, a in zip(shapes, leaves)]
-        return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
-
-    def _state_bytes_per_device(self) -> int:
-        """Bytes of the canonical train state (master weights, optimizer moments) on one device."""
-        return sum(
-            math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-            for a in jax.tree.leaves(self.ctx.abstract_state)
-            if getattr(a, "sharding", None) is not None
-        )
-
-    def _compile_update(self, key) -> CompiledStep:
-        _, rows = key
-        ctx = self.ctx
-        placement = ctx.placement
-        n, num_layers, axes = len(placement.devices), ctx.model.num_layers, self._layer_axes()
-        layers, rest = split_params(ctx.abstract_state.params)
-        layer_def, rest_def = jax.tree.structure(layers), jax.tree.structure(rest)
-        layers, rest = jax.tree.leaves(layers), jax.tree.leaves(rest)
-        canonical = placement.state_sharding.params
-
-        def sum_partials(params, batch):
-            stage_rows = layer_def.unflatten([batch[f"l/{i}"] for i in range(len(layers))])
-            weights = batch["w"]
-            summed = sum_stage_rows(stage_rows, batch["t"], weights, axes, placement.state_mesh, num_layers)
-            scale = lambda x: x * weights.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
-            summed_rest = rest_def.unflatten([scale(batch[f"r/{i}"]).sum(0) for i in range(len(rest))])
-            grads = push(nnx.merge_state(summed_rest, nnx.State({"layers": summed})), canonical, params)
-            return {k: batch[f"s/{k}"].sum(0) for k in SUM_KEYS}, grads, {}
-
-        by_device = NamedSharding(placement.state_mesh, P(FSDP))
-        shapes = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in partial_shapes(ctx, rows).items()}
-        shardings = {k: by_device for k in shapes}
-        shapes["t"], shardings["t"] = jax.ShapeDtypeStruct((n, rows), np.int32), placement.replicated
-        shapes["w"], shardings["w"] = jax.ShapeDtypeStruct((n,), np.float32), placement.replicated
-        return ctx.compile(sum_partials, shapes, shardings)
 
     # ---- records and the cost check
     def record(self, iteration, prepared: Prepared, metrics: dict) -> dict:
@@ -478,4 +368,4 @@ class GroupsStrategy(ExecutionStrategy):
             self._service = None
 
 
-__all__ = ["GROUP_AXES", "GroupsStep", "GroupsStrategy"]
+__all__ = ["GroupsStep", "GroupsStrategy"]

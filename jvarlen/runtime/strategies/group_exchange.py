@@ -1,0 +1,209 @@
+"""The groups strategy's exchange with the canonical state: the ``pull``, the groups' ``rows``
+resizes and the ``update`` programs (device code: :mod:`jvarlen.parallel.groups`).
+
+Every device's buffers in the pull's output and the update's input have one shape: ``K`` layer
+rows (the iteration's largest stage) and, with ``parallel.stage_weights=sharded``, ``1/parts``
+of each weight axis (``parts``: the smallest number of chunks any group splits its stage into,
+:func:`jvarlen.parallel.groups.stage_shards`), starting at the device's own chunk. A group whose
+stage has fewer layers or smaller chunks cuts its pulled buffers and pads its gradient rows in
+small ``rows`` programs on its own devices, so that its compiled step serves any ``K`` and
+``parts``. Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``,
+``("rows", pp, sp, devices, "stage" | "partial", rows in, rows out, chunks in, chunks out)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.layout import Layout
+from jvarlen.model.transformer import resolve_compute_dtype
+from jvarlen.parallel.groups import (
+    GROUP_AXES,
+    fsdp_axis,
+    group_mesh,
+    pull_stages,
+    stage_shards,
+    stage_view,
+    sum_stage_rows,
+)
+from jvarlen.parallel.layouts import DP, FSDP, PP, SP
+from jvarlen.parallel.pipeline import split_params
+from jvarlen.parallel.sharding import pulled_dtypes, push
+from jvarlen.runtime.step import CompiledStep
+from jvarlen.runtime.strategy import StepContext
+
+SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
+
+
+class Exchange:
+    """The pull, resize and update programs of one run (``sharded``: stage weights sharded within
+    each group, so the exchange moves chunks)."""
+
+    def __init__(self, ctx: StepContext, sharded: bool):
+        self.ctx, self.sharded = ctx, sharded
+        layers, _ = split_params(ctx.placement.state_sharding.params)
+        self.axes = [fsdp_axis(s) for s in jax.tree.leaves(layers)]  # each layer leaf's canonical axis
+
+    # ---- shapes
+    def pulled(self):
+        """The layers and the rest as the pull moves them (abstract, whole): weight matrices in the
+        compute dtype (:func:`jvarlen.parallel.sharding.pulled_dtypes`), as a stage computes with
+        them."""
+        compute = resolve_compute_dtype(self.ctx.model.compute_dtype)
+        out = []
+        for part in split_params(self.ctx.abstract_state.params):
+            leaves, treedef = jax.tree.flatten(part)
+            dtypes = pulled_dtypes(part, compute)
+            out.append(treedef.unflatten([jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(leaves, dtypes)]))
+        return tuple(out)
+
+    def shards(self, layout: Layout) -> int:
+        """Chunks a group of ``layout`` splits its stage into (1: whole)."""
+        return stage_shards(layout, self.pulled()[0], self.axes, self.sharded)
+
+    def group_axes(self, layout: Layout):
+        """Per layer leaf, the axis a group of ``layout`` shards its stage on (None: whole), or None
+        where the stage is whole (``make_pipeline_grads``' ``group_axes``)."""
+        return [a or None for a in self.axes] if self.shards(layout) > 1 else None
+
+    def _widths(self, chunks: int) -> list:
+        """Per layer leaf, its shape on one device of a stage split into ``chunks`` (whole rows)."""
+        return [
+            tuple(n // chunks if i == a else n for i, n in enumerate(x.shape[1:], 1))
+            for x, a in zip(jax.tree.leaves(self.pulled()[0]), self.axes)
+        ]
+
+    def stage_specs(self, layout: Layout) -> list:
+        """Per layer leaf, how a group of ``layout`` holds its stage: its ``P(pp)`` stack, a sharded
+        stage's leaves split on their axis over ``(dp, sp)`` too."""
+        chunked = self.shards(layout) > 1
+        return [P(PP, *([None] * (a - 1)), (DP, SP)) if chunked and a else P(PP) for a in self.axes]
+
+    def views(self, layers: list, mesh, layout: Layout) -> list:
+        """A group's view of the pulled layer leaves (no copy), as :meth:`stage_specs`."""
+        return [
+            stage_view(x, mesh, len(spec) - 1 if len(spec) > 1 else None)
+            for x, spec in zip(layers, self.stage_specs(layout))
+        ]
+
+    def partial_shapes(self, rows: int, parts: int) -> dict:
+        """The update's per-device partials, name -> (shape, dtype): every device's ``K`` = ``rows``
+        layer rows (``l/i``, ``[N, K, *layer]``, weight axes ``1/parts``), its row of the rest
+        (``r/i``, ``[N, *param]``) and of the loss sums (``s/key``, ``[N]``)."""
+        n = len(self.ctx.placement.devices)
+        layers, rest = split_params(self.ctx.abstract_state.params)
+        widths = self._widths(parts)
+        out = {f"l/{i}": ((n, rows, *w), a.dtype) for i, (a, w) in enumerate(zip(jax.tree.leaves(layers), widths))}
+        out.update({f"r/{i}": ((n, *a.shape), a.dtype) for i, a in enumerate(jax.tree.leaves(rest))})
+        out.update({f"s/{key}": ((n,), np.float32) for key in SUM_KEYS})
+        return out
+
+    def state_bytes_per_device(self) -> int:
+        """Bytes of the canonical train state (master weights, optimizer moments) on one device."""
+        return sum(
+            math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+            for a in jax.tree.leaves(self.ctx.abstract_state)
+            if getattr(a, "sharding", None) is not None
+        )
+
+    # ---- programs
+    def compile_pull(self, key):
+        _, rows, parts = key
+        placement = self.ctx.placement
+        mesh, replicated, axes = placement.state_mesh, placement.replicated, self.axes
+        moved = self.pulled()
+        sharded = self.sharded
+
+        def pull(params, table, shards):
+            layers, rest = jax.tree.map(lambda x, a: x.astype(a.dtype), split_params(params), moved)
+            rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), rest)
+            return pull_stages(layers, table, axes, mesh, shards if sharded else None, parts), rest
+
+        abstract = self.ctx.abstract_state.params
+        layers, rest = split_params(abstract)
+        layer_rows = NamedSharding(mesh, P(FSDP))
+        out = (jax.tree.map(lambda _: layer_rows, layers), jax.tree.map(lambda _: replicated, rest))
+        n = len(placement.devices)
+        tables = (jax.ShapeDtypeStruct((n, rows), np.int32), jax.ShapeDtypeStruct((n, 2), np.int32))
+        fn = jax.jit(pull, in_shardings=(placement.state_sharding.params, replicated, replicated), out_shardings=out)
+        return fn.lower(abstract, *tables).compile(compiler_options=self.ctx.compiler_options)
+
+    def compile_rows(self, key):
+        """A group's per-device layer buffers resized, a copy on each device (no transfer): the
+        pulled ``K`` rows of ``1/parts`` (``"stage"``, its view) cut to its stage's layers and
+        chunks, or its gradient rows (``"partial"``, ``[n, rows, ...]`` over the group's devices)
+        padded with zeros to ``K`` and ``1/parts``. Outside the group's program, so that its
+        memory holds its own stage only."""
+        _, pp, sp, devices, what, rows_in, rows_out, chunks_in, chunks_out = key
+        layout = Layout(len(devices) // (pp * sp), pp, sp)
+        mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
+        layers, _ = self.pulled() if what == "stage" else split_params(self.ctx.abstract_state.params)
+        leaves = jax.tree.leaves(layers)
+        w_in, w_out = self._widths(chunks_in), self._widths(chunks_out)
+        if what == "stage":  # the view's and the group's own specs
+            specs, shapes = self.stage_specs(layout), []
+            for spec, w in zip(specs, w_in):  # global: [pp·K, ...], a split axis over (dp, sp)
+                shape = [pp * rows_in, *w]
+                if len(spec) > 1:
+                    shape[len(spec) - 1] *= layout.dp * sp
+                shapes.append(tuple(shape))
+            want = [(rows_out, *w) for w in w_out]
+        else:
+            specs = [P(GROUP_AXES)] * len(leaves)
+            shapes = [(len(devices), rows_in, *w) for w in w_in]
+            want = [(1, rows_out, *w) for w in w_out]
+
+        def resize(x, shape):
+            x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))]
+            return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, shape)])
+
+        fn = jax.jit(
+            jax.shard_map(
+                lambda xs: [resize(x, s) for x, s in zip(xs, want)], mesh=mesh, in_specs=(specs,), out_specs=specs
+            ),
+            donate_argnums=0,
+        )
+        args = [
+            jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(mesh, spec))
+            for shape, a, spec in zip(shapes, leaves, specs)
+        ]
+        return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
+
+    def compile_update(self, key) -> CompiledStep:
+        _, rows, parts = key
+        ctx = self.ctx
+        placement = ctx.placement
+        n, num_layers, axes, sharded = len(placement.devices), ctx.model.num_layers, self.axes, self.sharded
+        layers, rest = split_params(ctx.abstract_state.params)
+        layer_def, rest_def = jax.tree.structure(layers), jax.tree.structure(rest)
+        layers, rest = jax.tree.leaves(layers), jax.tree.leaves(rest)
+        canonical = placement.state_sharding.params
+
+        def sum_partials(params, batch):
+            stage_rows = layer_def.unflatten([batch[f"l/{i}"] for i in range(len(layers))])
+            weights, shards = batch["w"], batch["c"] if sharded else None
+            mesh = placement.state_mesh
+            summed = sum_stage_rows(stage_rows, batch["t"], weights, axes, mesh, num_layers, shards, parts)
+            scale = lambda x: x * weights.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
+            summed_rest = rest_def.unflatten([scale(batch[f"r/{i}"]).sum(0) for i in range(len(rest))])
+            grads = push(nnx.merge_state(summed_rest, nnx.State({"layers": summed})), canonical, params)
+            return {k: batch[f"s/{k}"].sum(0) for k in SUM_KEYS}, grads, {}
+
+        by_device = NamedSharding(placement.state_mesh, P(FSDP))
+        partials = self.partial_shapes(rows, parts)
+        shapes = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in partials.items()}
+        shardings = {k: by_device for k in shapes}
+        shapes["t"], shardings["t"] = jax.ShapeDtypeStruct((n, rows), np.int32), placement.replicated
+        shapes["c"], shardings["c"] = jax.ShapeDtypeStruct((n, 2), np.int32), placement.replicated
+        shapes["w"], shardings["w"] = jax.ShapeDtypeStruct((n,), np.float32), placement.replicated
+        return ctx.compile(sum_partials, shapes, shardings)
+
+
+__all__ = ["SUM_KEYS", "Exchange"]
