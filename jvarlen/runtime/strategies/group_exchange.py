@@ -13,6 +13,7 @@ small ``rows`` programs on its own devices, so that its compiled step serves any
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -52,6 +53,7 @@ class Exchange:
         self.axes = [fsdp_axis(s) for s in jax.tree.leaves(layers)]  # each layer leaf's canonical axis
 
     # ---- shapes
+    @functools.cached_property
     def pulled(self):
         """The layers and the rest as the pull moves them (abstract, whole): weight matrices in the
         compute dtype (:func:`jvarlen.parallel.sharding.pulled_dtypes`), as a stage computes with
@@ -66,7 +68,7 @@ class Exchange:
 
     def shards(self, layout: Layout) -> int:
         """Chunks a group of ``layout`` splits its stage into (1: whole)."""
-        return stage_shards(layout, self.pulled()[0], self.axes, self.sharded)
+        return stage_shards(layout, self.pulled[0], self.axes, self.sharded)
 
     def group_axes(self, layout: Layout):
         """Per layer leaf, the axis a group of ``layout`` shards its stage on (None: whole), or None
@@ -77,7 +79,7 @@ class Exchange:
         """Per layer leaf, its shape on one device of a stage split into ``chunks`` (whole rows)."""
         return [
             tuple(n // chunks if i == a else n for i, n in enumerate(x.shape[1:], 1))
-            for x, a in zip(jax.tree.leaves(self.pulled()[0]), self.axes)
+            for x, a in zip(jax.tree.leaves(self.pulled[0]), self.axes)
         ]
 
     def stage_specs(self, layout: Layout) -> list:
@@ -118,7 +120,7 @@ class Exchange:
         _, rows, parts = key
         placement = self.ctx.placement
         mesh, replicated, axes = placement.state_mesh, placement.replicated, self.axes
-        moved = self.pulled()
+        moved = self.pulled
         sharded = self.sharded
 
         def pull(params, table, shards):
@@ -144,7 +146,7 @@ class Exchange:
         _, pp, sp, devices, what, rows_in, rows_out, chunks_in, chunks_out = key
         layout = Layout(len(devices) // (pp * sp), pp, sp)
         mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
-        layers, _ = self.pulled() if what == "stage" else split_params(self.ctx.abstract_state.params)
+        layers, _ = self.pulled if what == "stage" else split_params(self.ctx.abstract_state.params)
         leaves = jax.tree.leaves(layers)
         w_in, w_out = self._widths(chunks_in), self._widths(chunks_out)
         if what == "stage":  # the view's and the group's own specs

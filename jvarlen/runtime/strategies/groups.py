@@ -329,7 +329,7 @@ class GroupsStrategy(ExecutionStrategy):
 
         replicated = NamedSharding(mesh, P())
         batch_sharding = NamedSharding(mesh, P(DATA))
-        layers, rest = self.exchange.pulled()
+        layers, rest = self.exchange.pulled
         leaves, layer_def = jax.tree.flatten(layers)
         specs = self.exchange.stage_specs(sigs[0].layout)  # as the pull's views (or resizes) hand them
         layers = layer_def.unflatten(
