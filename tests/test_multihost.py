@@ -202,6 +202,54 @@ def test_the_heartbeat_timeout_reaches_jax(monkeypatch):
     assert calls == [dict(explicit, heartbeat_timeout_seconds=7), dict(heartbeat_timeout_seconds=100)]
 
 
+def test_an_error_the_failure_watch_causes_does_not_end_the_process_first(monkeypatch):
+    """Process 1 reported a failure; this process's watch shuts the distributed client down,
+    which fails what the main thread waits for (a collective's rendezvous: "Gloo context
+    initialization failed: CANCELLED"), and then exits with process 1's code. The main thread's
+    error handler (``report_failure``) must not report a failure of its own nor end the process
+    first with its code: it waits for the watch. (Before: under load the main thread's exit won
+    the race, exit 1 or an abort, -6, instead of 2.)"""
+    import threading
+
+    import jax
+
+    from jvarlen.runtime import distributed
+
+    class Client:  # the coordination service's key-value store as the watch and the handler use it
+        def __init__(self):
+            self.reports, self.set = [("jvarlen/failed/1", "2\nUnreadableFileError: not mounted")], []
+
+        def key_value_dir_get(self, prefix):
+            return list(self.reports)
+
+        def key_value_set(self, key, value):
+            self.set.append(key)
+
+    shutting_down, exits = threading.Event(), []
+
+    def shutdown():  # the main thread's wait fails now; the watch is slow to go on (a loaded host)
+        shutting_down.set()
+        time.sleep(0.5)
+
+    def exit_(code):  # as os._exit, nothing after it runs: the watch's loop ends, the test's thread raises
+        exits.append((threading.current_thread().name, code))
+        if threading.current_thread() is not watch:
+            raise SystemExit(code)
+        watch.stop()
+
+    monkeypatch.setattr(jax.distributed, "shutdown", shutdown)
+    monkeypatch.setattr(distributed.os, "_exit", exit_)
+    client = Client()
+    watch = distributed.FailureWatch(client, me=0, poll_s=0.01, grace_s=0.0)
+    monkeypatch.setattr(distributed, "_watch", watch)
+    watch.start()
+    assert shutting_down.wait(10)
+    with pytest.raises(SystemExit) as stopped:
+        distributed.report_failure(1, RuntimeError("Gloo context initialization failed: CANCELLED"))
+    assert stopped.value.code == 2 and client.set == []  # nothing reported for this process
+    assert exits == [("jvarlen-failure-watch", 2), (threading.current_thread().name, 2)]  # the watch first
+
+
 def _start_two_processes(command) -> list:
     """Starts ``command(pid)`` for pids 0 and 1, 4 host CPU devices each."""
     from conftest import cli_env  # here: the workers import this module, and conftest sets 8 devices

@@ -71,13 +71,17 @@ class FailureWatch(threading.Thread):
     ``grace_s`` in which this process did not report a failure of its own (every process may
     have hit the same error), shuts the distributed client down and exits with the failed
     process's code. The exit skips clean-up as a kill would: a checkpoint being written is
-    left unfinished, which resume already handles.
+    left unfinished, which resume already handles. The shutdown fails whatever the main thread
+    waits for in the coordination service (a collective's rendezvous): its error must not end the
+    process first, with its own exit code (:func:`report_failure` waits for the watch instead,
+    ``stopping`` set).
     """
 
     def __init__(self, client, me: int, poll_s: float = 0.5, grace_s: float = 3.0):
         super().__init__(name="jvarlen-failure-watch", daemon=True)
         self.client, self.me, self.poll_s, self.grace_s = client, me, poll_s, grace_s
         self._done = threading.Event()
+        self.stopping: Optional[int] = None  # the exit code this watch is ending the process with
 
     def run(self) -> None:
         first_seen = None
@@ -95,6 +99,7 @@ class FailureWatch(threading.Thread):
     def _stop_this_process(self, report: tuple[str, str]) -> None:
         key, value = report
         code, _, reason = value.partition("\n")
+        self.stopping = int(code)
         print(
             f"jvarlen.train: process {key[len(_FAILED) :]} of this run failed ({reason}); process {self.me} stops too",
             file=sys.stderr,
@@ -104,10 +109,16 @@ class FailureWatch(threading.Thread):
             jax.distributed.shutdown()  # the failed process's own shutdown waits for this one
         except Exception:
             pass
-        os._exit(int(code))
+        os._exit(self.stopping)
 
     def stop(self) -> None:
         self._done.set()
+
+    def wait_until_it_ends_the_process(self, timeout_s: float = 60.0) -> None:
+        """(Another thread, once ``stopping``.) Never returns: the watch ends the process, or after
+        ``timeout_s`` this thread does, with the same code."""
+        self.join(timeout_s)
+        os._exit(self.stopping)
 
 
 def _start_watch() -> None:
@@ -122,9 +133,13 @@ def _start_watch() -> None:
 def report_failure(exit_code: int, error: BaseException) -> None:
     """Tells the other processes of a distributed run that this one exits with ``exit_code``
     because of ``error``, so that they stop too (:class:`FailureWatch`). A no-op with one
-    process."""
+    process. Where the watch is already stopping this process because another one failed,
+    ``error`` is what its shutdown did to this thread: nothing is reported, and this does not
+    return (the process ends with the failed process's code)."""
     if _watch is None:
         return
+    if _watch.stopping is not None:
+        _watch.wait_until_it_ends_the_process()
     _watch.stop()
     reason = " ".join(f"{type(error).__name__}: {error}".split())
     try:
