@@ -3,6 +3,7 @@
 Run as a script, this file is one worker process: ``python test_multihost.py PID PORT OUT``.
 """
 
+import functools
 import os
 import socket
 import subprocess
@@ -94,7 +95,7 @@ def interleave(first, second):
     return [d for pair in zip(first, second) for d in pair]
 
 
-def run_group_steps(devices):
+def run_group_steps(devices, stage_weights: str = "replicated"):
     """3 SGD steps of a heterogeneous strategy on ``devices``: group A (pp=2, sp=2) on session
     devices 0-3 and group B (pp=1, sp=4) on 4-7, each spanning both processes when ``devices``
     interleaves them. -> (mesh, [loss, grad norm] per step, params)."""
@@ -126,7 +127,7 @@ def run_group_steps(devices):
         plan = build_group_plan("test", scheme, [lengths[i] for i in ids], micro, costs)
         groups.append(GroupPlan(scheme, devs, ids, plan))
     plan = StrategyPlan("test", 8, lengths, tuple(groups))
-    step = session.strategy_step(residual_policy="all")
+    step = session.strategy_step(residual_policy="all", stage_weights=stage_weights)
     state, losses = session.state, []
     for _ in range(STEPS):
         prepared = step.prepare(plan, docs)
@@ -155,6 +156,8 @@ def worker(process_id: int, port: int, out: str, mode: str = "layout") -> None:
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
     run = run_group_steps if mode.startswith("groups") else run_steps
+    if mode == "groups-sharded":
+        run = functools.partial(run_group_steps, stage_weights="sharded")
     if mode == "groups-per-process":  # group A on process 0's devices, group B on process 1's
         mesh, losses, params = run(by_process[0] + by_process[1])
     elif mode == "groups-stages-per-process":  # group A's first stage on process 0, its second on process 1
@@ -316,12 +319,13 @@ def test_two_processes_with_sp_spanning_them_match_one_process(tmp_path):
 
 
 @pytest.mark.slow  # two fresh JAX processes compile three group programs each: ~2-3 min on 2 shared cores
-@pytest.mark.parametrize("mode", ["groups", "groups-per-process", "groups-stages-per-process"])
+@pytest.mark.parametrize("mode", ["groups", "groups-per-process", "groups-stages-per-process", "groups-sharded"])
 def test_heterogeneous_groups_on_two_processes_match_one_process(tmp_path, mode):
     """Groups of different schemes whose devices span both processes ("groups"), or each on one
     process's devices ("groups-per-process": a process dispatches only its own groups), or a
     pipeline group's stages on different processes ("groups-stages-per-process", as stages on
-    different nodes): the pull,
+    different nodes), or groups spanning both with their stages sharded over them, each process
+    handed chunks ("groups-sharded"): the pull,
     the groups' programs and the update are multi-controller programs; losses and parameters
     equal one process."""
     import jax
@@ -332,7 +336,8 @@ def test_heterogeneous_groups_on_two_processes_match_one_process(tmp_path, mode)
     port = _free_port()
     _run_two_processes(lambda pid: [sys.executable, __file__, str(pid), str(port), out, mode])
     local = sorted(jax.devices(), key=lambda d: d.id)
-    _, losses, params = run_group_steps(interleave(local[:4], local[4:]))
+    stage_weights = "sharded" if mode == "groups-sharded" else "replicated"
+    _, losses, params = run_group_steps(interleave(local[:4], local[4:]), stage_weights)
     got = np.load(out)
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
     for i, ref in enumerate(params):
