@@ -1,0 +1,107 @@
+"""Bytes one device of a heterogeneous strategy's group holds in the group's compiled step, with
+its stage weights replicated and sharded over its devices (``parallel.stage_weights``), read off
+the compiled programs (XLA's memory analysis; nothing is allocated, the train state is abstract).
+
+    python scripts/group_step_memory.py [--config configs/llama-7b.yaml] [--devices 16] [--target h100] \\
+        [--schemes 4x4 2x8 1x16] [--documents 4] [--length 4096]
+
+For each scheme ``PPxSP`` one group on the first ``pp·sp`` devices runs ``--documents`` documents of
+``--length`` tokens, one micro-batch each (1F1B for ``pp > 1``, recomputation fitted to the
+budget by the planner); the step's arguments and outputs less its batch are what it is handed and
+returns (its stage's layers in the compute dtype, their fp32 gradient rows, the embedding and head
+and their rows), the peak adds its temporaries (activations, the executor's buffers). Compiled for
+the host's CPU devices (fake ones, set here), or with ``--target`` for abstract GPUs of one host
+(deviceless CUDA compilation: the ``gpu-aot`` extra, jvarlen.gpu_aot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-7b.yaml"))
+    ap.add_argument("--devices", type=int, default=16)
+    ap.add_argument("--compute_dtype", default="bfloat16")
+    ap.add_argument("--target", help="abstract GPUs of this target (h100, a100) instead of CPU devices")
+    ap.add_argument("--schemes", nargs="+", default=["4x4", "2x8", "1x16"], help="PPxSP of the group")
+    ap.add_argument("--documents", type=int, default=4)
+    ap.add_argument("--length", type=int, default=4096)
+    args = ap.parse_args(argv)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: no driver needed to compile
+    sys.path.insert(0, ROOT)
+    import jax
+    import numpy as np
+
+    from jvarlen.api import as_pieces
+    from jvarlen.config import load_config
+    from jvarlen.gpu_aot import abstract_devices, abstract_step_context
+    from jvarlen.layout import Layout
+    from jvarlen.plan.api import make_cost
+    from jvarlen.plan.cost import ModelShape
+    from jvarlen.plan.strategy import GroupPlan, Scheme, SchemeCosts, StrategyPlan, build_group_plan
+    from jvarlen.runtime.feed import Iteration
+    from jvarlen.runtime.strategies.groups import GroupsStrategy
+
+    config = load_config(args.config)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=args.compute_dtype))
+    devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
+    ctx = abstract_step_context(config, devices)
+    hardware = args.target or "h100"
+    costs = SchemeCosts(
+        make_cost(ModelShape.from_config(config.model), hardware, Layout(args.devices, 1, 1)), args.devices
+    )
+    rng = np.random.default_rng(0)
+    lengths = [args.length] * args.documents
+    docs = [rng.integers(1, config.model.vocab_size, size=n).astype(np.int32) for n in lengths]
+    pieces = as_pieces(docs, config.model.vocab_size)
+    print(
+        f"{os.path.relpath(args.config, ROOT)}, {args.devices} {args.target or 'cpu'} devices, compute "
+        f"{args.compute_dtype}: one group, {args.documents} documents of {args.length} tokens"
+    )
+    print(
+        "| group | stage weights | handed + returned per device (GB) | step peak per device (GB) | sharded / replicated |"
+    )
+    print("|---|---|---|---|---|")
+    for text in args.schemes:
+        pp, sp = (int(x) for x in text.lower().split("x"))
+        scheme = Scheme(pp, sp)
+        plan = build_group_plan("bench", scheme, lengths, [[i] for i in range(len(lengths))], costs)
+        strategy_plan = StrategyPlan(
+            "bench",
+            args.devices,
+            tuple(lengths),
+            (GroupPlan(scheme, tuple(range(pp * sp)), tuple(range(len(lengths))), plan),),
+        )
+        held = {}
+        for mode in ("replicated", "sharded"):
+            strategy = GroupsStrategy(ctx, None, "", ahead=0, stage_weights=mode)
+            it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[strategy_plan])
+            prepared = strategy.prepare(it)
+            compiled, _, _ = strategy._compile_group(prepared.key[1][0])
+            m = compiled.memory_analysis()
+            batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith("0/")) / (pp * sp)
+            handed = m.argument_size_in_bytes + m.output_size_in_bytes - batch
+            peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+            held[mode] = (handed, peak)
+            ratio = (
+                ""
+                if mode == "replicated"
+                else f"{handed / held['replicated'][0]:.2f}× / {peak / held['replicated'][1]:.2f}×"
+            )
+            print(f"| (pp={pp}, sp={sp}) | {mode} | {handed / GB:.2f} | {peak / GB:.2f} | {ratio} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
