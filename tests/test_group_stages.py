@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jvarlen.layout import Layout
 from jvarlen.parallel.groups import pull_stages, shard_table, stage_shards, stage_tables, sum_stage_rows
-from jvarlen.parallel.layouts import FSDP, state_mesh
+from jvarlen.parallel.layouts import DP, FSDP, PP, SP, state_mesh
 
 N, L, K = 8, 8, 3
 # leaf shape and the axis split over the 8 devices (None: replicated, 0: the layer axis)
@@ -172,3 +172,27 @@ def test_stage_tables_list_each_devices_stage_padded_to_the_largest():
         [4, 5, 6, 7],
         [-1, -1, -1, -1],  # in no group
     ]
+
+
+def test_a_groups_sharded_stage_splits_its_weight_axes_over_sp_and_refuses_dp():
+    """A device group is one pipeline (pp x sp devices): its sharded stage's leaves split on the
+    given axes over sp, spec ``P(pp, ..., (dp, sp))``; a layout with dp > 1 is refused rather than
+    compiled into a layout no group has."""
+    import pytest
+    from flax import nnx
+    from pipeline_helpers import tiny_config
+
+    from jvarlen.model.transformer import abstract_model
+    from jvarlen.parallel.pipeline.weights import StageWeights
+    from jvarlen.parallel.sharding import param_axes
+
+    _, state = nnx.split(abstract_model(tiny_config()).layers, nnx.Param)
+    axes = param_axes(state)
+    split = [next((a for a in range(1, len(x.shape)) if x.shape[a] % 2 == 0), None) for x in jax.tree.leaves(state)]
+    weights = StageWeights(state, axes, Layout(1, 2, 2), "sharded", canonical=False, group_axes=split)
+    specs = jax.tree.leaves(weights.specs(), is_leaf=lambda x: isinstance(x, P))
+    for spec, a in zip(specs, split):
+        assert spec == (P(PP, *([None] * (a - 1)), (DP, SP)) if a else P(PP))
+    assert all(leaf.local == bool(a) for leaf, a in zip(weights.leaves, split))
+    with pytest.raises(ValueError, match="needs dp = 1"):
+        StageWeights(state, axes, Layout(2, 2, 2), "sharded", canonical=False, group_axes=split)

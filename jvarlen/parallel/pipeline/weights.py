@@ -56,7 +56,7 @@ class LeafLayout:
     dp_shard: bool = False
     dtype: Any = None  # the canonical (parameter) dtype: of the gradient accumulator
     compute_dtype: Any = None  # of the stage's copy (weight matrices in the compute dtype)
-    local: bool = False  # a device group's sharded stage: ``shard`` split over (dp, sp), contiguous
+    local: bool = False  # a device group's sharded stage: ``shard`` split over sp (dp = 1), contiguous
 
 
 class StageWeights:
@@ -69,9 +69,9 @@ class StageWeights:
     stage by :func:`jvarlen.parallel.groups.pull_stages`), so no leaf is managed here, and each
     device returns its own contribution to its stage's gradient (:meth:`push_rows`). With
     ``mode="sharded"`` and ``group_axes`` (per leaf an axis, or None) such a stage arrives sharded
-    instead: device ``(d, p, s)`` holds the contiguous chunk ``d·sp + s`` of the stage's layers
-    on that axis (``local`` leaves, gathered over ``dp × sp`` per layer like the canonical ones)
-    and returns its chunk of their reduce-scattered gradient."""
+    instead (a device group's: one pipeline, dp = 1): device ``(0, p, s)`` holds the contiguous
+    chunk ``s`` of the stage's layers on that axis (``local`` leaves, gathered over sp per layer
+    like the canonical ones) and returns its chunk of their reduce-scattered gradient."""
 
     def __init__(
         self,
@@ -89,7 +89,9 @@ class StageWeights:
         self.sharded = mode == "sharded" and layout.sp > 1  # over the stage's sp devices
         dp_sharded = mode == "sharded" and layout.dp > 1
         state_mesh = jax.sharding.AbstractMesh((layout.num_devices,), (FSDP,))
-        local_mode = mode == "sharded" and not canonical and group_axes is not None and layout.dp * layout.sp > 1
+        local_mode = mode == "sharded" and not canonical and group_axes is not None and layout.sp > 1
+        if local_mode and layout.dp > 1:  # a device group is one pipeline (Scheme: pp x sp devices)
+            raise ValueError(f"a device group's sharded stage needs dp = 1, got {layout}")
         group_axes = group_axes if local_mode else [None] * len(axes)
         leaves = []
         for leaf, leaf_axes, local in zip(jax.tree.leaves(layer_state), axes, group_axes):
@@ -104,9 +106,9 @@ class StageWeights:
             )
             dp_shard = dp_sharded and canon is not None
             if local:
-                if leaf.shape[local] % (layout.dp * layout.sp):
-                    raise ValueError(f"dp·sp = {layout.dp * layout.sp} does not divide axis {local} of {leaf.shape}")
-                shard, dp_shard = local, dp_sharded
+                if leaf.shape[local] % layout.sp:
+                    raise ValueError(f"sp = {layout.sp} does not divide axis {local} of {leaf.shape}")
+                shard = local
             compute = compute_dtype if cast else leaf.dtype
             leaves.append(LeafLayout(canon, shard, dp_shard, leaf.dtype, compute, bool(local)))
         self.leaves = tuple(leaves)
