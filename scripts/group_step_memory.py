@@ -6,10 +6,15 @@ the compiled programs (XLA's memory analysis; nothing is allocated, the train st
         [--schemes 4x4 2x8 1x16] [--documents 4] [--length 4096]
 
 For each scheme ``PPxSP`` one group on the first ``pp·sp`` devices runs ``--documents`` documents of
-``--length`` tokens, one micro-batch each (1F1B for ``pp > 1``, recomputation fitted to the
-budget by the planner); the step's arguments and outputs less its batch are what it is handed and
-returns (its stage's layers in the compute dtype, their fp32 gradient rows, the embedding and head
-and their rows), the peak adds its temporaries (activations, the executor's buffers). Compiled for
+``--length`` tokens, one micro-batch each (1F1B for ``pp > 1``, every layer recomputed, so that
+both stage-weight modes run the same plan); the step's arguments and outputs less its batch are
+what it is handed and returns (its stage's layers in the compute dtype, their fp32 gradient rows,
+the embedding and head and their rows), the peak adds its temporaries (activations, the executor's
+buffers). Beside it, the planner's peak for the same plan under that mode's memory account
+(``peak_memory_bytes``, its largest stage), which also holds the canonical state's share (fp32
+master weights and Adam moments over all devices) and the profile's workspace (a constant for
+what no program shows: allocator slack, cuBLAS and NCCL buffers), so it is shown less that
+workspace, against the compiled peak plus the canonical state. Compiled for
 the host's CPU devices (fake ones, set here), or with ``--target`` for abstract GPUs of one host
 (deviceless CUDA compilation: the ``gpu-aot`` extra, jvarlen.gpu_aot).
 """
@@ -23,6 +28,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
+MODES = ("replicated", "sharded")
 
 
 def main(argv=None) -> int:
@@ -58,9 +64,8 @@ def main(argv=None) -> int:
     devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
     ctx = abstract_step_context(config, devices)
     hardware = args.target or "h100"
-    costs = SchemeCosts(
-        make_cost(ModelShape.from_config(config.model), hardware, Layout(args.devices, 1, 1)), args.devices
-    )
+    base = make_cost(ModelShape.from_config(config.model), hardware, Layout(args.devices, 1, 1))
+    costs = {mode: SchemeCosts(base.with_stage_weights(mode == "sharded"), args.devices) for mode in MODES}
     rng = np.random.default_rng(0)
     lengths = [args.length] * args.documents
     docs = [rng.integers(1, config.model.vocab_size, size=n).astype(np.int32) for n in lengths]
@@ -70,21 +75,19 @@ def main(argv=None) -> int:
         f"{args.compute_dtype}: one group, {args.documents} documents of {args.length} tokens"
     )
     print(
-        "| group | stage weights | handed + returned per device (GB) | step peak per device (GB) | sharded / replicated |"
+        "| group | stage weights | handed + returned per device (GB) | step peak per device (GB) | sharded / replicated "
+        "| step peak + canonical state (GB) | planner's peak less workspace (GB) | the two, ratio |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for text in args.schemes:
         pp, sp = (int(x) for x in text.lower().split("x"))
         scheme = Scheme(pp, sp)
-        plan = build_group_plan("bench", scheme, lengths, [[i] for i in range(len(lengths))], costs)
-        strategy_plan = StrategyPlan(
-            "bench",
-            args.devices,
-            tuple(lengths),
-            (GroupPlan(scheme, tuple(range(pp * sp)), tuple(range(len(lengths))), plan),),
-        )
         held = {}
-        for mode in ("replicated", "sharded"):
+        for mode in MODES:
+            micro, ckpt = [[i] for i in range(len(lengths))], [config.model.num_layers // pp] * len(lengths)
+            plan = build_group_plan("bench", scheme, lengths, micro, costs[mode], ckpt=ckpt)
+            group = GroupPlan(scheme, tuple(range(pp * sp)), tuple(range(len(lengths))), plan)
+            strategy_plan = StrategyPlan("bench", args.devices, tuple(lengths), (group,))
             strategy = GroupsStrategy(ctx, None, "", ahead=0, stage_weights=mode)
             it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[strategy_plan])
             prepared = strategy.prepare(it)
@@ -99,7 +102,13 @@ def main(argv=None) -> int:
                 if mode == "replicated"
                 else f"{handed / held['replicated'][0]:.2f}× / {peak / held['replicated'][1]:.2f}×"
             )
-            print(f"| (pp={pp}, sp={sp}) | {mode} | {handed / GB:.2f} | {peak / GB:.2f} | {ratio} |", flush=True)
+            resident = peak + strategy.exchange.state_bytes_per_device()
+            planned = max(plan.stats["peak_memory_bytes"]) - costs[mode].coeffs.workspace_bytes
+            print(
+                f"| (pp={pp}, sp={sp}) | {mode} | {handed / GB:.2f} | {peak / GB:.2f} | {ratio} | {resident / GB:.2f} "
+                f"| {planned / GB:.2f} | {resident / planned:.2f} |",
+                flush=True,
+            )
     return 0
 
 
