@@ -18,8 +18,8 @@ without copying them. Each device moves its own pipeline stage's decoder layers,
 * **push**: every device of a group returns its own contribution to its stage's layer gradients
   as a ``[1, L/pp, ...]`` row (the pipeline executor's accumulators, not reduced within the
   group, or a sharded stage's chunk of their reduce-scattered sum; padded to ``K`` rows where
-  the stage is shorter), and the group's first device the rest's
-  and the loss sums (:func:`device_partials`, ``[1, ...]``); :func:`gather_partials` views those
+  the stage is shorter), its own contribution to the rest's gradients (``[1, ...]``, not reduced
+  within the group either), and the group's first device the loss sums (:func:`device_partials`); :func:`gather_partials` views those
   buffers of all groups as ``[N, ...]`` arrays sharded over ``fsdp`` (no copy), and the update
   program (all devices) scales each device's rows by its group's share of the iteration's target
   tokens and adds them into the canonical sharding: the layers by :func:`sum_stage_rows` (the
@@ -272,23 +272,20 @@ def gather_partials(
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(state_mesh, P(FSDP)), [rows[d] for d in local])
 
 
-def device_partials(mesh: Mesh, rest_grads, sums: dict):
-    """A group's gradients of the rest of the model (embedding, final norm, head; replicated, as
-    the pipeline executor returns them) and its loss sums as per-device partials with a leading
-    axis over the group's devices (``P((dp, pp, sp))``): the group's first device holds them,
-    the others zeros. (Its layers' come from the executor as such rows already.)"""
+def device_partials(mesh: Mesh, sums: dict):
+    """A group's loss sums (replicated over its devices) as per-device partials with a leading axis
+    over the group's devices (``P((dp, pp, sp))``): the group's first device holds them, the others
+    zeros. (Its layers' and the rest's gradients come from the executor as such rows already.)"""
     out_spec = P(GROUP_AXES)
 
-    def device_fn(rest, sums):
+    def device_fn(sums):
         first = (jax.lax.axis_index(DP) == 0) & (jax.lax.axis_index(PP) == 0) & (jax.lax.axis_index(SP) == 0)
-        rest = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x))[None], rest)
-        sums = jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x))[None], sums)
-        return rest, sums
+        return jax.tree.map(lambda x: jnp.where(first, x, jnp.zeros_like(x))[None], sums)
 
     return jax.shard_map(
         device_fn,
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), rest_grads), jax.tree.map(lambda _: P(), sums)),
-        out_specs=(jax.tree.map(lambda _: out_spec, rest_grads), jax.tree.map(lambda _: out_spec, sums)),
+        in_specs=(jax.tree.map(lambda _: P(), sums),),
+        out_specs=jax.tree.map(lambda _: out_spec, sums),
         check_vma=False,
-    )(rest_grads, sums)
+    )(sums)

@@ -449,14 +449,17 @@ class StageProgram:
 
     def finish(self, acc: dict):
         """-> (grads of the layers (this device's canonical chunks; with stage-own weights, this
-        device's contribution as a ``[1, L/pp, ...]`` row), of the rest, loss sum, layer forwards
-        [1, 1]) from the step's accumulators."""
+        device's contribution as a ``[1, L/pp, ...]`` row), of the rest (summed over the layout; with
+        stage-own weights this device's contribution as a ``[1, ...]`` row, which the groups' update
+        adds with every other device's: no all-reduce of the embedding and head within the group),
+        loss sum, layer forwards [1, 1]) from the step's accumulators."""
         weights = self.s.fns.weights
         if weights.canonical:
             g_layers = weights.push(acc["g_layers"])  # summed, in the canonical placement
+            g_rest = jax.lax.psum(acc["g_rest"], (DATA, PP, SP))
         else:
             g_layers = jax.tree.map(lambda g: g[None], weights.push_rows(acc["g_layers"]))
-        g_rest = jax.lax.psum(acc["g_rest"], (DATA, PP, SP))
+            g_rest = jax.tree.map(lambda g: g[None], acc["g_rest"])
         loss = jax.lax.psum(acc["loss"], (DATA, PP, SP))
         return g_layers, g_rest, loss, acc["count"].reshape(1, 1)
 

@@ -45,7 +45,8 @@ def make_pipeline_grads(
     ``canonical``: the layers arrive in the canonical placement over the mesh's devices (the
     pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
     the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``
-    over ``(dp, pp, sp)``, which sum to the layout's gradient (``StageWeights.push_rows``).
+    over ``(dp, pp, sp)``, which sum to the layout's gradient (``StageWeights.push_rows``), and the
+    rest's as one ``[1, ...]`` row per device, ``[n, ...]``, unreduced as well.
     ``group_axes`` (with ``canonical=False`` and sharded stage weights): per layer leaf, the axis
     its stage arrives split on over the stage's ``dp × sp`` devices (contiguous chunks), or None;
     the rows are then each device's chunk of the stage's summed gradient. ``grads.layer_specs``:
@@ -81,11 +82,12 @@ def make_pipeline_grads(
         rest_spec = jax.tree.map(lambda _: P(), rest)
         batch_spec = tuple({key: P(DATA) for key in b} for b in batches)
         rows = jax.tree.map(lambda _: P(LAYOUT_AXES), layer_spec)  # canonical=False: a row per device
+        rest_rows = jax.tree.map(lambda _: P(LAYOUT_AXES), rest)
         g_layers, g_rest, loss, count = jax.shard_map(
             device_fn,
             mesh=mesh,
             in_specs=(layer_spec, rest_spec, batch_spec, P()),
-            out_specs=(layer_spec if canonical else rows, rest_spec, P(), P(DATA, PP)),
+            out_specs=(layer_spec if canonical else rows, rest_spec if canonical else rest_rows, P(), P(DATA, PP)),
             check_vma=False,
         )(layers, rest, batches, scale)
         grads = nnx.merge_state(g_rest, nnx.State({"layers": g_layers}))

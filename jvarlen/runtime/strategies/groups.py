@@ -12,8 +12,9 @@ One iteration runs these compiled programs, all from the one compile cache:
 * one program per group, on the group's devices: the pipeline executor's gradients of the group's
   plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads` on the stages' own layers; a plan in
   parts runs them one after the other in this one program, each padded to its own bucket,
-  docs/design/bucket-parts.md) as per-device rows: each device's own layer gradients, the rest's
-  on the group's first device (:func:`jvarlen.parallel.groups.device_partials`); a sharded stage's
+  docs/design/bucket-parts.md) as per-device rows: each device's own layer gradients and its own
+  contribution to the rest's (no all-reduce within the group), the loss sums on the group's first
+  device (:func:`jvarlen.parallel.groups.device_partials`); a sharded stage's
   rows are each device's chunk of the stage's reduce-scattered gradient;
 * ``update``: all devices; the one train step of :mod:`jvarlen.runtime.step` whose "gradients"
   are the sum of every device's rows scaled by its group's share of the iteration's target
@@ -320,12 +321,12 @@ class GroupsStrategy(ExecutionStrategy):
             sums, g, layer_forwards = grads(params, batch)
             real = sum(jnp.sum(b["segment_ids"] > 0) for b in (batch if isinstance(batch, tuple) else (batch,)))
             sums = {**sums, "real_tokens": real.astype(jnp.float32)}
-            g_layers, g_rest = split_params(g)  # the layers: a row per device already
-            p_rest, p_sums = device_partials(mesh, g_rest, sums)
+            g_layers, g_rest = split_params(g)  # a row per device already, the layers and the rest
+            p_sums = device_partials(mesh, sums)
             # replicated over the group: a process holding any of its devices can read the counts
             # (sharded by stage, the stages of another process could not be fetched)
             forwards = jax.lax.with_sharding_constraint(layer_forwards, replicated)
-            return jax.tree.leaves(g_layers), jax.tree.leaves(p_rest), p_sums, forwards
+            return jax.tree.leaves(g_layers), jax.tree.leaves(g_rest), p_sums, forwards
 
         replicated = NamedSharding(mesh, P())
         batch_sharding = NamedSharding(mesh, P(DATA))
