@@ -19,8 +19,8 @@ without copying them. Each device moves its own pipeline stage's decoder layers,
   as a ``[1, L/pp, ...]`` row (the pipeline executor's accumulators, not reduced within the
   group, or a sharded stage's chunk of their reduce-scattered sum; padded to ``K`` rows where
   the stage is shorter), its own contribution to the rest's gradients (``[1, ...]``, not reduced
-  within the group either), and the group's first device the loss sums (:func:`device_partials`); :func:`gather_partials` views those
-  buffers of all groups as ``[N, ...]`` arrays sharded over ``fsdp`` (no copy), and the update
+  within the group either), and the group's first device the loss sums (:func:`device_partials`);
+  :func:`gather_partials` views those buffers of all groups as ``[N, ...]`` arrays sharded over ``fsdp`` (no copy), and the update
   program (all devices) scales each device's rows by its group's share of the iteration's target
   tokens and adds them into the canonical sharding: the layers by :func:`sum_stage_rows` (the
   pull's all-to-all backwards, then a scatter-add by the table), the rest by a sum over the axis

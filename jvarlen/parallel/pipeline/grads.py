@@ -48,7 +48,7 @@ def make_pipeline_grads(
     over ``(dp, pp, sp)``, which sum to the layout's gradient (``StageWeights.push_rows``), and the
     rest's as one ``[1, ...]`` row per device, ``[n, ...]``, unreduced as well.
     ``group_axes`` (with ``canonical=False`` and sharded stage weights): per layer leaf, the axis
-    its stage arrives split on over the stage's ``dp × sp`` devices (contiguous chunks), or None;
+    its stage arrives split on over the stage's sp devices (contiguous chunks; a group has dp = 1), or None;
     the rows are then each device's chunk of the stage's summed gradient. ``grads.layer_specs``:
     the layers' partition specs it takes.
     """
