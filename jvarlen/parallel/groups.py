@@ -20,11 +20,11 @@ without copying them. Each device moves its own pipeline stage's decoder layers,
   group, or a sharded stage's chunk of their reduce-scattered sum; padded to ``K`` rows where
   the stage is shorter), its own contribution to the rest's gradients (``[1, ...]``, not reduced
   within the group either), and the group's first device the loss sums (:func:`device_partials`);
-  :func:`gather_partials` views those buffers of all groups as ``[N, ...]`` arrays sharded over ``fsdp`` (no copy), and the update
-  program (all devices) scales each device's rows by its group's share of the iteration's target
-  tokens and adds them into the canonical sharding: the layers by :func:`sum_stage_rows` (the
-  pull's all-to-all backwards, then a scatter-add by the table), the rest by a sum over the axis
-  (a reduce-scatter); then one optimizer update.
+  :func:`gather_partials` views those buffers of all groups as ``[N, ...]`` arrays sharded over
+  ``fsdp`` (no copy), and the update program (all devices) scales each device's rows by its
+  group's share of the iteration's target tokens and adds them into the canonical sharding: the
+  layers by :func:`sum_stage_rows` (the pull's all-to-all backwards, then a scatter-add by the
+  table), the rest by a sum over the axis (a reduce-scatter); then one optimizer update.
 
 Bytes per device per iteration: the pull receives its stage's ``K`` layers (weight matrices in
 the compute dtype) and the rest, the push sends their fp32 gradient rows (sharded: the same on
