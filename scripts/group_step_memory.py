@@ -22,36 +22,24 @@ the host's CPU devices (fake ones, set here), or with ``--target`` for abstract 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GB = 1e9
+from abstract_target import GB, ROOT, add_arguments, context, peak
+
 MODES = ("replicated", "sharded")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-7b.yaml"))
-    ap.add_argument("--devices", type=int, default=16)
-    ap.add_argument("--compute_dtype", default="bfloat16")
-    ap.add_argument("--target", help="abstract GPUs of this target (h100, a100) instead of CPU devices")
+    add_arguments(ap)
     ap.add_argument("--schemes", nargs="+", default=["4x4", "2x8", "1x16"], help="PPxSP of the group")
     ap.add_argument("--documents", type=int, default=4)
     ap.add_argument("--length", type=int, default=4096)
     args = ap.parse_args(argv)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: no driver needed to compile
-    sys.path.insert(0, ROOT)
-    import jax
+    config, ctx = context(args)
     import numpy as np
 
     from jvarlen.api import as_pieces
-    from jvarlen.config import load_config
-    from jvarlen.gpu_aot import abstract_devices, abstract_step_context
     from jvarlen.layout import Layout
     from jvarlen.plan.api import make_cost
     from jvarlen.plan.cost import ModelShape
@@ -59,10 +47,6 @@ def main(argv=None) -> int:
     from jvarlen.runtime.feed import Iteration
     from jvarlen.runtime.strategies.groups import GroupsStrategy
 
-    config = load_config(args.config)
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=args.compute_dtype))
-    devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
-    ctx = abstract_step_context(config, devices)
     hardware = args.target or "h100"
     base = make_cost(ModelShape.from_config(config.model), hardware, Layout(args.devices, 1, 1))
     costs = {mode: SchemeCosts(base.with_stage_weights(mode == "sharded"), args.devices) for mode in MODES}
@@ -95,17 +79,17 @@ def main(argv=None) -> int:
             m = compiled.memory_analysis()
             batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith("0/")) / (pp * sp)
             handed = m.argument_size_in_bytes + m.output_size_in_bytes - batch
-            peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-            held[mode] = (handed, peak)
+            step_peak = peak(m)
+            held[mode] = (handed, step_peak)
             ratio = (
                 ""
                 if mode == "replicated"
-                else f"{handed / held['replicated'][0]:.2f}× / {peak / held['replicated'][1]:.2f}×"
+                else f"{handed / held['replicated'][0]:.2f}× / {step_peak / held['replicated'][1]:.2f}×"
             )
-            resident = peak + strategy.exchange.state_bytes_per_device()
+            resident = step_peak + strategy.exchange.state_bytes_per_device()
             planned = max(plan.stats["peak_memory_bytes"]) - costs[mode].coeffs.workspace_bytes
             print(
-                f"| (pp={pp}, sp={sp}) | {mode} | {handed / GB:.2f} | {peak / GB:.2f} | {ratio} | {resident / GB:.2f} "
+                f"| (pp={pp}, sp={sp}) | {mode} | {handed / GB:.2f} | {step_peak / GB:.2f} | {ratio} | {resident / GB:.2f} "
                 f"| {planned / GB:.2f} | {resident / planned:.2f} |",
                 flush=True,
             )

@@ -19,44 +19,23 @@ also shows that the programs compile for it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GB = 1e9
-
-
-def peak(m) -> int:
-    """A compiled program's bytes on one device: arguments, outputs and temporaries, less aliasing."""
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+from abstract_target import GB, ROOT, add_arguments, context, peak
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-7b.yaml"))
-    ap.add_argument("--devices", type=int, default=16)
-    ap.add_argument("--compute_dtype", default="bfloat16")
-    ap.add_argument("--target", help="abstract GPUs of this target (h100, a100) instead of CPU devices")
+    add_arguments(ap)
     ap.add_argument("--parts", type=int, nargs="+", default=[1], help="chunks of a sharded exchange (1: whole)")
     args = ap.parse_args(argv)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # --target: no driver needed to compile
-    sys.path.insert(0, ROOT)
+    config, ctx = context(args)
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jvarlen.config import load_config
-    from jvarlen.gpu_aot import abstract_devices, abstract_step_context
     from jvarlen.runtime.strategies.groups import GroupsStrategy
 
-    config = load_config(args.config)
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=args.compute_dtype))
-    devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
-    ctx = abstract_step_context(config, devices)
     sharded = "sharded" if args.parts != [1] else "replicated"
     strategy = GroupsStrategy(ctx, None, "", ahead=0, stage_weights=sharded)
     params = ctx.abstract_state.params

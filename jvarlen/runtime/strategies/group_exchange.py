@@ -37,15 +37,17 @@ from jvarlen.parallel.groups import (
 from jvarlen.parallel.layouts import DP, FSDP, PP, SP
 from jvarlen.parallel.pipeline import split_params
 from jvarlen.parallel.sharding import pulled_dtypes, push
+from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.runtime.step import CompiledStep
 from jvarlen.runtime.strategy import StepContext
 
 SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
 
 
-class Exchange:
+class Exchange(MethodCaches):
     """The pull, resize and update programs of one run (``sharded``: stage weights sharded within
-    each group, so the exchange moves chunks)."""
+    each group, so the exchange moves chunks). What a layout's group holds is asked every step (its
+    views), so it is memoized per layout."""
 
     def __init__(self, ctx: StepContext, sharded: bool):
         self.ctx, self.sharded = ctx, sharded
@@ -66,6 +68,7 @@ class Exchange:
             out.append(treedef.unflatten([jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(leaves, dtypes)]))
         return tuple(out)
 
+    @method_cache()
     def shards(self, layout: Layout) -> int:
         """Chunks a group of ``layout`` splits its stage into (1: whole)."""
         return stage_shards(layout, self.pulled[0], self.axes, self.sharded)
@@ -82,11 +85,12 @@ class Exchange:
             for x, a in zip(jax.tree.leaves(self.pulled[0]), self.axes)
         ]
 
-    def stage_specs(self, layout: Layout) -> list:
+    @method_cache()
+    def stage_specs(self, layout: Layout) -> tuple:
         """Per layer leaf, how a group of ``layout`` holds its stage: its ``P(pp)`` stack, a sharded
         stage's leaves split on their axis over ``(dp, sp)`` too."""
         chunked = self.shards(layout) > 1
-        return [P(PP, *([None] * (a - 1)), (DP, SP)) if chunked and a else P(PP) for a in self.axes]
+        return tuple(P(PP, *([None] * (a - 1)), (DP, SP)) if chunked and a else P(PP) for a in self.axes)
 
     def views(self, layers: list, mesh, layout: Layout) -> list:
         """A group's view of the pulled layer leaves (no copy), as :meth:`stage_specs`."""
@@ -150,7 +154,7 @@ class Exchange:
         leaves = jax.tree.leaves(layers)
         w_in, w_out = self._widths(chunks_in), self._widths(chunks_out)
         if what == "stage":  # the view's and the group's own specs
-            specs, shapes = self.stage_specs(layout), []
+            specs, shapes = list(self.stage_specs(layout)), []
             for spec, w in zip(specs, w_in):  # global: [pp·K, ...], a split axis over (dp, sp)
                 shape = [pp * rows_in, *w]
                 if len(spec) > 1:
