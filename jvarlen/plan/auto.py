@@ -4,10 +4,10 @@
   scheme ``P = (pp, sp)`` with ``pp ≥ 2``: the documents are dispatched longest first to the least
   loaded pipeline (load: ``T(l, P)``, Hydraulis App. B.2), and each pipeline's documents are planned
   by EPP (:func:`jvarlen.plan.api.plan_iteration`: chunks that split long documents, units,
-  recomputation MILP). Without a fixed scheme the fastest ``P`` is kept; once one scheme has a
-  plan, the next is planned with its time as a ceiling (:func:`jvarlen.plan.epp.plan_epp`) and
-  given up as soon as one of its pipelines cannot beat it (``stats["candidates"]`` then records
-  ``not_faster_than_s``).
+  recomputation MILP). Without a fixed scheme the fastest ``P`` is kept: the schemes are planned
+  from the best-ranked (:class:`EPPPipelinesOptions`) on, each with the best time so far as a
+  ceiling (:func:`jvarlen.plan.epp.plan_epp`), and a scheme is given up as soon as one of its
+  pipelines cannot beat it (``stats["candidates"]`` then records ``not_faster_than_s``).
 * ``auto``: plans the iteration with every policy of ``AutoOptions.policies`` (the best homogeneous
   layout, EPP pipelines, Hydraulis, FlexSP, DCP), estimates each with the cost model (their
   ``iteration_time_s``, simulated in the executor's model: paired ticks, padded buckets) and returns the fastest, with
@@ -51,13 +51,17 @@ AUTO_POLICIES = ("homogeneous", "epp-pipelines", "hydraulis", "flexsp", "dcp")
 @dataclasses.dataclass(frozen=True)
 class EPPPipelinesOptions:
     """``scheme``: the pipelines' scheme (None: the ``pp ≥ 2`` schemes of the device count, the
-    fastest kept). ``screen``: without a scheme, only the ``screen`` schemes whose longest-first
-    dispatch has the smallest largest pipeline load plus step overhead (the stage's pull and push,
-    ``CostModel.step_overhead``) are planned by EPP (load: ``Σ T(l, P)``, a document too long for
-    one chunk of the scheme as the slices memory forces, :func:`screened_time`; an EPP plan
-    per pipeline and scheme is what costs time: all 12 schemes of 64 devices took 24 s of CPU per
-    iteration; 0 plans every scheme). A scheme that cannot plan the batch (its model states do
-    not fit, a pipeline's plan does not) does not count: the next one in the ranking is planned.
+    fastest kept). Without a scheme, every scheme is ranked by its longest-first dispatch's largest
+    pipeline load plus step overhead (the stage's pull and push, ``CostModel.step_overhead``; load:
+    ``Σ T(l, P)``, a document too long for one chunk of the scheme as the slices memory forces,
+    :func:`screened_time`) and planned by EPP in that order, each under the best time so far as
+    its ceiling: a scheme none of whose chunkings can beat it costs only its lower bounds, so the
+    ranking decides how soon the search has a tight ceiling, not which plan it returns.
+    ``screen``: only the ``screen`` best-ranked schemes that plan (a scheme that cannot plan the
+    batch, its model states or a pipeline's plan over memory, hands its turn to the next); 0
+    plans every scheme. The ranking alone misses by far: on the 8-layer test model the fastest
+    scheme, one (pp=2, sp=4) pipeline, was ranked below two (pp=4, sp=1) pipelines, 1.25x slower
+    (:func:`screened_time` leaves out each pipeline's fill and drain).
     ``planner``: EPP's options (the executor's model, ``"paired"``: EPP then cuts bucket-sized
     slices, which the executor pads least). ``ceiling``: only a plan faster than that many seconds
     is wanted (``auto`` passes the other policies' best); the search skips what cannot beat it and
@@ -67,7 +71,7 @@ class EPPPipelinesOptions:
     ceiling: Optional[float] = None
     max_pp: int = 8
     max_sp: int = 8
-    screen: int = 2
+    screen: int = 0
     planner: PlannerOptions = PlannerOptions(
         min_slice_tokens=512,
         n_candidates=2,
@@ -156,7 +160,7 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
                 f"{costs.num_devices} devices and {m.num_layers} layers"
             )
     screened, wanted = {}, len(schemes)
-    if options.scheme is None and 0 < options.screen < len(schemes):
+    if options.scheme is None:
         for scheme in schemes:
             d = costs.num_devices // scheme.num_devices
             cap = costs.cost(scheme).max_tokens(in_flight=scheme.pp)
@@ -167,11 +171,12 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
             # what the groups' predicted time adds to the slowest pipeline: its stage's pull and push,
             # which halve with every doubling of pp where they cross a slow link
             screened[scheme] = max(loads) + costs.cost(scheme).step_overhead()
-        schemes, wanted = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp)), options.screen
+        schemes = sorted(schemes, key=lambda s: (screened[s], s.pp, s.sp))
+        wanted = options.screen if 0 < options.screen < len(schemes) else len(schemes)
     best, tried, slower, errors = None, {}, {}, []
     for scheme in schemes:
         if len(tried) + len(slower) == wanted:
-            break  # the screen's best schemes that plan; one that cannot hands its turn to the next
+            break  # the ranking's best schemes that plan; one that cannot hands its turn to the next
         ceiling = options.ceiling if best is None else best[0]
         try:
             groups = _epp_groups(lengths, costs, scheme, options, ceiling)
