@@ -431,7 +431,7 @@ class StageProgram:
                 acc
                 or dict(
                     g_layers=s.fns.weights.accumulators(layers),
-                    g_rest=jax.tree.map(jnp.zeros_like, rest),
+                    g_rest=jax.tree.map(_accumulator, rest),
                     loss=jnp.zeros((), jnp.float32),
                     count=jnp.zeros((), jnp.int32),
                 )
@@ -465,6 +465,14 @@ class StageProgram:
 
     def run(self):
         return self.finish(self.accumulate())
+
+
+def _accumulator(x):
+    """A zero gradient accumulator for a leaf of the rest: in fp32 at least, whatever dtype the
+    leaf arrives in (a device group's pull hands the head in the compute dtype), as the layers'
+    accumulators are; each op's gradient stays in the leaf's dtype and is added into it."""
+    dtype = jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    return jnp.zeros(x.shape, dtype)
 
 
 def _per_layer(mode, layers: int):
