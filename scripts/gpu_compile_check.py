@@ -145,8 +145,10 @@ def pipeline_rows(
     layers=None,
     split=False,
     recompute=False,
+    vocab=None,
 ):
-    """llama-7b's pipeline step (``layers``: that many decoder layers instead) per layout, ``chunks``
+    """llama-7b's pipeline step (``layers``: that many decoder layers instead; ``vocab``: that vocabulary,
+    which sizes the embedding and head) per layout, ``chunks``
     one-document chunks of ``bucket`` tokens per pipeline (``split``: one document cut into ``chunks``
     slices, with context buffers; ``recompute``: every layer recomputed), stage weights replicated and sharded
     over dp x sp (ZeRO-3): compiled memory per device, the stage layers' copy (compute dtype) +
@@ -155,7 +157,8 @@ def pipeline_rows(
     from jvarlen.plan.cost import ModelShape
 
     tgt = gpu_aot.gpu_target(target)
-    config = load_config("configs/llama-7b.yaml", **({"model.num_layers": str(layers)} if layers else {}))
+    overrides = {"model.num_layers": layers, "model.vocab_size": vocab}
+    config = load_config("configs/llama-7b.yaml", **{k: str(v) for k, v in overrides.items() if v})
     shape = ModelShape.from_config(config.model)
     for dp, pp, sp in layouts:
         layout = Layout(dp=dp, pp=pp, sp=sp)
@@ -176,7 +179,8 @@ def pipeline_rows(
                     )
 
             what = (
-                f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''} (dp, pp, sp) = "
+                f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''}"
+                f"{f' (vocabulary {shape.vocab_size})' if vocab else ''} (dp, pp, sp) = "
                 f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline"
                 f"{', one document' if split else ''}{', every layer recomputed' if recompute else ''})"
             )
@@ -365,6 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--split", action="store_true", help="pipeline: one document cut into the chunks (context buffers)")
     ap.add_argument("--recompute", action="store_true", help="pipeline: every layer of every chunk recomputed")
     ap.add_argument("--layers", type=int, help="pipeline: decoder layers (default: llama-7b's 32)")
+    ap.add_argument("--vocab", type=int, help="pipeline: vocabulary size (default: llama-7b's 32,000)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
     ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
     args = ap.parse_args(argv)
@@ -397,6 +402,7 @@ def main(argv=None) -> int:
                 args.layers,
                 args.split,
                 args.recompute,
+                args.vocab,
             ):
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:400]} ({row.seconds:.0f} s)", flush=True)
