@@ -16,6 +16,7 @@ from jvarlen.parallel.layouts import LAYOUT_AXES, PP
 from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.stage import stage_shapes
+from jvarlen.parallel.sharding import pulled_dtypes
 
 
 def make_pipeline_grads(
@@ -61,6 +62,7 @@ def make_pipeline_grads(
         for s in sigs
     ]
     weights = shapes[0].fns.weights  # the layout's: the same for every part
+    compute_dtype = shapes[0].compute_dtype
 
     cpu = all(d.platform == "cpu" for d in getattr(mesh, "devices", np.empty(0)).flat)
 
@@ -76,6 +78,11 @@ def make_pipeline_grads(
         if len(batches) != len(sigs):
             raise ValueError(f"{len(batches)} batches for a step of {len(sigs)} parts")
         layers, rest = split_params(params)
+        # the rest moves and is held as the stages compute with it: an untied head in the compute
+        # dtype, the embedding table and norm scales in their own; its gradients still accumulate
+        # in fp32 (a no-op for a device group's rest, pulled so already)
+        leaves, treedef = jax.tree.flatten(rest)
+        rest = treedef.unflatten([x.astype(d) for x, d in zip(leaves, pulled_dtypes(rest, compute_dtype))])
         targets = sum(jnp.sum(b["loss_mask"]) for b in batches).astype(jnp.float32)
         scale = 1.0 / jnp.maximum(targets, 1.0)
         layer_spec = weights.specs()
