@@ -370,7 +370,7 @@ def test_the_stages_are_handed_an_untied_head_in_the_compute_dtype():
     jaxpr = jax.make_jaxpr(grads)(params, {k: jnp.asarray(v) for k, v in batch.items()})
     (executor,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     n_layers = len(jax.tree.leaves(params["layers"]))
-    rest = split_rest(params)
+    rest = _split_rest(params)
     handed = executor.invars[n_layers : n_layers + len(rest)]
     expected = {"embed": jnp.float32, "final_norm": jnp.float32, "head": jnp.bfloat16}
     assert len(rest) == 3
@@ -378,9 +378,7 @@ def test_the_stages_are_handed_an_untied_head_in_the_compute_dtype():
         assert var.aval.shape == leaf.shape and var.aval.dtype == expected[name], (name, var.aval)
 
 
-def split_rest(params) -> list:
+def _split_rest(params) -> list:
     """(top-level name, leaf) of every leaf of the rest, in leaf order."""
     rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
-    return [
-        (jax.tree_util.keystr(path)[2:].split("'")[0], leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(rest)
-    ]
+    return [(path[0].key, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(rest)]

@@ -60,8 +60,9 @@ class EPPPipelinesOptions:
     ``screen``: only the ``screen`` best-ranked schemes that plan (a scheme that cannot plan the
     batch, its model states or a pipeline's plan over memory, hands its turn to the next); 0
     plans every scheme. The ranking alone misses by far: on the 8-layer test model the fastest
-    scheme, one (pp=2, sp=4) pipeline, was ranked below two (pp=4, sp=1) pipelines, 1.25x slower
-    (:func:`screened_time` leaves out each pipeline's fill and drain).
+    scheme, one (pp=2, sp=4) pipeline, was often ranked below two (pp=4, sp=1) pipelines, 1.25x
+    slower at most (the ranking charges each short document its own micro-batch, where EPP packs
+    them, and leaves out each pipeline's fill and drain).
     ``planner``: EPP's options (the executor's model, ``"paired"``: EPP then cuts bucket-sized
     slices, which the executor pads least). ``ceiling``: only a plan faster than that many seconds
     is wanted (``auto`` passes the other policies' best); the search skips what cannot beat it and
