@@ -107,14 +107,18 @@ def pulled_dtypes(params, compute_dtype) -> list:
     return out
 
 
+def cast_pulled(params, compute_dtype):
+    """``params`` cast to :func:`pulled_dtypes`, their placement unchanged."""
+    leaves = jax.tree.leaves(params)
+    return _param_tree(params, [x.astype(d) for x, d in zip(leaves, pulled_dtypes(params, compute_dtype))])
+
+
 def pull(params, layout_mesh: Mesh, compute_dtype, rules: Rules = COMPUTE_RULES):
     """Canonical params -> params as the layout's propagation sees them (cast to
     :func:`pulled_dtypes`, resharded)."""
     compute = jax.tree.leaves(param_shardings(params, layout_mesh, rules))
-    leaves = jax.tree.leaves(params)
-    dtypes = pulled_dtypes(params, compute_dtype)
-    out = [jax.lax.with_sharding_constraint(x.astype(d), s) for x, d, s in zip(leaves, dtypes, compute)]
-    return _param_tree(params, out)
+    cast = jax.tree.leaves(cast_pulled(params, compute_dtype))
+    return _param_tree(params, [jax.lax.with_sharding_constraint(x, s) for x, s in zip(cast, compute)])
 
 
 def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = None, rules: Rules = COMPUTE_RULES):

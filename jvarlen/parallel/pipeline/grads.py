@@ -16,7 +16,7 @@ from jvarlen.parallel.layouts import LAYOUT_AXES, PP
 from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.stage import stage_shapes
-from jvarlen.parallel.sharding import pulled_dtypes
+from jvarlen.parallel.sharding import cast_pulled
 
 
 def make_pipeline_grads(
@@ -81,8 +81,7 @@ def make_pipeline_grads(
         # the rest moves and is held as the stages compute with it: an untied head in the compute
         # dtype, the embedding table and norm scales in their own; its gradients still accumulate
         # in fp32 (a no-op for a device group's rest, pulled so already)
-        leaves, treedef = jax.tree.flatten(rest)
-        rest = treedef.unflatten([x.astype(d) for x, d in zip(leaves, pulled_dtypes(rest, compute_dtype))])
+        rest = cast_pulled(rest, compute_dtype)
         targets = sum(jnp.sum(b["loss_mask"]) for b in batches).astype(jnp.float32)
         scale = 1.0 / jnp.maximum(targets, 1.0)
         layer_spec = weights.specs()
