@@ -148,3 +148,9 @@ def tight_budget(cost: CostModel, tokens: int) -> float:
 
     state = max(cost.model_state_memory(p) for p in range(cost.layout.pp)) + cost.layer_gradient_memory()
     return state + cost.activation_memory(ChunkShape(0, (tokens,), tail=False), 0, cost.layout.pp - 1)
+
+
+def group_budget(cost: CostModel, tokens: int) -> float:
+    """:func:`tight_budget` for a device group of the strategy policies (``SchemeCosts``), whose
+    every device holds the rest of the model (``CostModel.holds_rest``)."""
+    return tight_budget(cost.replace(group=True), tokens)

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import small_cost, tight_budget
+from conftest import group_budget, small_cost
 
 from jvarlen.layout import Layout
 from jvarlen.plan.api import make_cost
@@ -27,7 +27,7 @@ MICRO = [[0], [3, 4], [6, 5], [1, 2]]  # a long one, then shorter ones
 
 
 def scheme_costs(n: int = 8) -> SchemeCosts:
-    budget = tight_budget(small_cost(pp=1, sp=1), 4096)
+    budget = group_budget(small_cost(pp=1, sp=1), 4096)
     return SchemeCosts(small_cost(pp=1, sp=1, budget=budget), n)
 
 

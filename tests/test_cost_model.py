@@ -150,29 +150,40 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
+def rest_bytes(shape: ModelShape) -> tuple[int, int]:
+    """What the pipeline executor holds of the rest per device by dtype, with a bf16 compute dtype
+    and fp32 parameters: (the embedding table and the final norm in fp32, copy 4 + accumulator 4;
+    an untied head in bf16, copy 2 + accumulator 4; one op's gradient of it in the copy's dtypes)."""
+    fp32 = shape.embed_params + shape.d_model
+    bf16 = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model
+    return 8 * fp32 + 6 * bf16, 4 * fp32 + 2 * bf16
+
+
 def test_model_state_memory_hand_computed():
     cm = CostModel(MHA, Layout(2, 2, 2), coeffs())
     p = MHA.param_count
-    assert cm.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * MHA.stage_params(0, 2) + 1000)
-    assert cm.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * MHA.stage_params(1, 2) + 1000)
+    layers = MHA.num_layers // 2 * MHA.layer_params
+    held = rest_bytes(MHA)[0]
+    # the executor runs one program on every stage: each holds the whole rest, not its own part of it
+    for stage in (0, 1):
+        assert cm.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + held + 1000)
     with pytest.raises(ValueError):
         cm.model_state_memory(2)
+    # a fused data-parallel step (pp = 1, no group) holds the whole model at 6 bytes per parameter
+    fused = cm.with_layout(Layout(8, 1, 1))
+    assert fused.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * p + 1000)
     # ZeRO-3 over the sp group and the dp pipelines: the compute copy and gradients of the stage's
     # decoder layers are 1/(dp·sp) per device (embedding and head whole), plus two whole layers
     # in flight (2 bytes each), the previous layer's gradient before its deferred reduce-scatter
     # (2 bytes) and one layer's gradient as it is reduced (4 bytes), in every layout derived from
     # it (padded, other schemes' layouts)
-    layers = MHA.num_layers // 2 * MHA.layer_params
     in_flight = (3 * 2 + 4) * MHA.layer_params
     z = CostModel(MHA, Layout(2, 2, 2), coeffs(), stage_weights_sharded=True)
     for stage in (0, 1):
-        extra = MHA.stage_params(stage, 2) - layers
-        assert extra > 0
-        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + in_flight + 1000)
+        assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held + in_flight + 1000)
     assert z.padded(64).model_state_memory(1) == pytest.approx(z.model_state_memory(1))
     z4 = z.with_layout(Layout(1, 2, 4), state_devices=8)
-    extra = MHA.stage_params(0, 2) - layers
-    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + extra) + in_flight + 1000)
+    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held + in_flight + 1000)
     # one device per stage: nothing to shard, nothing gathered
     z1 = z.with_layout(Layout(1, 2, 1), state_devices=8)
     assert z1.model_state_memory(0) == pytest.approx(cm.with_layout(Layout(1, 2, 1), 8).model_state_memory(0))
@@ -190,12 +201,17 @@ def test_the_executor_backward_holds_its_layer_gradients_until_they_are_accumula
     c = coeffs(m_work_token=500.0)  # a bf16 copy and an fp32 accumulator: e = 2, 6 bytes per parameter
     cm = CostModel(MHA, Layout(2, 2, 2), c)
     stage_layers = MHA.num_layers // 2 * MHA.layer_params
-    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
+    rest = rest_bytes(MHA)[1]  # and its gradient of the rest, allocated on every stage
+    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers + rest)
     sharded = CostModel(MHA, Layout(2, 2, 2), c, stage_weights_sharded=True)
     accumulator = c.stage_bytes_per_param - c.bytes_per_element
-    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4)
+    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4 + rest)
     alone = CostModel(MHA, Layout(1, 2, 1), c, stage_weights_sharded=True)  # nothing to shard over
-    assert alone.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers)
+    assert alone.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers + rest)
+    # a fused data-parallel step returns no op's gradients; a device group with one stage does
+    fused = CostModel(MHA, Layout(8, 1, 1), c)
+    assert fused.layer_gradient_memory() == pytest.approx(c.bytes_per_element * MHA.num_layers * MHA.layer_params)
+    assert fused.replace(group=True).layer_gradient_memory() == pytest.approx(fused.layer_gradient_memory() + rest)
     ch = ChunkShape(0, (1024,))
     assert cm.backward_memory(ch, 1) == pytest.approx(cm.working_memory(ch, 1) + cm.layer_gradient_memory())
     assert cm.peak_memory(ch, 1, 0) == pytest.approx(cm.activation_memory(ch, 1, 0) + cm.working_memory(ch, 1))
@@ -505,20 +521,26 @@ def test_a_device_group_syncs_its_stages_layers_and_the_rest_of_the_model():
 
 def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     """The groups' pull hands every device of a device group the rest of the model (embedding,
-    final norm, head) with its stage's layers, and each returns their gradient rows: the memory
-    account charges them on every stage of a group, not on the first and last stage only as in the
-    pipeline strategy's own stages; with sharded stage weights only the decoder layers shrink."""
+    final norm, head) with its stage's layers, and each returns their gradients: the memory account
+    charges them on every stage, in the dtypes the pull hands them in (an untied head in the
+    compute dtype, the embedding in fp32); with sharded stage weights only the decoder layers
+    shrink."""
     untied = dataclasses.replace(MHA, tie_embeddings=False)
     p, layers = untied.param_count, untied.num_layers // 2 * untied.layer_params
-    rest = untied.embed_params + untied.head_params
+    held = rest_bytes(untied)[0]
+    assert held == 8 * (untied.embed_params + untied.d_model) + 6 * untied.vocab_size * untied.d_model
     pipeline = CostModel(untied, Layout(2, 2, 2), coeffs())
     group = pipeline.replace(group=True)
     for stage in (0, 1):
-        assert group.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * (layers + rest) + 1000)
-        assert group.model_state_memory(stage) > pipeline.model_state_memory(stage)
+        assert group.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + held + 1000)
+        assert group.model_state_memory(stage) == pytest.approx(pipeline.model_state_memory(stage))
+    one_stage = CostModel(untied, Layout(2, 1, 4), coeffs())  # a fused step: the whole model at 6 bytes
+    assert one_stage.replace(group=True).model_state_memory(0) == pytest.approx(
+        one_stage.model_state_memory(0) - 6 * (p - untied.num_layers * untied.layer_params) + held
+    )
     in_flight = (3 * 2 + 4) * untied.layer_params
     sharded = group.with_stage_weights(True)
-    assert sharded.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * (layers / 4 + rest) + in_flight + 1000)
+    assert sharded.model_state_memory(1) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held + in_flight + 1000)
     from jvarlen.plan.strategy import Scheme, SchemeCosts
 
     # the schemes a strategy policy prices are groups: every stage of theirs charges the rest

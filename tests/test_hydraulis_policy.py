@@ -139,11 +139,11 @@ def test_per_micro_batch_recomputation_as_given(costs):
 
 
 def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simulated_too():
-    """The estimates leave out the recomputation that fits the executor's buffers (+17 % on these
-    (pp 1, sp 8) groups). On this batch (7B, 8 A800s, the benchmark's commoncrawl setting) the
-    third packed candidate, 1×(pp=1, sp=8), estimated at 3.31 s, was never simulated, and Hydraulis
-    returned a finalist simulated at 3.82 s; simulated, it takes 3.31 s, as the homogeneous policy
-    found."""
+    """The estimates leave out the recomputation that fits the executor's buffers (+12 % on the
+    (pp 1, sp 8) group here). On this batch (7B, 8 A800s, the benchmark's commoncrawl setting, batch
+    1003) the third packed candidate, 2×(pp=1, sp=4), estimated at 4.885 s, would not be simulated,
+    and Hydraulis would return the finalist 1×(pp=1, sp=8), estimated at 4.578 s and simulated at
+    5.138 s; simulated, the third takes 4.922 s, as the homogeneous policy found."""
     import sys
     from pathlib import Path
 
@@ -157,7 +157,7 @@ def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simu
     # (found in the lock-step model without the executor's padding, "ticks")
     hydraulis = HydraulisOptions(simulation="ticks").for_corpus(pool, costs, setting.context)
     options = dataclasses.replace(hydraulis, homogeneous_top=0)
-    batch = bench.token_batch(pool, setting.tokens, 1004)
+    batch = bench.token_batch(pool, setting.tokens, 1003)
     plan = plan_strategy("hydraulis", batch, costs, options)
     candidates = plan.stats["candidates"]
     simulated = [c["iteration_time_s"] for c in candidates if c["estimate"] == "simulated"]

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import tight_budget
+from conftest import group_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -33,7 +33,7 @@ def cpu_costs(devices: int, tokens: int) -> SchemeCosts:
     """The shipped CPU profile, a budget holding ``tokens`` tokens per device without recomputation."""
     shape = ModelShape.from_config(Config().model)
     coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
-    budget = tight_budget(CostModel(shape, Layout(1, 1, 1), coeffs), tokens)
+    budget = group_budget(CostModel(shape, Layout(1, 1, 1), coeffs), tokens)
     return SchemeCosts(CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget)), devices)
 
 

@@ -14,7 +14,7 @@ import glob
 
 import numpy as np
 import pytest
-from conftest import tight_budget
+from conftest import group_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -40,7 +40,7 @@ def costs() -> SchemeCosts:
     recomputation."""
     shape = ModelShape.from_config(Config().model)
     coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
-    budget = tight_budget(CostModel(shape, Layout(1, 1, 1), coeffs), 1024)
+    budget = group_budget(CostModel(shape, Layout(1, 1, 1), coeffs), 1024)
     return SchemeCosts(CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget)), 8)
 
 

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import small_cost, tight_budget
+from conftest import group_budget, small_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,13 +46,13 @@ def cpu_costs(devices: int, tokens: int) -> SchemeCosts:
     """The shipped CPU profile, a budget holding ``tokens`` tokens per device without recomputation."""
     shape = ModelShape.from_config(Config().model)
     coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
-    budget = tight_budget(CostModel(shape, Layout(1, 1, 1), coeffs), tokens)
+    budget = group_budget(CostModel(shape, Layout(1, 1, 1), coeffs), tokens)
     return SchemeCosts(CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget)), devices)
 
 
 def a800_costs(devices: int, tokens: int) -> SchemeCosts:
     """The ~0.1B model on the analytic A800, a budget holding ``tokens`` tokens without recomputation."""
-    return SchemeCosts(small_cost(pp=1, sp=1, budget=tight_budget(small_cost(pp=1, sp=1), tokens)), devices)
+    return SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=1, sp=1), tokens)), devices)
 
 
 def best_partition(gc: GroupCosts, scheme: Scheme, lengths: list[int]) -> float:

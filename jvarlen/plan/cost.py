@@ -2,7 +2,8 @@
 
 Units everywhere: **seconds** for time, **bytes per device** for memory. A *stage* is
 ``num_layers / pp`` decoder layers run by one Ulysses group of ``sp`` devices; stage 0
-also holds the embedding, the last stage the final norm, LM head and loss.
+also runs the embedding, the last stage the final norm, LM head and loss (the pipeline executor
+holds all three on every stage: :attr:`CostModel.holds_rest`).
 
 Pure Python/numpy: the planner imports this module, so it never imports JAX.
 Coefficients come from the profiler (``jvarlen.profile``), from analytic hardware
@@ -53,7 +54,7 @@ class CostModel:
         ``stage_weights_sharded``: the compute copy and gradient accumulator of the stage's decoder
         layers are sharded over its sp group and the dp pipelines (ZeRO-3, the executor's
         ``stage_weights="sharded"``), so a device holds ``stage_bytes_per_param / (dp·sp)`` per
-        layer parameter (embedding and head: ``stage_bytes_per_param``). ``group``: the layout is a
+        layer parameter (embedding and head stay whole: :meth:`model_state_memory`). ``group``: the layout is a
         device group of a heterogeneous strategy, whose pull and push move the rest of the model
         (embedding, head) to and from every device (:meth:`step_overhead`)."""
         if model.num_layers % layout.pp:
@@ -387,13 +388,17 @@ class CostModel:
         executor runs a backward: the op returns its layers' gradients stacked in the compute dtype,
         ``e · L_s · layer params`` (with sharded stage weights the reduce-scattered ``1/(dp·sp)`` of
         them, summed in the accumulator's dtype), and adds them into the gradient accumulator after
-        it. A fused data-parallel step (:meth:`peak_memory`) has no such copy."""
+        it. Where every device holds the rest of the model (:attr:`holds_rest`), the op also returns
+        its gradient of the rest, in the rest's dtypes (:meth:`_rest_bytes`): one program runs on
+        every stage, so a middle stage allocates the embedding's and the head's gradients too. A
+        fused data-parallel step (:meth:`peak_memory`) has no such copy."""
         c = self.coeffs
         n = self.layers_per_stage * self.model.layer_params
         group = self.layout.dp * self.layout.sp
+        rest = self._rest_bytes()[1] if self.holds_rest else 0.0
         if self.stage_weights_sharded and group > 1:
-            return (c.stage_bytes_per_param - c.bytes_per_element) * n / group
-        return c.bytes_per_element * n
+            return (c.stage_bytes_per_param - c.bytes_per_element) * n / group + rest
+        return c.bytes_per_element * n + rest
 
     def memory_floor(self, stage: int) -> float:
         """Bytes a device of ``stage`` needs before any token: :meth:`model_state_memory` and the
@@ -422,17 +427,19 @@ class CostModel:
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights"). A device group's (``group``) every device holds
-        the embedding and head with their gradients, whatever its stage: the groups' pull hands
-        every device the rest of the model (docs/design/heterogeneous.md, "Bytes and memory")."""
+        (docs/design/pipeline.md, "Stage weights"). Where the executor runs the layout
+        (:attr:`holds_rest`), every device holds the embedding and head with their accumulators,
+        whatever its stage, in their pulled dtypes (:meth:`_rest_bytes`; docs/design/heterogeneous.md,
+        "Bytes and memory"); a fused data-parallel step (``pp == 1``) holds them at
+        ``stage_bytes_per_param``."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
         sharded = c.master_bytes_per_param * m.param_count / self.state_devices
-        if self.group:
-            params = self.layers_per_stage * m.layer_params + m.embed_params + m.head_params
+        if self.holds_rest:
+            params, rest = self.layers_per_stage * m.layer_params, self._rest_bytes()[0]
         else:
-            params = m.stage_params(stage, self.layout.pp)
+            params, rest = m.stage_params(stage, self.layout.pp), 0.0
         in_flight = 0.0
         group = self.layout.dp * self.layout.sp
         if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
@@ -440,8 +447,31 @@ class CostModel:
             params += layers / group - layers
             # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
             in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
-        local = c.stage_bytes_per_param * params
+        local = c.stage_bytes_per_param * params + rest
         return sharded + local + in_flight + c.workspace_bytes
+
+    @property
+    def holds_rest(self) -> bool:
+        """Whether every device holds the embedding, final norm and head, whatever its stage: the
+        pipeline executor (``pp > 1``, and every device group) runs one program on every stage of
+        a layout and hands each device the rest of the model (``make_pipeline_grads``), so a
+        middle stage allocates what the end stages use."""
+        return self.group or self.layout.pp > 1
+
+    def _rest_bytes(self) -> tuple[float, float]:
+        """(bytes per device of the rest between ops: its copy and its gradient accumulator; bytes
+        of one op's gradient of the rest), as the executor holds them (:attr:`holds_rest`). The
+        embedding table (and a head tied to it) and the final norm are pulled in the parameters'
+        dtype, an untied head in the compute dtype (``sharding.pulled_dtypes``); the accumulator
+        is fp32 at least and shares the parameters' dtype (``stage_bytes_per_param -
+        bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
+        an op returns the gradient in the copy's dtype. Measured on compiled programs:
+        docs/benchmarks.md, "The embedding and head on every pipeline device"."""
+        c, m = self.coeffs, self.model
+        acc = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)
+        head_matrix = m.head_params - m.d_model
+        copy = acc * (m.embed_params + m.d_model) + c.bytes_per_element * head_matrix
+        return copy + acc * (m.embed_params + m.head_params), copy
 
     @property
     def memory_budget(self) -> float:
