@@ -381,7 +381,7 @@ def _key(strategy: Strategy) -> tuple:
 # ---------------------------------------------------------------- cache
 
 
-PROPOSAL_VERSION = 5  # raise when propose_strategies would propose differently for the same inputs
+PROPOSAL_VERSION = 6  # raise when propose_strategies would propose differently for the same inputs
 
 
 def proposal_key(corpus_lengths: Sequence[int], costs: SchemeCosts, max_len: int, options) -> str:
