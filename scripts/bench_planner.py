@@ -333,6 +333,10 @@ def main() -> int:
         ("epp", "seq1f1b", "dapple"),
         spec=TIGHT,
     )
+    tight_cfg = load_config(ROOT / "configs" / "gpt-30b.yaml")
+    tight_layout = Layout(tight_cfg.parallel.dp or 1, tight_cfg.parallel.pp, tight_cfg.parallel.sp)
+    tight_cost = make_cost(tight_cfg.model, TIGHT, tight_layout, zero3_sp=True)
+    tight_floor = max(map(tight_cost.memory_floor, range(tight_layout.pp))) / 2**30
     text = "\n\n".join(
         [
             f"Produced by `python scripts/bench_planner.py` on {run_stamp()} (simulated with the analytic A800 cost model; "
@@ -349,7 +353,7 @@ def main() -> int:
             ablation_table(abl_rows),
             f"Memory-tight variant: GPT-30B as above (ZeRO-3 over the SP group) on {TIGHT.hbm_bytes / 1e9:.0f} GB of "
             f"HBM per device ({TIGHT.memory_margin:.0%} of it the budget; the model states and a backward's layer "
-            "gradients take 34 GiB of it). This is where the baselines run out of memory. (Until 2026-11-29 the "
+            f"gradients take {tight_floor:.1f} GiB of it on the largest stage). This is where the baselines run out of memory. (Until 2026-11-29 the "
             "variant was GPT-30B without ZeRO-3 on 80 GB; since the memory floor counts a backward's layer "
             "gradients (a43f261) nothing fits there, and every policy refuses it.)",
             oom_table(oom_rows),
