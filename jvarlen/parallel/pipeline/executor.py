@@ -46,6 +46,7 @@ def split_params(params):
 
 
 ACCUMULATORS = ("g_layers", "g_rest", "loss", "count")  # what a step's parts carry from one to the next
+EMBED = "embed"  # the rest's embedding table (jvarlen.model.transformer)
 
 
 class StageProgram:
@@ -70,6 +71,11 @@ class StageProgram:
         self.ordered = s.sig.layout.sp > 1 or s.fns.weights.dp_sharded
         self.gathers_wait = self.ordered and cpu
         self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
+        # the parts of the rest an op differentiates: the embedding table (first stage) and what the
+        # head uses (last stage: the final norm and the head, or the table when tied). An op returns
+        # and the carry adds only these, not the whole rest with zeros for the part it leaves alone
+        tied = self.model_of(rest).config.tie_embeddings
+        self.head_keys = tuple(k for k in rest.keys() if k != EMBED or tied)
 
     # ---- the model pieces outside the stage's layers
     def model_of(self, rest):
@@ -82,13 +88,28 @@ class StageProgram:
         logits = self.model_of(rest).logits(y[None])
         return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
 
+    def part(self, keys) -> nnx.State:
+        return nnx.State({k: self.rest[k] for k in keys})
+
+    def with_part(self, part: nnx.State) -> nnx.State:
+        """The rest with ``part``'s entries in place of its own (what an op differentiates)."""
+        return nnx.State({**self.rest, **part})
+
     def head_vjp(self, c, y):
-        """(loss, its gradients for the rest and for ``y``) of chunk view ``c``'s last-stage output."""
+        """(loss, its gradients for the head's part of the rest (:attr:`head_keys`) and for ``y``)
+        of chunk view ``c``'s last-stage output."""
         loss, vjp_fn = jax.vjp(
-            lambda rr, yy: self.head_loss(rr, yy, c["local_targets"], c["local_loss_mask"]), self.rest, y
+            lambda hh, yy: self.head_loss(self.with_part(hh), yy, c["local_targets"], c["local_loss_mask"]),
+            self.part(self.head_keys),
+            y,
         )
-        d_rest, dy = vjp_fn(self.scale.astype(loss.dtype))
-        return loss, d_rest, dy
+        d_head, dy = vjp_fn(self.scale.astype(loss.dtype))
+        return loss, d_head, dy
+
+    def embed_vjp(self, c, dx):
+        """The embedding table's part of the rest's gradient, of the first stage's input cotangent ``dx``."""
+        _, vjp_fn = jax.vjp(lambda ee: self.embed(self.with_part(ee), c["local_tokens"]), self.part((EMBED,)))
+        return vjp_fn(dx)[0]
 
     # ---- one chunk's view
     def chunk(self, k) -> dict:
@@ -164,7 +185,7 @@ class StageProgram:
             loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
             dy = jnp.where(is_fused, dy_head, r["dy"])
         else:
-            residuals, loss, d_head, dy = None, self.out["loss"], self.out["d_rest"], r["dy"]
+            residuals, loss, d_head, dy = None, self.out["loss"], self.out["d_head"], r["dy"]
         # per layer: rebuilt from its input (recomputed, in a backward) or from stored residuals
         recompute = c["res_slot"] == s.dummy("res") if s.stores else jnp.ones((s.ls,), bool)
         if kind == FUSED:
@@ -209,18 +230,15 @@ class StageProgram:
         dx, ((dck, dcv), d_layers) = self.layer_pass(down, dy, xs, reverse=True, reduce=True)
         forwards = jnp.where(is_fused, s.ls, jnp.sum(jnp.where(is_b, recompute, False)))
 
-        def first():
-            _, vjp_fn = jax.vjp(lambda rr: self.embed(rr, c["local_tokens"]), self.rest)
-            return vjp_fn(dx)[0]
-
-        d_embed = maybe(active & self.is_first, first)
+        d_embed = maybe(active & self.is_first, lambda: self.embed_vjp(c, dx))
         return dict(
             self.out,
             send_grad=dx,
             d_layers=d_layers,
             dck=dck,
             dcv=dcv,
-            d_rest=jax.tree.map(jnp.add, d_head, d_embed),
+            d_head=d_head,
+            d_embed=d_embed,
             loss=loss,
             count=forwards.astype(jnp.int32),
         )
@@ -244,7 +262,7 @@ class StageProgram:
 
         y, (k_own, v_own, residuals, inputs) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
 
-        loss, d_rest, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
+        loss, d_head, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
         return dict(
             self.out,
             send_act=y,
@@ -254,7 +272,7 @@ class StageProgram:
             layer_inputs=inputs if s.sig.n_ckpt else None,
             k_own=k_own * c["own"],
             v_own=v_own * c["own"],
-            d_rest=d_rest,
+            d_head=d_head,
             loss=loss,
             count=jnp.where(is_f, s.ls, 0).astype(jnp.int32),
         )
@@ -310,7 +328,7 @@ class StageProgram:
             carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
             carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
-        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])
+        carry["g_rest"] = _add_part(_add_part(carry["g_rest"], o["d_head"]), o["d_embed"])
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
@@ -350,7 +368,7 @@ class StageProgram:
             zero = jnp.zeros_like(o["k_own"])
             carry["dck"] = slots.put_rows(carry["dck"], rows, zero)
             carry["dcv"] = slots.put_rows(carry["dcv"], rows, zero)
-        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], o["d_rest"])  # the head's (last stage)
+        carry["g_rest"] = _add_part(carry["g_rest"], o["d_head"])  # the last stage's; a forward has no d_embed
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_act"]
@@ -412,7 +430,8 @@ class StageProgram:
             dck=dctx,
             dcv=dctx,
             d_layers=s.fns.weights.reduced_zeros(layers),
-            d_rest=jax.tree.map(jnp.zeros_like, rest),
+            d_head=jax.tree.map(jnp.zeros_like, self.part(self.head_keys)),
+            d_embed=jax.tree.map(jnp.zeros_like, self.part((EMBED,))),
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.int32),
         )
@@ -473,6 +492,11 @@ def _accumulator(x):
     accumulators are; each op's gradient stays in the leaf's dtype and is added into it."""
     dtype = jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
     return jnp.zeros(x.shape, dtype)
+
+
+def _add_part(acc: nnx.State, part: nnx.State) -> nnx.State:
+    """``acc`` (the rest's accumulators) with ``part``'s gradients added into its entries."""
+    return nnx.State({**acc, **{k: jax.tree.map(jnp.add, acc[k], part[k]) for k in part.keys()}})
 
 
 def _per_layer(mode, layers: int):
