@@ -230,7 +230,6 @@ class StageProgram:
         dx, ((dck, dcv), d_layers) = self.layer_pass(down, dy, xs, reverse=True, reduce=True)
         forwards = jnp.where(is_fused, s.ls, jnp.sum(jnp.where(is_b, recompute, False)))
 
-        d_embed = maybe(active & self.is_first, lambda: self.embed_vjp(c, dx))
         return dict(
             self.out,
             send_grad=dx,
@@ -238,7 +237,6 @@ class StageProgram:
             dck=dck,
             dcv=dcv,
             d_head=d_head,
-            d_embed=d_embed,
             loss=loss,
             count=forwards.astype(jnp.int32),
         )
@@ -328,7 +326,11 @@ class StageProgram:
             carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
             carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
-        carry["g_rest"] = _add_part(_add_part(carry["g_rest"], o["d_head"]), o["d_embed"])
+        # the embedding's gradient outside the op's conditional, from the cotangent it sends: XLA
+        # adds the lookup's transpose (a scatter-add) into the accumulator in place, where a
+        # conditional's output would hold a table-sized gradient first
+        dx = jnp.where(takes_dctx & self.is_first, o["send_grad"], jnp.zeros_like(o["send_grad"]))
+        carry["g_rest"] = _add_part(_add_part(carry["g_rest"], o["d_head"]), self.embed_vjp(c, dx))
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
@@ -368,7 +370,7 @@ class StageProgram:
             zero = jnp.zeros_like(o["k_own"])
             carry["dck"] = slots.put_rows(carry["dck"], rows, zero)
             carry["dcv"] = slots.put_rows(carry["dcv"], rows, zero)
-        carry["g_rest"] = _add_part(carry["g_rest"], o["d_head"])  # the last stage's; a forward has no d_embed
+        carry["g_rest"] = _add_part(carry["g_rest"], o["d_head"])  # the last stage's
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_act"]
@@ -431,7 +433,6 @@ class StageProgram:
             dcv=dctx,
             d_layers=s.fns.weights.reduced_zeros(layers),
             d_head=jax.tree.map(jnp.zeros_like, self.part(self.head_keys)),
-            d_embed=jax.tree.map(jnp.zeros_like, self.part((EMBED,))),
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.int32),
         )
