@@ -465,7 +465,9 @@ class CostModel:
         dtype, an untied head in the compute dtype (``sharding.pulled_dtypes``); the accumulator
         is fp32 at least and shares the parameters' dtype (``stage_bytes_per_param -
         bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
-        an op returns the gradient in the copy's dtype. Measured on compiled programs:
+        an op's gradient is in the copy's dtype. The embedding's is charged although the executor
+        adds it into its accumulator in place: the compiled step of one layout, (1, 4, 2) on
+        abstract H100s, still peaks at the bytes this charges. Measured on compiled programs:
         docs/benchmarks.md, "The embedding and head on every pipeline device"."""
         c, m = self.coeffs, self.model
         acc = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)
