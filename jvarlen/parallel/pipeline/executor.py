@@ -71,9 +71,7 @@ class StageProgram:
         self.ordered = s.sig.layout.sp > 1 or s.fns.weights.dp_sharded
         self.gathers_wait = self.ordered and cpu
         self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
-        # the parts of the rest an op differentiates: the embedding table (first stage) and what the
-        # head uses (last stage: the final norm and the head, or the table when tied). An op returns
-        # and the carry adds only these, not the whole rest with zeros for the part it leaves alone
+        # what the head differentiates (final norm, head; the table when tied): all an op returns of the rest's
         tied = self.model_of(rest).config.tie_embeddings
         self.head_keys = tuple(k for k in rest.keys() if k != EMBED or tied)
 
@@ -91,13 +89,11 @@ class StageProgram:
     def part(self, keys) -> nnx.State:
         return nnx.State({k: self.rest[k] for k in keys})
 
-    def with_part(self, part: nnx.State) -> nnx.State:
-        """The rest with ``part``'s entries in place of its own (what an op differentiates)."""
+    def with_part(self, part: nnx.State) -> nnx.State:  # the rest with ``part`` (differentiated) in it
         return nnx.State({**self.rest, **part})
 
     def head_vjp(self, c, y):
-        """(loss, its gradients for the head's part of the rest (:attr:`head_keys`) and for ``y``)
-        of chunk view ``c``'s last-stage output."""
+        """(loss, its gradients of :attr:`head_keys` and of ``y``) of chunk view ``c``'s last-stage output."""
         loss, vjp_fn = jax.vjp(
             lambda hh, yy: self.head_loss(self.with_part(hh), yy, c["local_targets"], c["local_loss_mask"]),
             self.part(self.head_keys),
@@ -326,9 +322,8 @@ class StageProgram:
             carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
             carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
-        # the embedding's gradient outside the op's conditional, from the cotangent it sends: XLA
-        # adds the lookup's transpose (a scatter-add) into the accumulator in place, where a
-        # conditional's output would hold a table-sized gradient first
+        # the embedding's gradient from the cotangent the op sends, outside its conditional (whose
+        # output would be table-sized): XLA scatter-adds it into the accumulator in place
         dx = jnp.where(takes_dctx & self.is_first, o["send_grad"], jnp.zeros_like(o["send_grad"]))
         carry["g_rest"] = _add_part(_add_part(carry["g_rest"], o["d_head"]), self.embed_vjp(c, dx))
         carry["loss"] = carry["loss"] + o["loss"]
