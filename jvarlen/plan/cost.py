@@ -388,10 +388,10 @@ class CostModel:
         executor runs a backward: the op returns its layers' gradients stacked in the compute dtype,
         ``e · L_s · layer params`` (with sharded stage weights the reduce-scattered ``1/(dp·sp)`` of
         them, summed in the accumulator's dtype), and adds them into the gradient accumulator after
-        it. Where every device holds the rest of the model (:attr:`holds_rest`), the op also returns
-        its gradient of the rest, in the rest's dtypes (:meth:`_rest_bytes`): one program runs on
-        every stage, so a middle stage allocates the embedding's and the head's gradients too. A
-        fused data-parallel step (:meth:`peak_memory`) has no such copy."""
+        it. Where every device holds the rest of the model (:attr:`holds_rest`), one op's gradient
+        of the rest is charged too, in the rest's dtypes (:meth:`_rest_bytes`): one program runs on
+        every stage, so a middle stage allocates the head's gradient as the last one does. A fused
+        data-parallel step (:meth:`peak_memory`) has no such copy."""
         c = self.coeffs
         n = self.layers_per_stage * self.model.layer_params
         group = self.layout.dp * self.layout.sp
