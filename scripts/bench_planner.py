@@ -93,6 +93,12 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
+def model_cost(name: str, spec=A800, zero3_sp: bool = True) -> CostModel:
+    """The cost model of ``configs/gpt-<name>.yaml``'s layout on ``spec``."""
+    cfg = load_config(ROOT / "configs" / f"gpt-{name}.yaml")
+    return make_cost(cfg.model, spec, Layout(cfg.parallel.dp or 1, cfg.parallel.pp, cfg.parallel.sp), zero3_sp=zero3_sp)
+
+
 def bench(
     workload: str,
     iterations: int,
@@ -106,9 +112,8 @@ def bench(
 ):
     rows, records = [], []
     for name in models:
-        cfg = load_config(ROOT / "configs" / f"gpt-{name}.yaml")
-        layout = Layout(cfg.parallel.dp or 1, cfg.parallel.pp, cfg.parallel.sp)
-        cost = make_cost(cfg.model, spec, layout, zero3_sp=zero3_sp)
+        cost = model_cost(name, spec, zero3_sp)
+        layout = cost.layout
         # The same plans with the sync over the network (jvarlen's executor): only the constant changes.
         net_overhead = CostModel(
             cost.model, layout, cost.coeffs.replace(sync_link=cost.coeffs.p2p_inter)
@@ -333,10 +338,8 @@ def main() -> int:
         ("epp", "seq1f1b", "dapple"),
         spec=TIGHT,
     )
-    tight_cfg = load_config(ROOT / "configs" / "gpt-30b.yaml")
-    tight_layout = Layout(tight_cfg.parallel.dp or 1, tight_cfg.parallel.pp, tight_cfg.parallel.sp)
-    tight_cost = make_cost(tight_cfg.model, TIGHT, tight_layout, zero3_sp=True)
-    tight_floor = max(map(tight_cost.memory_floor, range(tight_layout.pp))) / 2**30
+    tight_cost = model_cost("30b", TIGHT)
+    tight_floor = max(map(tight_cost.memory_floor, range(tight_cost.layout.pp))) / 2**30
     text = "\n\n".join(
         [
             f"Produced by `python scripts/bench_planner.py` on {run_stamp()} (simulated with the analytic A800 cost model; "

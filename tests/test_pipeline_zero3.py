@@ -380,5 +380,4 @@ def test_the_stages_are_handed_an_untied_head_in_the_compute_dtype():
 
 def _split_rest(params) -> list:
     """(top-level name, leaf) of every leaf of the rest, in leaf order."""
-    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
-    return [(path[0].key, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(rest)]
+    return [(path[0].key, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(pl.split_params(params)[1])]
