@@ -35,14 +35,15 @@ def set_partitions(items):
 
 def brute_force(lengths, t: SchemeTable, prune: bool, objective: str = "sum") -> float:
     """Eq. 1 by enumerating every packing: documents above caps[0] alone, the rest partitioned into
-    V' micro-batches within capacity, V' over App. C's range."""
+    V' micro-batches within capacity, V' over App. C's range raised to first-fit decreasing's worst
+    case (every micro-batch but one more than half full)."""
     short = [i for i, x in enumerate(lengths) if x <= t.cap0]
     long = [[i] for i, x in enumerate(lengths) if x > t.cap0]
     tot = sum(lengths[i] for i in short)
     if short:
         lo = max(1, math.ceil(tot / t.cap0))
         hi = min(len(short), tot // t.util_len) if prune else len(short)
-        hi = max(lo, hi)
+        hi = max(lo, hi, min(len(short), math.ceil(2 * tot / t.cap0)))
     else:
         lo = hi = 0
     best = math.inf
@@ -91,6 +92,21 @@ def test_pack_uses_capacity_and_recomputation():
     assert result.objective_s == pytest.approx(brute_force(lengths, t, True), rel=1e-6)
     with pytest.raises(ValueError, match="exceeds MaxLen"):
         pack([25000], t)
+
+
+@pytest.mark.parametrize("ilp", [True, False])
+def test_pack_finds_room_where_app_c_range_has_none(ilp):
+    """A per-micro-batch constant so large that UtilLen exceeds the tokens leaves App. C's range at
+    ⌈Σl / cap⌉ = 3 micro-batches, which no packing reaches (550 + 300 + 300 > 1000): the packing is
+    the fewest micro-batches that hold them (4), not every document alone (7)."""
+    t = table(pp=2, c=0.5, caps=(1000, 2000), util=10**9)
+    lengths = [550, 550, 550, 300, 300, 300, 300]
+    result = pack(lengths, t, dataclasses.replace(EXACT, ilp=ilp))
+    check_packing(lengths, t, result)
+    assert result.source in ("ilp", "lpt")
+    assert result.V == 4
+    assert result.objective_s == pytest.approx(brute_force(lengths, t, True), rel=1e-6)
+    assert result.objective_s < pipeline_time(lengths, [[i] for i in range(7)], t) - 1.0
 
 
 def test_pack_lpt_only_and_limits_fall_back():

@@ -40,6 +40,7 @@ from ortools.sat.python import cp_model
 
 from jvarlen.plan import cpsat
 from jvarlen.plan.hydraulis_costs import SchemeTable
+from jvarlen.plan.hydraulis_pack import v_upper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ class DispatchProblem:
         tok = np.bincount(assign, weights=self.short_tokens[rows, assign], minlength=D)
         lo = np.where(n_short > 0, np.maximum(1, np.ceil(tok / self.cap)), 0)
         hi = np.minimum(n_short, np.floor(tok / self.util)) if prune else n_short
-        hi = np.maximum(lo, hi)
+        hi = np.maximum(np.maximum(lo, hi), v_upper(tok, self.cap, n_short))  # (the packing's range)
         k, c, pp1 = self.steady, self.const, self.pp - 1
         with np.errstate(divide="ignore", invalid="ignore"):
             if objective == "eq1":

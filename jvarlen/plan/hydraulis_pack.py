@@ -22,7 +22,12 @@ micro-batch costs κ T in the steady state (κ ≈ 4/3 for pp > 1; 1 for the pap
 For a fixed V both minimise the slowest micro-batch (the same ILP); they differ in which V wins.
 
 ``V'`` runs over App. C's range ``[max(Σl / cap, 1), min(Σl / UtilLen, U)]`` (``prune=False``:
-``[⌈Σl / cap⌉, U]``). For each ``V'`` a lower bound (the objective with the slowest packed
+``[⌈Σl / cap⌉, U]``), its upper end raised to at least ``min(⌈2 Σl / cap⌉, U)``: the most
+micro-batches first-fit decreasing can need (every micro-batch but one more than half full), so
+that the range always holds a packing within the capacity, first-fit decreasing's. (With a large
+per-micro-batch constant ``UtilLen`` exceeds ``Σl`` and App. C's range is ``⌈Σl / cap⌉`` alone,
+which no packing may reach; a packing of no ``V`` in the range would leave every document its own
+micro-batch.) For each ``V'`` a lower bound (the objective with the slowest packed
 micro-batch at ``c + max(max w, Σw / V')``) and an LPT packing (longest first into the
 least-loaded micro-batch that has room) are cheap; the ILP runs only for the ``V'`` whose bound
 beats the best packing found so far by more than ``gap`` and whose LPT packing is not already
@@ -46,6 +51,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from jvarlen.plan import cpsat
+from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.hydraulis_costs import SchemeTable
 
 _REL = 1e-9  # relative tolerance when comparing objectives
@@ -106,6 +112,7 @@ class _Data:
     steady: float
     v_range: tuple[int, int]
     kind: str  # "sum" or "eq1"
+    first_fit: np.ndarray  # [Us] micro-batch of each short document, first-fit decreasing (a packing in range)
 
     def objective(self, v, max_load):
         """The pipeline's time with ``v`` packed micro-batches whose slowest load is ``max_load``
@@ -145,8 +152,22 @@ def _data(lengths: Sequence[int], table: SchemeTable, prune: bool, kind: str = "
         hi = int(short.size)
         if prune:
             hi = min(hi, tot // max(1, table.util_len))
-        v_range = (lo, max(lo, hi))
-    return _Data(short, w, l_all[short], long_idx, long_t, table.cap0, table.c, table.pp, table.steady, v_range, kind)
+        hi = max(lo, hi, int(v_upper(tot, table.cap0, int(short.size))))
+        v_range = (lo, hi)
+    first_fit = np.empty(short.size, dtype=np.int64)
+    for j, members in enumerate(packed_group(l_all[short].tolist(), table.cap0)):
+        first_fit[members] = j
+    return _Data(
+        short, w, l_all[short], long_idx, long_t, table.cap0, table.c, table.pp, table.steady, v_range, kind, first_fit
+    )
+
+
+def v_upper(tokens, cap, count):
+    """The least upper end of the V' range: ``min(⌈2 tokens / cap⌉, count)`` micro-batches, as many as
+    first-fit decreasing may need for ``count`` documents of ``tokens`` tokens in bins of ``cap``
+    (numpy-broadcasting)."""
+    tokens, cap = np.asarray(tokens, dtype=np.float64), np.maximum(np.asarray(cap, dtype=np.float64), 1.0)
+    return np.minimum(np.ceil(2.0 * tokens / cap), count).astype(np.int64)[()]
 
 
 def _lpt(data: _Data, v: int) -> Optional[np.ndarray]:
@@ -172,6 +193,17 @@ def _lpt(data: _Data, v: int) -> Optional[np.ndarray]:
         for item in full:
             heapq.heappush(heap, item)
     return out
+
+
+def _heuristic(data: _Data, v: int) -> Optional[np.ndarray]:
+    """A packing of ``v`` micro-batches: LPT's, or first-fit decreasing's where LPT finds no room
+    and first-fit needs exactly ``v``; None if neither."""
+    if v == 0:
+        return np.zeros(0, dtype=np.int64)
+    bins = _lpt(data, v)
+    if bins is None and data.first_fit.size and int(data.first_fit.max()) + 1 == v:
+        bins = data.first_fit
+    return bins
 
 
 def _bounds(data: _Data, lo: int, hi: int) -> dict[int, float]:
@@ -234,7 +266,7 @@ def _solve_v(data: _Data, v: int, hint: Optional[np.ndarray], options: PackOptio
     solver.parameters.relative_gap_limit = float(options.gap)
     status = solver.solve(model)
     name = solver.status_name(status)
-    limit = status != cp_model.OPTIMAL
+    limit = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)  # (infeasible: no packing of V, proven)
     if limit and solver.wall_time >= 0.95 * options.time_limit_s:
         name += ", wall-clock limit: timing-dependent"
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -263,14 +295,15 @@ def pack(lengths: Sequence[int], table: SchemeTable, options: Optional[PackOptio
     bounds = _bounds(data, lo, hi)
     best: Optional[tuple[float, int, np.ndarray]] = None
     lpt_obj: dict[int, float] = {}
+    lpt_bins: dict[int, np.ndarray] = {}
     for bound, v in sorted((b, v) for v, b in bounds.items()):
         if best is not None and bound * slack >= best[0]:
             break  # the best packing is within the gap of every V left
-        bins = _lpt(data, v) if v else np.zeros(0, dtype=np.int64)
+        bins = _heuristic(data, v)
         if bins is None:
             continue
         obj = float(data.objective(v, _max_load(data, bins, v)))
-        lpt_obj[v] = obj
+        lpt_obj[v], lpt_bins[v] = obj, bins
         if best is None or obj < best[0] * (1 - _REL):
             best = (obj, v, bins)
     events: list[str] = []
@@ -289,7 +322,7 @@ def pack(lengths: Sequence[int], table: SchemeTable, options: Optional[PackOptio
             if n_vars > options.max_vars:
                 events.append(f"packing {table.scheme} V={v}: ILP of {n_vars} variables skipped (LPT kept)")
                 continue
-            hint = _lpt(data, v) if v in lpt_obj else None
+            hint = lpt_bins.get(v)
             bins, status, limit = _solve_v(data, v, hint, options)
             solves += 1
             if limit:
@@ -304,7 +337,7 @@ def pack(lengths: Sequence[int], table: SchemeTable, options: Optional[PackOptio
             source = "ilp"
     if best is None:
         if data.idx.size:
-            # Nothing packs (cannot happen with cap ≥ every short document, but stay total): singletons.
+            # Nothing packs (cannot happen: first-fit's packing is in the range; stay total): singletons.
             v = int(data.idx.size)
             best = (float(data.objective(v, float(data.w.max()))), v, np.arange(v))
             source = "lpt-fallback"
