@@ -60,6 +60,19 @@ def executor_cap(costs: SchemeCosts, scheme: Scheme, low: int, high: int) -> int
     return max(0, int((budget - (t1 - slope * b1)) // slope))
 
 
+def executor_recompute(costs: SchemeCosts, scheme: Scheme, bucket: int, ckpt, layers: int) -> list[int]:
+    """The recomputation of a group's micro-batches (``ckpt``, one count each, at most ``layers``)
+    as the executor's memory fit leaves it for a step padded to ``bucket``: unchanged where its
+    buffers hold it, else every count raised to at least the least ``t`` with which they do (the
+    fit's repair by cap, :func:`~jvarlen.plan.executor_memory.fit_executor`); unchanged where
+    nothing fits."""
+    low, high = min(ckpt), max(ckpt)
+    for t in range(low, int(layers) + 1):
+        if executor_cap(costs, scheme, max(low, t), max(high, t)) >= bucket:
+            return [max(int(r), t) for r in ckpt]
+    return [int(r) for r in ckpt]
+
+
 def bucket_fit(tokens: int, cap: int, sp: int) -> int:
     """The longest micro-batch of at most ``tokens`` tokens whose executor bucket
     (:func:`~jvarlen.plan.chunk.executor_bucket`) is at most ``cap`` tokens (0: none). The bucket
@@ -81,4 +94,4 @@ def admitted_caps(costs: SchemeCosts, scheme: Scheme, caps) -> np.ndarray:
     )
 
 
-__all__ = ["admitted_caps", "bucket_fit", "executor_cap"]
+__all__ = ["admitted_caps", "bucket_fit", "executor_cap", "executor_recompute"]

@@ -18,9 +18,11 @@ Per iteration (Hydraulis §4 steps 1-4), for the ``lengths`` of one batch:
    Eq. 1 ILP (CP-SAT, branch and bound over V).
 4. **Plan**: for each of those finalists one :class:`~jvarlen.plan.strategy.GroupPlan` per
    pipeline that received documents (``build_group_plan``: the packed micro-batches as one 1F1B
-   unit, each micro-batch recomputing the layers its tokens need; a ``pp = 1`` pipeline's also cut
-   at its executor bucket where the group model finds that faster, as the SP-group policies'
-   groups are: :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`), devices from ``place_groups``;
+   unit, each micro-batch recomputing the layers its tokens need; also cut at its executor bucket
+   where that is faster: a ``pp = 1`` pipeline's as the SP-group policies' groups are,
+   :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, a deeper one's by simulating the best
+   packings into bins of an executor bucket, :func:`~jvarlen.plan.pipeline_cut.bucket_cut`), devices
+   from ``place_groups``;
    its ``iteration_time_s`` is the slowest group's simulated time, step overhead included
    (``predicted_time``). A candidate whose estimate is below the fastest simulated time is
    packed (if it was not) and, if still below, planned and simulated too (the estimates leave out
@@ -55,6 +57,7 @@ from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_man
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
 from jvarlen.plan.hydraulis_pack import PackOptions, PackResult, pack, pipeline_time
 from jvarlen.plan.hydraulis_proposal import ProposalOptions, canonical, propose_strategies
+from jvarlen.plan.pipeline_cut import bucket_cut
 from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
@@ -284,16 +287,18 @@ def build_plan(
         micro_batches = packed.micro_batches
         tokens = [int(local[list(mb)].sum()) for mb in micro_batches]
         ckpt = [int(r) for r in table.recompute_layers(tokens)] if options.recompute == "auto" else [0] * len(tokens)
+        # the executor runs a group's micro-batches over one bucket: cut at it where faster
+        # (fixed-length packing, the baselines' practice, stays as it is)
         if scheme.pp == 1 and group_costs is not None and packed.source != "fixed":
-            # the executor runs a group's micro-batches over one bucket: cut at it where faster
-            # (fixed-length packing, the baselines' practice, stays as it is)
             cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
-            micro_batches, ckpt, parts = [list(mb) for mb in cut.micro_batches], list(cut.ckpt), cut.parts
+            micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
+            plan = build_group_plan(
+                policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation, parts=cut.parts
+            )
+        elif group_costs is not None and packed.source != "fixed":
+            plan = bucket_cut(policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation)
         else:
-            parts = ()
-        plan = build_group_plan(
-            policy, scheme, local.tolist(), micro_batches, costs, ckpt, simulation=options.simulation, parts=parts
-        )
+            plan = build_group_plan(policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation)
         plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
         groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))
         events.extend(plan.events)

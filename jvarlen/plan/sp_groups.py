@@ -37,7 +37,7 @@ import numpy as np
 
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group, packed_group
-from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap
+from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap, executor_recompute
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import part_ranges
 from jvarlen.plan.strategy import Scheme, SchemeCosts, enumerate_schemes
@@ -276,11 +276,7 @@ class GroupCosts(MethodCaches):
         memory fit leaves it for a step padded to ``bucket``: unchanged where its buffers hold it,
         else every count raised to at least the least ``t`` with which they do (the fit's repair by
         cap, :func:`~jvarlen.plan.executor_memory.fit_executor`); unchanged where nothing fits."""
-        low, high = min(ckpt), max(ckpt)
-        for t in range(low, self.layers + 1):
-            if executor_cap(self.costs, scheme, max(low, t), max(high, t)) >= bucket:
-                return [max(int(r), t) for r in ckpt]
-        return [int(r) for r in ckpt]
+        return executor_recompute(self.costs, scheme, bucket, ckpt, self.layers)
 
     def bucket_caps(self, scheme: Scheme, longest: int) -> list[int]:
         """Micro-batch caps (tokens) worth cutting a padded group at whose longest document holds

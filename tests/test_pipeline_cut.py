@@ -1,0 +1,89 @@
+"""A pipeline group's micro-batches cut at the executor's bucket, against simulating every cut."""
+
+import numpy as np
+import pytest
+
+from jvarlen.plan.chunk import executor_bucket
+from jvarlen.plan.chunking import packed_group
+from jvarlen.plan.hydraulis import HomogeneousOptions
+from jvarlen.plan.hydraulis_costs import scheme_tables
+from jvarlen.plan.hydraulis_pack import pack
+from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut
+from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
+
+SCHEME = Scheme(2, 1)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    """Two devices whose (pp = 2, sp = 1) pipeline holds about 4K tokens of one micro-batch."""
+    from conftest import group_budget, small_cost
+
+    return SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=2, sp=1), 4096)), 2)
+
+
+@pytest.fixture(scope="module")
+def table(costs):
+    return scheme_tables(costs, [SCHEME], True, 0.85, "paired")[SCHEME]
+
+
+def documents(table) -> list[int]:
+    """One document that needs recomputation (its bucket sets every micro-batch's) and 30 short ones."""
+    rng = np.random.default_rng(0)
+    return [int(table.max_len * 0.9)] + [int(x) for x in rng.integers(100, table.cap0 // 2, 30)]
+
+
+def packing_plan(lengths, table, costs):
+    """The packing's own cut (Eq. 1 at ``caps[0]``), each micro-batch recomputing what its tokens need."""
+    packed = pack(lengths, table)
+    ckpt = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in packed.micro_batches])]
+    return packed.micro_batches, ckpt, build_group_plan("t", SCHEME, lengths, packed.micro_batches, costs, ckpt)
+
+
+def test_bin_caps_run_from_the_longest_documents_bucket_to_max_len(table):
+    for longest in (100, table.cap0, int(table.max_len * 0.6), table.max_len):
+        caps = bin_caps(longest, table)
+        assert caps == sorted(set(caps)) and caps[0] >= longest and caps[-1] == table.max_len
+        assert caps[0] in (executor_bucket(longest), table.max_len)
+    assert bin_caps(table.max_len + 1, table) == []
+
+
+def test_bucket_cut_fills_the_bucket_the_long_document_sets(costs, table):
+    lengths = documents(table)
+    mbs, ckpt, given = packing_plan(lengths, table, costs)
+    plan = bucket_cut("t", lengths, mbs, ckpt, table, costs)
+    assert plan.stats["fits_memory"] and given.stats["fits_memory"]
+    assert sorted(d for c in plan.chunks for d, _, _ in c) == list(range(len(lengths)))
+    # the packing pads 10 micro-batches to the long document's bucket; filled up to it, 6 do
+    assert plan.n_chunks < given.n_chunks
+    assert plan.stats["iteration_time_s"] < 0.95 * given.stats["iteration_time_s"]
+    # the chosen cut is the fastest of simulating every bin size (the ranking's top 3 hold it here)
+    every = [given.stats["iteration_time_s"]]
+    for cap in bin_caps(max(lengths), table):
+        cut = packed_group(lengths, cap)
+        need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
+        every.append(build_group_plan("t", SCHEME, lengths, cut, costs, need).stats["iteration_time_s"])
+    assert plan.stats["iteration_time_s"] == pytest.approx(min(every), rel=1e-12)
+
+
+def test_bucket_cut_keeps_the_packing_where_no_bucket_is_faster(costs, table):
+    """Equal documents of half ``caps[0]`` without a long one: the packing runs them alone (two
+    together cost more than two apart, attention is quadratic), and so does every faster cut."""
+    lengths = [table.cap0 // 2] * 4
+    mbs, ckpt, given = packing_plan(lengths, table, costs)
+    plan = bucket_cut("t", lengths, mbs, ckpt, table, costs)
+    assert plan.stats["bucket_cut"] == 0
+    assert plan.chunks == given.chunks and plan.stats["iteration_time_s"] == given.stats["iteration_time_s"]
+
+
+def test_homogeneous_pipeline_runs_the_bucket_cut(costs, table):
+    """The policy's pipeline group is at most as slow as the packing's own cut, and on a long-tailed
+    batch faster (it was the packing's cut, padded to the long document's bucket)."""
+    lengths = documents(table)
+    plan = plan_strategy("homogeneous", lengths, costs, HomogeneousOptions(scheme=SCHEME))
+    plan.validate(lengths, costs)
+    (group,) = plan.groups
+    local = [lengths[d] for d in group.documents]
+    _, _, given = packing_plan(local, table, costs)
+    assert group.plan.stats["bucket_cut"] > 0
+    assert group.predicted_time_s < 0.95 * given.stats["iteration_time_s"]
