@@ -8,7 +8,7 @@ from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.hydraulis import HomogeneousOptions
 from jvarlen.plan.hydraulis_costs import scheme_tables
 from jvarlen.plan.hydraulis_pack import pack
-from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut
+from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut, executor_cut, padded_time
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
 
 SCHEME = Scheme(2, 1)
@@ -64,6 +64,22 @@ def test_bucket_cut_fills_the_bucket_the_long_document_sets(costs, table):
         need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
         every.append(build_group_plan("t", SCHEME, lengths, cut, costs, need).stats["iteration_time_s"])
     assert plan.stats["iteration_time_s"] == pytest.approx(min(every), rel=1e-12)
+
+
+def test_padded_time_is_the_simulated_plan_where_the_fit_changes_nothing(costs, table):
+    """The ranking simulates the paired ticks without building the plan: where the plan's memory
+    fit raises no recomputation and 1F1B order is kept, it is the plan's simulated time."""
+    lengths = documents(table)
+    exact = 0
+    for cap in bin_caps(max(lengths), table) + [table.cap0]:
+        cut = packed_group(lengths, cap)
+        _, raised = executor_cut(lengths, cut, table, costs)
+        plan = build_group_plan("t", SCHEME, lengths, cut, costs, raised)
+        ranked = padded_time(lengths, cut, table, costs)
+        if plan.stats["gpipe_units"] == 0 and (np.asarray(plan.ckpt_layers) == np.asarray(raised)[:, None]).all():
+            assert ranked == pytest.approx(plan.stats["iteration_time_s"], rel=1e-9)
+            exact += 1
+    assert exact >= 1
 
 
 def test_bucket_cut_keeps_the_packing_where_no_bucket_is_faster(costs, table):

@@ -3,19 +3,20 @@
 Hydraulis packs a pipeline's documents (Eq. 1, :mod:`jvarlen.plan.hydraulis_pack`) up to the
 capacity without recomputation, ``caps[0]``, and prices each micro-batch by its own tokens. The
 paired executor pads every micro-batch of a group's step to one bucket, the one its largest
-micro-batch needs, and recomputes what the executor's buffers need at that bucket
-(:func:`~jvarlen.plan.executor_caps.executor_recompute`). One long document then sets both for
-every short one: 30.8K tokens of 21 documents on a 32B (pp = 2, sp = 4) pipeline, the longest
-7,147, packed as 21 micro-batches each padded to the 8K bucket, simulated 2.4× its packing
-objective.
+micro-batch needs, and recomputes what the executor's buffers need at that bucket. One long
+document then sets both for every short one: a 32B (pp = 4, sp = 4) pipeline of 35 documents (67K
+tokens, the longest 14,513) packed as 8 micro-batches of up to 8,753 tokens ran each over the
+long one's 16K bucket, simulated 2.5× its packing objective.
 
-:func:`bucket_cut` packs the same documents first-fit decreasing into bins of each executor
+:func:`bucket_cut` also packs the documents first-fit decreasing into bins of each executor
 bucket from the longest document's up to ``MaxLen`` (the short documents filled up to the bucket
-they pay for, or a smaller bucket that pays for more micro-batches), prices every packing as the
-executor runs it (:func:`padded_time`), simulates the ``top`` best and the packing's own cut, and
-keeps the fastest plan that fits. The one-stage groups do the same through
+they pay for, or a smaller bucket that pays for more micro-batches), ranks those cuts and the
+packing's own by :func:`padded_time` (the simulator's paired ticks over the padded cost, with the
+recomputation raised uniformly to what the executor's buffers need: cheaper than building and
+fitting a plan, and above the fitted plan where the fit raises less), builds the ``top`` ranked
+first and keeps the fastest plan that fits. The one-stage groups do the same through
 :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time is exact for
-``pp = 1``; for ``pp > 1`` :func:`padded_time` is a ranking, the simulation decides.
+``pp = 1``.
 
 Pure Python/numpy: nothing here imports JAX.
 """
@@ -24,12 +25,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from jvarlen.plan.chunk import executor_bucket
 from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.executor_caps import executor_recompute
 from jvarlen.plan.hydraulis_costs import SchemeTable
 from jvarlen.plan.plan import Plan
+from jvarlen.plan.simulator import simulate
 from jvarlen.plan.strategy import SchemeCosts, build_group_plan
+from jvarlen.plan.units import PlannedChunk, unit_schedule
 
 
 def bin_caps(longest: int, table: SchemeTable) -> list[int]:
@@ -46,21 +51,33 @@ def bin_caps(longest: int, table: SchemeTable) -> list[int]:
     return out
 
 
+def executor_cut(
+    lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], table: SchemeTable, costs: SchemeCosts
+):
+    """``(bucket, ckpt)`` of a group step of ``micro_batches`` as the paired executor runs it: the
+    bucket of the largest, and each micro-batch's recomputation (what its tokens need, raised to
+    what the executor's buffers need at that bucket, :func:`executor_recompute`)."""
+    tokens = [sum(int(lengths[i]) for i in mb) for mb in micro_batches]
+    bucket = executor_bucket(max(tokens), table.scheme.sp)
+    need = [int(r) for r in table.recompute_layers(tokens)]
+    return bucket, executor_recompute(costs, table.scheme, bucket, need, len(table.caps) - 1)
+
+
 def padded_time(
     lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], table: SchemeTable, costs: SchemeCosts
 ) -> float:
-    """A pipeline's seconds for ``micro_batches`` (indices into ``lengths``) as the paired executor
-    runs them: each over the bucket of the largest, recomputing what its tokens need raised to what
-    the executor's buffers need at that bucket; ``(pp - 1)`` slowest micro-batches of fill and drain
-    plus every micro-batch once (κ = 1: a backward and a forward per stage and tick)."""
+    """A pipeline's seconds for ``micro_batches`` (indices into ``lengths``, one 1F1B unit) as the
+    paired executor runs them (:func:`executor_cut`): the simulator's paired ticks over the padded
+    cost, without building the plan or fitting its buffers (what :func:`bucket_cut` ranks by)."""
     scheme = table.scheme
-    docs = [[int(lengths[i]) for i in mb] for mb in micro_batches]
-    tokens = [sum(mb) for mb in docs]
-    bucket = executor_bucket(max(tokens), scheme.sp)
-    need = [int(r) for r in table.recompute_layers(tokens)]
-    ckpt = executor_recompute(costs, scheme, bucket, need, len(table.caps) - 1)
-    times = [costs.micro_batch_time(mb, scheme, r, bucket) for mb, r in zip(docs, ckpt)]
-    return (scheme.pp - 1) * max(times) + sum(times)
+    bucket, ckpt = executor_cut(lengths, micro_batches, table, costs)
+    shapes = [PlannedChunk(tuple((int(d), 0, int(lengths[d])) for d in mb)).shape(lengths) for mb in micro_batches]
+    ids, schedule = unit_schedule([[k] for k in range(len(shapes))], scheme.pp)
+    rows = np.repeat(np.asarray([ckpt[k] for k in ids], np.int64)[:, None], scheme.pp, axis=1)
+    cost = costs.padded_cost(scheme, bucket)
+    return simulate(
+        schedule, [shapes[k] for k in ids], rows, cost, "paired", validate=False, timeline=False
+    ).iteration_time
 
 
 def bucket_cut(
@@ -74,30 +91,32 @@ def bucket_cut(
     top: int = 3,
 ) -> Plan:
     """The group plan of ``lengths`` on ``table.scheme``: ``micro_batches`` recomputing ``ckpt`` (the
-    packing's cut), or a first-fit-decreasing packing into one of :func:`bin_caps`, each micro-batch
-    recomputing the layers its tokens need; of the packing's cut and the ``top`` packings
-    :func:`padded_time` ranks first, the one whose simulated plan is fastest, fitting memory where
-    one does (ties: the packing's). ``stats["bucket_cut"]``: the chosen bin size (0: the packing's)."""
+    packing's cut) or a first-fit-decreasing packing into one of :func:`bin_caps`, each micro-batch
+    recomputing what its tokens need (the plan's fit raises what the executor's buffers need). Of
+    these cuts the ``top`` that :func:`padded_time` ranks first are built and simulated, and the
+    fastest plan that fits memory where one does is kept (ties: the packing's cut, then the smaller
+    bin). ``stats["bucket_cut"]``: the chosen bin size (0: the packing's cut)."""
     lengths = [int(x) for x in lengths]
-    given = [sorted(int(i) for i in mb) for mb in micro_batches]
-    seen = {tuple(map(tuple, sorted(given)))}
-    ranked = []
+    given = [[int(i) for i in mb] for mb in micro_batches]
+    cuts = {tuple(sorted(tuple(sorted(mb)) for mb in given)): (0, given, [int(r) for r in ckpt])}
     for cap in bin_caps(max(lengths), table):
         cut = packed_group(lengths, cap)
-        key = tuple(map(tuple, sorted(sorted(mb) for mb in cut)))
-        if key not in seen:
-            seen.add(key)
-            ranked.append((padded_time(lengths, cut, table, costs), cap, cut))
+        key = tuple(sorted(tuple(sorted(mb)) for mb in cut))
+        if key not in cuts:
+            need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
+            cuts[key] = (cap, cut, need)
         if len(cut) == 1:  # larger bins hold the same single micro-batch
             break
-    ranked.sort(key=lambda x: (x[0], x[1]))
-    plans = [(0, build_group_plan(policy, table.scheme, lengths, micro_batches, costs, list(ckpt), simulation))]
-    for _, cap, cut in ranked[: max(0, int(top))]:
-        need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
-        plans.append((cap, build_group_plan(policy, table.scheme, lengths, cut, costs, need, simulation)))
-    cap, plan = min(plans, key=lambda cp: (not cp[1].stats.get("fits_memory", True), cp[1].stats["iteration_time_s"]))
+    ranked = sorted(cuts.values(), key=lambda c: (padded_time(lengths, c[1], table, costs), c[0]))
+    plans = [
+        (cap, build_group_plan(policy, table.scheme, lengths, cut, costs, need, simulation))
+        for cap, cut, need in ranked[: max(1, int(top))]
+    ]
+    cap, plan = min(
+        plans, key=lambda cp: (not cp[1].stats.get("fits_memory", True), cp[1].stats["iteration_time_s"], cp[0])
+    )
     plan.stats["bucket_cut"] = cap
     return plan
 
 
-__all__ = ["bin_caps", "bucket_cut", "padded_time"]
+__all__ = ["bin_caps", "bucket_cut", "executor_cut", "padded_time"]
