@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jvarlen.plan.chunk import executor_bucket
 from jvarlen.plan.chunking import packed_group
@@ -103,3 +105,26 @@ def test_homogeneous_pipeline_runs_the_bucket_cut(costs, table):
     _, _, given = packing_plan(local, table, costs)
     assert group.plan.stats["bucket_cut"] > 0
     assert group.predicted_time_s < 0.95 * given.stats["iteration_time_s"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(16, 3800), min_size=1, max_size=24), st.sampled_from([2, 4]))
+def test_bucket_cut_is_a_valid_plan_never_slower_than_the_packings(lengths, pp):
+    """On random batches: every document once, each micro-batch within MaxLen, fitting memory where
+    the packing's cut fits, and no slower than it."""
+    from conftest import group_budget, small_cost
+
+    scheme = Scheme(pp, 1)
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=pp, sp=1), 4096)), pp)
+    t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
+    lengths = [min(x, t.max_len) for x in lengths]
+    packed = pack(lengths, t)
+    ckpt = [int(r) for r in t.recompute_layers([sum(lengths[i] for i in mb) for mb in packed.micro_batches])]
+    given_plan = build_group_plan("t", scheme, lengths, packed.micro_batches, costs, ckpt)
+    plan = bucket_cut("t", lengths, packed.micro_batches, ckpt, t, costs)
+    assert sorted(d for c in plan.chunks for d, _, _ in c) == list(range(len(lengths)))
+    assert all(sum(n for _, _, n in c) <= t.max_len for c in plan.chunks)
+    if given_plan.stats["fits_memory"]:
+        assert plan.stats["fits_memory"]
+    if given_plan.stats["fits_memory"] == plan.stats["fits_memory"]:
+        assert plan.stats["iteration_time_s"] <= given_plan.stats["iteration_time_s"]

@@ -14,7 +14,7 @@ they pay for, or a smaller bucket that pays for more micro-batches), ranks those
 packing's own by :func:`padded_time` (the simulator's paired ticks over the padded cost, with the
 recomputation raised uniformly to what the executor's buffers need: cheaper than building and
 fitting a plan, and above the fitted plan where the fit raises less), builds the ``top`` ranked
-first and keeps the fastest plan that fits. The one-stage groups do the same through
+first and the packing's cut, and keeps the fastest plan that fits. The one-stage groups do the same through
 :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time is exact for
 ``pp = 1``.
 
@@ -92,10 +92,11 @@ def bucket_cut(
 ) -> Plan:
     """The group plan of ``lengths`` on ``table.scheme``: ``micro_batches`` recomputing ``ckpt`` (the
     packing's cut) or a first-fit-decreasing packing into one of :func:`bin_caps`, each micro-batch
-    recomputing what its tokens need (the plan's fit raises what the executor's buffers need). Of
-    these cuts the ``top`` that :func:`padded_time` ranks first are built and simulated, and the
-    fastest plan that fits memory where one does is kept (ties: the packing's cut, then the smaller
-    bin). ``stats["bucket_cut"]``: the chosen bin size (0: the packing's cut)."""
+    recomputing what its tokens need (the plan's fit raises what the executor's buffers need). The
+    ``top`` cuts :func:`padded_time` ranks first and the packing's cut are built and simulated, and
+    the fastest plan that fits memory where one does is kept (ties: the packing's cut, then the
+    smaller bin), so the result is never slower than the packing's cut. ``stats["bucket_cut"]``:
+    the chosen bin size (0: the packing's cut)."""
     lengths = [int(x) for x in lengths]
     given = [[int(i) for i in mb] for mb in micro_batches]
     cuts = {tuple(sorted(tuple(sorted(mb)) for mb in given)): (0, given, [int(r) for r in ckpt])}
@@ -108,9 +109,12 @@ def bucket_cut(
         if len(cut) == 1:  # larger bins hold the same single micro-batch
             break
     ranked = sorted(cuts.values(), key=lambda c: (padded_time(lengths, c[1], table, costs), c[0]))
+    chosen = ranked[: max(0, int(top))]
+    if all(cap != 0 for cap, _, _ in chosen):  # the packing's cut is always a candidate: never slower than it
+        chosen.append(next(c for c in ranked if c[0] == 0))
     plans = [
         (cap, build_group_plan(policy, table.scheme, lengths, cut, costs, need, simulation))
-        for cap, cut, need in ranked[: max(1, int(top))]
+        for cap, cut, need in chosen
     ]
     cap, plan = min(
         plans, key=lambda cp: (not cp[1].stats.get("fits_memory", True), cp[1].stats["iteration_time_s"], cp[0])
