@@ -14,9 +14,9 @@ they pay for, or a smaller bucket that pays for more micro-batches), ranks those
 packing's own by :func:`padded_time` (the simulator's paired ticks over the padded cost, with the
 recomputation raised uniformly to what the executor's buffers need: cheaper than building and
 fitting a plan, and above the fitted plan where the fit raises less), builds the ``top`` ranked
-first and the packing's cut, and keeps the fastest plan that fits. The one-stage groups do the same through
-:meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time is exact for
-``pp = 1``.
+first and the packing's cut, and keeps the fastest plan that fits. The one-stage groups do the
+same through :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time
+is exact for ``pp = 1``.
 
 Pure Python/numpy: nothing here imports JAX.
 """
