@@ -93,6 +93,19 @@ def executor_bucket_below(tokens: int, sp: int = 1) -> Optional[int]:
     return half if half >= 1 and executor_bucket(half, sp) == half else None
 
 
+def bucket_bins(longest: int, top: int, sp: int = 1) -> list[int]:
+    """Bin sizes (tokens) worth packing documents into whose longest holds ``longest`` tokens, when
+    a micro-batch may hold at most ``top``: every executor bucket from that document's up to
+    ``top``, then ``top`` itself (its bucket fits where ``top`` was admitted), smallest first."""
+    out, bucket = [], executor_bucket(int(longest), sp)
+    while bucket <= top:
+        out.append(bucket)
+        bucket = executor_bucket(bucket + 1, sp)
+    if top >= longest and (not out or out[-1] < top):
+        out.append(int(top))
+    return out
+
+
 def executor_context(shapes: Sequence[ChunkShape], bucket: int) -> int:
     """Context tokens the pipeline executor's K/V buffers hold for a step of these chunks padded to
     ``bucket``: max(C + bucket) over chunks of split documents (with context, or continuing into a

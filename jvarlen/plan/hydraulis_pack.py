@@ -43,6 +43,7 @@ checked, solution re-verified, LPT fallback) → :func:`_extract`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from typing import Optional, Sequence
@@ -112,7 +113,15 @@ class _Data:
     steady: float
     v_range: tuple[int, int]
     kind: str  # "sum" or "eq1"
-    first_fit: np.ndarray  # [Us] micro-batch of each short document, first-fit decreasing (a packing in range)
+
+    @functools.cached_property
+    def first_fit(self) -> np.ndarray:
+        """``[Us]`` micro-batch of each short document packed first-fit decreasing (a packing within
+        the capacity whose count is in the V range; built only where LPT finds no room)."""
+        out = np.empty(self.idx.size, dtype=np.int64)
+        for j, members in enumerate(packed_group(self.l.tolist(), self.cap)):
+            out[members] = j
+        return out
 
     def objective(self, v, max_load):
         """The pipeline's time with ``v`` packed micro-batches whose slowest load is ``max_load``
@@ -154,12 +163,7 @@ def _data(lengths: Sequence[int], table: SchemeTable, prune: bool, kind: str = "
             hi = min(hi, tot // max(1, table.util_len))
         hi = max(lo, hi, int(v_upper(tot, table.cap0, int(short.size))))
         v_range = (lo, hi)
-    first_fit = np.empty(short.size, dtype=np.int64)
-    for j, members in enumerate(packed_group(l_all[short].tolist(), table.cap0)):
-        first_fit[members] = j
-    return _Data(
-        short, w, l_all[short], long_idx, long_t, table.cap0, table.c, table.pp, table.steady, v_range, kind, first_fit
-    )
+    return _Data(short, w, l_all[short], long_idx, long_t, table.cap0, table.c, table.pp, table.steady, v_range, kind)
 
 
 def v_upper(tokens, cap, count):

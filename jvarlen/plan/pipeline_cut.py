@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import executor_bucket
+from jvarlen.plan.chunk import bucket_bins, executor_bucket
 from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.executor_caps import executor_recompute
 from jvarlen.plan.hydraulis_costs import SchemeTable
@@ -41,14 +41,7 @@ def bin_caps(longest: int, table: SchemeTable) -> list[int]:
     """Bin sizes (tokens) worth packing a pipeline group into whose longest document holds
     ``longest`` tokens: every executor bucket from that document's up to ``MaxLen``, then ``MaxLen``
     itself (the most a micro-batch may hold; its bucket fits by construction), smallest first."""
-    sp, top, out = table.scheme.sp, int(table.max_len), []
-    bucket = executor_bucket(int(longest), sp)
-    while bucket <= top:
-        out.append(bucket)
-        bucket = executor_bucket(bucket + 1, sp)
-    if top >= longest and (not out or out[-1] < top):
-        out.append(top)
-    return out
+    return bucket_bins(longest, int(table.max_len), table.scheme.sp)
 
 
 def executor_cut(
@@ -99,10 +92,10 @@ def bucket_cut(
     the chosen bin size (0: the packing's cut)."""
     lengths = [int(x) for x in lengths]
     given = [[int(i) for i in mb] for mb in micro_batches]
-    cuts = {tuple(sorted(tuple(sorted(mb)) for mb in given)): (0, given, [int(r) for r in ckpt])}
+    cuts = {_partition(given): (0, given, [int(r) for r in ckpt])}
     for cap in bin_caps(max(lengths), table):
         cut = packed_group(lengths, cap)
-        key = tuple(sorted(tuple(sorted(mb)) for mb in cut))
+        key = _partition(cut)
         if key not in cuts:
             need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
             cuts[key] = (cap, cut, need)
@@ -121,6 +114,11 @@ def bucket_cut(
     )
     plan.stats["bucket_cut"] = cap
     return plan
+
+
+def _partition(micro_batches) -> tuple:
+    """``micro_batches`` as a set partition (order-free), so that equal cuts are built once."""
+    return tuple(sorted(tuple(sorted(mb)) for mb in micro_batches))
 
 
 __all__ = ["bin_caps", "bucket_cut", "executor_cut", "padded_time"]

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below
+from jvarlen.plan.chunk import ChunkShape, bucket_bins, executor_bucket, executor_bucket_below
 from jvarlen.plan.chunking import chunk_group, packed_group
 from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap, executor_recompute
 from jvarlen.plan.memo import MethodCaches, method_cache
@@ -300,14 +300,7 @@ class GroupCosts(MethodCaches):
         """Bin sizes (tokens) worth packing a padded group into whose longest document holds
         ``longest`` tokens: every executor bucket from that document's up to :meth:`cap_full`, then
         ``cap_full`` itself (the most any micro-batch may hold), smallest first."""
-        top = self.cap_full(scheme)
-        out, bucket = [], executor_bucket(int(longest), scheme.sp)
-        while bucket <= top:
-            out.append(bucket)
-            bucket = executor_bucket(bucket + 1, scheme.sp)
-        if top >= longest and (not out or out[-1] < top):
-            out.append(top)
-        return out
+        return bucket_bins(longest, self.cap_full(scheme), scheme.sp)
 
     # ---- FlexSP / homogeneous micro-batching
     def flex_group(
