@@ -10,7 +10,7 @@ from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.hydraulis import HomogeneousOptions
 from jvarlen.plan.hydraulis_costs import scheme_tables
 from jvarlen.plan.hydraulis_pack import pack
-from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut, executor_cut, padded_time
+from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut, executor_cut, padded_time, time_bound
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
 
 SCHEME = Scheme(2, 1)
@@ -128,3 +128,60 @@ def test_bucket_cut_is_a_valid_plan_never_slower_than_the_packings(lengths, pp):
         assert plan.stats["fits_memory"]
     if given_plan.stats["fits_memory"] == plan.stats["fits_memory"]:
         assert plan.stats["iteration_time_s"] <= given_plan.stats["iteration_time_s"]
+
+
+def _every_cut(lengths, table, costs):
+    """The packing's cut and first-fit decreasing into every bin size, each with what its tokens need."""
+    packed = pack(lengths, table)
+    cuts = [[list(mb) for mb in packed.micro_batches]] + [
+        packed_group(lengths, c) for c in bin_caps(max(lengths), table)
+    ]
+    return [
+        (cut, [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]) for cut in cuts
+    ]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.integers(16, 3800), min_size=1, max_size=20),
+    st.sampled_from([2, 4]),
+    st.sampled_from(["paired", "ticks", "async"]),
+)
+def test_time_bound_is_below_the_built_plan(lengths, pp, simulation):
+    """The bound ``bucket_cut`` skips builds by is never above the plan built (either order, any fit)."""
+    from conftest import group_budget, small_cost
+
+    scheme = Scheme(pp, 1)
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=pp, sp=1), 4096)), pp)
+    t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
+    lengths = [min(x, t.max_len) for x in lengths]
+    for cut, need in _every_cut(lengths, t, costs):
+        built = build_group_plan("t", scheme, lengths, cut, costs, need, simulation).stats["iteration_time_s"]
+        assert time_bound(lengths, cut, need, t, costs, simulation) <= built * (1 + 1e-12)
+
+
+def test_bucket_cut_skips_builds_but_not_the_fastest(monkeypatch):
+    """Skipping the cuts whose bound a built plan beats keeps the plan of building every candidate
+    (a (pp = 4, sp = 1) pipeline: one document of 0.45 MaxLen and 30 short ones, 8 batches)."""
+    from conftest import group_budget, small_cost
+
+    import jvarlen.plan.pipeline_cut as pipeline_cut
+
+    scheme = Scheme(4, 1)
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=4, sp=1), 4096)), 4)
+    t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
+    bound = pipeline_cut.time_bound
+    built, every_built = 0, 0
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        lengths = [int(t.max_len * 0.45)] + [int(x) for x in rng.integers(50, t.cap0 // 3, 30)]
+        packed = pack(lengths, t)
+        ckpt = [int(r) for r in t.recompute_layers([sum(lengths[i] for i in mb) for mb in packed.micro_batches])]
+        monkeypatch.setattr(pipeline_cut, "time_bound", bound)
+        plan = bucket_cut("t", lengths, packed.micro_batches, ckpt, t, costs)
+        monkeypatch.setattr(pipeline_cut, "time_bound", lambda *a, **k: -np.inf)
+        every = bucket_cut("t", lengths, packed.micro_batches, ckpt, t, costs)
+        assert plan.chunks == every.chunks and plan.stats["iteration_time_s"] == every.stats["iteration_time_s"]
+        built += plan.stats["bucket_cut_built"]
+        every_built += every.stats["bucket_cut_built"]
+    assert built < every_built
