@@ -11,7 +11,7 @@ from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape
 from jvarlen.plan.gantt import draw_gantt, save_every
 from jvarlen.plan.schedule import gpipe, one_f_one_b, sequential, token_level_1f1b
-from jvarlen.plan.simulator import lower_bound, simulate, simulate_pipelines
+from jvarlen.plan.simulator import lower_bound, simulate, simulate_in_parts, simulate_pipelines
 
 # 2 layers, pp 2: one layer per stage. Each chunk token costs 1 s forward, 2 s backward per layer.
 MODEL = ModelShape(num_layers=2, d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, mlp_dim=16, vocab_size=10)
@@ -307,3 +307,20 @@ def test_gantt_every_n_steps(tmp_path):
     assert save_every(3, 2, r, one_f_one_b(2, 2), tmp_path) is None
     path = save_every(4, 2, r, one_f_one_b(2, 2), tmp_path)
     assert path.endswith("gantt/step_0000004.png") and open(path, "rb").read(4) == b"\x89PNG"
+
+
+def test_simulate_without_memory_times_alike_and_refuses_to_say_it_fits():
+    """``memory=False`` (the planner's time-only searches) gives the same times; ``fits`` is unknown."""
+    chunks = [ChunkShape(0, (10,), True)] * 3
+    ckpt = np.ones((3, 2), np.int64)
+    for mode in ("async", "ticks", "paired"):
+        full = simulate(one_f_one_b(3, 2), chunks, ckpt, cost(), mode)
+        times = simulate(one_f_one_b(3, 2), chunks, ckpt, cost(), mode, memory=False)
+        assert times.iteration_time == full.iteration_time and times.bubble_ratio == full.bubble_ratio
+        assert np.isnan(times.peak_memory).all() and times.memory == []
+        with pytest.raises(ValueError, match="memory=False"):
+            assert times.fits
+    sched = sequential([one_f_one_b(1, 2), one_f_one_b(2, 2)])
+    full = simulate_in_parts(sched, chunks, ckpt, cost(), (1, 2), "paired")
+    times = simulate_in_parts(sched, chunks, ckpt, cost(), (1, 2), "paired", memory=False)
+    assert times.iteration_time == full.iteration_time and times.memory == [] and times.over_budget is None

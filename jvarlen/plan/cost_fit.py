@@ -83,7 +83,9 @@ def tick_overhead_terms(schedule, chunk_shapes, ckpt_layers, cost: CostModel, mo
     def time(**overhead) -> float:
         coeffs = cost.coeffs.replace(**{**dict.fromkeys(EXECUTOR_TERMS, 0.0), **overhead})
         model = cost.replace(coeffs=coeffs)
-        return simulate(schedule, chunk_shapes, ckpt_layers, model, mode, validate=False, timeline=False).iteration_time
+        return simulate(
+            schedule, chunk_shapes, ckpt_layers, model, mode, validate=False, timeline=False, memory=False
+        ).iteration_time
 
     base, h = time(), 1e-6
     return (base, *((time(**{name: h}) - base) / h for name in EXECUTOR_TERMS))
@@ -244,10 +246,10 @@ class OnlineRefit:
         shapes, mode = list(chunk_shapes), mode or self.mode
         if parts:
             return simulate_in_parts(
-                sched, shapes, ckpt_layers, cost, parts, mode, validate=False, timeline=False
+                sched, shapes, ckpt_layers, cost, parts, mode, validate=False, timeline=False, memory=False
             ).iteration_time
         return simulate(
-            sched, shapes, ckpt_layers, cost, mode, validate=schedule is None, timeline=False
+            sched, shapes, ckpt_layers, cost, mode, validate=schedule is None, timeline=False, memory=False
         ).iteration_time
 
     def observe(

@@ -178,7 +178,7 @@ def fit_executor(plan, cost, stored_bytes: Optional[float] = None, fuse: bool = 
 
     def iteration_time(table):
         return simulate(
-            plan.schedule, accounts.shapes, table, cost, mode, validate=False, timeline=False
+            plan.schedule, accounts.shapes, table, cost, mode, validate=False, timeline=False, memory=False
         ).iteration_time
 
     ls, budget = cost.layers_per_stage, cost.memory_budget

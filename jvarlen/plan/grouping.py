@@ -218,7 +218,7 @@ def lockstep_order(unit: Unit, shapes: Sequence[ChunkShape], cost, mode: str = "
     alt = gpipe(sched.n_chunks, sched.pp, sched.chunk_prev, sched.chunk_docs)
     if alt.stages == sched.stages:  # e.g. the slices of one document: 1F1B's window is all of them
         return unit
-    now = simulate(sched, local, unit.ckpt.table, cost, mode, validate=False, timeline=False)
+    now = simulate(sched, local, unit.ckpt.table, cost, mode, validate=False, timeline=False, memory=False)
     new = simulate(alt, local, unit.ckpt.table, cost, mode, validate=False, timeline=False)
     if new.fits and new.iteration_time < now.iteration_time:
         return dataclasses.replace(unit, schedule=alt)

@@ -101,7 +101,10 @@ def _simulated(lengths, micro_batches, ckpt, scheme, cost, mode: str, gpipe_too:
     if gpipe_too:
         orders.append(gpipe(schedule.n_chunks, schedule.pp, schedule.chunk_prev, schedule.chunk_docs))
     ordered = [shapes[k] for k in ids]
-    return min(simulate(s, ordered, rows, cost, mode, validate=False, timeline=False).iteration_time for s in orders)
+    return min(
+        simulate(s, ordered, rows, cost, mode, validate=False, timeline=False, memory=False).iteration_time
+        for s in orders
+    )
 
 
 def bucket_cut(

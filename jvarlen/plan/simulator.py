@@ -77,10 +77,13 @@ class SimResult:
     memory: list[tuple[np.ndarray, np.ndarray]]
     peak_memory: np.ndarray  # [pp] bytes per device
     memory_budget: float
-    over_budget: list[tuple[int, float, float]]  # (stage, time, bytes) where memory > budget
+    # (stage, time, bytes) where memory > budget; None: simulated without memory (``memory=False``)
+    over_budget: Optional[list[tuple[int, float, float]]]
 
     @property
     def fits(self) -> bool:
+        if self.over_budget is None:
+            raise ValueError("simulated with memory=False: the memory time line is not known")
         return not self.over_budget
 
     def stage_events(self, stage: int, kinds: Sequence[str] = EVENT_KINDS) -> list[Event]:
@@ -137,11 +140,16 @@ def simulate(
     mode: Literal["async", "ticks", "paired"] = "async",
     validate: bool = True,
     timeline: bool = True,
+    memory: bool = True,
 ) -> SimResult:
     """Simulates one pipeline. ``ckpt_layers``: int array ``[n_chunks, pp]`` of recomputed layers
     per chunk and stage (None = no recomputation). ``validate=False`` skips the schedule check
     (for callers that re-simulate an already validated schedule many times). ``timeline=False``
-    leaves :attr:`SimResult.events` empty (the planner reads times and memory only)."""
+    leaves :attr:`SimResult.events` empty (the planner reads times and memory only);
+    ``memory=False`` skips the memory time line (``memory`` empty, ``peak_memory`` NaN,
+    ``fits`` unknown: for the planner's searches that compare times only, about a third of a
+    simulation's CPU)."""
+    memory_on = memory  # the name is the result's memory time line below
     pp, n = schedule.pp, schedule.n_chunks
     if pp != cost.layout.pp:
         raise ValueError(f"schedule has {pp} stages but the cost model's layout has pp={cost.layout.pp}")
@@ -285,7 +293,9 @@ def simulate(
 
     memory, peaks, over = [], np.zeros(pp), []
     budget = cost.memory_budget
-    for p in range(pp):
+    if not memory_on:
+        peaks, over = np.full(pp, np.nan), None
+    for p in range(pp if memory_on else 0):
         base = cost.model_state_memory(p)
         at, flag, dm = [], [], []
         for k in range(n):
@@ -365,6 +375,7 @@ def simulate_in_parts(
     mode: Literal["async", "ticks", "paired"] = "async",
     validate: bool = True,
     timeline: bool = True,
+    memory: bool = True,
 ) -> SimResult:
     """:func:`simulate` of a step in ``parts`` (:attr:`jvarlen.plan.plan.Plan.parts`, chunk counts):
     each part its own step (in ``"paired"`` mode padded to its own bucket), one after the other
@@ -375,7 +386,7 @@ def simulate_in_parts(
     ckpt = np.zeros((n, cost.layout.pp), np.int64) if ckpt_layers is None else np.asarray(ckpt_layers)
     ranges = part_ranges(parts, n)
     sims = [
-        simulate(part_schedule(schedule, a, b), chunk_shapes[a:b], ckpt[a:b], cost, mode, validate, timeline)
+        simulate(part_schedule(schedule, a, b), chunk_shapes[a:b], ckpt[a:b], cost, mode, validate, timeline, memory)
         for a, b in ranges
     ]
     return one_after_another(sims, [a for a, _ in ranges], cost.step_overhead())
@@ -384,15 +395,17 @@ def simulate_in_parts(
 def one_after_another(results: Sequence[SimResult], offsets: Sequence[int], step_overhead: float) -> SimResult:
     """Steps run back to back on the same devices as one iteration (a plan's parts,
     docs/design/bucket-parts.md): their makespans add up, the step overhead is paid once, memory
-    is each step's own time line in turn; ``offsets[i]``: the first chunk id of step i."""
+    is each step's own time line in turn (unknown where a step's is, ``memory=False``);
+    ``offsets[i]``: the first chunk id of step i."""
     start, events, memory, over = 0.0, [], [], []
     pp = len(results[0].peak_memory)
+    with_memory = all(r.over_budget is not None for r in results)
     for r, k0 in zip(results, offsets):
         events += [dataclasses.replace(e, chunk=e.chunk + k0 if e.chunk >= 0 else -1, start=e.start + start,
                                        end=e.end + start) for e in r.events]  # fmt: skip
-        over += [(p, t + start, b) for p, t, b in r.over_budget]
+        over += [(p, t + start, b) for p, t, b in r.over_budget or ()]
         start += r.makespan
-    for p in range(pp):
+    for p in range(pp if with_memory else 0):
         times, values, t0 = [], [], 0.0
         for r in results:
             times.append(r.memory[p][0] - r.memory[p][0][0] + t0)
@@ -410,7 +423,7 @@ def one_after_another(results: Sequence[SimResult], offsets: Sequence[int], step
         memory=memory,
         peak_memory=np.max([r.peak_memory for r in results], axis=0),
         memory_budget=results[0].memory_budget,
-        over_budget=over,
+        over_budget=over if with_memory else None,
     )
 
 
