@@ -286,3 +286,31 @@ def test_pipeline_groups_run_in_gpipe_order_where_faster_and_it_fits(budget, gpi
         assert plan.stats["iteration_time_s"] < one_f_one_b.stats["iteration_time_s"]
     else:
         assert plan.schedule == one_f_one_b.schedule
+
+
+def test_candidates_whose_pipeline_exceeds_a_fitting_plan_are_not_built(monkeypatch):
+    """13B on 16 A800s (the benchmark's commoncrawl setting): candidates whose ``pp > 1`` pipeline is
+    bounded above a fitting plan already simulated are skipped, and the plans are those of building
+    every candidate."""
+    import sys
+    from pathlib import Path
+
+    import jvarlen.plan.hydraulis as hydraulis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_strategies as bench
+
+    setting = next(s for s in bench.settings(False) if s.name.startswith("commoncrawl 13B a800-ib200 16 dev"))
+    costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+    options = HydraulisOptions().for_corpus(pool, costs, setting.context)
+    batches = [bench.token_batch(pool, setting.tokens, 1000 + i) for i in range(2)]
+    plans = [plan_strategy("hydraulis", b, costs, options) for b in batches]
+    monkeypatch.setattr(hydraulis, "exceeds", lambda *a, **k: False)
+    every = [plan_strategy("hydraulis", b, costs, options) for b in batches]
+    for plan, full in zip(plans, every):
+        assert plan.describe() == full.describe()
+        assert plan.stats["iteration_time_s"] == full.stats["iteration_time_s"]
+        skipped = [c for c in plan.stats["candidates"] if c["estimate"] == "exceeds"]
+        assert skipped and not any(c["estimate"] == "exceeds" for c in full.stats["candidates"])
+        built = sum(c["estimate"] == "simulated" for c in plan.stats["candidates"])
+        assert built + len(skipped) == sum(c["estimate"] == "simulated" for c in full.stats["candidates"])

@@ -10,7 +10,15 @@ from jvarlen.plan.chunking import packed_group
 from jvarlen.plan.hydraulis import HomogeneousOptions
 from jvarlen.plan.hydraulis_costs import scheme_tables
 from jvarlen.plan.hydraulis_pack import pack
-from jvarlen.plan.pipeline_cut import bin_caps, bucket_cut, executor_cut, padded_time, time_bound
+from jvarlen.plan.pipeline_cut import (
+    bin_caps,
+    bucket_cut,
+    candidate_cuts,
+    cut_exceeds,
+    executor_cut,
+    padded_time,
+    time_bound,
+)
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
 
 SCHEME = Scheme(2, 1)
@@ -128,6 +136,14 @@ def test_bucket_cut_is_a_valid_plan_never_slower_than_the_packings(lengths, pp):
         assert plan.stats["fits_memory"]
     if given_plan.stats["fits_memory"] == plan.stats["fits_memory"]:
         assert plan.stats["iteration_time_s"] <= given_plan.stats["iteration_time_s"]
+    # what Hydraulis skips candidates by: exceeded only below the least bound of the cuts, which the plan is above
+    least = min(
+        time_bound(lengths, cut, need, t, costs)
+        for _, cut, need in candidate_cuts(lengths, packed.micro_batches, ckpt, t)
+    )
+    assert least <= plan.stats["iteration_time_s"] * (1 + 1e-12)
+    assert cut_exceeds(least * (1 - 1e-9), lengths, packed.micro_batches, ckpt, t, costs)
+    assert not cut_exceeds(least, lengths, packed.micro_batches, ckpt, t, costs)
 
 
 def _every_cut(lengths, table, costs):

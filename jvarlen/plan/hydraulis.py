@@ -27,7 +27,9 @@ Per iteration (Hydraulis §4 steps 1-4), for the ``lengths`` of one batch:
    (``predicted_time``). A candidate whose estimate is below the fastest simulated time is
    packed (if it was not) and, if still below, planned and simulated too (the estimates leave out
    the recomputation that fits the executor's buffers), best estimate first, until none is; the
-   fastest is returned.
+   fastest is returned. A candidate (finalist or not) is not planned where one of its ``pp > 1``
+   pipelines is shown slower than a fitting plan already simulated (:func:`exceeds`: the same
+   plan, about half the planning CPU on the 13B and 32B strategies-benchmark settings).
    ``stats["candidates"]`` keeps every candidate's estimate (and the simulated times), an event
    names the choice.
 
@@ -52,22 +54,17 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.api import PlanningError
+from jvarlen.plan.hydraulis_build import build_plan, exceeds
 from jvarlen.plan.hydraulis_costs import SchemeTable, scheme_tables
 from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_many, local_search, trial_orders
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
 from jvarlen.plan.hydraulis_pack import PackOptions, PackResult, pack, pipeline_time
 from jvarlen.plan.hydraulis_proposal import ProposalOptions, canonical, propose_strategies
-from jvarlen.plan.pipeline_cut import bucket_cut
 from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
-from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
-    GroupPlan,
     Scheme,
     SchemeCosts,
     StrategyPlan,
-    build_group_plan,
-    place_groups,
-    predicted_time,
     register_policy,
 )
 
@@ -267,56 +264,6 @@ def _fixed(lengths, strategy, tables, costs, options, cap: int) -> Evaluation:
     return Evaluation(strategy, list(tables), assign, est, packs, est)
 
 
-def build_plan(
-    policy: str, lengths: np.ndarray, chosen: Evaluation, costs: SchemeCosts, options: AssignmentOptions
-) -> StrategyPlan:
-    """Step 4: one group per pipeline that received documents (build_group_plan, simulated)."""
-    devices = place_groups(chosen.strategy, costs.num_devices)
-    groups, events = [], []
-    solves, sources = 0, {}
-    group_costs = GroupCosts(costs) if options.recompute == "auto" and options.simulation == "paired" else None
-    for j, (scheme, table, packed) in enumerate(zip(chosen.strategy, chosen.tables, chosen.packs)):
-        docs = chosen.documents(j)
-        solves += packed.solves
-        sources[packed.source] = sources.get(packed.source, 0) + 1
-        events.extend(packed.events)
-        if docs.size == 0:
-            events.append(f"{policy}: pipeline {j} {scheme} got no documents; its devices idle")
-            continue
-        local = lengths[docs]
-        micro_batches = packed.micro_batches
-        tokens = [int(local[list(mb)].sum()) for mb in micro_batches]
-        ckpt = [int(r) for r in table.recompute_layers(tokens)] if options.recompute == "auto" else [0] * len(tokens)
-        # the executor runs a group's micro-batches over one bucket: cut at it where faster
-        # (fixed-length packing, the baselines' practice, stays as it is)
-        if scheme.pp == 1 and group_costs is not None and packed.source != "fixed":
-            cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
-            micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
-            plan = build_group_plan(
-                policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation, parts=cut.parts
-            )
-        elif group_costs is not None and packed.source != "fixed":
-            plan = bucket_cut(policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation)
-        else:
-            plan = build_group_plan(policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation)
-        plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
-        groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))
-        events.extend(plan.events)
-    sp = StrategyPlan(policy, costs.num_devices, tuple(int(x) for x in lengths), tuple(groups), events=events)
-    sp.stats.update(
-        policy=policy,
-        strategy=sp.describe(),
-        iteration_time_s=predicted_time(groups, costs),
-        estimated_time_s=chosen.estimate_s,
-        micro_batches=[g.plan.n_chunks for g in groups],
-        pack_ilp_solves=solves,
-        pack_sources=sources,
-        trials=options.trials,
-    )
-    sp.stats.update(sp.group_summary())
-    return sp
-
-
 def two_stage_plan(
     policy: str,
     lengths: np.ndarray,
@@ -333,10 +280,21 @@ def two_stage_plan(
     fixed = isinstance(options, HomogeneousOptions) and options.packing == "fixed"
     if fixed:
         evals = [fixed_packing(lengths, c, [table_of[s] for s in c], costs, options) for c in candidates]
-        finalists = sorted(range(len(evals)), key=lambda k: (evals[k].packed_s, k))[: options.simulate_top]
+        chosen = sorted(range(len(evals)), key=lambda k: (evals[k].packed_s, k))[: options.simulate_top]
     else:
-        finalists, evals = select(lengths, candidates, table_of, costs, options)
-    plans = [build_plan(policy, lengths, evals[k], costs, options) for k in finalists]
+        chosen, evals = select(lengths, candidates, table_of, costs, options)
+    finalists, plans, bounded = [], [], set()
+
+    def build(k: int) -> None:  # unless a pipeline is shown slower than a fitting plan built: it cannot win
+        fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
+        if fitting and exceeds(evals[k], min(fitting), lengths, costs, options):
+            bounded.add(k)
+        else:
+            finalists.append(k)
+            plans.append(build_plan(policy, lengths, evals[k], costs, options))
+
+    for k in chosen:
+        build(k)
     while not fixed:
         # a finalist's simulated time includes what its estimate leaves out (the recomputation that
         # fits the executor's buffers, +17 % on a 7B (pp 1, sp 8) group of 8 A800s); a candidate
@@ -344,7 +302,7 @@ def two_stage_plan(
         # were, and simulated where its packed estimate is still below
         fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
         fastest = min(fitting or [p.stats["iteration_time_s"] for p in plans])
-        waiting = [k for k, e in enumerate(evals) if k not in finalists and e.estimate_s < fastest]
+        waiting = [k for k, e in enumerate(evals) if k not in finalists and k not in bounded and e.estimate_s < fastest]
         if not waiting:
             break
         k = min(waiting, key=lambda k: (evals[k].estimate_s, k))
@@ -354,8 +312,7 @@ def two_stage_plan(
                 continue
         if options.pack.ilp:
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
-        finalists.append(k)
-        plans.append(build_plan(policy, lengths, evals[k], costs, options))
+        build(k)
     best = fastest_fitting(plans, policy)
     plan = plans[best]
     simulated = {finalists[i]: p.stats["iteration_time_s"] for i, p in enumerate(plans)}
@@ -369,12 +326,23 @@ def two_stage_plan(
             "strategy": _describe(e.strategy),
             "iteration_time_s": simulated.get(k, e.estimate_s),
             "estimated_s": e.estimate_s,
-            "estimate": "simulated" if k in simulated else ("packed" if e.packs is not None else "bound"),
+            "estimate": _estimate_kind(k, e, simulated, bounded),
         }
         for k, e in enumerate(evals)
     ]
     plan.stats["solve_seconds"] = time.perf_counter() - t0
     return plan
+
+
+def _estimate_kind(k: int, ev: Evaluation, simulated, bounded) -> str:
+    """How ``stats["candidates"]`` priced candidate ``k``: its simulated plan, a pipeline shown slower
+    than a fitting plan (:func:`exceeds`; ``iteration_time_s`` is its packed estimate), its packing
+    objective, or its dispatch bound."""
+    if k in simulated:
+        return "simulated"
+    if k in bounded:
+        return "exceeds"
+    return "packed" if ev.packs is not None else "bound"
 
 
 def _describe(strategy: Sequence[Scheme]) -> str:

@@ -128,17 +128,8 @@ def bucket_cut(
     strategies-benchmark settings). ``stats["bucket_cut"]``: the chosen bin size (0: the
     packing's cut); ``stats["bucket_cut_built"]``: the plans built."""
     lengths = [int(x) for x in lengths]
-    given = [[int(i) for i in mb] for mb in micro_batches]
-    cuts = {_partition(given): (0, given, [int(r) for r in ckpt])}
-    for cap in bin_caps(max(lengths), table):
-        cut = packed_group(lengths, cap)
-        key = _partition(cut)
-        if key not in cuts:
-            need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
-            cuts[key] = (cap, cut, need)
-        if len(cut) == 1:  # larger bins hold the same single micro-batch
-            break
-    ranked = sorted(cuts.values(), key=lambda c: (padded_time(lengths, c[1], table, costs), c[0]))
+    cuts = candidate_cuts(lengths, micro_batches, ckpt, table)
+    ranked = sorted(cuts, key=lambda c: (padded_time(lengths, c[1], table, costs), c[0]))
     chosen = ranked[: max(0, int(top))]
     if all(cap != 0 for cap, _, _ in chosen):  # the packing's cut is always a candidate: never slower than it
         chosen.append(next(c for c in ranked if c[0] == 0))
@@ -159,9 +150,49 @@ def bucket_cut(
     return plan
 
 
+def candidate_cuts(
+    lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], ckpt: Sequence[int], table: SchemeTable
+) -> list[tuple[int, list[list[int]], list[int]]]:
+    """:func:`bucket_cut`'s cuts, ``(bin size, micro-batches, recomputation)``: the packing's own
+    (bin size 0, recomputing ``ckpt``), then first-fit decreasing into each of :func:`bin_caps`
+    (recomputing what each micro-batch's tokens need), each partition once."""
+    lengths = [int(x) for x in lengths]
+    given = [[int(i) for i in mb] for mb in micro_batches]
+    cuts = {_partition(given): (0, given, [int(r) for r in ckpt])}
+    for cap in bin_caps(max(lengths), table):
+        cut = packed_group(lengths, cap)
+        key = _partition(cut)
+        if key not in cuts:
+            need = [int(r) for r in table.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
+            cuts[key] = (cap, cut, need)
+        if len(cut) == 1:  # larger bins hold the same single micro-batch
+            break
+    return list(cuts.values())
+
+
+def cut_exceeds(
+    seconds: float,
+    lengths: Sequence[int],
+    micro_batches: Sequence[Sequence[int]],
+    ckpt: Sequence[int],
+    table: SchemeTable,
+    costs: SchemeCosts,
+    simulation: str = "paired",
+) -> bool:
+    """Whether :func:`bucket_cut`'s plan for the same arguments simulates to more than ``seconds``,
+    shown without building it: every candidate cut's :func:`time_bound` is above (it builds one of
+    them; the first cut at or below ends the check). Hydraulis skips building a candidate strategy
+    one of whose pipelines exceeds a plan it has."""
+    lengths = [int(x) for x in lengths]
+    return all(
+        time_bound(lengths, cut, need, table, costs, simulation) > seconds
+        for _, cut, need in candidate_cuts(lengths, micro_batches, ckpt, table)
+    )
+
+
 def _partition(micro_batches) -> tuple:
     """``micro_batches`` as a set partition (order-free), so that equal cuts are built once."""
     return tuple(sorted(tuple(sorted(mb)) for mb in micro_batches))
 
 
-__all__ = ["bin_caps", "bucket_cut", "executor_cut", "padded_time", "time_bound"]
+__all__ = ["bin_caps", "bucket_cut", "candidate_cuts", "cut_exceeds", "executor_cut", "padded_time", "time_bound"]
