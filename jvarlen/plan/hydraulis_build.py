@@ -6,7 +6,8 @@ recomputing what its tokens need, and also cut at the executor's bucket where th
 ``pp = 1`` pipeline as the SP-group policies' groups are
 (:meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`), a deeper one by
 :func:`~jvarlen.plan.pipeline_cut.bucket_cut`. :func:`exceeds` bounds the deeper ones before any
-plan is built (:func:`~jvarlen.plan.pipeline_cut.cut_exceeds`), so that
+plan is built (:func:`~jvarlen.plan.pipeline_cut.cut_exceeds`), and :func:`build_plan` plans the
+slowest pipelines first and gives up on a group slower than a given plan, so that
 :func:`~jvarlen.plan.hydraulis.two_stage_plan` skips a candidate that cannot win.
 
 Pure Python/numpy: nothing here imports JAX.
@@ -14,11 +15,12 @@ Pure Python/numpy: nothing here imports JAX.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from jvarlen.plan.pipeline_cut import bucket_cut, cut_exceeds
+from jvarlen.plan.plan import Plan
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
     GroupPlan,
@@ -35,37 +37,36 @@ if TYPE_CHECKING:
 
 
 def build_plan(
-    policy: str, lengths: np.ndarray, chosen: Evaluation, costs: SchemeCosts, options: AssignmentOptions
-) -> StrategyPlan:
-    """Step 4: one group per pipeline that received documents (build_group_plan, simulated)."""
+    policy: str,
+    lengths: np.ndarray,
+    chosen: Evaluation,
+    costs: SchemeCosts,
+    options: AssignmentOptions,
+    above: Optional[float] = None,
+) -> Optional[StrategyPlan]:
+    """Step 4: one group per pipeline that received documents (build_group_plan, simulated). The
+    slowest packed pipelines are planned first, and with ``above`` (a fitting plan's seconds) the
+    candidate is given up (None) as soon as one group simulates slower: it cannot win."""
+    group_costs = GroupCosts(costs) if options.recompute == "auto" and options.simulation == "paired" else None
+    built = {}
+    for j in sorted(range(len(chosen.strategy)), key=lambda j: (-chosen.packs[j].objective_s, j)):
+        if chosen.packs[j].V == 0:
+            continue
+        built[j] = plan = _group_plan(policy, chosen, j, lengths, costs, options, group_costs)
+        if above is not None and plan.stats["iteration_time_s"] > above:
+            return None
     devices = place_groups(chosen.strategy, costs.num_devices)
     groups, events = [], []
     solves, sources = 0, {}
-    group_costs = GroupCosts(costs) if options.recompute == "auto" and options.simulation == "paired" else None
-    for j, (scheme, table, packed) in enumerate(zip(chosen.strategy, chosen.tables, chosen.packs)):
-        docs = chosen.documents(j)
+    for j, (scheme, packed) in enumerate(zip(chosen.strategy, chosen.packs)):
         solves += packed.solves
         sources[packed.source] = sources.get(packed.source, 0) + 1
         events.extend(packed.events)
-        if docs.size == 0:
+        if j not in built:
             events.append(f"{policy}: pipeline {j} {scheme} got no documents; its devices idle")
             continue
-        local, micro_batches, ckpt = packing_cut(chosen, j, lengths, options)
-        # the executor runs a group's micro-batches over one bucket: cut at it where faster
-        # (fixed-length packing, the baselines' practice, stays as it is)
-        if scheme.pp == 1 and group_costs is not None and packed.source != "fixed":
-            cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
-            micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
-            plan = build_group_plan(
-                policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation, parts=cut.parts
-            )
-        elif group_costs is not None and packed.source != "fixed":
-            plan = bucket_cut(policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation)
-        else:
-            plan = build_group_plan(policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation)
-        plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
-        groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in docs), plan))
-        events.extend(plan.events)
+        groups.append(GroupPlan(scheme, devices[j], tuple(int(d) for d in chosen.documents(j)), built[j]))
+        events.extend(built[j].events)
     sp = StrategyPlan(policy, costs.num_devices, tuple(int(x) for x in lengths), tuple(groups), events=events)
     sp.stats.update(
         policy=policy,
@@ -79,6 +80,26 @@ def build_plan(
     )
     sp.stats.update(sp.group_summary())
     return sp
+
+
+def _group_plan(policy, chosen: Evaluation, j: int, lengths, costs, options, group_costs) -> Plan:
+    """Pipeline ``j``'s group plan: its packing, cut at the executor's bucket where faster (the
+    executor runs a group's micro-batches over one bucket; fixed-length packing, the baselines'
+    practice, stays as it is)."""
+    scheme, table, packed = chosen.strategy[j], chosen.tables[j], chosen.packs[j]
+    local, micro_batches, ckpt = packing_cut(chosen, j, lengths, options)
+    if scheme.pp == 1 and group_costs is not None and packed.source != "fixed":
+        cut = group_costs.fastest_cut(local.tolist(), scheme, range(len(local)), micro_batches, ckpt=ckpt)
+        micro_batches, ckpt = [list(mb) for mb in cut.micro_batches], list(cut.ckpt)
+        plan = build_group_plan(
+            policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation, parts=cut.parts
+        )
+    elif group_costs is not None and packed.source != "fixed":
+        plan = bucket_cut(policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation)
+    else:
+        plan = build_group_plan(policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation)
+    plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)
+    return plan
 
 
 def packing_cut(ev: Evaluation, j: int, lengths: np.ndarray, options) -> tuple[np.ndarray, tuple, list[int]]:
