@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.api import PlanningError
-from jvarlen.plan.hydraulis_build import build_plan, exceeds
+from jvarlen.plan.hydraulis_build import Evaluation, build_plan, exceeds
 from jvarlen.plan.hydraulis_costs import SchemeTable, scheme_tables
 from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_many, local_search, trial_orders
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
@@ -114,25 +114,6 @@ def tables_for(costs: SchemeCosts, schemes: Sequence[Scheme], options: Assignmen
 def batch_seed(lengths: Sequence[int], seed: int) -> tuple[int, int]:
     """The trials' seed: the options' seed and a hash of the batch (same batch, same plan)."""
     return int(seed), zlib.crc32(np.asarray(lengths, dtype=np.int64).tobytes())
-
-
-@dataclasses.dataclass
-class Evaluation:
-    """One candidate through the two-stage assignment."""
-
-    strategy: Strategy
-    tables: list[SchemeTable]
-    assign: np.ndarray  # [B] pipeline of each document
-    dispatch_s: float  # largest packing bound of the dispatched documents + update + transition
-    packs: Optional[list[PackResult]] = None
-    packed_s: Optional[float] = None  # largest Eq. 1 objective + update + transition
-
-    @property
-    def estimate_s(self) -> float:
-        return self.packed_s if self.packed_s is not None else self.dispatch_s
-
-    def documents(self, j: int) -> np.ndarray:
-        return np.flatnonzero(self.assign == j)
 
 
 def _slowest(times: Sequence[float], tables: Sequence[SchemeTable], used) -> float:

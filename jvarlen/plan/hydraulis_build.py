@@ -1,5 +1,6 @@
-"""Hydraulis step 4 (§4): a candidate strategy's plan, one group per pipeline that received
-documents, and whether a packed candidate can still beat the plans built so far.
+"""Hydraulis step 4 (§4): a candidate strategy (:class:`Evaluation`, as steps 2-3 dispatched and
+packed it) planned, one group per pipeline that received documents, and whether a packed
+candidate can still beat the plans built so far.
 
 A pipeline's group is its packed micro-batches as one 1F1B unit (``build_group_plan``), each
 recomputing what its tokens need, and also cut at the executor's bucket where that is faster: a
@@ -15,15 +16,20 @@ Pure Python/numpy: nothing here imports JAX.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import dataclasses
+from typing import Optional
 
 import numpy as np
 
+from jvarlen.plan.hydraulis_costs import SchemeTable
+from jvarlen.plan.hydraulis_options import AssignmentOptions
+from jvarlen.plan.hydraulis_pack import PackResult
 from jvarlen.plan.pipeline_cut import bucket_cut, cut_exceeds
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import (
     GroupPlan,
+    Scheme,
     SchemeCosts,
     StrategyPlan,
     build_group_plan,
@@ -31,9 +37,24 @@ from jvarlen.plan.strategy import (
     predicted_time,
 )
 
-if TYPE_CHECKING:
-    from jvarlen.plan.hydraulis import Evaluation
-    from jvarlen.plan.hydraulis_options import AssignmentOptions
+
+@dataclasses.dataclass
+class Evaluation:
+    """One candidate through the two-stage assignment."""
+
+    strategy: tuple[Scheme, ...]
+    tables: list[SchemeTable]
+    assign: np.ndarray  # [B] pipeline of each document
+    dispatch_s: float  # largest packing bound of the dispatched documents + update + transition
+    packs: Optional[list[PackResult]] = None
+    packed_s: Optional[float] = None  # largest Eq. 1 objective + update + transition
+
+    @property
+    def estimate_s(self) -> float:
+        return self.packed_s if self.packed_s is not None else self.dispatch_s
+
+    def documents(self, j: int) -> np.ndarray:
+        return np.flatnonzero(self.assign == j)
 
 
 def build_plan(
@@ -125,4 +146,4 @@ def exceeds(ev: Evaluation, seconds: float, lengths: np.ndarray, costs: SchemeCo
     return False
 
 
-__all__ = ["build_plan", "exceeds", "packing_cut"]
+__all__ = ["Evaluation", "build_plan", "exceeds", "packing_cut"]
