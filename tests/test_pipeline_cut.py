@@ -157,7 +157,7 @@ def _every_cut(lengths, table, costs):
     ]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(16, 3800), min_size=1, max_size=20),
     st.sampled_from([2, 4]),
@@ -176,21 +176,44 @@ def test_time_bound_is_below_the_built_plan(lengths, pp, simulation):
         assert time_bound(lengths, cut, need, t, costs, simulation) <= built * (1 + 1e-12)
 
 
+def test_the_fit_can_make_a_cut_faster_than_its_unraised_recomputation():
+    """Why :func:`time_bound` is not the cut simulated with the recomputation its tokens need: the
+    memory fit raises the last stage's, which ends fused forward-backward ops there, and this 1F1B
+    plan then simulates faster than without the raise (found on random batches, 37 of ~3,600 cuts).
+    The bound holds."""
+    from conftest import group_budget, small_cost
+
+    from jvarlen.plan.pipeline_cut import _simulated
+
+    scheme = Scheme(4, 1)
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=4, sp=1), 4096)), 4)
+    t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
+    lengths = [3309, 3652, 1101, 448, 2298, 2541, 2958, 2447, 2725]
+    cut = [[1, 2], [0, 3], [6], [8, 4], [5, 7]]
+    need = [int(r) for r in t.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
+    plan = build_group_plan("t", scheme, lengths, cut, costs, need)
+    assert plan.stats["gpipe_units"] == 0 and (np.asarray(plan.ckpt_layers) >= np.asarray(need)[:, None]).all()
+    bucket = executor_bucket(max(sum(lengths[i] for i in mb) for mb in cut))
+    unraised = _simulated(lengths, cut, need, scheme, costs.padded_cost(scheme, bucket), "paired")
+    assert plan.stats["iteration_time_s"] < unraised
+    assert time_bound(lengths, cut, need, t, costs) <= plan.stats["iteration_time_s"]
+
+
 def test_bucket_cut_skips_builds_but_not_the_fastest(monkeypatch):
     """Skipping the cuts whose bound a built plan beats keeps the plan of building every candidate
-    (a (pp = 4, sp = 1) pipeline: one document of 0.45 MaxLen and 30 short ones, 8 batches)."""
+    (a (pp = 2, sp = 1) pipeline: one document of 0.3 MaxLen and 30 short ones, 8 batches)."""
     from conftest import group_budget, small_cost
 
     import jvarlen.plan.pipeline_cut as pipeline_cut
 
-    scheme = Scheme(4, 1)
-    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=4, sp=1), 4096)), 4)
+    scheme = Scheme(2, 1)
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=2, sp=1), 4096)), 2)
     t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
     bound = pipeline_cut.time_bound
     built, every_built = 0, 0
     for seed in range(8):
         rng = np.random.default_rng(seed)
-        lengths = [int(t.max_len * 0.45)] + [int(x) for x in rng.integers(50, t.cap0 // 3, 30)]
+        lengths = [int(t.max_len * 0.3)] + [int(x) for x in rng.integers(50, t.cap0 // 3, 30)]
         packed = pack(lengths, t)
         ckpt = [int(r) for r in t.recompute_layers([sum(lengths[i] for i in mb) for mb in packed.micro_batches])]
         monkeypatch.setattr(pipeline_cut, "time_bound", bound)

@@ -263,11 +263,17 @@ def test_without_a_timeline_times_and_memory_are_those_the_timeline_adds_up_to(s
 @given(schedules(), st.integers(0, 2**31 - 1), st.sampled_from(["async", "ticks", "paired"]), st.booleans())
 def test_the_lower_bound_holds_for_every_schedule_and_recomputation(sched, seed, mode, no_ckpt):
     """:func:`lower_bound` from the chunk shapes alone never exceeds the simulated time of any valid
-    schedule of those chunks, with or without recomputation, in every mode."""
+    schedule of those chunks, with or without recomputation, in every mode; nor does it with any
+    floor under the recomputation."""
     assume(12 % sched.pp == 0)
     shapes, ckpt, c = random_case(sched, seed)
     ckpt = ckpt * 0 if no_ckpt else ckpt
-    assert lower_bound(shapes, c, mode) <= simulate(sched, shapes, ckpt, c, mode, timeline=False).iteration_time
+    simulated = simulate(sched, shapes, ckpt, c, mode, timeline=False).iteration_time
+    assert lower_bound(shapes, c, mode) <= simulated
+    # with a floor under the recomputation (what a plan had before its memory fit raised it)
+    floor = ckpt * np.random.default_rng(seed).integers(0, 2, ckpt.shape)
+    assert lower_bound(shapes, c, mode, ckpt) <= simulated
+    assert lower_bound(shapes, c, mode, floor) <= simulated
 
 
 def test_the_lower_bound_is_the_simulated_time_where_nothing_overlaps():

@@ -328,12 +328,18 @@ def simulate(
 
 
 def lower_bound(
-    chunk_shapes: Sequence[ChunkShape], cost: CostModel, mode: Literal["async", "ticks", "paired"] = "async"
+    chunk_shapes: Sequence[ChunkShape],
+    cost: CostModel,
+    mode: Literal["async", "ticks", "paired"] = "async",
+    ckpt_layers: Optional[np.ndarray] = None,
 ) -> float:
     """A lower bound on :func:`simulate`'s ``iteration_time`` for these chunks under any valid
     schedule and recomputation, from the chunk shapes alone (the planner's searches skip a candidate
     chunking whose bound exceeds the best time found so far, before its checkpointing and schedule
-    are solved). Per stage ``p``: its ops run one after another (``busy``, recomputing nothing); its
+    are solved); with ``ckpt_layers [n, pp]``, under any recomputation at least that (the
+    executor-memory fit only raises it). Per stage ``p``: its ops run one after another (``busy``,
+    recomputing nothing or ``ckpt_layers``; a chunk the last stage fuses recomputes nothing there,
+    and the table has 0 there for it or the fit has raised it); its
     first op waits for some chunk's forwards on stages ``0..p-1`` (``fill``, the cheapest chunk's)
     and its last backward is followed by that chunk's backwards on ``p-1..0`` (``drain``); P2P
     counted as 0. Lock-step modes add ``tick_overhead`` per tick, at least ``n + 2(pp - 1)`` ticks
@@ -351,7 +357,12 @@ def lower_bound(
 
     def per_stage(kind: str) -> np.ndarray:
         """``[n, pp]`` raw sums of the terms (as the simulator advances its clock); the stages before
-        the last share theirs."""
+        the last share theirs where nothing is recomputed."""
+        if ckpt_layers is not None and kind == "B":
+            layers = np.asarray(ckpt_layers).tolist()
+            return np.asarray(
+                [[sum(d for _, d in durations(p, kind, k, layers[k][p])) for p in range(pp)] for k in range(n)]
+            )
         inner, last = ([sum(d for _, d in durations(p, kind, k, 0)) for k in range(n)] for p in (0, pp - 1))
         return np.column_stack([inner] * (pp - 1) + [last])
 
