@@ -15,8 +15,9 @@ packing's own by :func:`padded_time` (the simulator's paired ticks over the padd
 recomputation raised uniformly to what the executor's buffers need: cheaper than building and
 fitting a plan, and above the fitted plan where the fit raises less), builds the ``top`` ranked
 first and the packing's cut but those whose lower bound (:func:`time_bound`) a plan built beats,
-and keeps the fastest plan that fits. The one-stage groups do the same through :meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time
-is exact for ``pp = 1``.
+and keeps the fastest plan that fits. The one-stage groups do the same through
+:meth:`~jvarlen.plan.sp_groups.GroupCosts.fastest_cut`, whose closed-form group time is exact for
+``pp = 1``.
 
 Pure Python/numpy: nothing here imports JAX.
 """

@@ -337,9 +337,9 @@ def lower_bound(
     schedule and recomputation, from the chunk shapes alone (the planner's searches skip a candidate
     chunking whose bound exceeds the best time found so far, before its checkpointing and schedule
     are solved); with ``ckpt_layers [n, pp]``, under any recomputation at least that (the
-    executor-memory fit only raises it). Per stage ``p``: its ops run one after another (``busy``,
-    recomputing nothing or ``ckpt_layers``; a chunk the last stage fuses recomputes nothing there,
-    and the table has 0 there for it or the fit has raised it); its
+    executor-memory fit only raises it; a floor above 0 on the last stage keeps the chunk unfused
+    there, and a fused chunk recomputes nothing, its floor 0). Per stage ``p``: its ops run one after
+    another (``busy``, recomputing nothing or ``ckpt_layers``); its
     first op waits for some chunk's forwards on stages ``0..p-1`` (``fill``, the cheapest chunk's)
     and its last backward is followed by that chunk's backwards on ``p-1..0`` (``drain``); P2P
     counted as 0. Lock-step modes add ``tick_overhead`` per tick, at least ``n + 2(pp - 1)`` ticks
