@@ -324,3 +324,38 @@ def test_candidates_shown_slower_than_a_fitting_plan_are_not_built(monkeypatch):
         )
         skipped += kinds.count("exceeds")
     assert skipped > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(64, 6000), min_size=4, max_size=40),
+    st.sampled_from([4, 8]),
+    st.sampled_from([2500, 4096, 8192]),
+    st.sampled_from(["hydraulis", "homogeneous"]),
+)
+def test_the_prunings_keep_the_plan_on_random_batches(lengths, devices, tokens, policy):
+    """Random batches on a small model whose (pp > 1) pipelines recompute and fuse: the plan with
+    the bounds and the early give-up is the plan of building every cut and candidate."""
+    from conftest import group_budget, small_cost
+
+    import jvarlen.plan.hydraulis as hydraulis
+    import jvarlen.plan.pipeline_cut as pipeline_cut
+
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=2, sp=1), tokens)), devices)
+    options = HydraulisOptions() if policy == "hydraulis" else HomogeneousOptions()
+    try:
+        plan = plan_strategy(policy, lengths, costs, options)
+    except PlanningError:
+        return  # a document no scheme holds: nothing to compare
+    saved = pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan
+    build_plan = hydraulis.build_plan
+    try:
+        pipeline_cut.time_bound = lambda *a, **k: float("-inf")
+        hydraulis.exceeds = lambda *a, **k: False
+        hydraulis.build_plan = lambda *a: build_plan(*a[:5], None)
+        every = plan_strategy(policy, lengths, costs, options)
+    finally:
+        pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan = saved
+    assert plan.describe() == every.describe()
+    assert plan.stats["iteration_time_s"] == every.stats["iteration_time_s"]
+    assert [g.plan.chunks for g in plan.groups] == [g.plan.chunks for g in every.groups]
