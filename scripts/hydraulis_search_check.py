@@ -4,7 +4,7 @@
 - ``prune``: ``hydraulis`` and ``homogeneous`` with their exact prunings (a cut or a candidate
   bounded above a fitting plan already built is not built, a candidate is given up on its first
   group slower than one: docs/design/heterogeneous.md, "Hydraulis' candidates skipped by bound")
-  and without them, one after the other on each batch; the plans must be the same, and the CPU
+  and without them (``prune=False``), one after the other on each batch; the plans must be the same, and the CPU
   seconds per iteration are reported (median / mean);
 - ``every``: ``hydraulis`` with its defaults against every candidate packed and simulated
   (``pack_top``, ``simulate_top``, ``homogeneous_top`` unbounded): how much the ranking before
@@ -18,7 +18,6 @@ Prints markdown tables. Pin it to a core for the timings (``taskset -c 1``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import pathlib
 import re
@@ -29,23 +28,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_strategies as bs  # noqa: E402
 
-import jvarlen.plan.hydraulis as hydraulis  # noqa: E402
-import jvarlen.plan.pipeline_cut as pipeline_cut  # noqa: E402
 from jvarlen.plan.strategy import plan_strategy, strategy_policies  # noqa: E402
-
-
-@contextlib.contextmanager
-def without_pruning():
-    """Every cut and candidate built in full (the bounds never above, no candidate given up)."""
-    saved = pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan
-    build_plan = hydraulis.build_plan
-    pipeline_cut.time_bound = lambda *a, **k: float("-inf")
-    hydraulis.exceeds = lambda *a, **k: False
-    hydraulis.build_plan = lambda *a: build_plan(*a[:5], None)
-    try:
-        yield
-    finally:
-        pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan = saved
 
 
 def timed(policy, batch, costs, options):
@@ -65,8 +48,7 @@ def prune_part(settings, iterations: int) -> None:
             for i in range(iterations):
                 batch = bs.token_batch(pool, setting.tokens, 1000 + i)
                 a, ta = timed(policy, batch, costs, options)
-                with without_pruning():
-                    b, tb = timed(policy, batch, costs, options)
+                b, tb = timed(policy, batch, costs, dataclasses.replace(options, prune=False))
                 on.append(ta)
                 off.append(tb)
                 same += a.describe() == b.describe() and a.stats["iteration_time_s"] == b.stats["iteration_time_s"]

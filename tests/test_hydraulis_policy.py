@@ -290,14 +290,13 @@ def test_pipeline_groups_run_in_gpipe_order_where_faster_and_it_fits(budget, gpi
         assert plan.schedule == one_f_one_b.schedule
 
 
-def test_candidates_shown_slower_than_a_fitting_plan_are_not_built(monkeypatch):
+def test_candidates_shown_slower_than_a_fitting_plan_are_not_built():
     """13B and 7B on 16 A800s (the benchmark's commoncrawl settings): a candidate is skipped where one
     of its ``pp > 1`` pipelines is bounded above a fitting plan already simulated, or given up where
-    one of its groups simulates slower; the plans are those of building every candidate."""
+    one of its groups simulates slower; the plans are those of building every candidate
+    (``prune=False``)."""
     import sys
     from pathlib import Path
-
-    import jvarlen.plan.hydraulis as hydraulis
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_strategies as bench
@@ -308,11 +307,8 @@ def test_candidates_shown_slower_than_a_fitting_plan_are_not_built(monkeypatch):
         costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
         options = HydraulisOptions().for_corpus(pool, costs, setting.context)
         runs += [(bench.token_batch(pool, setting.tokens, 1000 + i), costs, options) for i in range(3)]
-    plans = [plan_strategy("hydraulis", *run) for run in runs]
-    build_plan = hydraulis.build_plan
-    monkeypatch.setattr(hydraulis, "exceeds", lambda *a, **k: False)
-    monkeypatch.setattr(hydraulis, "build_plan", lambda *a: build_plan(*a[:5], None))
-    every = [plan_strategy("hydraulis", *run) for run in runs]
+    plans = [plan_strategy("hydraulis", b, c, o) for b, c, o in runs]
+    every = [plan_strategy("hydraulis", b, c, dataclasses.replace(o, prune=False)) for b, c, o in runs]
     skipped = 0
     for plan, full in zip(plans, every):
         assert plan.describe() == full.describe()
@@ -338,24 +334,13 @@ def test_the_prunings_keep_the_plan_on_random_batches(lengths, devices, tokens, 
     the bounds and the early give-up is the plan of building every cut and candidate."""
     from conftest import group_budget, small_cost
 
-    import jvarlen.plan.hydraulis as hydraulis
-    import jvarlen.plan.pipeline_cut as pipeline_cut
-
     costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=2, sp=1), tokens)), devices)
     options = HydraulisOptions() if policy == "hydraulis" else HomogeneousOptions()
     try:
         plan = plan_strategy(policy, lengths, costs, options)
     except PlanningError:
         return  # a document no scheme holds: nothing to compare
-    saved = pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan
-    build_plan = hydraulis.build_plan
-    try:
-        pipeline_cut.time_bound = lambda *a, **k: float("-inf")
-        hydraulis.exceeds = lambda *a, **k: False
-        hydraulis.build_plan = lambda *a: build_plan(*a[:5], None)
-        every = plan_strategy(policy, lengths, costs, options)
-    finally:
-        pipeline_cut.time_bound, hydraulis.exceeds, hydraulis.build_plan = saved
+    every = plan_strategy(policy, lengths, costs, dataclasses.replace(options, prune=False))
     assert plan.describe() == every.describe()
     assert plan.stats["iteration_time_s"] == every.stats["iteration_time_s"]
     assert [g.plan.chunks for g in plan.groups] == [g.plan.chunks for g in every.groups]

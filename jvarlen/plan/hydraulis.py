@@ -270,7 +270,7 @@ def two_stage_plan(
 
     def build(k: int) -> None:  # unless a group is shown slower than a fitting plan built: it cannot win
         fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
-        above = min(fitting) if fitting else None
+        above = min(fitting) if fitting and options.prune else None
         if above is None or not exceeds(evals[k], above, lengths, costs, options):
             plan = build_plan(policy, lengths, evals[k], costs, options, above)
             if plan is not None:

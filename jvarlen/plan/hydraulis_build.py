@@ -116,7 +116,9 @@ def _group_plan(policy, chosen: Evaluation, j: int, lengths, costs, options, gro
             policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation, parts=cut.parts
         )
     elif group_costs is not None and packed.source != "fixed":
-        plan = bucket_cut(policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation)
+        plan = bucket_cut(
+            policy, local.tolist(), micro_batches, ckpt, table, costs, options.simulation, prune=options.prune
+        )
     else:
         plan = build_group_plan(policy, scheme, local.tolist(), micro_batches, costs, ckpt, options.simulation)
     plan.stats.update(pack_objective_s=packed.objective_s, pack_source=packed.source)

@@ -42,6 +42,9 @@ class AssignmentOptions:
     executor's: paired ticks, every chunk of a group's step padded to one bucket), ``"ticks"`` (one
     op per tick, no padding: these policies' model before 2026-11-28, up to 2× below the
     executor's time on the strategies benchmark) or ``"async"``.
+    ``prune``: skip building a pipeline cut or a candidate that a lower bound, or one of its groups
+    simulated, shows slower than a fitting plan already built (the same plan; False builds every
+    one, to check that or to time it: ``scripts/hydraulis_search_check.py``).
     """
 
     schemes: Optional[tuple[Scheme, ...]] = None
@@ -60,6 +63,7 @@ class AssignmentOptions:
     simulate_margin: float = 0.2
     homogeneous_top: int = 4
     simulation: str = "paired"
+    prune: bool = True
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
