@@ -86,7 +86,7 @@ def time_bound(
     of a (pp = 4, sp = 1) pipeline on the test profile: 0.1018 s fitted, 0.1046 s unraised;
     ``tests/test_pipeline_cut.py``)."""
     scheme = table.scheme
-    shapes = [PlannedChunk(tuple((int(d), 0, int(lengths[d])) for d in mb)).shape(lengths) for mb in micro_batches]
+    shapes = _shapes(lengths, micro_batches)
     if simulation == "paired":
         cost = costs.padded_cost(scheme, executor_bucket(max(s.tokens for s in shapes), scheme.sp))
     else:
@@ -98,7 +98,7 @@ def time_bound(
 def _simulated(lengths, micro_batches, ckpt, scheme, cost, mode: str) -> float:
     """Simulated seconds of ``micro_batches`` as one 1F1B unit, micro-batch ``k`` recomputing
     ``ckpt[k]`` layers on every stage."""
-    shapes = [PlannedChunk(tuple((int(d), 0, int(lengths[d])) for d in mb)).shape(lengths) for mb in micro_batches]
+    shapes = _shapes(lengths, micro_batches)
     ids, schedule = unit_schedule([[k] for k in range(len(shapes))], scheme.pp)
     rows = np.repeat(np.asarray([ckpt[k] for k in ids], np.int64)[:, None], scheme.pp, axis=1)
     ordered = [shapes[k] for k in ids]
@@ -187,6 +187,11 @@ def cut_exceeds(
         time_bound(lengths, cut, need, table, costs, simulation) > seconds
         for _, cut, need in candidate_cuts(lengths, micro_batches, ckpt, table)
     )
+
+
+def _shapes(lengths, micro_batches) -> list:
+    """Each micro-batch's chunk shape: its documents packed whole, in order."""
+    return [PlannedChunk(tuple((int(d), 0, int(lengths[d])) for d in mb)).shape(lengths) for mb in micro_batches]
 
 
 def _partition(micro_batches) -> tuple:
