@@ -48,6 +48,12 @@ class Layout:
                 "so that every stage holds the same number of layers"
             )
 
+    def vocab_shards(self, vocab_size: int) -> int:
+        """Over how many devices the pipeline executor splits the embedding table and the head by
+        vocabulary: a stage's ``sp`` devices where they divide ``vocab_size``, else 1 (every
+        device holds them whole; jvarlen/parallel/pipeline/rest.py)."""
+        return self.sp if self.sp > 1 and vocab_size % self.sp == 0 else 1
+
     def __str__(self) -> str:
         return f"Layout(dp={self.dp}, pp={self.pp}, sp={self.sp})"
 

@@ -150,12 +150,13 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
-def rest_bytes(shape: ModelShape) -> tuple[int, int]:
+def rest_bytes(shape: ModelShape, shards: int = 1) -> tuple[float, float]:
     """What the pipeline executor holds of the rest per device by dtype, with a bf16 compute dtype
     and fp32 parameters: (the embedding table and the final norm in fp32, copy 4 + accumulator 4;
-    an untied head in bf16, copy 2 + accumulator 4; one op's gradient of it in the copy's dtypes)."""
-    fp32 = shape.embed_params + shape.d_model
-    bf16 = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model
+    an untied head in bf16, copy 2 + accumulator 4; one op's gradient of it in the copy's dtypes),
+    the table and head split over ``shards`` devices by vocabulary (the pipeline strategy's sp)."""
+    fp32 = shape.embed_params / shards + shape.d_model
+    bf16 = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model / shards
     return 8 * fp32 + 6 * bf16, 4 * fp32 + 2 * bf16
 
 
@@ -163,7 +164,7 @@ def test_model_state_memory_hand_computed():
     cm = CostModel(MHA, Layout(2, 2, 2), coeffs())
     p = MHA.param_count
     layers = MHA.num_layers // 2 * MHA.layer_params
-    held = rest_bytes(MHA)[0]
+    held = rest_bytes(MHA, shards=2)[0]  # split over sp = 2 by vocabulary
     # the executor runs one program on every stage: each holds the whole rest, not its own part of it
     for stage in (0, 1):
         assert cm.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + held + 1000)
@@ -183,7 +184,8 @@ def test_model_state_memory_hand_computed():
         assert z.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held + in_flight + 1000)
     assert z.padded(64).model_state_memory(1) == pytest.approx(z.model_state_memory(1))
     z4 = z.with_layout(Layout(1, 2, 4), state_devices=8)
-    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held + in_flight + 1000)
+    held4 = rest_bytes(MHA, shards=4)[0]
+    assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held4 + in_flight + 1000)
     # one device per stage: nothing to shard, nothing gathered
     z1 = z.with_layout(Layout(1, 2, 1), state_devices=8)
     assert z1.model_state_memory(0) == pytest.approx(cm.with_layout(Layout(1, 2, 1), 8).model_state_memory(0))
@@ -202,10 +204,11 @@ def test_the_executor_backward_holds_its_layer_gradients_until_they_are_accumula
     cm = CostModel(MHA, Layout(2, 2, 2), c)
     stage_layers = MHA.num_layers // 2 * MHA.layer_params
     rest = rest_bytes(MHA)[1]  # and its gradient of the rest, allocated on every stage
-    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers + rest)
+    split = rest_bytes(MHA, shards=2)[1]  # (its 1/sp split by vocabulary)
+    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers + split)
     sharded = CostModel(MHA, Layout(2, 2, 2), c, stage_weights_sharded=True)
     accumulator = c.stage_bytes_per_param - c.bytes_per_element
-    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4 + rest)
+    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4 + split)
     alone = CostModel(MHA, Layout(1, 2, 1), c, stage_weights_sharded=True)  # nothing to shard over
     assert alone.layer_gradient_memory() == pytest.approx(c.bytes_per_element * stage_layers + rest)
     # a fused data-parallel step returns no op's gradients; a device group with one stage does
@@ -533,7 +536,9 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     group = pipeline.replace(group=True)
     for stage in (0, 1):
         assert group.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + held + 1000)
-        assert group.model_state_memory(stage) == pytest.approx(pipeline.model_state_memory(stage))
+        # the pipeline strategy's executor splits the table and head by vocabulary over sp = 2
+        split = rest_bytes(untied, shards=2)[0]
+        assert pipeline.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + split + 1000)
     one_stage = CostModel(untied, Layout(2, 1, 4), coeffs())  # a fused step: the whole model at 6 bytes
     assert one_stage.replace(group=True).model_state_memory(0) == pytest.approx(
         one_stage.model_state_memory(0) - 6 * (p - untied.num_layers * untied.layer_params) + held
@@ -546,3 +551,24 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     # the schemes a strategy policy prices are groups: every stage of theirs charges the rest
     scheme = SchemeCosts(CostModel(untied, Layout(1, 1, 1), coeffs()), 8).cost(Scheme(pp=2, sp=4))
     assert scheme.model_state_memory(0) == pytest.approx(scheme.model_state_memory(1))
+
+
+def test_the_account_charges_a_share_of_the_vocabulary():
+    """The memory account (``memory_floor``) charges 1/sp of the table and head on every stage of
+    the pipeline strategy where sp divides the vocabulary (the executor splits them by vocabulary,
+    jvarlen/parallel/pipeline/rest.py), the whole of them where it does not, and on a device
+    group, whose pull hands them whole."""
+    untied = dataclasses.replace(MHA, tie_embeddings=False)  # vocabulary 100
+    odd = dataclasses.replace(untied, vocab_size=99)
+    held = rest_bytes(untied)[0] - 8 * untied.d_model  # the table and head; the norm is never split
+
+    def floor(model, layout, group=False):
+        return CostModel(model, layout, coeffs(), group=group).memory_floor(0)
+
+    for sp in (2, 4):
+        layout = Layout(1, 2, sp)
+        # copy and accumulator between ops, and one op's gradient (rest_bytes' second term)
+        op_gradient = rest_bytes(untied)[1] - 4 * untied.d_model
+        saved = (held + op_gradient) * (1 - 1 / sp)
+        assert floor(untied, layout, group=True) - floor(untied, layout) == pytest.approx(saved)
+        assert floor(odd, layout) == pytest.approx(floor(odd, layout, group=True))  # 99: nothing split

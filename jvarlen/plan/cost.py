@@ -54,9 +54,9 @@ class CostModel:
         ``stage_weights_sharded``: the compute copy and gradient accumulator of the stage's decoder
         layers are sharded over its sp group and the dp pipelines (ZeRO-3, the executor's
         ``stage_weights="sharded"``), so a device holds ``stage_bytes_per_param / (dp·sp)`` per
-        layer parameter (embedding and head stay whole: :meth:`model_state_memory`). ``group``: the layout is a
-        device group of a heterogeneous strategy, whose pull and push move the rest of the model
-        (embedding, head) to and from every device (:meth:`step_overhead`)."""
+        layer parameter (:meth:`model_state_memory`). ``group``: the layout is a device group of a
+        heterogeneous strategy, whose pull and push move the rest of the model (embedding, head)
+        whole to and from every device (:meth:`step_overhead`, :meth:`_rest_bytes`)."""
         if model.num_layers % layout.pp:
             raise ValueError(f"{layout}: num_layers ({model.num_layers}) must be divisible by pp ({layout.pp})")
         if model.num_heads % layout.sp:
@@ -442,7 +442,7 @@ class CostModel:
             params, rest = m.stage_params(stage, self.layout.pp), 0.0
         in_flight = 0.0
         group = self.layout.dp * self.layout.sp
-        if self.stage_weights_sharded and group > 1:  # the decoder layers; embedding and head stay whole
+        if self.stage_weights_sharded and group > 1:  # the decoder layers (the rest: _rest_bytes)
             layers = m.num_layers // self.layout.pp * m.layer_params
             params += layers / group - layers
             # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
@@ -454,8 +454,8 @@ class CostModel:
     def holds_rest(self) -> bool:
         """Whether every device holds the embedding, final norm and head, whatever its stage: the
         pipeline executor (``pp > 1``, and every device group) runs one program on every stage of
-        a layout and hands each device the rest of the model (``make_pipeline_grads``), so a
-        middle stage allocates what the end stages use."""
+        a layout and hands each device the rest of the model (:meth:`_rest_bytes`), so a middle
+        stage allocates what the end stages use."""
         return self.group or self.layout.pp > 1
 
     def _rest_bytes(self) -> tuple[float, float]:
@@ -465,15 +465,16 @@ class CostModel:
         dtype, an untied head in the compute dtype (``sharding.pulled_dtypes``); the accumulator
         is fp32 at least and shares the parameters' dtype (``stage_bytes_per_param -
         bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
-        an op's gradient is in the copy's dtype. The embedding's is charged although the executor
-        adds it into its accumulator in place: the compiled step of one layout, (1, 4, 2) on
-        abstract H100s, still peaks at the bytes this charges. Measured on compiled programs:
+        an op's gradient is in the copy's dtype (the embedding's too, although it is added in
+        place). The pipeline strategy splits the table and an untied head by vocabulary over sp
+        (``Layout.vocab_shards``; a group's pull hands them whole). Measured on compiled programs:
         docs/benchmarks.md, "The embedding and head on every pipeline device"."""
         c, m = self.coeffs, self.model
         acc = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)
-        head_matrix = m.head_params - m.d_model
-        copy = acc * (m.embed_params + m.d_model) + c.bytes_per_element * head_matrix
-        return copy + acc * (m.embed_params + m.head_params), copy
+        shards = 1 if self.group else self.layout.vocab_shards(m.vocab_size)
+        table, head_matrix = m.embed_params / shards, (m.head_params - m.d_model) / shards
+        copy = acc * (table + m.d_model) + c.bytes_per_element * head_matrix
+        return copy + acc * (table + m.d_model + head_matrix), copy
 
     @property
     def memory_budget(self) -> float:

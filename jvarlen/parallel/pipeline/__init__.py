@@ -3,6 +3,7 @@
 Host side (numpy): :mod:`.chunks` (plan pieces -> packed chunks), :mod:`jvarlen.plan.buffers` (slot tables),
 :mod:`.signature` (the static key of a compiled step), :mod:`.prepare` (one step's inputs).
 Device side: :mod:`.stage` (a stage's layers with stored or recomputed residuals),
+:mod:`.rest` (the embedding, final norm and head, whole or split by vocabulary over sp),
 :mod:`.executor` (the tick program), :mod:`.grads` (a step's gradients, of one plan or of a step's
 parts). docs/design/pipeline.md describes the whole.
 """

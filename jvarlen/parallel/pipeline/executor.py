@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jvarlen.model import AttentionInputs, cross_entropy_sums
+from jvarlen.model import AttentionInputs
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline import slots
+from jvarlen.parallel.pipeline.rest import StageRest, add_part
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS
 from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
@@ -46,7 +47,6 @@ def split_params(params):
 
 
 ACCUMULATORS = ("g_layers", "g_rest", "loss", "count")  # what a step's parts carry from one to the next
-EMBED = "embed"  # the rest's embedding table (jvarlen.model.transformer)
 
 
 class StageProgram:
@@ -60,7 +60,7 @@ class StageProgram:
     update is in place in the tick loop's carry."""
 
     def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True):
-        self.s, self.layers, self.rest, self.scale = s, layers, rest, scale
+        self.s, self.layers, self.scale = s, layers, scale
         self.b = jax.tree.map(lambda a: a[0], b)
         self.stage = jax.lax.axis_index(PP)
         self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
@@ -71,41 +71,10 @@ class StageProgram:
         self.ordered = s.sig.layout.sp > 1 or s.fns.weights.dp_sharded
         self.gathers_wait = self.ordered and cpu
         self.out: dict = {}  # every op's outputs, zeros where the op has none (:meth:`init`)
-        # what the head differentiates (final norm, head; the table when tied): all an op returns of the rest's
-        tied = self.model_of(rest).config.tie_embeddings
-        self.head_keys = tuple(k for k in rest.keys() if k != EMBED or tied)
-
-    # ---- the model pieces outside the stage's layers
-    def model_of(self, rest):
-        return nnx.merge(self.s.graphdef, rest, nnx.State({"layers": self.layers}))
-
-    def embed(self, rest, tokens):
-        return self.model_of(rest).embed_tokens(tokens[None])[0]
-
-    def head_loss(self, rest, y, targets, mask):
-        logits = self.model_of(rest).logits(y[None])
-        return cross_entropy_sums(logits, targets[None], mask[None])["loss_sum"]
-
-    def part(self, keys) -> nnx.State:
-        return nnx.State({k: self.rest[k] for k in keys})
-
-    def with_part(self, part: nnx.State) -> nnx.State:  # the rest with ``part`` (differentiated) in it
-        return nnx.State({**self.rest, **part})
-
-    def head_vjp(self, c, y):
-        """(loss, its gradients of :attr:`head_keys` and of ``y``) of chunk view ``c``'s last-stage output."""
-        loss, vjp_fn = jax.vjp(
-            lambda hh, yy: self.head_loss(self.with_part(hh), yy, c["local_targets"], c["local_loss_mask"]),
-            self.part(self.head_keys),
-            y,
+        # the embedding, final norm and head: whole, or split by vocabulary over sp
+        self.rest = StageRest(
+            s.graphdef, layers, rest, s.compute_dtype, scale, s.vocab_shards, self.mine, s.Tl, self.ordered
         )
-        d_head, dy = vjp_fn(self.scale.astype(loss.dtype))
-        return loss, d_head, dy
-
-    def embed_vjp(self, c, dx):
-        """The embedding table's part of the rest's gradient, of the first stage's input cotangent ``dx``."""
-        _, vjp_fn = jax.vjp(lambda ee: self.embed(self.with_part(ee), c["local_tokens"]), self.part((EMBED,)))
-        return vjp_fn(dx)[0]
 
     # ---- one chunk's view
     def chunk(self, k) -> dict:
@@ -169,7 +138,7 @@ class StageProgram:
         if fusable:
             x = r["x"]
             if s.pp == 1:
-                x = jnp.where(is_fused, maybe(is_fused, lambda: self.embed(self.rest, c["local_tokens"])), x)
+                x = jnp.where(is_fused, maybe(is_fused, lambda: self.rest.embed(c, after=x)), x)
             mode = KEEP if kind == FUSED else jnp.where(is_fused, KEEP, NONE)
 
             def up(x, lp, xs):
@@ -178,7 +147,7 @@ class StageProgram:
                 return y, res
 
             y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
-            loss, d_head, dy_head = maybe(is_fused, lambda: self.head_vjp(c, y))
+            loss, d_head, dy_head = maybe(is_fused, lambda: self.rest.head_vjp(c, y))
             dy = jnp.where(is_fused, dy_head, r["dy"])
         else:
             residuals, loss, d_head, dy = None, self.out["loss"], self.out["d_head"], r["dy"]
@@ -245,7 +214,7 @@ class StageProgram:
         is_f = op == FWD if kind is None else True
         run = jnp.where(c["res_slot"] != s.dummy("res"), KEEP, PLAIN) if s.stores else PLAIN
         mode = run if kind == FWD else jnp.where(is_f, run, NONE)
-        embedded = maybe(is_f & self.is_first, lambda: self.embed(self.rest, c["local_tokens"]))
+        embedded = maybe(is_f & self.is_first, lambda: self.rest.embed(c, after=r["x"]))
         x = jnp.where(self.is_first, embedded, r["x"])
         f = fns.layer(c["inputs"], c["local_positions"])
 
@@ -256,7 +225,7 @@ class StageProgram:
 
         y, (k_own, v_own, residuals, inputs) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
 
-        loss, d_head, dy = maybe(is_f & self.is_last, lambda: self.head_vjp(c, y))
+        loss, d_head, dy = maybe(is_f & self.is_last, lambda: self.rest.head_vjp(c, y))
         return dict(
             self.out,
             send_act=y,
@@ -322,10 +291,8 @@ class StageProgram:
             carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
             carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
-        # the embedding's gradient from the cotangent the op sends, outside its conditional (whose
-        # output would be table-sized): XLA scatter-adds it into the accumulator in place
-        dx = jnp.where(takes_dctx & self.is_first, o["send_grad"], jnp.zeros_like(o["send_grad"]))
-        carry["g_rest"] = _add_part(_add_part(carry["g_rest"], o["d_head"]), self.embed_vjp(c, dx))
+        g_rest = add_part(carry["g_rest"], o["d_head"])
+        carry["g_rest"] = self.rest.embed_grad(g_rest, c, o["send_grad"], takes_dctx & self.is_first)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
@@ -365,7 +332,7 @@ class StageProgram:
             zero = jnp.zeros_like(o["k_own"])
             carry["dck"] = slots.put_rows(carry["dck"], rows, zero)
             carry["dcv"] = slots.put_rows(carry["dcv"], rows, zero)
-        carry["g_rest"] = _add_part(carry["g_rest"], o["d_head"])  # the last stage's
+        carry["g_rest"] = add_part(carry["g_rest"], o["d_head"])  # the last stage's
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_act"]
@@ -403,7 +370,7 @@ class StageProgram:
         """Zero outputs of every op (:attr:`out`) and the initial carry: the stage's buffers
         (zero-initialised every step: temporaries, not state) and the accumulators
         (:data:`ACCUMULATORS`: zeros, or ``acc``, a previous part's of the same step)."""
-        s, cdt, layers, rest = self.s, self.s.compute_dtype, self.layers, self.rest
+        s, cdt, layers = self.s, self.s.compute_dtype, self.layers
         sig = s.sig
         x0 = jnp.zeros((s.Tl, s.d), cdt)
         c0 = self.chunk(jnp.int32(0))
@@ -427,7 +394,7 @@ class StageProgram:
             dck=dctx,
             dcv=dctx,
             d_layers=s.fns.weights.reduced_zeros(layers),
-            d_head=jax.tree.map(jnp.zeros_like, self.part(self.head_keys)),
+            d_head=self.rest.head_zeros(),
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.int32),
         )
@@ -446,7 +413,7 @@ class StageProgram:
                 acc
                 or dict(
                     g_layers=s.fns.weights.accumulators(layers),
-                    g_rest=jax.tree.map(_accumulator, rest),
+                    g_rest=self.rest.accumulators(),
                     loss=jnp.zeros((), jnp.float32),
                     count=jnp.zeros((), jnp.int32),
                 )
@@ -471,28 +438,19 @@ class StageProgram:
         weights = self.s.fns.weights
         if weights.canonical:
             g_layers = weights.push(acc["g_layers"])  # summed, in the canonical placement
-            g_rest = jax.lax.psum(acc["g_rest"], (DATA, PP, SP))
+            # the vocabulary-split table and head are summed over the pipelines and stages only
+            g_rest, done = self.rest.sum_over_layout(acc["g_rest"], g_layers, (DATA, PP))
         else:
             g_layers = jax.tree.map(lambda g: g[None], weights.push_rows(acc["g_layers"]))
-            g_rest = jax.tree.map(lambda g: g[None], acc["g_rest"])
-        loss = jax.lax.psum(acc["loss"], (DATA, PP, SP))
+            g_rest = done = jax.tree.map(lambda g: g[None], acc["g_rest"])
+        loss = acc["loss"]
+        if self.ordered:  # after the other sums (see :meth:`tick`)
+            _, loss = jax.lax.optimization_barrier((done, loss))
+        loss = jax.lax.psum(loss, (DATA, PP, SP))
         return g_layers, g_rest, loss, acc["count"].reshape(1, 1)
 
     def run(self):
         return self.finish(self.accumulate())
-
-
-def _accumulator(x):
-    """A zero gradient accumulator for a leaf of the rest: in fp32 at least, whatever dtype the
-    leaf arrives in (a device group's pull hands the head in the compute dtype), as the layers'
-    accumulators are; each op's gradient stays in the leaf's dtype and is added into it."""
-    dtype = jnp.promote_types(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-    return jnp.zeros(x.shape, dtype)
-
-
-def _add_part(acc: nnx.State, part: nnx.State) -> nnx.State:
-    """``acc`` (the rest's accumulators) with ``part``'s gradients added into its entries."""
-    return nnx.State({**acc, **{k: jax.tree.map(jnp.add, acc[k], part[k]) for k in part.keys()}})
 
 
 def _per_layer(mode, layers: int):

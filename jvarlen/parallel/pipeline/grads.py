@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jvarlen.config import ModelConfig
 from jvarlen.parallel.layouts import LAYOUT_AXES, PP
 from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
+from jvarlen.parallel.pipeline.rest import rest_specs
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.stage import stage_shapes
 from jvarlen.parallel.sharding import cast_pulled
@@ -43,6 +44,8 @@ def make_pipeline_grads(
     ``stage_weights``: ``"replicated"`` (every device of a stage holds its layers) or
     ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
     of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
+    The embedding table and an untied head are split by vocabulary over the stage's sp devices
+    where sp divides the vocabulary (canonical placement only; :mod:`.rest`).
     ``canonical``: the layers arrive in the canonical placement over the mesh's devices (the
     pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
     the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``
@@ -85,7 +88,7 @@ def make_pipeline_grads(
         targets = sum(jnp.sum(b["loss_mask"]) for b in batches).astype(jnp.float32)
         scale = 1.0 / jnp.maximum(targets, 1.0)
         layer_spec = weights.specs()
-        rest_spec = jax.tree.map(lambda _: P(), rest)
+        rest_spec = rest_specs(rest, shapes[0].vocab_shards)  # the table and head split by vocabulary over sp
         batch_spec = tuple({key: P(DATA) for key in b} for b in batches)
         rows = jax.tree.map(lambda _: P(LAYOUT_AXES), layer_spec)  # canonical=False: a row per device
         rest_rows = jax.tree.map(lambda _: P(LAYOUT_AXES), rest)

@@ -160,7 +160,9 @@ NONE, PLAIN, KEEP = 0, 1, 2
 class StageShapes:
     """Static sizes of one signature, per device: T tokens per chunk (Tl = T/sp of them on one device
     of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
-    Ulysses all_to_all, Sc context tokens a chunk reads, R rows of the context pools."""
+    Ulysses all_to_all, Sc context tokens a chunk reads, R rows of the context pools;
+    ``vocab_shards``: the sp devices the embedding table and head are split over by vocabulary
+    (:mod:`.vocab`), or 1 (whole on every device)."""
 
     sig: PipelineSignature
     graphdef: Any
@@ -169,6 +171,7 @@ class StageShapes:
     d: int
     D: int
     K: int
+    vocab_shards: int = 1
 
     @property
     def pp(self) -> int:
@@ -242,6 +245,8 @@ def stage_shapes(
         d=cfg.d_model,
         D=cfg.head_dim or cfg.d_model // cfg.num_heads,
         K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
+        # a device group's pull hands every device the rest whole
+        vocab_shards=sig.layout.vocab_shards(cfg.vocab_size) if canonical else 1,
     )
 
 

@@ -333,6 +333,8 @@ class StageWeights:
                 ahead = gather(nxt)
             return (c, ahead, g), (y, reduced)
 
+        if ordered:  # the first gather after what the pass starts from (a collective may make it)
+            shards, init = jax.lax.optimization_barrier((shards, init))
         first = gather(last if reverse else 0)
         g0 = jax.tree.map(jnp.zeros_like, first) if reduce else None  # a gradient has lp's shapes
         (c, _, g_end), (ys, reduced) = jax.lax.scan(

@@ -1,0 +1,214 @@
+"""The rest of the model (embedding table, final norm, head) inside the pipeline executor: the
+embedding of the first stage's input, the head and loss of the last stage's output and their
+gradients, whole on every device or split by vocabulary over the stage's sp devices.
+
+Every device of the pipeline executor holds the rest (one program runs on every stage); whole it
+costs each device ~12 bytes per embedding or head parameter, whatever its stage
+(docs/benchmarks.md, "The embedding and head on every pipeline device"). Split by vocabulary over
+the stage's ``sp`` devices (the devices that run the same chunk), a device holds ``1/sp`` of the
+table, the head and their accumulators, and nothing table-sized is ever gathered: each device works
+on its rows for all ``T`` tokens of the chunk, and activations move instead (:class:`VocabShard`):
+
+- lookup: each device takes its rows of the chunk's tokens (zeros for the others) and a
+  reduce-scatter over ``sp`` hands every device the embeddings of its ``T/sp`` tokens;
+- the lookup's gradient: the first stage's input cotangents, all-gathered over ``sp``, are
+  scatter-added into the local rows;
+- the head: the normed outputs are all-gathered, each device computes its ``[T, V/sp]`` logits
+  (as many as ``[T/sp, V]`` whole), the log-partition is a max and a sum over ``sp``, and the
+  gradient is written out (softmax minus one-hot): the head's is local, the outputs' is
+  reduce-scattered back. No collective is differentiated by JAX.
+
+The pipeline strategy splits where ``sp`` divides the vocabulary (``Layout.vocab_shards``); a
+device group's pull hands its devices the rest whole (``StageShapes.vocab_shards`` is 1 there).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jvarlen.model import cross_entropy_sums
+from jvarlen.parallel.layouts import SP
+
+EMBED, HEAD = "embed", "head"  # the rest's table [V, d] and untied head [d, V] (jvarlen.model.transformer)
+VOCAB_AXIS = {EMBED: 0, HEAD: 1}
+
+
+def rest_specs(rest, shards: int):
+    """Partition specs of the rest's leaves inside the executor: the table and head split by
+    vocabulary over ``sp`` where ``shards > 1``, everything else replicated."""
+
+    def spec(key, leaf):
+        axis = VOCAB_AXIS.get(key) if shards > 1 else None
+        return P() if axis is None else P(*([None] * axis + [SP]))
+
+    return type(rest)({k: jax.tree.map(lambda x, k=k: spec(k, x), v) for k, v in rest.items()})
+
+
+class VocabShard:
+    """This device's rows of the vocabulary: ``[offset, offset + size)`` (inside ``shard_map``)."""
+
+    def __init__(self, vocab_size: int, shards: int):
+        self.size = vocab_size // shards
+        self.offset = jax.lax.axis_index(SP) * self.size
+
+    def local(self, tokens):
+        """(row of each token in this device's rows, whether it is one of them)."""
+        row = tokens - self.offset
+        return row, (row >= 0) & (row < self.size)
+
+    def lookup(self, table, tokens, dtype):
+        """Embeddings of this device's ``T/sp`` tokens of the chunk, from its rows ``table [V/sp, d]``
+        and all ``T`` tokens: exact, one device contributes each token's row."""
+        row, mine = self.local(tokens)
+        rows = jnp.take(table, jnp.clip(row, 0, self.size - 1), axis=0).astype(dtype)
+        rows = jnp.where(mine[:, None], rows, jnp.zeros_like(rows))
+        return jax.lax.psum_scatter(rows, SP, scatter_dimension=0, tiled=True)
+
+    def table_rows(self, tokens, dx, takes):
+        """(row index, cotangent) of the lookup's gradient for ``T`` tokens and this device's
+        ``T/sp`` cotangents ``dx``, where ``takes``; rows of other devices' vocabulary, and every
+        row where not ``takes``, index past the table (drop them with ``mode="drop"``). The
+        gather runs on every tick of every stage: in a conditional on ``takes`` (which the sp
+        devices agree on) it deadlocked XLA:CPU's devices on one test table (1F1B, every layer
+        recomputed, layout (2, 1, 2)); it moves one chunk's activations, no more than a
+        ``ppermute``."""
+        row, mine = self.local(tokens)
+        gathered = jax.lax.all_gather(dx, SP, axis=0, tiled=True)
+        return jnp.where(mine & takes, row, self.size), gathered
+
+    def head_loss(self, h, w, targets, mask, scale, mine: int, tokens: int):
+        """Cross-entropy of the chunk's normed outputs ``h [T/sp, d]`` (this device's) against
+        ``w [d, V/sp]`` (its columns of the head, in the compute dtype), as
+        ``jvarlen.model.cross_entropy_sums`` computes it on the whole logits, and its gradient at
+        cotangent ``scale``: (sum of this device's ``tokens`` token losses from ``mine``, the
+        gradient of ``w``, of ``h``). ``targets`` and ``mask`` are the whole chunk's."""
+        h_all = jax.lax.all_gather(h, SP, axis=0, tiled=True)
+        z = jnp.einsum("td,dv->tv", h_all, w, preferred_element_type=jnp.float32)
+        top = jax.lax.pmax(jnp.max(z, axis=-1), SP)
+        row, hit = self.local(targets)
+        at_target = jnp.take_along_axis(z, jnp.clip(row, 0, self.size - 1)[:, None], axis=-1)[:, 0]
+        # one sum over sp for both, after the max: collectives that do not depend on each other may
+        # start in a different order on each device (XLA:CPU), which deadlocks
+        sums = jnp.stack([jnp.sum(jnp.exp(z - top[:, None]), axis=-1), jnp.where(hit, at_target, 0.0)])
+        sum_exp, target_logit = jax.lax.psum(sums, SP)
+        log_z = top + jnp.log(sum_exp)
+        weight = mask.astype(jnp.float32)
+        losses = (log_z - target_logit) * weight
+        loss = jnp.sum(jax.lax.dynamic_slice_in_dim(losses, mine, tokens))
+        onehot = jnp.arange(self.size)[None, :] == jnp.where(hit, row, -1)[:, None]
+        dz = ((jnp.exp(z - log_z[:, None]) - onehot) * (weight * scale)[:, None]).astype(w.dtype)
+        dw = jnp.einsum("td,tv->dv", h_all, dz, preferred_element_type=jnp.float32).astype(w.dtype)
+        dh_all = jnp.einsum("tv,dv->td", dz, w, preferred_element_type=jnp.float32)
+        dh = jax.lax.psum_scatter(dh_all, SP, scatter_dimension=0, tiled=True)
+        return loss, dw, dh.astype(h.dtype)
+
+
+class StageRest:
+    """The rest of the model as one device of the executor uses it (inside ``shard_map``):
+    ``graphdef`` and the stage's ``layers`` (to rebuild the model), ``rest`` (this device's
+    leaves), the compute ``dtype``, the loss ``scale`` (1 / all real targets of the iteration),
+    ``shards`` (:attr:`StageShapes.vocab_shards`), this device's ``tokens`` of a chunk from token
+    ``mine``, and whether collectives are ``ordered`` (the executor's tick)."""
+
+    def __init__(self, graphdef, layers, rest, dtype, scale, shards: int, mine, tokens: int, ordered: bool):
+        self.graphdef, self.layers, self.rest, self.dtype, self.scale = graphdef, layers, rest, dtype, scale
+        self.mine, self.tokens, self.ordered, self.shards = mine, tokens, ordered, shards
+        config = self.model_of(rest).config
+        self.tied = config.tie_embeddings
+        # what the head differentiates (final norm, head; the table when tied): all an op returns of the rest's
+        self.head_keys = tuple(k for k in rest.keys() if k != EMBED or self.tied)
+        self.norm_keys = tuple(k for k in rest.keys() if k not in (EMBED, HEAD))  # the final norm's
+        self.vocab = VocabShard(config.vocab_size, shards) if shards > 1 else None  # None: whole
+
+    def model_of(self, rest):
+        return nnx.merge(self.graphdef, rest, nnx.State({"layers": self.layers}))
+
+    def part(self, keys) -> nnx.State:
+        return nnx.State({k: self.rest[k] for k in keys})
+
+    def with_part(self, part: nnx.State) -> nnx.State:  # the rest with ``part`` (differentiated) in it
+        return nnx.State({**self.rest, **part})
+
+    def embed(self, c, rest=None, after=None):
+        """The embeddings of this device's tokens of chunk view ``c``. Split by vocabulary, the
+        lookup is a collective: ``after``, a value it then waits for (see the executor's tick)."""
+        model = self.model_of(self.rest if rest is None else rest)
+        if self.vocab is None:
+            return model.embed_tokens(c["local_tokens"][None])[0]
+        tokens = c["tokens"]
+        if self.ordered and after is not None:
+            tokens, _ = jax.lax.optimization_barrier((tokens, after))
+        return self.vocab.lookup(model.embed[...], tokens, self.dtype)
+
+    def head_vjp(self, c, y):
+        """(loss, its gradients of :attr:`head_keys` and of ``y``) of chunk view ``c``'s last-stage output."""
+        if self.vocab is not None:
+            return self._split_head_vjp(c, y)
+
+        def loss_of(head, yy):
+            logits = self.model_of(self.with_part(head)).logits(yy[None])
+            return cross_entropy_sums(logits, c["local_targets"][None], c["local_loss_mask"][None])["loss_sum"]
+
+        loss, vjp_fn = jax.vjp(loss_of, self.part(self.head_keys), y)
+        d_head, dy = vjp_fn(self.scale.astype(loss.dtype))
+        return loss, d_head, dy
+
+    def _split_head_vjp(self, c, y):
+        """:meth:`head_vjp` with the head split by vocabulary (``VocabShard.head_loss``)."""
+        model = self.model_of(self.rest)
+        h, norm_vjp = jax.vjp(
+            lambda nn, yy: self.model_of(self.with_part(nn)).final_norm(yy), self.part(self.norm_keys), y
+        )
+        w = (model.embed[...].T if self.tied else model.head[...]).astype(self.dtype)
+        loss, dw, dh = self.vocab.head_loss(h, w, c["targets"], c["loss_mask"], self.scale, self.mine, self.tokens)
+        d_norm, dy = norm_vjp(dh)
+        key = EMBED if self.tied else HEAD
+        d_w = jax.tree.map(lambda p: (dw.T if self.tied else dw).astype(p.dtype), self.part((key,)))
+        return loss, nnx.State({k: d_norm[k] if k in self.norm_keys else d_w[k] for k in self.head_keys}), dy
+
+    def embed_grad(self, g_rest: nnx.State, c, dx, takes) -> nnx.State:
+        """``g_rest`` with the embedding table's gradient of the first stage's input cotangent ``dx``
+        added (where ``takes``: the op sends one). Outside the op's conditional (whose output
+        would be table-sized): XLA scatter-adds it into the accumulator in place."""
+        if self.vocab is None:
+            dx = jnp.where(takes, dx, jnp.zeros_like(dx))
+            _, vjp_fn = jax.vjp(lambda ee: self.embed(c, self.with_part(ee)), self.part((EMBED,)))
+            return add_part(g_rest, vjp_fn(dx)[0])
+        row, dx_all = self.vocab.table_rows(c["tokens"], dx, takes)
+        table = jax.tree.map(lambda g: g.at[row].add(dx_all.astype(g.dtype), mode="drop"), g_rest[EMBED])
+        return nnx.State({**g_rest, EMBED: table})
+
+    def head_zeros(self) -> nnx.State:
+        """Zeros of an op's gradient of the rest (:attr:`head_keys`)."""
+        return jax.tree.map(jnp.zeros_like, self.part(self.head_keys))
+
+    def accumulators(self) -> nnx.State:
+        """Zero gradient accumulators of the rest: in fp32 at least, whatever dtype a leaf arrives
+        in (a device group's pull hands the head in the compute dtype), as the layers' are; each
+        op's gradient stays in the leaf's dtype and is added into them."""
+
+        def zeros(x):
+            floating = jnp.issubdtype(x.dtype, jnp.floating)
+            return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32) if floating else x.dtype)
+
+        return jax.tree.map(zeros, self.rest)
+
+    def sum_over_layout(self, g_rest: nnx.State, after, axes: tuple) -> tuple:
+        """(``g_rest`` summed over the layout, the last sum): a split leaf over ``axes`` (the
+        pipelines and stages), a whole one over the stage's sp devices too; one sum after the
+        other, the first after ``after`` where collectives are ordered."""
+        out, done = {}, after
+        for k, g in g_rest.items():
+            if self.ordered:
+                _, g = jax.lax.optimization_barrier((done, g))
+            split = self.vocab is not None and k in VOCAB_AXIS
+            out[k] = done = jax.lax.psum(g, axes if split else axes + (SP,))
+        return nnx.State(out), done
+
+
+def add_part(acc: nnx.State, part: nnx.State) -> nnx.State:
+    """``acc`` (the rest's accumulators) with ``part``'s gradients added into its entries."""
+    return nnx.State({**acc, **{k: jax.tree.map(jnp.add, acc[k], part[k]) for k in part.keys()}})
