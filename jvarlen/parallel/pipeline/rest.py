@@ -79,7 +79,7 @@ class VocabShard:
         gathered = jax.lax.all_gather(dx, SP, axis=0, tiled=True)
         return jnp.where(mine & takes, row, self.size), gathered
 
-    def head_loss(self, h, w, targets, mask, scale, mine: int, tokens: int):
+    def head_loss(self, h, w, targets, mask, scale, mine, tokens: int):
         """Cross-entropy of the chunk's normed outputs ``h [T/sp, d]`` (this device's) against
         ``w [d, V/sp]`` (its columns of the head, in the compute dtype), as
         ``jvarlen.model.cross_entropy_sums`` computes it on the whole logits, and its gradient at
@@ -115,7 +115,7 @@ class StageRest:
 
     def __init__(self, graphdef, layers, rest, dtype, scale, shards: int, mine, tokens: int, ordered: bool):
         self.graphdef, self.layers, self.rest, self.dtype, self.scale = graphdef, layers, rest, dtype, scale
-        self.mine, self.tokens, self.ordered, self.shards = mine, tokens, ordered, shards
+        self.mine, self.tokens, self.ordered = mine, tokens, ordered
         config = self.model_of(rest).config
         self.tied = config.tie_embeddings
         # what the head differentiates (final norm, head; the table when tied): all an op returns of the rest's
