@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jvarlen.config import ModelConfig
 from jvarlen.parallel.layouts import LAYOUT_AXES, PP
 from jvarlen.parallel.pipeline.executor import DATA, StageProgram, split_params
-from jvarlen.parallel.pipeline.rest import rest_specs
+from jvarlen.parallel.pipeline.rest import hand_rest, rest_specs
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.stage import stage_shapes
 from jvarlen.parallel.sharding import cast_pulled
@@ -85,6 +85,8 @@ def make_pipeline_grads(
         # dtype, the embedding table and norm scales in their own; its gradients still accumulate
         # in fp32 (a no-op for a device group's rest, pulled so already)
         rest = cast_pulled(rest, compute_dtype)
+        if canonical and not cpu:  # XLA:CPU gathers the whole table either way (rest.hand_rest)
+            rest = hand_rest(rest, mesh, shapes[0].vocab_shards)
         targets = sum(jnp.sum(b["loss_mask"]) for b in batches).astype(jnp.float32)
         scale = 1.0 / jnp.maximum(targets, 1.0)
         layer_spec = weights.specs()

@@ -24,13 +24,16 @@ device group's pull hands its devices the rest whole (``StageShapes.vocab_shards
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvarlen.model import cross_entropy_sums
-from jvarlen.parallel.layouts import SP
+from jvarlen.parallel.layouts import DP, PP, SP
 
 EMBED, HEAD = "embed", "head"  # the rest's table [V, d] and untied head [d, V] (jvarlen.model.transformer)
 VOCAB_AXIS = {EMBED: 0, HEAD: 1}
@@ -45,6 +48,28 @@ def rest_specs(rest, shards: int):
         return P() if axis is None else P(*([None] * axis + [SP]))
 
     return type(rest)({k: jax.tree.map(lambda x, k=k: spec(k, x), v) for k, v in rest.items()})
+
+
+def hand_rest(rest, mesh, shards: int):
+    """``rest`` on its way into the executor (inside ``jit``, before ``shard_map``): split by
+    vocabulary over every device first, so that the move to the executor's split over sp
+    (:func:`rest_specs`) is an all-gather of ``1/sp`` of the table over dp and pp. Without it XLA
+    moved the canonical state's chunks (split on the model dimension) by gathering the whole
+    table and head in fp32 on every device and slicing them: 4.2 GB per device at a 128K
+    vocabulary on llama-7b's width (docs/benchmarks.md). Leaves the other devices do not divide,
+    and a rest that is not split, are left as they are. For GPUs: XLA:CPU's step held more with it
+    than without (the tiny model of tests/test_pipeline_vocab.py: +1.0 MB of temporaries)."""
+    if shards <= 1:
+        return rest
+    n = math.prod(mesh.shape.values())
+
+    def place(key, x):
+        axis = VOCAB_AXIS.get(key)
+        if axis is None or x.shape[axis] % n:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*([None] * axis + [(SP, DP, PP)]))))
+
+    return type(rest)({k: jax.tree.map(lambda x, k=k: place(k, x), v) for k, v in rest.items()})
 
 
 class VocabShard:
