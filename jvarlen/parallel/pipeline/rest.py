@@ -6,8 +6,9 @@ Every device of the pipeline executor holds the rest (one program runs on every 
 costs each device ~12 bytes per embedding or head parameter, whatever its stage
 (docs/benchmarks.md, "The embedding and head on every pipeline device"). Split by vocabulary over
 the stage's ``sp`` devices (the devices that run the same chunk), a device holds ``1/sp`` of the
-table, the head and their accumulators, and nothing table-sized is ever gathered: each device works
-on its rows for all ``T`` tokens of the chunk, and activations move instead (:class:`VocabShard`):
+table, the head and their accumulators, and nothing table-sized moves in the step's ticks: each
+device works on its rows for all ``T`` tokens of the chunk, and activations move instead
+(:class:`VocabShard`; the hand-over before the ticks: :func:`hand_rest`):
 
 - lookup: each device takes its rows of the chunk's tokens (zeros for the others) and a
   reduce-scatter over ``sp`` hands every device the embeddings of its ``T/sp`` tokens;

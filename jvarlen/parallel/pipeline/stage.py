@@ -162,7 +162,7 @@ class StageShapes:
     of an sp group), d model width, Ls layers per stage, K kv heads and D head dim after the
     Ulysses all_to_all, Sc context tokens a chunk reads, R rows of the context pools;
     ``vocab_shards``: the sp devices the embedding table and head are split over by vocabulary
-    (:mod:`.vocab`), or 1 (whole on every device)."""
+    (:mod:`.rest`), or 1 (whole on every device)."""
 
     sig: PipelineSignature
     graphdef: Any
