@@ -75,3 +75,27 @@ def test_data_parallel_step_sums_weight_gradients_in_fp32(dp, sp):
     hlo = lowered.compile().as_text()
     sums = re.findall(r"= (\w+)\[[\d,]*\](?:\{[\d,]*\})? (?:all-reduce|reduce-scatter)(?:-start)?\(", hlo)
     assert sums and set(sums) <= {"f32", "s32"}, sums
+
+
+def test_pipeline_step_never_gathers_the_whole_table():
+    """The pipeline executor splits the embedding table and head by vocabulary over sp; the move
+    from the canonical state (split on the model dimension) to that split gathers 1/sp of them
+    (``rest.hand_rest``), never the whole fp32 table or head on one device (before e2ada72: both,
+    4.2 GB per device at a 128K vocabulary on llama-7b's width)."""
+    import re
+
+    from jvarlen.layout import Layout
+
+    vocab, d = 32000, 256
+    model = {"compute_dtype": "bfloat16", "attention": "auto", "d_model": d, "mlp_dim": 512, "num_heads": 8}
+    model.update(vocab_size=vocab, num_layers=2, tie_embeddings="false")
+    config = load_config("configs/epp-cpu.yaml", **{f"model.{k}": str(v) for k, v in model.items()})
+    layout = Layout(dp=1, pp=2, sp=2)
+    with kernels.compile_for(gpu_aot.gpu_target("h100")):
+        lowered = gpu_aot.lower_pipeline_step(config, gpu_aot.abstract_devices("h100", 4), layout, chunks=2, bucket=512)
+    hlo = lowered.compile().as_text()
+    ops = re.findall(r" = (.*?) all-gather(?:-start)?\(", hlo)  # the result types of every all-gather
+    shapes = {tuple(int(n) for n in g.split(",")) for r in ops for g in re.findall(r"\w+\[([\d,]+)\]", r)}
+    assert shapes, "no all-gather found: the pattern no longer matches XLA's text"
+    assert (vocab, d) not in shapes and (d, vocab) not in shapes, sorted(shapes)
+    assert (vocab // 2, d) in shapes or (d, vocab // 2) in shapes, sorted(shapes)  # 1/sp of them, gathered
