@@ -12,7 +12,8 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.model import build_model
 from jvarlen.parallel.layouts import layout_mesh
-from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, pack_chunks
+from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, pack_chunks, prepare_batch
+from jvarlen.plan import schedule
 from jvarlen.runtime.state import split_model
 from jvarlen.runtime.step import loss_and_grads
 
@@ -89,6 +90,17 @@ def pipelines(dp: int, bucket: int = BUCKET, plans=(PLAN_A, PLAN_B), seed: int =
         docs, chunks = plan_documents(plans[i % len(plans)], seed=seed + i)
         out.append((docs, pack_chunks(chunks, docs, bucket)))
     return out
+
+
+def token_1f1b_batch(cfg, layout, recompute: int):
+    """(pipelines, signature, batch) of plans A/B under token-level 1F1B (split documents, context
+    K/V, fused last-stage ops), ``recompute`` layers per stage and chunk."""
+    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
+    packs = [pk for _, pk in pipes]
+    scheds = [schedule.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
+    ckpts = [np.full((pk.n_chunks, layout.pp), recompute, np.int32) for pk in packs]
+    sig, batch = prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
+    return pipes, sig, batch
 
 
 def reference(graphdef, params, documents):

@@ -13,31 +13,17 @@ import pytest
 from conftest import require_devices, values_compile
 from pipeline_helpers import (
     FAST_COMPILE,
-    PLAN_A,
-    PLAN_B,
     PipelineGrads,
     assert_tree_close,
     pipeline_mesh,
-    pipelines,
     reference,
     tiny_config,
     tiny_params,
+    token_1f1b_batch,
 )
 
 from jvarlen.layout import Layout
 from jvarlen.parallel import pipeline as pl
-from jvarlen.plan import schedule as sch
-
-
-def _batch(cfg, layout, recompute: int):
-    """(pipelines, signature, batch): plans A/B under token-level 1F1B (split documents, context
-    K/V, fused last-stage ops), ``recompute`` layers per stage and chunk."""
-    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
-    packs = [pk for _, pk in pipes]
-    scheds = [sch.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
-    ckpts = [np.full((pk.n_chunks, layout.pp), recompute, np.int32) for pk in packs]
-    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
-    return pipes, sig, batch
 
 
 def _config(vocab: int, tied: bool):
@@ -59,7 +45,7 @@ def test_the_split_vocabulary_matches_reference(layout, vocab, tied, recompute):
     assert layout.vocab_shards(vocab) == (layout.sp if vocab % layout.sp == 0 else 1)
     cfg = _config(vocab, tied)
     graphdef, params = tiny_params(cfg)
-    pipes, sig, batch = _batch(cfg, layout, recompute)
+    pipes, sig, batch = token_1f1b_batch(cfg, layout, recompute)
     sums, grads, _ = PipelineGrads(graphdef, cfg, sig, params, compiler_options=values_compile())(params, batch)
     ref_sums, ref_grads = reference(graphdef, params, [d for docs, _ in pipes for d in docs])
     np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
@@ -72,7 +58,7 @@ def _memory(vocab: int, layout: Layout) -> tuple[int, int]:
     """(compiled temp bytes of the step, fp32 bytes of the table and the untied head)."""
     cfg = _config(vocab, tied=False)
     graphdef, params = tiny_params(cfg)
-    _, sig, batch = _batch(cfg, layout, 0)
+    _, sig, batch = token_1f1b_batch(cfg, layout, 0)
     grads = pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(layout))
     compiled = jax.jit(grads).lower(params, batch).compile(FAST_COMPILE)
     return compiled.memory_analysis().temp_size_in_bytes, 2 * vocab * cfg.d_model * 4

@@ -26,6 +26,7 @@ from pipeline_helpers import (
     reference,
     tiny_config,
     tiny_params,
+    token_1f1b_batch,
 )
 
 from jvarlen.layout import Layout
@@ -224,23 +225,12 @@ def test_sharded_stage_weights_match_reference(layout):
         assert_tree_close(grads, ref_grads)
 
 
-def _token_1f1b_batch(cfg, layout, recompute: int):
-    """(pipelines, signature, batch) of plans A/B under token-level 1F1B, ``recompute`` layers per
-    stage and chunk."""
-    pipes = pipelines(layout.dp, plans=(PLAN_A, PLAN_B))
-    packs = [pk for _, pk in pipes]
-    scheds = [sch.token_level_1f1b(pk.chunk_prev, layout.pp) for pk in packs]
-    ckpts = [np.full((pk.n_chunks, layout.pp), recompute, np.int32) for pk in packs]
-    sig, batch = pl.prepare_batch(packs, scheds, ckpts, layout, cfg.num_layers)
-    return pipes, sig, batch
-
-
 def _temp_bytes(layout, stage_weights, residual_policy, num_layers: int = 4):
     """(compiled temp bytes of the pipeline step, parameter bytes of one stage's layers), the
     parameters given in their canonical placement (as the train step holds them)."""
     cfg = tiny_config(num_layers=num_layers)
     graphdef, params = tiny_params(cfg)
-    _, sig, batch = _token_1f1b_batch(cfg, layout, 0)
+    _, sig, batch = token_1f1b_batch(cfg, layout, 0)
     mesh = pipeline_mesh(layout)
     grads = pl.make_pipeline_grads(
         graphdef, cfg, sig, mesh, residual_policy=residual_policy, stage_weights=stage_weights
@@ -298,7 +288,7 @@ def test_bf16_stage_copy_matches_reference():
     require_devices(layout.num_devices)
     cfg = dataclasses.replace(tiny_config(num_layers=4), compute_dtype="bfloat16")
     graphdef, params = tiny_params(cfg)
-    pipes, sig, batch = _token_1f1b_batch(cfg, layout, 1)
+    pipes, sig, batch = token_1f1b_batch(cfg, layout, 1)
     documents = [d for docs, _ in pipes for d in docs]
     ref_sums, ref_grads = reference(graphdef, params, documents)
     # the bar is bf16's own error: the bf16 reference against the fp32 one, per leaf
@@ -332,7 +322,7 @@ def test_bf16_stage_copy_matches_reference():
 def _untied_bf16(layout):
     cfg = dataclasses.replace(tiny_config(num_layers=4), compute_dtype="bfloat16", tie_embeddings=False)
     graphdef, params = tiny_params(cfg)
-    _, sig, batch = _token_1f1b_batch(cfg, layout, 1)
+    _, sig, batch = token_1f1b_batch(cfg, layout, 1)
     return cfg, graphdef, params, sig, batch
 
 
