@@ -280,7 +280,8 @@ def test_a_device_receives_its_stages_layers_and_no_more(setup):
     before = set(step.cache.keys())
     step.strategy.compile(second.key)
     new = {k[0] for k in set(step.cache.keys()) - before}
-    assert second.key[1][0] in before and new == {"pull", "update", "group", "rows"}
+    # "rest": the new group's program that makes its devices' vocabulary rows of the table's gradient whole
+    assert second.key[1][0] in before and new == {"pull", "update", "group", "rows", "rest"}
 
 
 def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the_reference(setup):
@@ -292,6 +293,7 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
     cfg, graphdef, params, docs = setup
     layer_leaves = jax.tree.leaves(params["layers"])
     rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
+    table = cfg.vocab_size * cfg.d_model * 4  # the embedding (tied), fp32
     for layout in (GROUPS, MIXED):
         plan = strategy_plan(cfg, layout)
         programs = []
@@ -315,8 +317,9 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
             m = compiled.memory_analysis()
             batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
             held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
-            # the handed chunks and their gradient rows (fp32 both), the rest and its rows whole
-            assert 0 <= held - 2 * (stage + rest_bytes) < 512, group.scheme  # and the output tuple's pointers
+            # the handed chunks and their gradient rows (fp32 both), the rest whole, its rows split
+            rows = rest_bytes - table * (1 - 1 / group.scheme.sp)  # by vocabulary over sp
+            assert 0 <= held - (2 * stage + rest_bytes + rows) < 512, group.scheme  # and the output tuple's pointers
 
 
 def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(setup, monkeypatch):
@@ -344,14 +347,16 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
     assert partial_dtypes == {np.dtype(np.float32)}
     # what a group's compiled step holds beyond its batch (arguments and outputs): its stage's
     # layers as handed (bf16 matrices, fp32 vectors: the stage's compute copy itself), the embedding
-    # (fp32) and tied head's norm, and fp32 gradient rows of all of them; the planner's memory model
-    # charges the copy and the accumulators, which the rows are (docs/design/heterogeneous.md)
+    # (fp32) and tied head's norm, and fp32 gradient rows of all of them, the table's split by
+    # vocabulary over sp; the planner's memory model charges the copy and the accumulators, which
+    # the rows are (docs/design/heterogeneous.md)
     layer_leaves = jax.tree.leaves(params["layers"])
     rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
+    table = cfg.vocab_size * cfg.d_model * 4
     for g, ((compiled, *_), group) in enumerate(zip(program.groups, plan.groups)):
         share = 1 / group.scheme.pp
         handed = sum(a.nbytes // (2 if a.ndim >= 3 else 1) for a in layer_leaves) * share + rest_bytes
-        rows = sum(a.nbytes for a in layer_leaves) * share + rest_bytes
+        rows = sum(a.nbytes for a in layer_leaves) * share + rest_bytes - table * (1 - 1 / group.scheme.sp)
         m = compiled.memory_analysis()
         batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
         held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
@@ -390,10 +395,47 @@ def test_a_group_returns_its_devices_rest_gradients_without_reducing_them(setup)
     prepared = step.prepare(strategy_plan(cfg), docs)
     embedding = [a for a in jax.tree.leaves(params) if a.shape == (cfg.vocab_size, cfg.d_model)]
     assert embedding, "the embedding's shape is the test's handle on the rest's gradient"
-    shape = f"f32[{cfg.vocab_size},{cfg.d_model}]"
     for key in prepared.key[1]:
         compiled, _, _ = step.strategy._compile_group(key)
-        reduced = [line for line in compiled.as_text().splitlines() if "all-reduce" in line and shape in line]
+        shape = f"f32[{cfg.vocab_size // key[2]},{cfg.d_model}]"  # a device's rows: split by vocabulary over sp
+        text = compiled.as_text()
+        assert shape in text
+        reduced = [line for line in text.splitlines() if "all-reduce" in line and shape in line]
         assert not reduced, reduced[:2]
     # and the step still equals the reference (each device's row counted once)
     _step_equals_reference(setup, strategy_plan(cfg))
+
+
+def test_a_group_splits_an_untied_head_by_vocabulary_and_equals_the_reference(setup):
+    """The groups' executors split the embedding table and an untied head by vocabulary over their
+    sp devices (64 rows: 32 per device of the (2, 2) group, 16 of the sp = 4 one); each device
+    returns its rows of their gradients, which the ``rest`` program puts in place: the step still
+    equals the single-device reference."""
+    _, _, _, docs = setup
+    cfg = dataclasses.replace(tiny_config(num_layers=4), tie_embeddings=False)
+    graphdef, params = tiny_params(cfg)
+    assert all(g.scheme.sp > 1 and cfg.vocab_size % g.scheme.sp == 0 for g in strategy_plan(cfg).groups)
+    _step_equals_reference((cfg, graphdef, params, docs), strategy_plan(cfg))
+
+
+def test_a_group_step_holds_its_share_of_the_vocabulary(setup):
+    """Each group's compiled step with a vocabulary its sp divides allocates less (outputs and
+    temporaries) than with one row more (whole on every device): at least ``1 - 1/sp`` of the fp32
+    accumulators of the untied table and head, which are its rows of their gradients (the copy it
+    is handed stays whole: the pull's, shared by every group)."""
+    _, _, _, docs = setup
+    allocated = {}
+    for vocab in (8192, 8193):
+        cfg = dataclasses.replace(tiny_config(num_layers=4), vocab_size=vocab, tie_embeddings=False)
+        graphdef, params = tiny_params(cfg)
+        optimizer = optax.sgd(0.5)
+        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+        step = session.strategy_step(residual_policy="all")
+        prepared = step.prepare(strategy_plan(cfg), docs)
+        for key in prepared.key[1]:  # the (2, 2) and the (1, 4) group
+            m = step.strategy._compile_group(key)[0].memory_analysis()
+            allocated[vocab, key[2]] = m.output_size_in_bytes + m.temp_size_in_bytes
+    accumulators = 2 * 8192 * cfg.d_model * 4
+    for sp in (2, 4):
+        saved = allocated[8193, sp] - allocated[8192, sp]
+        assert saved >= (1 - 1 / sp) * accumulators, (sp, allocated, accumulators)

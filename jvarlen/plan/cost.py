@@ -69,17 +69,14 @@ class CostModel:
         self.stage_weights_sharded = bool(stage_weights_sharded)
         self.group = bool(group)
         if self.state_devices < layout.num_devices:
-            raise ValueError(
-                f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices} devices"
-            )
+            raise ValueError(f"state_devices ({self.state_devices}) must be >= the layout's {layout.num_devices}")
         self.layers_per_stage = model.num_layers // layout.pp
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
         self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
         self._recompute = coeffs.recompute_times(layout.sp)
         self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
         # memos of pure functions of this (immutable) model: the planner's searches simulate the
-        # same chunks and buckets many times per iteration
-        # (bounded: a long run plans ever new chunks on the same model)
+        # same chunks and buckets many times per iteration (bounded: a run plans ever new chunks)
         self._padded: dict = {}
         self._alltoall = BoundedMemo()
         self._p2p_link: dict = {}
@@ -153,11 +150,8 @@ class CostModel:
         return self._bwd(self.pairs(chunk), self.time_tokens(chunk), self.layout.sp)
 
     def layer_alltoall_time(self, chunk: ChunkShape) -> float:
-        """Eq. 3 for one layer and one direction: four all-to-alls (q, k, v in; output back).
-
-        Each device holds ``tokens/sp`` tokens and sends ``(sp-1)/sp`` of them:
-        volume = e · tokens/sp · (sp-1)/sp · (2·q_dim + 2·kv_dim) bytes.
-        """
+        """Eq. 3 for one layer and one direction: four all-to-alls (q, k, v in; output back). Each
+        device sends ``(sp-1)/sp`` of its ``tokens/sp``: e · tokens/sp · (sp-1)/sp · (2·q_dim + 2·kv_dim) bytes."""
         sp = self.layout.sp
         if sp == 1:
             return 0.0
@@ -258,8 +252,7 @@ class CostModel:
         """Seconds of one decoder layer's all-gather (its weights in the compute dtype, ``e`` bytes
         per parameter) and of its gradient's reduce-scatter (in the accumulator's dtype,
         ``stage_bytes_per_param - e`` bytes) over the stage's ``dp x sp`` devices with sharded
-        stage weights (:meth:`_group_collective_time`); ``(0, 0)`` with replicated ones.
-        Embedding and head stay whole on their stages and gather nothing."""
+        stage weights (:meth:`_group_collective_time`); ``(0, 0)`` with replicated ones."""
         return self._gather_s, self._reduce_s
 
     def weights_fwd_exposed(self, chunk: ChunkShape) -> float:
@@ -296,11 +289,9 @@ class CostModel:
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the
-        boundary between ``stage`` and ``stage + 1``: ``e · D · tokens / sp`` bytes per device.
-
-        The boundary is inter-node when the two stages' devices sit in different nodes
-        (mesh order ``(dp, pp, sp)``, ``sp`` fastest, ``gpus_per_node`` devices per node).
-        """
+        boundary between ``stage`` and ``stage + 1``: ``e · D · tokens / sp`` bytes per device,
+        inter-node where the two stages' devices sit in different nodes (mesh order ``(dp, pp,
+        sp)``, ``sp`` fastest, ``gpus_per_node`` devices per node)."""
         link = self._p2p_link.get(stage)
         if link is None:
             if not 0 <= stage < self.layout.pp - 1:
@@ -427,7 +418,9 @@ class CostModel:
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights"). Where the executor runs the layout
+        (docs/design/pipeline.md, "Stage weights"); replicated, the one layer the executor's pass
+        slices out of the stacked stage (compute dtype; none with one layer, whose loop XLA
+        removes). Where the executor runs the layout
         (:attr:`holds_rest`), every device holds the embedding and head with their accumulators,
         whatever its stage, in their pulled dtypes (:meth:`_rest_bytes`; docs/design/heterogeneous.md,
         "Bytes and memory"); a fused data-parallel step (``pp == 1``) holds them at
@@ -440,13 +433,14 @@ class CostModel:
             params, rest = self.layers_per_stage * m.layer_params, self._rest_bytes()[0]
         else:
             params, rest = m.stage_params(stage, self.layout.pp), 0.0
-        in_flight = 0.0
-        group = self.layout.dp * self.layout.sp
+        in_flight, group = 0.0, self.layout.dp * self.layout.sp
         if self.stage_weights_sharded and group > 1:  # the decoder layers (the rest: _rest_bytes)
             layers = m.num_layers // self.layout.pp * m.layer_params
             params += layers / group - layers
             # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
             in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
+        elif self.holds_rest and self.layers_per_stage > 1:
+            in_flight = c.bytes_per_element * m.layer_params
         local = c.stage_bytes_per_param * params + rest
         return sharded + local + in_flight + c.workspace_bytes
 
@@ -466,15 +460,19 @@ class CostModel:
         is fp32 at least and shares the parameters' dtype (``stage_bytes_per_param -
         bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
         an op's gradient is in the copy's dtype (the embedding's too, although it is added in
-        place). The pipeline strategy splits the table and an untied head by vocabulary over sp
-        (``Layout.vocab_shards``; a group's pull hands them whole). Measured on compiled programs:
-        docs/benchmarks.md, "The embedding and head on every pipeline device"."""
+        place). The executor splits the table and an untied head by vocabulary over sp
+        (``Layout.vocab_shards``); a group's program is handed the pulled copy whole and slices its
+        rows. Measured on compiled programs: docs/benchmarks.md, "The embedding and head on every
+        pipeline device"."""
         c, m = self.coeffs, self.model
         acc = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)
-        shards = 1 if self.group else self.layout.vocab_shards(m.vocab_size)
-        table, head_matrix = m.embed_params / shards, (m.head_params - m.d_model) / shards
-        copy = acc * (table + m.d_model) + c.bytes_per_element * head_matrix
-        return copy + acc * (table + m.d_model + head_matrix), copy
+
+        def held(n: int) -> tuple[float, float]:  # (copy, accumulator) with the vocabulary split n ways
+            table, head = m.embed_params / n, (m.head_params - m.d_model) / n
+            return acc * (table + m.d_model) + c.bytes_per_element * head, acc * (table + m.d_model + head)
+
+        copy, accumulator = held(self.layout.vocab_shards(m.vocab_size))
+        return (held(1)[0] if self.group else copy) + accumulator, copy
 
     @property
     def memory_budget(self) -> float:

@@ -45,7 +45,8 @@ def make_pipeline_grads(
     ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
     of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
     The embedding table and an untied head are split by vocabulary over the stage's sp devices
-    where sp divides the vocabulary (canonical placement only; :mod:`.rest`).
+    where sp divides the vocabulary (:mod:`.rest`; with ``canonical=False`` each device's rest
+    row holds its rows of them).
     ``canonical``: the layers arrive in the canonical placement over the mesh's devices (the
     pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
     the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``

@@ -19,8 +19,10 @@ device works on its rows for all ``T`` tokens of the chunk, and activations move
   gradient is written out (softmax minus one-hot): the head's is local, the outputs' is
   reduce-scattered back. No collective is differentiated by JAX.
 
-The pipeline strategy splits where ``sp`` divides the vocabulary (``Layout.vocab_shards``); a
-device group's pull hands its devices the rest whole (``StageShapes.vocab_shards`` is 1 there).
+The executor splits where ``sp`` divides the vocabulary (``Layout.vocab_shards``). A device
+group's program is handed the pulled rest whole and slices its rows; each device returns its rows
+of the gradients, which a small program on the group's devices puts in place in a whole row
+(``group_exchange.Exchange.compile_rest``).
 """
 
 from __future__ import annotations
@@ -40,15 +42,18 @@ EMBED, HEAD = "embed", "head"  # the rest's table [V, d] and untied head [d, V] 
 VOCAB_AXIS = {EMBED: 0, HEAD: 1}
 
 
+def vocab_axes(rest, shards: int) -> list:
+    """Per leaf of ``rest`` (``jax.tree.leaves`` order), the axis it is split on by vocabulary over
+    ``sp`` inside the executor (where ``shards > 1``: the table and an untied head), or None."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]
+    return [VOCAB_AXIS.get(getattr(path[0], "key", None)) if shards > 1 else None for path in paths]
+
+
 def rest_specs(rest, shards: int):
-    """Partition specs of the rest's leaves inside the executor: the table and head split by
-    vocabulary over ``sp`` where ``shards > 1``, everything else replicated."""
-
-    def spec(key, leaf):
-        axis = VOCAB_AXIS.get(key) if shards > 1 else None
-        return P() if axis is None else P(*([None] * axis + [SP]))
-
-    return type(rest)({k: jax.tree.map(lambda x, k=k: spec(k, x), v) for k, v in rest.items()})
+    """Partition specs of the rest's leaves inside the executor (:func:`vocab_axes`): the table and
+    head split by vocabulary over ``sp`` where ``shards > 1``, everything else replicated."""
+    specs = [P() if a is None else P(*([None] * a + [SP])) for a in vocab_axes(rest, shards)]
+    return jax.tree.structure(rest).unflatten(specs)
 
 
 def hand_rest(rest, mesh, shards: int):

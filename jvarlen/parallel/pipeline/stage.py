@@ -245,8 +245,7 @@ def stage_shapes(
         d=cfg.d_model,
         D=cfg.head_dim or cfg.d_model // cfg.num_heads,
         K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
-        # a device group's pull hands every device the rest whole
-        vocab_shards=sig.layout.vocab_shards(cfg.vocab_size) if canonical else 1,
+        vocab_shards=sig.layout.vocab_shards(cfg.vocab_size),
     )
 
 

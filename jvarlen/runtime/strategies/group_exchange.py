@@ -7,7 +7,9 @@ of each weight axis (``parts``: the smallest number of chunks any group splits i
 :func:`jvarlen.parallel.groups.stage_shards`), starting at the device's own chunk. A group whose
 stage has fewer layers or smaller chunks cuts its pulled buffers and pads its gradient rows in
 small ``rows`` programs on its own devices, so that its compiled step serves any ``K`` and
-``parts``. Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``,
+``parts``. A group whose executor splits the embedding table and head by vocabulary returns
+each device's rows of their gradients, made whole in a small ``rest`` program on its devices.
+Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``, ``("rest", pp, sp, devices)``,
 ``("rows", pp, sp, devices, "stage" | "partial", rows in, rows out, chunks in, chunks out)``.
 """
 
@@ -36,6 +38,7 @@ from jvarlen.parallel.groups import (
 )
 from jvarlen.parallel.layouts import DP, FSDP, PP, SP
 from jvarlen.parallel.pipeline import split_params
+from jvarlen.parallel.pipeline.rest import vocab_axes
 from jvarlen.parallel.sharding import pulled_dtypes, push
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.runtime.step import CompiledStep
@@ -179,6 +182,43 @@ class Exchange(MethodCaches):
         args = [
             jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(mesh, spec))
             for shape, a, spec in zip(shapes, leaves, specs)
+        ]
+        return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
+
+    def compile_rest(self, key):
+        """A group's rows of the rest's gradients made whole, as the update takes them: where its
+        executor splits the table and head by vocabulary over sp (``Layout.vocab_shards``), each
+        device's row holds its own vocabulary rows, which land at their offset in a row of zeros
+        (a copy on each device, no transfer). Outside the group's program, so that its memory holds
+        its share only."""
+        _, pp, sp, devices = key
+        layout = Layout(len(devices) // (pp * sp), pp, sp)
+        mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
+        _, rest = split_params(self.ctx.abstract_state.params)
+        axes = vocab_axes(rest, layout.vocab_shards(self.ctx.model.vocab_size))
+        leaves, spec = jax.tree.leaves(rest), P(GROUP_AXES)
+
+        def place(x, axis):  # x: [1, *param] with 1/sp of the vocabulary axis
+            if axis is None:
+                return x
+            size = x.shape[axis + 1]
+            whole = jnp.zeros((*x.shape[: axis + 1], size * sp, *x.shape[axis + 2 :]), x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(whole, x, jax.lax.axis_index(SP) * size, axis + 1)
+
+        fn = jax.jit(
+            jax.shard_map(
+                lambda xs: [place(x, a) for x, a in zip(xs, axes)],
+                mesh=mesh,
+                in_specs=([spec] * len(leaves),),
+                out_specs=[spec] * len(leaves),
+            ),
+            donate_argnums=0,
+        )
+        shapes = [
+            (len(devices), *(n // sp if i == a else n for i, n in enumerate(x.shape))) for x, a in zip(leaves, axes)
+        ]
+        args = [
+            jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec)) for shape, x in zip(shapes, leaves)
         ]
         return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
 

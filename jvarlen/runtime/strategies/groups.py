@@ -152,7 +152,7 @@ class GroupsStep:
         # every group's view first: a resize donates its view, whose buffers the pulled arrays share
         views = [self.exchange.views(jax.tree.leaves(layers), group[1], group[4]) for _, group in local]
         outs = []
-        for (g, (program, mesh, batch_shardings, resize, _)), g_layers in zip(local, views):
+        for (g, (program, mesh, batch_shardings, resize, _, whole_rest)), g_layers in zip(local, views):
             g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
             g_rest = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), rest)
             parts = [
@@ -164,6 +164,8 @@ class GroupsStep:
             out = program(g_layers, g_rest, place_global(batch, shardings))
             if resize is not None:
                 out = (resize[1](out[0]), *out[1:])
+            if whole_rest is not None:  # each device's vocabulary rows of the table and head, in place
+                out = (out[0], whole_rest(out[1]), *out[2:])
             outs.append(out)
         del layers, rest  # the pulled buffers go as the groups' programs finish with them
         placement = self.ctx.placement
@@ -287,7 +289,10 @@ class GroupsStrategy(ExecutionStrategy):
                     self.cache.get(("rows", *where, "stage", rows, per_stage, parts, chunks), exchange.compile_rows),
                     self.cache.get(("rows", *where, "partial", per_stage, rows, chunks, parts), exchange.compile_rows),
                 )
-            groups.append((program, mesh, batch_shardings, resize, layout))
+            whole_rest = None  # the rest's gradient rows, split by vocabulary over sp, made whole
+            if layout.vocab_shards(self.ctx.model.vocab_size) > 1:
+                whole_rest = self.cache.get(("rest", *where), exchange.compile_rest)
+            groups.append((program, mesh, batch_shardings, resize, layout, whole_rest))
         pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
         update = self.cache.get(("update", rows, parts), exchange.compile_update)
         return GroupsStep(exchange, pull, groups, update, rows, parts)
