@@ -58,7 +58,7 @@ def test_parts_are_their_own_steps_in_simulation_and_memory():
     # the cost check predicts a plan in parts as the planner does
     refit = OnlineRefit(cost.model, cost.coeffs)
     shapes, ckpt = split.chunk_shapes(), np.asarray(split.ckpt_layers)
-    got = refit.predict(shapes, cost.layout, split.schedule, ckpt, mode="paired", parts=split.parts)
+    got = refit.predict(shapes, cost.layout, split.schedule, ckpt, mode="paired", parts=split.parts, group=True)
     assert got == pytest.approx(split.stats["iteration_time_s"], rel=1e-12)
 
 

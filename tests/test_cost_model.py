@@ -150,14 +150,17 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
-def rest_bytes(shape: ModelShape, shards: int = 1) -> tuple[float, float]:
+def rest_bytes(shape: ModelShape, shards: int = 1, group: bool = False) -> tuple[float, float]:
     """What the pipeline executor holds of the rest per device by dtype, with a bf16 compute dtype
     and fp32 parameters: (the embedding table and the final norm in fp32, copy 4 + accumulator 4;
     an untied head in bf16, copy 2 + accumulator 4; one op's gradient of it in the copy's dtypes),
-    the table and head split over ``shards`` devices by vocabulary (the pipeline strategy's sp)."""
+    the table and head split over ``shards`` devices by vocabulary (the stage's sp); a device
+    group's copy whole (the groups' pull hands it so)."""
     fp32 = shape.embed_params / shards + shape.d_model
     bf16 = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model / shards
-    return 8 * fp32 + 6 * bf16, 4 * fp32 + 2 * bf16
+    copy = 4 * fp32 + 2 * bf16
+    handed = rest_bytes(shape)[1] if group else copy
+    return handed + 4 * fp32 + 4 * bf16, copy
 
 
 def test_model_state_memory_hand_computed():
@@ -531,12 +534,14 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     """The groups' pull hands every device of a device group the rest of the model (embedding,
     final norm, head) with its stage's layers, and each returns their gradients: the memory account
     charges them on every stage, in the dtypes the pull hands them in (an untied head in the
-    compute dtype, the embedding in fp32); with sharded stage weights only the decoder layers
+    compute dtype, the embedding in fp32), the copy whole and their accumulators and an op's
+    gradient split by vocabulary over sp; with sharded stage weights only the decoder layers
     shrink."""
     untied = dataclasses.replace(MHA, tie_embeddings=False)
     p, layers = untied.param_count, untied.num_layers // 2 * untied.layer_params
-    held = rest_bytes(untied)[0]
-    assert held == 8 * (untied.embed_params + untied.d_model) + 6 * untied.vocab_size * untied.d_model
+    held = rest_bytes(untied, shards=2, group=True)[0]  # split by vocabulary over sp = 2, handed whole
+    whole = rest_bytes(untied)[0]
+    assert whole == 8 * (untied.embed_params + untied.d_model) + 6 * untied.vocab_size * untied.d_model
     pipeline = CostModel(untied, Layout(2, 2, 2), coeffs())
     group = pipeline.replace(group=True)
     sliced = 2 * untied.layer_params  # the layer the executor's pass slices out of the stacked stage
@@ -547,7 +552,10 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
         assert pipeline.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + split + sliced + 1000)
     one_stage = CostModel(untied, Layout(2, 1, 4), coeffs())  # a fused step: the whole model at 6 bytes
     assert one_stage.replace(group=True).model_state_memory(0) == pytest.approx(
-        one_stage.model_state_memory(0) - 6 * (p - untied.num_layers * untied.layer_params) + held + sliced
+        one_stage.model_state_memory(0)
+        - 6 * (p - untied.num_layers * untied.layer_params)
+        + rest_bytes(untied, shards=4, group=True)[0]
+        + sliced
     )
     in_flight = (3 * 2 + 4) * untied.layer_params
     sharded = group.with_stage_weights(True)
@@ -562,19 +570,21 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
 def test_the_account_charges_a_share_of_the_vocabulary():
     """The memory account (``memory_floor``) charges 1/sp of the table and head on every stage of
     the pipeline strategy where sp divides the vocabulary (the executor splits them by vocabulary,
-    jvarlen/parallel/pipeline/rest.py), the whole of them where it does not, and on a device
-    group, whose pull hands them whole."""
+    jvarlen/parallel/pipeline/rest.py), the whole of them where it does not; a device group's
+    executor splits them too, but is handed the copy whole by the groups' pull."""
     untied = dataclasses.replace(MHA, tie_embeddings=False)  # vocabulary 100
     odd = dataclasses.replace(untied, vocab_size=99)
     held = rest_bytes(untied)[0] - 8 * untied.d_model  # the table and head; the norm is never split
+    copy = rest_bytes(untied)[1] - 4 * untied.d_model  # their copy, and one op's gradient, in the same dtypes
 
     def floor(model, layout, group=False):
-        return CostModel(model, layout, coeffs(), group=group).memory_floor(0)
+        return CostModel(model, layout, coeffs(), state_devices=8, group=group).memory_floor(0)
 
     for sp in (2, 4):
-        layout = Layout(1, 2, sp)
-        # copy and accumulator between ops, and one op's gradient (rest_bytes' second term)
-        op_gradient = rest_bytes(untied)[1] - 4 * untied.d_model
-        saved = (held + op_gradient) * (1 - 1 / sp)
-        assert floor(untied, layout, group=True) - floor(untied, layout) == pytest.approx(saved)
-        assert floor(odd, layout) == pytest.approx(floor(odd, layout, group=True))  # 99: nothing split
+        layout, one = Layout(1, 2, sp), Layout(1, 2, 1)  # sp = 1: whole
+        # the pipeline strategy: the copy and accumulator between ops and one op's gradient (rest_bytes'
+        # second term) at 1/sp; a group: the accumulators and an op's gradient, the copy handed whole
+        assert floor(untied, one) - floor(untied, layout) == pytest.approx((held + copy) * (1 - 1 / sp))
+        assert floor(untied, one, True) - floor(untied, layout, True) == pytest.approx(held * (1 - 1 / sp))
+        assert floor(odd, layout) == pytest.approx(floor(odd, one))  # 99: nothing split
+        assert floor(odd, layout, True) == pytest.approx(floor(odd, one, True))

@@ -25,10 +25,11 @@ from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost mod
     ProfileMeta,
     profile_filename,
 )
+from jvarlen.plan.cost_collectives import CollectiveTimes
 from jvarlen.plan.memo import BoundedMemo
 
 
-class CostModel:
+class CostModel(CollectiveTimes):
     """Per-stage time (s) and memory (bytes per device) of chunks for a given layout.
 
     ``stage`` arguments select the head/embedding extras of the first and last stage;
@@ -183,13 +184,17 @@ class CostModel:
 
     def fwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         """Eq. 4 = Eq. 1 + Eq. 3 for the stage's layers (+ head on the last stage), plus the
-        sharded stage weights' gathers that compute does not hide (:meth:`weights_fwd_exposed`)."""
-        return self.fwd_compute_time(chunk, stage) + self.alltoall_time(chunk) + self.weights_fwd_exposed(chunk)
+        sharded stage weights' gathers that compute does not hide (:meth:`weights_fwd_exposed`)
+        and the vocabulary split's collectives (:meth:`vocab_time`)."""
+        comm = self.alltoall_time(chunk) + self.weights_fwd_exposed(chunk) + self.vocab_time(chunk, stage, False)
+        return self.fwd_compute_time(chunk, stage) + comm
 
     def bwd_time(self, chunk: ChunkShape, stage: Optional[int] = None) -> float:
         """Backward of the stage without recomputation (add :meth:`recompute_time`), plus the
-        sharded stage weights' gathers and reduce-scatters not hidden (:meth:`weights_bwd_exposed`)."""
-        return self.bwd_compute_time(chunk, stage) + self.alltoall_time(chunk) + self.weights_bwd_exposed(chunk)
+        sharded stage weights' gathers and reduce-scatters not hidden (:meth:`weights_bwd_exposed`)
+        and the vocabulary split's collectives (:meth:`vocab_time`)."""
+        comm = self.alltoall_time(chunk) + self.weights_bwd_exposed(chunk) + self.vocab_time(chunk, stage, True)
+        return self.bwd_compute_time(chunk, stage) + comm
 
     def recompute_time(self, chunk: ChunkShape, layers: int) -> float:
         """Eq. 11: re-running the forward of ``layers`` checkpointed layers in the backward
@@ -215,77 +220,6 @@ class CostModel:
         t = self.recompute_time(chunk, layers)
         factor = self.coeffs.tick_recompute_factor
         return t + layers * factor * self.layer_fwd_compute(chunk) if factor else t
-
-    # ---- sharded stage weights: the per-layer gathers and reduce-scatters of the executor
-    def _group_collective_time(self, nbytes: float) -> float:
-        """Seconds of an all-gather (or reduce-scatter) of ``nbytes`` over a stage's ``dp x sp``
-        devices (mesh order ``(dp, pp, sp)``, ``sp`` fastest; the slowest stage decides): each
-        device takes in the ``(g-1)/g`` it lacks over its NVLink share (``p2p_intra``), and a node
-        holding ``m`` of the ``g`` devices takes in the ``1 - m/g`` held elsewhere once, over its
-        ``m`` devices' network shares (``p2p_inter``: a hierarchical collective sends each byte
-        into a node once, not once per device); the slower of the two, plus one latency."""
-        c, (dp, pp, sp) = self.coeffs, (self.layout.dp, self.layout.pp, self.layout.sp)
-        g = dp * sp
-        worst = 0.0
-        for p in range(pp):
-            per_node: dict[int, int] = {}
-            for d in range(dp):
-                for i in range((d * pp + p) * sp, (d * pp + p + 1) * sp):
-                    per_node[i // c.gpus_per_node] = per_node.get(i // c.gpus_per_node, 0) + 1
-            t = (g - 1) / g * nbytes / c.p2p_intra.bandwidth
-            if len(per_node) > 1:
-                inter = max((1 - m / g) * nbytes / (m * c.p2p_inter.bandwidth) for m in per_node.values())
-                t = max(t, inter) + c.p2p_inter.latency
-            else:
-                t += c.p2p_intra.latency
-            worst = max(worst, t)
-        return worst
-
-    def _weight_comm_times(self) -> tuple[float, float]:
-        if not self.stage_weights_sharded or self.layout.dp * self.layout.sp == 1:
-            return 0.0, 0.0
-        c, n = self.coeffs, self.model.layer_params
-        accumulator = c.stage_bytes_per_param - c.bytes_per_element
-        return self._group_collective_time(c.bytes_per_element * n), self._group_collective_time(accumulator * n)
-
-    def weight_comm_times(self) -> tuple[float, float]:
-        """Seconds of one decoder layer's all-gather (its weights in the compute dtype, ``e`` bytes
-        per parameter) and of its gradient's reduce-scatter (in the accumulator's dtype,
-        ``stage_bytes_per_param - e`` bytes) over the stage's ``dp x sp`` devices with sharded
-        stage weights (:meth:`_group_collective_time`); ``(0, 0)`` with replicated ones."""
-        return self._gather_s, self._reduce_s
-
-    def weights_fwd_exposed(self, chunk: ChunkShape) -> float:
-        """Seconds a forward pass over the stage's layers waits for sharded weights: the executor
-        gathers layer ``j + 1`` while layer ``j`` computes (docs/design/pipeline.md, "Stage
-        weights"), so the first gather is exposed and each layer takes
-        ``max(compute, gather)``: ``gather + L_s · max(0, gather - layer forward)``. The
-        all-to-alls stay on the critical path (:meth:`alltoall_time`), not behind the gathers."""
-        g = self._gather_s
-        if g <= 0:
-            return 0.0
-        return g + self.layers_per_stage * max(0.0, g - self.layer_fwd_compute(chunk))
-
-    def weights_bwd_exposed(self, chunk: ChunkShape) -> float:
-        """:meth:`weights_fwd_exposed` of the backward's descending pass: the next layer's gather
-        and the previous layer's reduce-scatter are in flight over a layer's backward, the first
-        gather and the last reduce-scatter are exposed. Recomputation hides more
-        (:meth:`recompute_time`)."""
-        comm = self._gather_s + self._reduce_s
-        if comm <= 0:
-            return 0.0
-        return comm + self.layers_per_stage * max(0.0, comm - self.layer_bwd_compute(chunk))
-
-    def weights_idle_pass(self) -> float:
-        """Seconds of the ascending pass a plain backward runs with nothing to compute where the
-        stage's layers are sharded over the dp pipelines too and the step has fused ops: the
-        executor then runs one pass for every op kind of lane 0 (the gathers of a dp group must
-        match; docs/design/pipeline.md, "Stage weights"), ``L_s + 1`` gathers with no compute to
-        hide them. 0 with ``dp = 1`` (a branch per op kind, none for a plain backward) or replicated
-        stage weights. The paired simulation charges it."""
-        if self.layout.dp == 1 or self._gather_s <= 0:
-            return 0.0
-        return (self.layers_per_stage + 1) * self._gather_s
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
         """Eq. 2: activations (forward) or their gradient (backward) of one chunk crossing the

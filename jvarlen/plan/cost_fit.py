@@ -183,6 +183,7 @@ class Observation:
     predicted_s: float
     mode: str = "paired"
     parts: tuple[int, ...] = ()
+    group: bool = False  # a device group's plan (CostModel(group=True))
 
 
 class OnlineRefit:
@@ -200,8 +201,8 @@ class OnlineRefit:
     ``observe`` returns the prediction made with the current coefficients *before* this
     observation is used (an honest, held-out number). Without ``schedule``, 1F1B over the chunks
     in order is assumed. ``mode``: the simulator's execution model (default the pipeline executor's
-    paired ticks); ``observe(..., mode=)`` overrides it per observation (the data-parallel step,
-    which is not the tick executor, is predicted with ``"async"``, i.e. without tick overheads). ``refit`` fits one non-negative scale factor per group in
+    paired ticks; ``"async"``, without tick overheads, for the data-parallel step, which is not the
+    tick executor); ``group``: the plan is a device group's. ``refit`` fits one non-negative scale factor per group in
     :data:`GROUPS` over the last ``window`` observations (Gauss-Newton on the simulated
     makespan, ``iterations`` steps, ridge ``prior`` towards the current coefficients) and
     returns the rescaled coefficients, which later predictions use.
@@ -236,12 +237,13 @@ class OnlineRefit:
         coeffs: Optional[CostCoefficients] = None,
         mode: Optional[str] = None,
         parts: Sequence[int] = (),
+        group: bool = False,
     ) -> float:
         """Predicted seconds of one step; ``parts``: its :attr:`jvarlen.plan.plan.Plan.parts` (each
         part its own step, one step overhead)."""
         from jvarlen.plan.simulator import simulate, simulate_in_parts
 
-        cost = CostModel(self.model, layout, coeffs or self.coeffs)
+        cost = CostModel(self.model, layout, coeffs or self.coeffs, group=group)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
         shapes, mode = list(chunk_shapes), mode or self.mode
         if parts:
@@ -262,6 +264,7 @@ class OnlineRefit:
         predicted_s: Optional[float] = None,
         mode: Optional[str] = None,
         parts: Sequence[int] = (),
+        group: bool = False,
     ) -> float:
         """Records a measured step; returns its prediction with the current coefficients
         (``predicted_s`` when the caller already has it, from :meth:`predict` on a valid schedule)."""
@@ -269,14 +272,11 @@ class OnlineRefit:
         mode = mode or self.mode
         if predicted_s is None:
             sched.validate()
-        pred = (
-            self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts)
-            if predicted_s is None
-            else float(predicted_s)
-        )
-        self.history.append(
-            Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode, tuple(parts))
-        )
+            pred = self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts, group=group)
+        else:
+            pred = float(predicted_s)
+        o = Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode, tuple(parts))
+        self.history.append(dataclasses.replace(o, group=group))
         self._since_refit += 1
         return pred
 
@@ -297,20 +297,13 @@ class OnlineRefit:
             cur = scale_coefficients(base, s)
             rows, ys = [], []
             for o in obs:
-                t0 = self.predict(o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers, cur, o.mode, o.parts)
+                view = (o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers)
+                t0 = self.predict(*view, cur, o.mode, o.parts, o.group)
                 row = []
                 for g in GROUPS:  # ∂T/∂s_g by a forward difference of 1 %
                     s2 = dict(s)
                     s2[g] = s[g] * 1.01 if s[g] > 0 else 0.01
-                    t1 = self.predict(
-                        o.chunk_shapes,
-                        o.layout,
-                        o.schedule,
-                        o.ckpt_layers,
-                        scale_coefficients(base, s2),
-                        o.mode,
-                        o.parts,
-                    )
+                    t1 = self.predict(*view, scale_coefficients(base, s2), o.mode, o.parts, o.group)
                     row.append((t1 - t0) / (s2[g] - s[g]))
                 rows.append(row)
                 ys.append(o.measured_s - t0 + sum(r * s[g] for r, g in zip(row, GROUPS)))

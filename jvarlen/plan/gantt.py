@@ -20,6 +20,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from jvarlen.plan.schedule import Schedule  # noqa: E402
 from jvarlen.plan.simulator import SimResult  # noqa: E402
 
+COMM_COLOURS = {"A2A": "0.25", "AG": "0.5", "V": "0.4"}  # all-to-all, weight gathers, vocabulary collectives
+
 
 def draw_gantt(
     result: SimResult,
@@ -56,8 +58,8 @@ def draw_gantt(
             ax.barh(y, w, left=x, height=0.7, color=c, edgecolor="black", lw=0.4, hatch="///")
         elif e.kind == "R":
             ax.barh(y, w, left=x, height=0.7, color="0.75", edgecolor="black", lw=0.4, hatch="..")
-        elif e.kind in ("A2A", "AG"):
-            ax.barh(y, w, left=x, height=0.7, color="0.25" if e.kind == "A2A" else "0.5", edgecolor="none")
+        elif e.kind in ("A2A", "AG", "V"):
+            ax.barh(y, w, left=x, height=0.7, color=COMM_COLOURS[e.kind], edgecolor="none")
         if e.kind in ("F", "B") and w > 0.025 * result.makespan * scale:
             ax.text(x + w / 2, y, f"{e.kind}{e.chunk}", ha="center", va="center", fontsize=7)
     ax.set_yticks(range(pp))
@@ -65,6 +67,7 @@ def draw_gantt(
     ax.set_ylim(-0.6, pp - 0.4)
     legend = [Patch(color="0.75", label="recompute"), Patch(color="0.25", label="all-to-all")]
     legend += [Patch(color="0.5", label="weight gathers")] if any(e.kind == "AG" for e in result.events) else []
+    legend += [Patch(color="0.4", label="vocabulary collectives")] if any(e.kind == "V" for e in result.events) else []
     names = list(doc_names) if doc_names is not None else [f"doc {d}" for d in doc_ids]
     legend += [
         Patch(color=colour[d], label=names[i] if i < len(names) else f"doc {d}") for i, d in enumerate(doc_ids[:12])
@@ -138,8 +141,8 @@ def draw_strategy_gantt(
                 )
             elif e.kind == "R":
                 ax.barh(yy, w, left=x, height=0.8, color="0.75", edgecolor="black", lw=0.3, hatch="..")
-            elif e.kind in ("A2A", "AG"):
-                ax.barh(yy, w, left=x, height=0.8, color="0.25" if e.kind == "A2A" else "0.5", edgecolor="none")
+            elif e.kind in ("A2A", "AG", "V"):
+                ax.barh(yy, w, left=x, height=0.8, color=COMM_COLOURS[e.kind], edgecolor="none")
         for p in range(pp):
             ticks.append(y + (pp - 1 - p))
             head = f"G{gi} {g.scheme} dev {g.devices[0]}-{g.devices[-1]}"
@@ -154,9 +157,9 @@ def draw_strategy_gantt(
     ax.set_ylim(y - 0.4, -0.6)
     ax.set_xlabel(f"time ({unit})")
     legend = [Patch(color="0.75", label="recompute"), Patch(color="0.25", label="all-to-all")]
-    legend += (
-        [Patch(color="0.5", label="weight gathers")] if any(e.kind == "AG" for r in sims for e in r.events) else []
-    )
+    kinds = {e.kind for r in sims for e in r.events}
+    legend += [Patch(color="0.5", label="weight gathers")] if "AG" in kinds else []
+    legend += [Patch(color="0.4", label="vocabulary collectives")] if "V" in kinds else []
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     total = plan.stats.get("iteration_time_s", float("nan"))
     ax.set_title(

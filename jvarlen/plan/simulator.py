@@ -25,7 +25,9 @@ Per op on stage ``p`` for chunk ``k``: ``F`` = forward compute then its all-to-a
 with sharded stage weights each op then waits ``AG``, the gathers (and a backward's
 reduce-scatters) its compute does not hide (``CostModel.weights_fwd_exposed`` / ``_bwd_``), and,
 sharded over dp too, a plain backward in a step with fused ops also the gathers of the ascending
-pass it runs without compute (``CostModel.weights_idle_pass``, paired mode).
+pass it runs without compute (``CostModel.weights_idle_pass``, paired mode); where the executor
+splits the embedding and head by vocabulary, the first stage's forward and the last stage's ops
+wait ``V``, their collectives over sp (``CostModel.vocab_time``).
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
 the start of its forward to the end of its backward on that stage, plus
 :meth:`CostModel.backward_memory` of each backward while it runs (not in the paper: a backward's
@@ -47,13 +49,14 @@ from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.schedule import FUSED, FWD, IDLE, LANE_B, LANE_F, Schedule, dependencies
 
-EVENT_KINDS = ("F", "B", "R", "A2A", "AG", "P2P", "idle")
+EVENT_KINDS = ("F", "B", "R", "A2A", "AG", "V", "P2P", "idle")
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     stage: int
-    kind: str  # one of EVENT_KINDS; "R" = recomputation, "AG" = exposed weight gathers, "P2P" is drawn on the sender
+    kind: str  # one of EVENT_KINDS; "R" = recomputation, "AG" = exposed weight gathers, "V" = vocabulary
+    # split collectives, "P2P" is drawn on the sender
     chunk: int  # -1 for idle
     start: float
     end: float
@@ -71,7 +74,7 @@ class SimResult:
     events: list[Event]
     makespan: float  # seconds from the first op to the last op of the pipeline
     iteration_time: float  # makespan + step overhead (gradient sync, optimizer)
-    stage_busy: np.ndarray  # [pp] seconds of F + B + R + A2A + AG per stage
+    stage_busy: np.ndarray  # [pp] seconds of F + B + R + A2A + AG + V per stage
     stage_recompute: np.ndarray  # [pp] seconds of R per stage
     bubble_ratio: float  # 1 - sum(stage_busy) / (pp * makespan)
     memory: list[tuple[np.ndarray, np.ndarray]]
@@ -107,7 +110,7 @@ class _Durations:
     """Per-op durations ``[(kind, seconds), ...]`` of one simulation, each chunk shape's cost terms
     asked of the cost model once per cost model (its ``op_terms`` memo: the planner's searches
     simulate the same chunks many times); an op's terms depend on its stage only through the last
-    stage's head."""
+    stage's head and the first stage's lookup (their collectives where the vocabulary is split)."""
 
     def __init__(self, cost: CostModel, shapes: Sequence[ChunkShape], extra: float, lockstep: bool):
         self.cost, self.shapes, self.extra, self.lockstep = cost, shapes, extra, lockstep
@@ -116,7 +119,7 @@ class _Durations:
 
     def __call__(self, stage: int, kind: str, k: int, layers: int) -> list[tuple[str, float]]:
         chunk = self.shapes[k]
-        key = (kind, chunk, stage == self.last, layers, self.extra, self.lockstep)
+        key = (kind, chunk, stage == self.last, stage == 0, layers, self.extra, self.lockstep)
         got = self.memo.get(key)
         if got is None:
             cost, extra = self.cost, self.extra
@@ -124,10 +127,12 @@ class _Durations:
             if kind == "F":
                 got = [("F", cost.fwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
                 got.append(("AG", cost.weights_fwd_exposed(chunk)))
+                got.append(("V", cost.vocab_time(chunk, stage, False)))
             else:
                 redo = cost.executor_recompute_time if self.lockstep else cost.recompute_time
                 got = [("R", redo(chunk, layers)), ("B", cost.bwd_compute_time(chunk, stage) + extra), ("A2A", a2a)]
                 got.append(("AG", cost.weights_bwd_exposed(chunk)))
+                got.append(("V", cost.vocab_time(chunk, stage, True)))
             self.memo.put(key, got)
         return got
 
