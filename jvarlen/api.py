@@ -206,9 +206,13 @@ class Session:
         residual_policy: Optional[str] = "dots_and_attention",
         stage_weights: str = "replicated",
         chunk_multiple: int = 2,
+        vocab_max_sp: Optional[int] = None,
     ) -> StrategyStep:
         """The heterogeneous-groups step: ``step.prepare(strategy_plan, documents)`` runs each group of a
-        :class:`~jvarlen.plan.strategy.StrategyPlan` on its devices and updates the state once."""
+        :class:`~jvarlen.plan.strategy.StrategyPlan` on its devices and updates the state once.
+        ``vocab_max_sp``: the largest group sp that splits the embedding and head by vocabulary
+        (pass the planner's ``costs.coeffs.gpus_per_node``, as its memory and time account assume;
+        None: any sp that divides the vocabulary)."""
         from jvarlen.runtime.strategies.groups import GroupsStrategy
 
         strategy = GroupsStrategy(
@@ -219,8 +223,10 @@ class Session:
             residual=residual_policy,
             stage_weights=stage_weights,
             chunk_multiple=chunk_multiple,
+            vocab_max_sp=vocab_max_sp,
         )
-        return StrategyStep(strategy, self._cache_for(("groups", residual_policy, stage_weights)))
+        key = ("groups", residual_policy, stage_weights, vocab_max_sp)
+        return StrategyStep(strategy, self._cache_for(key))
 
     def put(self, tree, shardings):
         """Host values -> global arrays with ``shardings`` (each process fills its own shards)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -48,11 +49,14 @@ class Layout:
                 "so that every stage holds the same number of layers"
             )
 
-    def vocab_shards(self, vocab_size: int) -> int:
+    def vocab_shards(self, vocab_size: int, max_sp: Optional[int] = None) -> int:
         """Over how many devices the pipeline executor splits the embedding table and the head by
-        vocabulary: a stage's ``sp`` devices where they divide ``vocab_size``, else 1 (every
-        device holds them whole; jvarlen/parallel/pipeline/rest.py)."""
-        return self.sp if self.sp > 1 and vocab_size % self.sp == 0 else 1
+        vocabulary: a stage's ``sp`` devices where they divide ``vocab_size`` and are at most
+        ``max_sp`` (the devices of a node: across nodes the split's collectives cost more time than
+        its memory is worth, docs/design/pipeline.md), else 1 (every device holds them whole;
+        jvarlen/parallel/pipeline/rest.py)."""
+        fits = max_sp is None or self.sp <= max_sp
+        return self.sp if self.sp > 1 and vocab_size % self.sp == 0 and fits else 1
 
     def __str__(self) -> str:
         return f"Layout(dp={self.dp}, pp={self.pp}, sp={self.sp})"

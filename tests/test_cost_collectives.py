@@ -50,6 +50,21 @@ def test_the_end_stages_pay_the_vocabulary_collectives():
     assert not _cost(Layout(2, 2, 1)).splits_vocab and not _cost(Layout(2, 1, 2)).splits_vocab
 
 
+def test_an_sp_group_across_nodes_holds_the_vocabulary_whole():
+    """The executor splits the vocabulary over a stage's sp only within a node (the runtime's
+    strategies pass the profile's ``gpus_per_node``): sp = 4 on nodes of 2 devices holds the table
+    and head whole, moves nothing for them and is charged their memory whole."""
+    assert Layout(1, 1, 16).vocab_shards(32000) == 16 and Layout(1, 1, 16).vocab_shards(32000, 16) == 16
+    assert Layout(1, 1, 16).vocab_shards(32000, 8) == 1 and Layout(1, 1, 16).vocab_shards(32001) == 1
+    chunk = ChunkShape(0, (40,))
+    in_node, across = (
+        CostModel(MHA, Layout(1, 2, 4), coeffs(alltoall_default=LINK, gpus_per_node=n), state_devices=8) for n in (8, 2)
+    )
+    assert in_node.vocab_shards == 4 and across.vocab_shards == 1
+    assert across.vocab_time(chunk, 1, False) == 0.0 < in_node.vocab_time(chunk, 1, False)
+    assert across.memory_floor(0) > in_node.memory_floor(0)
+
+
 def test_the_simulator_charges_them_on_the_end_stages():
     cost = _cost(Layout(1, 2, 2))
     shapes = [ChunkShape(0, (40,)) for _ in range(3)]

@@ -76,7 +76,7 @@ def _state(params, optimizer):
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
 
 
-def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated"):
+def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated", **step_options):
     """One strategy step of ``plan`` (``inspect``: called on the prepared step first); its loss, gradient
     norm and updated parameters equal the single-device reference's. Returns the step's metrics."""
     cfg, graphdef, params, docs = setup
@@ -84,7 +84,7 @@ def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated"
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
     expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all", stage_weights=stage_weights)
+    step = session.strategy_step(residual_policy="all", stage_weights=stage_weights, **step_options)
     prepared = step.prepare(plan, docs)
     if inspect is not None:
         inspect(prepared)
@@ -439,3 +439,23 @@ def test_a_group_step_holds_its_share_of_the_vocabulary(setup):
     for sp in (2, 4):
         saved = allocated[8193, sp] - allocated[8192, sp]
         assert saved >= (1 - 1 / sp) * accumulators, (sp, allocated, accumulators)
+
+
+def test_a_group_whose_sp_spans_nodes_holds_the_vocabulary_whole(setup):
+    """With nodes of 2 devices (``vocab_max_sp=2``, as a profile's ``gpus_per_node``) the (2, 2)
+    group splits the table by vocabulary and the sp = 4 group holds it whole (its collectives
+    would cross nodes): their programs return 32 and 64 rows of its gradient per device, and the
+    step equals the reference."""
+    cfg, graphdef, params, _ = setup
+    rows = {}
+
+    def inspect(prepared):
+        optimizer = optax.sgd(0.5)
+        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+        strategy = session.strategy_step(residual_policy="all", vocab_max_sp=2).strategy
+        for key in prepared.key[1]:
+            _, rest_rows, *_ = strategy._compile_group(key)[0].out_info  # the table's and the norm's
+            rows[key[2]] = sorted(a.shape for a in rest_rows)
+
+    _step_equals_reference(setup, strategy_plan(cfg), inspect, vocab_max_sp=2)
+    assert rows == {2: [(4, 32), (4, 32, 32)], 4: [(4, 32), (4, 64, 32)]}, rows

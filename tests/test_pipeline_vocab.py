@@ -54,12 +54,12 @@ def test_the_split_vocabulary_matches_reference(layout, vocab, tied, recompute):
     assert np.abs(np.asarray(jax.tree.leaves(grads[head])[0])).max() > 0  # the head's gradient is real
 
 
-def _memory(vocab: int, layout: Layout) -> tuple[int, int]:
+def _memory(vocab: int, layout: Layout, vocab_max_sp=None) -> tuple[int, int]:
     """(compiled temp bytes of the step, fp32 bytes of the table and the untied head)."""
     cfg = _config(vocab, tied=False)
     graphdef, params = tiny_params(cfg)
     _, sig, batch = token_1f1b_batch(cfg, layout, 0)
-    grads = pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(layout))
+    grads = pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(layout), vocab_max_sp=vocab_max_sp)
     compiled = jax.jit(grads).lower(params, batch).compile(FAST_COMPILE)
     return compiled.memory_analysis().temp_size_in_bytes, 2 * vocab * cfg.d_model * 4
 
@@ -68,9 +68,12 @@ def test_a_device_holds_its_share_of_the_vocabulary():
     """Split over sp = 2, a device's step holds half the table and head and half their fp32
     accumulators (the model is fp32 here: copy 4 + accumulator 4 bytes per parameter): the
     temporaries shrink by at least half the accumulators against a vocabulary one larger, which
-    2 does not divide (whole on every device; the few extra rows are 0.01 % of it)."""
+    2 does not divide (whole on every device; the few extra rows are 0.01 % of it), and against
+    the same vocabulary where sp is more than ``vocab_max_sp`` (a node's devices: whole)."""
     layout = Layout(dp=1, pp=2, sp=2)
     require_devices(layout.num_devices)
     split, rest = _memory(8192, layout)
     whole, _ = _memory(8193, layout)
     assert whole - split >= rest / 2, (whole, split, rest)
+    across_nodes, _ = _memory(8192, layout, vocab_max_sp=1)
+    assert across_nodes - split >= rest / 2, (across_nodes, split, rest)

@@ -395,7 +395,7 @@ class CostModel(CollectiveTimes):
         bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
         an op's gradient is in the copy's dtype (the embedding's too, although it is added in
         place). The executor splits the table and an untied head by vocabulary over sp
-        (``Layout.vocab_shards``); a group's program is handed the pulled copy whole and slices its
+        (:attr:`vocab_shards`); a group's program is handed the pulled copy whole and slices its
         rows. Measured on compiled programs: docs/benchmarks.md, "The embedding and head on every
         pipeline device"."""
         c, m = self.coeffs, self.model
@@ -405,7 +405,7 @@ class CostModel(CollectiveTimes):
             table, head = m.embed_params / n, (m.head_params - m.d_model) / n
             return acc * (table + m.d_model) + c.bytes_per_element * head, acc * (table + m.d_model + head)
 
-        copy, accumulator = held(self.layout.vocab_shards(m.vocab_size))
+        copy, accumulator = held(self.vocab_shards)
         return (held(1)[0] if self.group else copy) + accumulator, copy
 
     @property

@@ -86,10 +86,18 @@ class CollectiveTimes:
 
     # ---- the embedding table and head split by vocabulary over sp
     @property
+    def vocab_shards(self) -> int:
+        """Over how many devices the executor splits the table and head by vocabulary: the stage's
+        sp where it divides the vocabulary and stays in a node (``Layout.vocab_shards`` with
+        ``gpus_per_node``, as the runtime's strategies build it), where it holds the rest at all
+        (:attr:`holds_rest`); else 1."""
+        if not self.holds_rest:
+            return 1
+        return self.layout.vocab_shards(self.model.vocab_size, self.coeffs.gpus_per_node)
+
+    @property
     def splits_vocab(self) -> bool:
-        """Whether the executor splits the table and head by vocabulary over the stage's sp
-        devices (``Layout.vocab_shards``; where it holds the rest at all, :attr:`holds_rest`)."""
-        return self.holds_rest and self.layout.vocab_shards(self.model.vocab_size) > 1
+        return self.vocab_shards > 1
 
     def _sp_collective(self, nbytes: float) -> float:
         """Seconds of an all-gather or reduce-scatter over the stage's ``sp`` devices whose whole

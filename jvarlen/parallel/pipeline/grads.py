@@ -30,6 +30,7 @@ def make_pipeline_grads(
     stage_weights: str = "replicated",
     canonical: bool = True,
     group_axes=None,
+    vocab_max_sp: Optional[int] = None,
 ):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
@@ -45,8 +46,8 @@ def make_pipeline_grads(
     ``"sharded"`` (ZeRO-3 over the stage's sp devices and the dp pipelines: a device holds 1/(dp·sp)
     of each layer and of its gradient accumulator, and gathers each layer whole one layer ahead).
     The embedding table and an untied head are split by vocabulary over the stage's sp devices
-    where sp divides the vocabulary (:mod:`.rest`; with ``canonical=False`` each device's rest
-    row holds its rows of them).
+    where sp divides the vocabulary and is at most ``vocab_max_sp`` (the devices of a node; None:
+    any sp; :mod:`.rest`; with ``canonical=False`` each device's rest row holds its rows of them).
     ``canonical``: the layers arrive in the canonical placement over the mesh's devices (the
     pipeline strategy's), or each stage's whole, ``P(pp)`` (a device group's, pulled per stage);
     the layer gradients then come back as one ``[1, L/pp, ...]`` row per device, ``[n, L/pp, ...]``
@@ -62,7 +63,9 @@ def make_pipeline_grads(
     if not sigs or len({(s.layout, s.num_layers) for s in sigs}) != 1:
         raise ValueError(f"a step's parts need one layout and model, got {sigs}")
     shapes = [
-        stage_shapes(graphdef, cfg, s, attention_fn, residual_policy, stage_weights, canonical, group_axes)
+        stage_shapes(
+            graphdef, cfg, s, attention_fn, residual_policy, stage_weights, canonical, group_axes, vocab_max_sp
+        )
         for s in sigs
     ]
     weights = shapes[0].fns.weights  # the layout's: the same for every part

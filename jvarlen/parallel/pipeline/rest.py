@@ -19,7 +19,10 @@ device works on its rows for all ``T`` tokens of the chunk, and activations move
   gradient is written out (softmax minus one-hot): the head's is local, the outputs' is
   reduce-scattered back. No collective is differentiated by JAX.
 
-The executor splits where ``sp`` divides the vocabulary (``Layout.vocab_shards``). A device
+The executor splits where ``sp`` divides the vocabulary and the sp devices share a node
+(``Layout.vocab_shards``; the runtime's strategies pass the profile's ``gpus_per_node``): across
+nodes each op's ``[T, d]`` collectives cost more time than the memory saved is worth (7-24 % of a
+7B micro-batch at sp = 16-32 in the analytic profiles, docs/design/cost-model.md). A device
 group's program is handed the pulled rest whole and slices its rows; each device returns its rows
 of the gradients, which a small program on the group's devices puts in place in a whole row
 (``group_exchange.Exchange.compile_rest``).

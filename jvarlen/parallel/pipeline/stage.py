@@ -216,9 +216,11 @@ def stage_shapes(
     stage_weights: str = "replicated",
     canonical: bool = True,
     group_axes=None,
+    vocab_max_sp: Optional[int] = None,
 ):
     """The static sizes and per-layer functions of ``sig`` (see :class:`StageShapes`); ``canonical``
-    and ``group_axes``: see :class:`~jvarlen.parallel.pipeline.weights.StageWeights`."""
+    and ``group_axes``: see :class:`~jvarlen.parallel.pipeline.weights.StageWeights`;
+    ``vocab_max_sp``: the largest sp that splits the vocabulary (``Layout.vocab_shards``)."""
     sp = sig.layout.sp
     if sig.bucket % sp or cfg.num_heads % sp:
         raise ValueError(f"sp={sp} must divide the chunk bucket ({sig.bucket}) and num_heads ({cfg.num_heads})")
@@ -245,7 +247,7 @@ def stage_shapes(
         d=cfg.d_model,
         D=cfg.head_dim or cfg.d_model // cfg.num_heads,
         K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
-        vocab_shards=sig.layout.vocab_shards(cfg.vocab_size),
+        vocab_shards=sig.layout.vocab_shards(cfg.vocab_size, vocab_max_sp),
     )
 
 

@@ -49,11 +49,12 @@ SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
 
 class Exchange(MethodCaches):
     """The pull, resize and update programs of one run (``sharded``: stage weights sharded within
-    each group, so the exchange moves chunks). What a layout's group holds is asked every step (its
+    each group, so the exchange moves chunks; ``vocab_max_sp``: as the groups' executors split the
+    vocabulary, ``Layout.vocab_shards``). What a layout's group holds is asked every step (its
     views), so it is memoized per layout."""
 
-    def __init__(self, ctx: StepContext, sharded: bool):
-        self.ctx, self.sharded = ctx, sharded
+    def __init__(self, ctx: StepContext, sharded: bool, vocab_max_sp=None):
+        self.ctx, self.sharded, self.vocab_max_sp = ctx, sharded, vocab_max_sp
         layers, _ = split_params(ctx.placement.state_sharding.params)
         self.axes = [fsdp_axis(s) for s in jax.tree.leaves(layers)]  # each layer leaf's canonical axis
 
@@ -195,7 +196,7 @@ class Exchange(MethodCaches):
         layout = Layout(len(devices) // (pp * sp), pp, sp)
         mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
         _, rest = split_params(self.ctx.abstract_state.params)
-        axes = vocab_axes(rest, layout.vocab_shards(self.ctx.model.vocab_size))
+        axes = vocab_axes(rest, layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp))
         leaves, spec = jax.tree.leaves(rest), P(GROUP_AXES)
 
         def place(x, axis):  # x: [1, *param] with 1/sp of the vocabulary axis

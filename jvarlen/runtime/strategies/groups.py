@@ -204,12 +204,17 @@ class GroupsStrategy(ExecutionStrategy):
         stage_weights: str = "replicated",
         chunk_multiple: int = 2,
         fallback_policy: str = "homogeneous",
+        vocab_max_sp: Optional[int] = None,
     ):
         self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
         self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
         self.residual = None if residual == "all" else residual
         self.stage_weights = stage_weights
-        self.exchange = Exchange(ctx, stage_weights == "sharded")
+        # the vocabulary is split over a group's sp within a node, as the planner's account assumes
+        if vocab_max_sp is None and costs is not None:
+            vocab_max_sp = costs.coeffs.gpus_per_node
+        self.vocab_max_sp = vocab_max_sp
+        self.exchange = Exchange(ctx, stage_weights == "sharded", self.vocab_max_sp)
         self.fallback_policy = fallback_policy
         self._service = None
         self.cache = None
@@ -290,7 +295,7 @@ class GroupsStrategy(ExecutionStrategy):
                     self.cache.get(("rows", *where, "partial", per_stage, rows, chunks, parts), exchange.compile_rows),
                 )
             whole_rest = None  # the rest's gradient rows, split by vocabulary over sp, made whole
-            if layout.vocab_shards(self.ctx.model.vocab_size) > 1:
+            if layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp) > 1:
                 whole_rest = self.cache.get(("rest", *where), exchange.compile_rest)
             groups.append((program, mesh, batch_shardings, resize, layout, whole_rest))
         pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
@@ -314,6 +319,7 @@ class GroupsStrategy(ExecutionStrategy):
             stage_weights=self.stage_weights,
             canonical=False,
             group_axes=self.exchange.group_axes(sigs[0].layout),
+            vocab_max_sp=self.vocab_max_sp,
         )
         _, rest_dtype = split_params(ctx.abstract_state.params)
 

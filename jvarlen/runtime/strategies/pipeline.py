@@ -166,7 +166,13 @@ class PipelineStrategy(ExecutionStrategy):
         ctx = self.ctx
         mesh = ctx.placement.mesh(sig.layout)
         grads = make_pipeline_grads(
-            ctx.graphdef, ctx.model, sig, mesh, residual_policy=self.residual, stage_weights=self.stage_weights
+            ctx.graphdef,
+            ctx.model,
+            sig,
+            mesh,
+            residual_policy=self.residual,
+            stage_weights=self.stage_weights,
+            vocab_max_sp=self.cost.coeffs.gpus_per_node,  # as the planner's account assumes (CostModel.vocab_shards)
         )
 
         def grads_fn(params, batch):
