@@ -72,7 +72,9 @@ def main(argv=None) -> int:
             plan = build_group_plan("bench", scheme, lengths, micro, costs[mode], ckpt=ckpt)
             group = GroupPlan(scheme, tuple(range(pp * sp)), tuple(range(len(lengths))), plan)
             strategy_plan = StrategyPlan("bench", args.devices, tuple(lengths), (group,))
-            strategy = GroupsStrategy(ctx, None, "", ahead=0, stage_weights=mode)
+            # the vocabulary split within a node, as the account assumes
+            nodes = costs[mode].coeffs.gpus_per_node
+            strategy = GroupsStrategy(ctx, None, "", ahead=0, stage_weights=mode, vocab_max_sp=nodes)
             it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[strategy_plan])
             prepared = strategy.prepare(it)
             compiled, _, _ = strategy._compile_group(prepared.key[1][0])

@@ -275,8 +275,8 @@ class OnlineRefit:
             pred = self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts, group=group)
         else:
             pred = float(predicted_s)
-        o = Observation(tuple(chunk_shapes), layout, float(measured_s), sched, ckpt_layers, pred, mode, tuple(parts))
-        self.history.append(dataclasses.replace(o, group=group))
+        shapes, measured = tuple(chunk_shapes), float(measured_s)
+        self.history.append(Observation(shapes, layout, measured, sched, ckpt_layers, pred, mode, tuple(parts), group))
         self._since_refit += 1
         return pred
 

@@ -26,8 +26,8 @@ with sharded stage weights each op then waits ``AG``, the gathers (and a backwar
 reduce-scatters) its compute does not hide (``CostModel.weights_fwd_exposed`` / ``_bwd_``), and,
 sharded over dp too, a plain backward in a step with fused ops also the gathers of the ascending
 pass it runs without compute (``CostModel.weights_idle_pass``, paired mode); where the executor
-splits the embedding and head by vocabulary, the first stage's forward and the last stage's ops
-wait ``V``, their collectives over sp (``CostModel.vocab_time``).
+splits the embedding and head by vocabulary, the first and the last stage's ops wait ``V``, their
+collectives over sp (``CostModel.vocab_time``).
 Memory (Eq. 6-10): model states plus :meth:`CostModel.activation_memory` of every chunk from
 the start of its forward to the end of its backward on that stage, plus
 :meth:`CostModel.backward_memory` of each backward while it runs (not in the paper: a backward's
