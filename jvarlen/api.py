@@ -182,10 +182,13 @@ class Session:
         chunk_multiple: int = 2,
         residual_policy: Optional[str] = "dots_and_attention",
         stage_weights: str = "replicated",
+        vocab_max_sp: Optional[int] = None,
     ) -> PlanStep:
         """The elastic pipeline step on ``layout`` for plans of that layout (chunks padded to
         ``bucket`` tokens, or to quarter steps of a power of two; chunk counts to a multiple of
-        ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp devices and the dp pipelines)."""
+        ``chunk_multiple``; ``stage_weights="sharded"``: ZeRO-3 over each stage's sp devices and the dp pipelines;
+        ``vocab_max_sp``: the largest sp that splits the embedding and head by vocabulary, as
+        :meth:`strategy_step`'s)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
 
         model = self.context.model
@@ -197,8 +200,9 @@ class Session:
             stage_weights=stage_weights,
             chunk_multiple=chunk_multiple,
             bucket=bucket,
+            vocab_max_sp=vocab_max_sp,
         )
-        return PlanStep(strategy, self._cache_for(("pipeline", residual_policy, stage_weights)))
+        return PlanStep(strategy, self._cache_for(("pipeline", residual_policy, stage_weights, vocab_max_sp)))
 
     def strategy_step(
         self,

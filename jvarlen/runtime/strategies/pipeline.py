@@ -100,10 +100,12 @@ class PipelineStrategy(ExecutionStrategy):
         chunk_multiple: int = 4,
         bucket: Optional[int] = None,
         paired: bool = True,
+        vocab_max_sp: Optional[int] = None,
     ):
         """``paired``: run the executor's paired tick tables (False: one op per stage and tick, for
-        comparisons; the planner's simulation stays as ``options`` says). ``stage_weights``: see
-        ``make_pipeline_grads``."""
+        comparisons; the planner's simulation stays as ``options`` says). ``stage_weights`` and
+        ``vocab_max_sp``: see ``make_pipeline_grads`` (the latter by default the cost model's
+        ``gpus_per_node``, as its account assumes; without a cost model, any sp)."""
         if residual is not None and residual != "all":
             try:
                 residual_policy(residual)
@@ -114,6 +116,9 @@ class PipelineStrategy(ExecutionStrategy):
         self.residual = None if residual == "all" else residual
         self.stage_weights = stage_weights
         self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
+        if vocab_max_sp is None and cost is not None:
+            vocab_max_sp = cost.coeffs.gpus_per_node
+        self.vocab_max_sp = vocab_max_sp
         self._service = None
 
     @classmethod
@@ -172,7 +177,7 @@ class PipelineStrategy(ExecutionStrategy):
             mesh,
             residual_policy=self.residual,
             stage_weights=self.stage_weights,
-            vocab_max_sp=self.cost.coeffs.gpus_per_node,  # as the planner's account assumes (CostModel.vocab_shards)
+            vocab_max_sp=self.vocab_max_sp,
         )
 
         def grads_fn(params, batch):
