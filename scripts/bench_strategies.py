@@ -18,8 +18,14 @@ Eq. 3 optimum on small random instances); also ``auto`` (against each policy it 
 ``service`` (``auto`` in the planning service), ``bounds`` and ``bounds_epp`` (EPP's bounded search
 against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), run separately.
 Writes the "## Strategies" section of docs/benchmarks.md and a JSON file with every record.
+Parts run in parallel processes write their own JSON files; ``--merge`` combines them into
+``--json`` (the ``compare`` records in the settings' order, every other part from the file that has
+it) before the section is written.
 
     python scripts/bench_strategies.py [--iterations 6] [--parts compare,timing,gap] [--quick]
+    python scripts/bench_strategies.py --parts compare --only '64 dev' --json a.json --no_write &
+    python scripts/bench_strategies.py --parts compare --only '^(?!.*64 dev)' --json b.json --no_write
+    python scripts/bench_strategies.py --parts "" --merge a.json b.json --no_write
 """
 
 from __future__ import annotations
@@ -570,10 +576,13 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench_strategies.json"))
     ap.add_argument("--no_write", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     ap.add_argument("--only", default="", help="--parts compare: only the settings whose name matches this regex")
+    ap.add_argument("--merge", nargs="+", default=(), help="JSON files of parts run separately, merged into --json")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]  # --parts "": rewrite the section from the JSON file
     path = pathlib.Path(args.json)
     record = json.loads(path.read_text()) if path.exists() and not args.quick else {}
+    if args.merge:
+        record = merge_records([record] + [json.loads(pathlib.Path(f).read_text()) for f in args.merge])
     if "compare" in parts:
         chosen = [s for s in settings(args.quick) if re.search(args.only, s.name)]
         record["compare"] = [compare(s, args.iterations, False) for s in chosen]
@@ -600,6 +609,24 @@ def main() -> int:
     if not args.no_write and all(p in record for p in ("compare", "timing", "gap")) and not args.quick:
         write_section(body)  # parts run separately are merged through the JSON file
     return 0
+
+
+def merge_records(records: list) -> dict:
+    """One record of several: the ``compare`` entries of all of them (a later file's entry replaces
+    an earlier one of the same setting), in the settings' order; every other part from the last
+    record that has it."""
+    order = [s.name for s in settings(False)]
+    merged, compared = {}, {}
+    for record in records:
+        for key, value in record.items():
+            if key == "compare":
+                compared.update({entry["setting"]["name"]: entry for entry in value})
+            else:
+                merged[key] = value
+    if compared:
+        known = {name: i for i, name in enumerate(order)}
+        merged["compare"] = sorted(compared.values(), key=lambda e: known.get(e["setting"]["name"], len(order)))
+    return merged
 
 
 def section(record, args) -> str:
