@@ -72,6 +72,11 @@ class Exchange(MethodCaches):
             out.append(treedef.unflatten([jax.ShapeDtypeStruct(a.shape, d) for a, d in zip(leaves, dtypes)]))
         return tuple(out)
 
+    def vocab_shards(self, layout: Layout) -> int:
+        """Over how many devices a group of ``layout`` splits the embedding table and head by
+        vocabulary (``Layout.vocab_shards`` within :attr:`vocab_max_sp`); 1: whole."""
+        return layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp)
+
     @method_cache()
     def shards(self, layout: Layout) -> int:
         """Chunks a group of ``layout`` splits its stage into (1: whole)."""
@@ -196,7 +201,7 @@ class Exchange(MethodCaches):
         layout = Layout(len(devices) // (pp * sp), pp, sp)
         mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
         _, rest = split_params(self.ctx.abstract_state.params)
-        axes = vocab_axes(rest, layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp))
+        axes = vocab_axes(rest, self.vocab_shards(layout))
         leaves, spec = jax.tree.leaves(rest), P(GROUP_AXES)
 
         def place(x, axis):  # x: [1, *param] with 1/sp of the vocabulary axis

@@ -295,7 +295,7 @@ class GroupsStrategy(ExecutionStrategy):
                     self.cache.get(("rows", *where, "partial", per_stage, rows, chunks, parts), exchange.compile_rows),
                 )
             whole_rest = None  # the rest's gradient rows, split by vocabulary over sp, made whole
-            if layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp) > 1:
+            if exchange.vocab_shards(layout) > 1:
                 whole_rest = self.cache.get(("rest", *where), exchange.compile_rest)
             groups.append((program, mesh, batch_shardings, resize, layout, whole_rest))
         pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
