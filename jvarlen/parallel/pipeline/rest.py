@@ -72,13 +72,13 @@ def hand_rest(rest, mesh, shards: int):
         return rest
     n = math.prod(mesh.shape.values())
 
-    def place(key, x):
-        axis = VOCAB_AXIS.get(key)
+    def place(x, axis):
         if axis is None or x.shape[axis] % n:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*([None] * axis + [(SP, DP, PP)]))))
 
-    return type(rest)({k: jax.tree.map(lambda x, k=k: place(k, x), v) for k, v in rest.items()})
+    leaves, treedef = jax.tree.flatten(rest)
+    return treedef.unflatten([place(x, axis) for x, axis in zip(leaves, vocab_axes(rest, shards))])
 
 
 class VocabShard:
