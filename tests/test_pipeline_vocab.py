@@ -77,3 +77,36 @@ def test_a_device_holds_its_share_of_the_vocabulary():
     assert whole - split >= rest / 2, (whole, split, rest)
     across_nodes, _ = _memory(8192, layout, vocab_max_sp=1)
     assert across_nodes - split >= rest / 2, (across_nodes, split, rest)
+
+
+def _all_gathers(jaxpr, in_loop=False, in_cond=False, found=None) -> list[tuple[bool, bool, tuple]]:
+    """(inside the tick loop, inside a conditional, output shape) of every ``all_gather`` in
+    ``jaxpr`` and the jaxprs it calls."""
+    found = [] if found is None else found
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "all_gather":
+            found.append((in_loop, in_cond, tuple(eqn.outvars[0].aval.shape)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _all_gathers(sub, in_loop or name == "while", in_cond or name == "cond", found)
+    return found
+
+
+def test_only_the_first_stages_backward_gathers_the_lookup_cotangents():
+    """The lookup gradient's all-gather of a chunk's cotangents runs inside the op's conditional,
+    where the first stage's backward takes it (``StageRest.lookup_cotangent``), not on every tick
+    of every stage: no all-gather in the tick loop is unconditional (the time model charges it to
+    the first stage's backward only, ``CostModel.vocab_time``)."""
+    layout = Layout(dp=1, pp=2, sp=2)
+    require_devices(layout.num_devices)
+    cfg = _config(64, tied=False)
+    graphdef, params = tiny_params(cfg)
+    _, sig, batch = token_1f1b_batch(cfg, layout, 1)
+    grads = pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(layout))
+    gathers = [g for g in _all_gathers(jax.make_jaxpr(grads)(params, batch).jaxpr) if g[0]]
+    chunk = (sig.bucket, cfg.d_model)  # all T cotangents (or normed outputs) of a chunk
+    assert any(shape == chunk for _, _, shape in gathers), gathers  # the gathers are there
+    assert all(in_cond for _, in_cond, _ in gathers), gathers

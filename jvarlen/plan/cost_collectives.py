@@ -113,10 +113,8 @@ class CollectiveTimes:
         backward all-gathers the input cotangents (``[T, d]``); the last stage's forward
         all-gathers the normed outputs (``[T, d]``, compute dtype) and all-reduces the max and the
         stacked sums of the log-partition (``[T]``, ``[2, T]`` fp32), its backward reduce-scatters
-        the outputs' fp32 gradient. The executor runs the cotangents' all-gather on every tick of
-        every stage (``rest.VocabShard.table_rows``); charged here once, with the first stage's
-        backward, so that the per-op models of the groups (``SchemeCosts.micro_batch_time``) stay
-        what the simulation adds up: the other stages' ticks are under-charged by it."""
+        the outputs' fp32 gradient. The executor runs the cotangents' all-gather in the first
+        stage's backward only (``rest.StageRest.lookup_cotangent``), as charged here."""
         if not self.splits_vocab or stage is None:
             return 0.0
         t = self.linear_tokens(chunk)

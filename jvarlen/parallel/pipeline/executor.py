@@ -198,6 +198,7 @@ class StageProgram:
         return dict(
             self.out,
             send_grad=dx,
+            lookup_cotangent=self.rest.lookup_cotangent(dx, active & self.is_first),
             d_layers=d_layers,
             dck=dck,
             dcv=dcv,
@@ -292,7 +293,7 @@ class StageProgram:
             carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
         carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         g_rest = add_part(carry["g_rest"], o["d_head"])
-        carry["g_rest"] = self.rest.embed_grad(g_rest, c, o["send_grad"], takes_dctx & self.is_first)
+        carry["g_rest"] = self.rest.embed_grad(g_rest, c, o["lookup_cotangent"], takes_dctx & self.is_first)
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
@@ -385,6 +386,7 @@ class StageProgram:
         self.out.update(
             send_act=act,
             send_grad=act,
+            lookup_cotangent=act if self.rest.vocab is None else jnp.zeros((s.T, s.d), cdt),
             x_in=act,
             dy_last=act,
             res=[jnp.zeros((s.ls,) + r.shape, r.dtype) for r in res_shapes] if s.stores else [],

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jvarlen.model import cross_entropy_sums
 from jvarlen.parallel.layouts import DP, PP, SP
+from jvarlen.parallel.pipeline.stage import maybe
 
 EMBED, HEAD = "embed", "head"  # the rest's table [V, d] and untied head [d, V] (jvarlen.model.transformer)
 VOCAB_AXIS = {EMBED: 0, HEAD: 1}
@@ -101,17 +102,17 @@ class VocabShard:
         rows = jnp.where(mine[:, None], rows, jnp.zeros_like(rows))
         return jax.lax.psum_scatter(rows, SP, scatter_dimension=0, tiled=True)
 
-    def table_rows(self, tokens, dx, takes):
-        """(row index, cotangent) of the lookup's gradient for ``T`` tokens and this device's
-        ``T/sp`` cotangents ``dx``, where ``takes``; rows of other devices' vocabulary, and every
-        row where not ``takes``, index past the table (drop them with ``mode="drop"``). The
-        gather runs on every tick of every stage: in a conditional on ``takes`` (which the sp
-        devices agree on) it deadlocked XLA:CPU's devices on one test table (1F1B, every layer
-        recomputed, layout (2, 1, 2)); it moves one chunk's activations, no more than a
-        ``ppermute``."""
+    def gather_cotangent(self, dx):
+        """All ``T`` cotangents of the chunk's lookup from this device's ``T/sp`` ``dx``: each
+        device adds the rows of its vocabulary for every token of the chunk."""
+        return jax.lax.all_gather(dx, SP, axis=0, tiled=True)
+
+    def table_rows(self, tokens, takes):
+        """Row index of each of the chunk's ``T`` tokens in this device's rows, for the lookup's
+        gradient where ``takes``; rows of other devices' vocabulary, and every row where not
+        ``takes``, index past the table (drop them with ``mode="drop"``)."""
         row, mine = self.local(tokens)
-        gathered = jax.lax.all_gather(dx, SP, axis=0, tiled=True)
-        return jnp.where(mine & takes, row, self.size), gathered
+        return jnp.where(mine & takes, row, self.size)
 
     def head_loss(self, h, w, targets, mask, scale, mine, tokens: int):
         """Cross-entropy of the chunk's normed outputs ``h [T/sp, d]`` (this device's) against
@@ -203,16 +204,28 @@ class StageRest:
         d_w = jax.tree.map(lambda p: (dw.T if self.tied else dw).astype(p.dtype), self.part((key,)))
         return loss, nnx.State({k: d_norm[k] if k in self.norm_keys else d_w[k] for k in self.head_keys}), dy
 
-    def embed_grad(self, g_rest: nnx.State, c, dx, takes) -> nnx.State:
-        """``g_rest`` with the embedding table's gradient of the first stage's input cotangent ``dx``
-        added (where ``takes``: the op sends one). Outside the op's conditional (whose output
+    def lookup_cotangent(self, dx, takes):
+        """What :meth:`embed_grad` needs of the first stage's input cotangent ``dx``, inside the
+        op's conditional (where ``takes``: the op sends one, zeros elsewhere): ``dx`` itself, or,
+        split by vocabulary, the chunk's ``T`` cotangents gathered over sp. In the op, after its
+        last collective, the gather is ordered like the op's others; outside it, as its own
+        conditional, XLA:CPU started it and a later tick's op's collectives in different orders
+        on the two devices of a stage (layout (2, 1, 2), 1F1B) and they waited for ever; as an
+        unconditional collective it ran on every tick of every stage."""
+        if self.vocab is None:
+            return dx
+        return maybe(takes, lambda: self.vocab.gather_cotangent(dx))
+
+    def embed_grad(self, g_rest: nnx.State, c, cotangent, takes) -> nnx.State:
+        """``g_rest`` with the embedding table's gradient added of ``cotangent``
+        (:meth:`lookup_cotangent`; where ``takes``). Outside the op's conditional (whose output
         would be table-sized): XLA scatter-adds it into the accumulator in place."""
         if self.vocab is None:
-            dx = jnp.where(takes, dx, jnp.zeros_like(dx))
+            dx = jnp.where(takes, cotangent, jnp.zeros_like(cotangent))
             _, vjp_fn = jax.vjp(lambda ee: self.embed(c, self.with_part(ee)), self.part((EMBED,)))
             return add_part(g_rest, vjp_fn(dx)[0])
-        row, dx_all = self.vocab.table_rows(c["tokens"], dx, takes)
-        table = jax.tree.map(lambda g: g.at[row].add(dx_all.astype(g.dtype), mode="drop"), g_rest[EMBED])
+        row = self.vocab.table_rows(c["tokens"], takes)
+        table = jax.tree.map(lambda g: g.at[row].add(cotangent.astype(g.dtype), mode="drop"), g_rest[EMBED])
         return nnx.State({**g_rest, EMBED: table})
 
     def head_zeros(self) -> nnx.State:
