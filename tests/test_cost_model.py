@@ -194,6 +194,13 @@ def test_model_state_memory_hand_computed():
     z4 = z.with_layout(Layout(1, 2, 4), state_devices=8)
     held4 = rest_bytes(MHA, shards=4)[0]
     assert z4.model_state_memory(0) == pytest.approx(12 * p / 8 + 6 * layers / 4 + held4 + in_flight + 1000)
+    # one layer per stage: that layer gathered and its gradient (2 bytes each), nothing ahead or late
+    z_one = z.with_layout(Layout(1, 4, 2), state_devices=8)
+    held2 = rest_bytes(MHA, shards=2)[0]
+    one_layer = 2 * 2 * MHA.layer_params
+    assert z_one.model_state_memory(0) == pytest.approx(
+        12 * p / 8 + 6 * MHA.layer_params / 2 + held2 + one_layer + 1000
+    )
     # one device per stage: nothing to shard, nothing gathered
     z1 = z.with_layout(Layout(1, 2, 1), state_devices=8)
     assert z1.model_state_memory(0) == pytest.approx(cm.with_layout(Layout(1, 2, 1), 8).model_state_memory(0))

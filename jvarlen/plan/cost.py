@@ -352,7 +352,9 @@ class CostModel(CollectiveTimes):
         dtype (the one in use, the one gathered ahead), the previous layer's gradient in the
         compute dtype (reduce-scattered one layer late, over this layer's compute) and one
         layer's gradient in the accumulator's dtype, as it is reduce-scattered
-        (docs/design/pipeline.md, "Stage weights"); replicated, the one layer the executor's pass
+        (docs/design/pipeline.md, "Stage weights"); with one layer per stage, nothing ahead and
+        nothing late: the layer and its gradient in the compute dtype (docs/benchmarks.md, "One
+        layer per stage, sharded"); replicated, the one layer the executor's pass
         slices out of the stacked stage (compute dtype; none with one layer, whose loop XLA
         removes). Where the executor runs the layout
         (:attr:`holds_rest`), every device holds the embedding and head with their accumulators,
@@ -371,8 +373,10 @@ class CostModel(CollectiveTimes):
         if self.stage_weights_sharded and group > 1:  # the decoder layers (the rest: _rest_bytes)
             layers = m.num_layers // self.layout.pp * m.layer_params
             params += layers / group - layers
-            # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per parameter
-            in_flight = (2 * c.bytes_per_element + c.stage_bytes_per_param) * m.layer_params
+            # three layers of e bytes + one gradient of (stage_bytes_per_param - e) bytes per
+            # parameter; one layer per stage: the layer and its gradient, e bytes each
+            ahead = c.stage_bytes_per_param if self.layers_per_stage > 1 else 0.0
+            in_flight = (2 * c.bytes_per_element + ahead) * m.layer_params
         elif self.holds_rest and self.layers_per_stage > 1:
             in_flight = c.bytes_per_element * m.layer_params
         local = c.stage_bytes_per_param * params + rest
