@@ -150,17 +150,16 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
-def rest_bytes(shape: ModelShape, shards: int = 1, group: bool = False) -> tuple[float, float]:
+def rest_bytes(shape: ModelShape, shards: int = 1) -> tuple[float, float]:
     """What the pipeline executor holds of the rest per device by dtype, with a bf16 compute dtype
     and fp32 parameters: (the embedding table and the final norm in fp32, copy 4 + accumulator 4;
     an untied head in bf16, copy 2 + accumulator 4; one op's gradient of it in the copy's dtypes),
-    the table and head split over ``shards`` devices by vocabulary (the stage's sp); a device
-    group's copy whole (the groups' pull hands it so)."""
+    the table and head split over ``shards`` devices by vocabulary (the stage's sp; a device
+    group's copy too: each device keeps its rows of the pulled copy)."""
     fp32 = shape.embed_params / shards + shape.d_model
     bf16 = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model / shards
     copy = 4 * fp32 + 2 * bf16
-    handed = rest_bytes(shape)[1] if group else copy
-    return handed + 4 * fp32 + 4 * bf16, copy
+    return copy + 4 * fp32 + 4 * bf16, copy
 
 
 def test_model_state_memory_hand_computed():
@@ -541,12 +540,11 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     """The groups' pull hands every device of a device group the rest of the model (embedding,
     final norm, head) with its stage's layers, and each returns their gradients: the memory account
     charges them on every stage, in the dtypes the pull hands them in (an untied head in the
-    compute dtype, the embedding in fp32), the copy whole and their accumulators and an op's
-    gradient split by vocabulary over sp; with sharded stage weights only the decoder layers
-    shrink."""
+    compute dtype, the embedding in fp32), the copy, their accumulators and an op's gradient
+    split by vocabulary over sp; with sharded stage weights only the decoder layers shrink."""
     untied = dataclasses.replace(MHA, tie_embeddings=False)
     p, layers = untied.param_count, untied.num_layers // 2 * untied.layer_params
-    held = rest_bytes(untied, shards=2, group=True)[0]  # split by vocabulary over sp = 2, handed whole
+    held = rest_bytes(untied, shards=2)[0]  # split by vocabulary over sp = 2, the copy too
     whole = rest_bytes(untied)[0]
     assert whole == 8 * (untied.embed_params + untied.d_model) + 6 * untied.vocab_size * untied.d_model
     pipeline = CostModel(untied, Layout(2, 2, 2), coeffs())
@@ -554,14 +552,13 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
     sliced = 2 * untied.layer_params  # the layer the executor's pass slices out of the stacked stage
     for stage in (0, 1):
         assert group.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + held + sliced + 1000)
-        # the pipeline strategy's executor splits the table and head by vocabulary over sp = 2
-        split = rest_bytes(untied, shards=2)[0]
-        assert pipeline.model_state_memory(stage) == pytest.approx(12 * p / 8 + 6 * layers + split + sliced + 1000)
+        # the pipeline strategy's executor splits the table and head by vocabulary over sp = 2 alike
+        assert pipeline.model_state_memory(stage) == pytest.approx(group.model_state_memory(stage))
     one_stage = CostModel(untied, Layout(2, 1, 4), coeffs())  # a fused step: the whole model at 6 bytes
     assert one_stage.replace(group=True).model_state_memory(0) == pytest.approx(
         one_stage.model_state_memory(0)
         - 6 * (p - untied.num_layers * untied.layer_params)
-        + rest_bytes(untied, shards=4, group=True)[0]
+        + rest_bytes(untied, shards=4)[0]
         + sliced
     )
     in_flight = (3 * 2 + 4) * untied.layer_params
@@ -577,8 +574,8 @@ def test_every_device_of_a_group_holds_the_embedding_and_the_head():
 def test_the_account_charges_a_share_of_the_vocabulary():
     """The memory account (``memory_floor``) charges 1/sp of the table and head on every stage of
     the pipeline strategy where sp divides the vocabulary (the executor splits them by vocabulary,
-    jvarlen/parallel/pipeline/rest.py), the whole of them where it does not; a device group's
-    executor splits them too, but is handed the copy whole by the groups' pull."""
+    jvarlen/parallel/pipeline/rest.py), the whole of them where it does not; so does a device
+    group's (each device keeps its rows of the pulled copy)."""
     untied = dataclasses.replace(MHA, tie_embeddings=False)  # vocabulary 100
     odd = dataclasses.replace(untied, vocab_size=99)
     held = rest_bytes(untied)[0] - 8 * untied.d_model  # the table and head; the norm is never split
@@ -589,9 +586,9 @@ def test_the_account_charges_a_share_of_the_vocabulary():
 
     for sp in (2, 4):
         layout, one = Layout(1, 2, sp), Layout(1, 2, 1)  # sp = 1: whole
-        # the pipeline strategy: the copy and accumulator between ops and one op's gradient (rest_bytes'
-        # second term) at 1/sp; a group: the accumulators and an op's gradient, the copy handed whole
+        # the copy and accumulator between ops and one op's gradient (rest_bytes' second term) at 1/sp,
+        # in the pipeline strategy and in a group
         assert floor(untied, one) - floor(untied, layout) == pytest.approx((held + copy) * (1 - 1 / sp))
-        assert floor(untied, one, True) - floor(untied, layout, True) == pytest.approx(held * (1 - 1 / sp))
+        assert floor(untied, one, True) - floor(untied, layout, True) == pytest.approx((held + copy) * (1 - 1 / sp))
         assert floor(odd, layout) == pytest.approx(floor(odd, one))  # 99: nothing split
         assert floor(odd, layout, True) == pytest.approx(floor(odd, one, True))

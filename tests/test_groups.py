@@ -281,7 +281,7 @@ def test_a_device_receives_its_stages_layers_and_no_more(setup):
     step.strategy.compile(second.key)
     new = {k[0] for k in set(step.cache.keys()) - before}
     # "rest": the new group's program that makes its devices' vocabulary rows of the table's gradient whole
-    assert second.key[1][0] in before and new == {"pull", "update", "group", "rows", "rest"}
+    assert second.key[1][0] in before and new == {"pull", "update", "group", "rows", "rest_in", "rest_out"}
 
 
 def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the_reference(setup):
@@ -317,9 +317,9 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
             m = compiled.memory_analysis()
             batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
             held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
-            # the handed chunks and their gradient rows (fp32 both), the rest whole, its rows split
+            # the handed chunks and their gradient rows (fp32 both), the rest and its rows split
             rows = rest_bytes - table * (1 - 1 / group.scheme.sp)  # by vocabulary over sp
-            assert 0 <= held - (2 * stage + rest_bytes + rows) < 512, group.scheme  # and the output tuple's pointers
+            assert 0 <= held - (2 * stage + 2 * rows) < 512, group.scheme  # and the output tuple's pointers
 
 
 def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(setup, monkeypatch):
@@ -347,16 +347,17 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
     assert partial_dtypes == {np.dtype(np.float32)}
     # what a group's compiled step holds beyond its batch (arguments and outputs): its stage's
     # layers as handed (bf16 matrices, fp32 vectors: the stage's compute copy itself), the embedding
-    # (fp32) and tied head's norm, and fp32 gradient rows of all of them, the table's split by
-    # vocabulary over sp; the planner's memory model charges the copy and the accumulators, which
-    # the rows are (docs/design/heterogeneous.md)
+    # (fp32) and tied head's norm, and fp32 gradient rows of all of them, the table and its rows
+    # split by vocabulary over sp; the planner's memory model charges the copy and the
+    # accumulators, which the rows are (docs/design/heterogeneous.md)
     layer_leaves = jax.tree.leaves(params["layers"])
     rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - sum(a.nbytes for a in layer_leaves)
     table = cfg.vocab_size * cfg.d_model * 4
     for g, ((compiled, *_), group) in enumerate(zip(program.groups, plan.groups)):
         share = 1 / group.scheme.pp
-        handed = sum(a.nbytes // (2 if a.ndim >= 3 else 1) for a in layer_leaves) * share + rest_bytes
-        rows = sum(a.nbytes for a in layer_leaves) * share + rest_bytes - table * (1 - 1 / group.scheme.sp)
+        rest = rest_bytes - table * (1 - 1 / group.scheme.sp)
+        handed = sum(a.nbytes // (2 if a.ndim >= 3 else 1) for a in layer_leaves) * share + rest
+        rows = sum(a.nbytes for a in layer_leaves) * share + rest
         m = compiled.memory_analysis()
         batch = sum(np.asarray(v).nbytes for k, v in prepared.arrays.items() if k.startswith(f"{g}/"))
         held = m.argument_size_in_bytes + m.output_size_in_bytes - batch
@@ -419,10 +420,11 @@ def test_a_group_splits_an_untied_head_by_vocabulary_and_equals_the_reference(se
 
 
 def test_a_group_step_holds_its_share_of_the_vocabulary(setup):
-    """Each group's compiled step with a vocabulary its sp divides allocates less (outputs and
-    temporaries) than with one row more (whole on every device): at least ``1 - 1/sp`` of the fp32
-    accumulators of the untied table and head, which are its rows of their gradients (the copy it
-    is handed stays whole: the pull's, shared by every group)."""
+    """Each group's compiled step with a vocabulary its sp divides allocates less (arguments,
+    outputs and temporaries) than with one row more (whole on every device): at least
+    ``1 - 1/sp`` of the copy it is handed of the untied table and head (its rows of the pull's,
+    kept by ``Exchange.compile_rest_in``) and of their fp32 accumulators (its rows of their
+    gradients)."""
     _, _, _, docs = setup
     allocated = {}
     for vocab in (8192, 8193):
@@ -434,11 +436,49 @@ def test_a_group_step_holds_its_share_of_the_vocabulary(setup):
         prepared = step.prepare(strategy_plan(cfg), docs)
         for key in prepared.key[1]:  # the (2, 2) and the (1, 4) group
             m = step.strategy._compile_group(key)[0].memory_analysis()
-            allocated[vocab, key[2]] = m.output_size_in_bytes + m.temp_size_in_bytes
-    accumulators = 2 * 8192 * cfg.d_model * 4
+            allocated[vocab, key[2]] = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    copy = accumulators = 2 * 8192 * cfg.d_model * 4  # fp32 compute dtype: the head's copy in fp32 too
     for sp in (2, 4):
         saved = allocated[8193, sp] - allocated[8192, sp]
-        assert saved >= (1 - 1 / sp) * accumulators, (sp, allocated, accumulators)
+        assert saved >= (1 - 1 / sp) * (copy + accumulators), (sp, allocated, accumulators)
+
+
+def test_no_whole_copy_of_the_table_is_held_on_a_groups_devices_while_its_program_runs(setup):
+    """A group that splits the table and head by vocabulary keeps its rows of the pulled copy
+    before its program runs (``Exchange.compile_rest_in``), and nothing else holds the whole copy
+    on its devices: when each group's program is called, no live array holds the untied table or
+    head whole on any of the group's devices (the canonical state holds chunks of them)."""
+    _, _, _, docs = setup
+    cfg = dataclasses.replace(tiny_config(num_layers=4), tie_embeddings=False)
+    graphdef, params = tiny_params(cfg)
+    optimizer = optax.sgd(0.5)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+    step = session.strategy_step(residual_policy="all")
+    plan = strategy_plan(cfg)
+    prepared = step.prepare(plan, docs)
+    program = step.strategy.compile(prepared.key)
+    whole = {(cfg.vocab_size, cfg.d_model), (cfg.d_model, cfg.vocab_size)}
+    held = {}
+
+    def watched(compiled, devices, name):
+        def run(*args):
+            held[name] = [
+                a.shape
+                for a in jax.live_arrays()
+                if a.shape in whole
+                and len(a.sharding.device_set) > 1  # not the tests' parameters, on one device
+                and any(s.device in devices and s.data.shape == a.shape for s in a.addressable_shards)
+            ]
+            return compiled(*args)
+
+        return run
+
+    for g, group in enumerate(plan.groups):
+        compiled, mesh, *others = program.groups[g]
+        program.groups[g] = (watched(compiled, set(mesh.devices.flat), group.scheme), mesh, *others)
+    state, _ = program(session.state, prepared.arrays)
+    jax.block_until_ready(state)
+    assert held == {g.scheme: [] for g in plan.groups}, held
 
 
 def test_a_group_whose_sp_spans_nodes_holds_the_vocabulary_whole(setup):

@@ -399,9 +399,9 @@ class CostModel(CollectiveTimes):
         bytes_per_element`` per parameter; none where the coefficients charge no stage state), and
         an op's gradient is in the copy's dtype (the embedding's too, although it is added in
         place). The executor splits the table and an untied head by vocabulary over sp
-        (:attr:`vocab_shards`); a group's program is handed the pulled copy whole and slices its
-        rows. Measured on compiled programs: docs/benchmarks.md, "The embedding and head on every
-        pipeline device"."""
+        (:attr:`vocab_shards`), a group's too (each device keeps its rows of the pulled copy before
+        the group's program runs). Measured on compiled programs: docs/benchmarks.md, "The
+        embedding and head on every pipeline device"."""
         c, m = self.coeffs, self.model
         acc = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)
 
@@ -410,7 +410,7 @@ class CostModel(CollectiveTimes):
             return acc * (table + m.d_model) + c.bytes_per_element * head, acc * (table + m.d_model + head)
 
         copy, accumulator = held(self.vocab_shards)
-        return (held(1)[0] if self.group else copy) + accumulator, copy
+        return copy + accumulator, copy
 
     @property
     def memory_budget(self) -> float:

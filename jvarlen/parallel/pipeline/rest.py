@@ -23,9 +23,9 @@ The executor splits where ``sp`` divides the vocabulary and the sp devices share
 (``Layout.vocab_shards``; the runtime's strategies pass the profile's ``gpus_per_node``): across
 nodes each op's ``[T, d]`` collectives cost more time than the memory saved is worth (7-24 % of a
 7B micro-batch at sp = 16-32 in the analytic profiles, docs/design/cost-model.md). A device
-group's program is handed the pulled rest whole and slices its rows; each device returns its rows
-of the gradients, which a small program on the group's devices puts in place in a whole row
-(``group_exchange.Exchange.compile_rest``).
+group's program takes each device's rows, which a small program on the group's devices keeps of
+the pulled copy, and each device returns its rows of the gradients, which another puts in place
+in a whole row (``group_exchange.Exchange.compile_rest_in`` / ``compile_rest_out``).
 """
 
 from __future__ import annotations

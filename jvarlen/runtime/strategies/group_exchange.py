@@ -7,9 +7,10 @@ of each weight axis (``parts``: the smallest number of chunks any group splits i
 :func:`jvarlen.parallel.groups.stage_shards`), starting at the device's own chunk. A group whose
 stage has fewer layers or smaller chunks cuts its pulled buffers and pads its gradient rows in
 small ``rows`` programs on its own devices, so that its compiled step serves any ``K`` and
-``parts``. A group whose executor splits the embedding table and head by vocabulary returns
-each device's rows of their gradients, made whole in a small ``rest`` program on its devices.
-Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``, ``("rest", pp, sp, devices)``,
+``parts``. A group whose executor splits the embedding table and head by vocabulary keeps each
+device's rows of the pulled copy (``rest_in``, before its program) and returns each device's rows
+of their gradients, made whole in a small ``rest_out`` program on its devices.
+Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``, ``("rest_in" | "rest_out", pp, sp, devices)``,
 ``("rows", pp, sp, devices, "stage" | "partial", rows in, rows out, chunks in, chunks out)``.
 """
 
@@ -38,7 +39,7 @@ from jvarlen.parallel.groups import (
 )
 from jvarlen.parallel.layouts import DP, FSDP, PP, SP
 from jvarlen.parallel.pipeline import split_params
-from jvarlen.parallel.pipeline.rest import vocab_axes
+from jvarlen.parallel.pipeline.rest import rest_specs, vocab_axes
 from jvarlen.parallel.sharding import pulled_dtypes, push
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.runtime.step import CompiledStep
@@ -191,7 +192,30 @@ class Exchange(MethodCaches):
         ]
         return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
 
-    def compile_rest(self, key):
+    def rest_in_specs(self, layout: Layout) -> list:
+        """Per leaf of the rest, how a group of ``layout`` takes it (``rest.rest_specs``): the table
+        and an untied head split by vocabulary over sp where its executor splits them
+        (:meth:`vocab_shards`), everything else whole."""
+        return jax.tree.leaves(
+            rest_specs(self.pulled[1], self.vocab_shards(layout)), is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def compile_rest_in(self, key):
+        """A group's share of the pulled rest: where its executor splits the table and head by
+        vocabulary over sp, each device keeps its rows of its view of the pulled copy (a slice on
+        each device, no transfer), so that the group's program and its arguments hold ``1/sp`` of
+        them; the view goes once this has read it (``GroupsStep`` keeps no other reference; a
+        donation would not free it, the output being smaller). Takes and returns the split leaves
+        only (:meth:`rest_in_specs`)."""
+        _, pp, sp, devices = key
+        layout = Layout(len(devices) // (pp * sp), pp, sp)
+        mesh = group_mesh(layout, [self.ctx.placement.devices[i] for i in devices])
+        split = [(x, p) for x, p in zip(jax.tree.leaves(self.pulled[1]), self.rest_in_specs(layout)) if len(p)]
+        fn = jax.jit(lambda xs: xs, out_shardings=[NamedSharding(mesh, p) for _, p in split])
+        args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())) for x, _ in split]
+        return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
+
+    def compile_rest_out(self, key):
         """A group's rows of the rest's gradients made whole, as the update takes them: where its
         executor splits the table and head by vocabulary over sp (``Layout.vocab_shards``), each
         device's row holds its own vocabulary rows, which land at their offset in a row of zeros

@@ -27,7 +27,10 @@ metrics. Executables are cached per (scheme, devices, pipeline signature), so a 
 reuses known groups compiles nothing. The pull and the update are compiled per ``K``, the
 iteration's largest stage (in layers), and chunk count, which every device's buffers share; a
 group of shorter stages (or smaller chunks) cuts and pads its rows in small ``rows`` programs, so
-its own program serves any of them (:mod:`jvarlen.runtime.strategies.group_exchange`).
+its own program serves any of them; a group that splits the embedding table and head by
+vocabulary over its sp devices keeps each device's rows of the pulled rest in a small ``rest_in``
+program before its own and makes its rows of their gradients whole in ``rest_out`` after it
+(:mod:`jvarlen.runtime.strategies.group_exchange`).
 """
 
 from __future__ import annotations
@@ -149,12 +152,23 @@ class GroupsStep:
         layers, rest = self.pull(state.params, *tables)
         layer_def = jax.tree.structure(layers)
         local = [(g, group) for g, group in enumerate(self.groups) if self.local[g]]  # others: their process's
-        # every group's view first: a resize donates its view, whose buffers the pulled arrays share
+        # every group's views of the pulled buffers first (the same device buffers), then nothing
+        # else holds them: a buffer goes once the programs that read it are done, the whole rest of
+        # a group that keeps its rows (rest_in) before the group's program runs
         views = [self.exchange.views(jax.tree.leaves(layers), group[1], group[4]) for _, group in local]
+        rests = [jax.tree.leaves(jax.tree.map(lambda a, m=group[1]: for_group(a, m), rest)) for _, group in local]
+        rest_def = jax.tree.structure(rest)
+        del layers, rest
         outs = []
-        for (g, (program, mesh, batch_shardings, resize, _, whole_rest)), g_layers in zip(local, views):
+        for i, (g, (program, _, batch_shardings, resize, layout, rest_io)) in enumerate(local):
+            g_layers, g_rest = views[i], rests[i]
+            views[i] = rests[i] = None
             g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
-            g_rest = jax.tree.map(lambda a, mesh=mesh: for_group(a, mesh), rest)
+            if rest_io is not None:  # its rows of the table and head
+                split = [j for j, p in enumerate(self.exchange.rest_in_specs(layout)) if len(p)]
+                for j, x in zip(split, rest_io[0]([g_rest[j] for j in split])):
+                    g_rest[j] = x
+            g_rest = rest_def.unflatten(g_rest)
             parts = [
                 {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
                 for prefix in (f"{g}/{i}/" for i in range(len(batch_shardings)))
@@ -164,10 +178,9 @@ class GroupsStep:
             out = program(g_layers, g_rest, place_global(batch, shardings))
             if resize is not None:
                 out = (resize[1](out[0]), *out[1:])
-            if whole_rest is not None:  # each device's vocabulary rows of the table and head, in place
-                out = (out[0], whole_rest(out[1]), *out[2:])
+            if rest_io is not None:  # each device's vocabulary rows of the table and head, in place
+                out = (out[0], rest_io[1](out[1]), *out[2:])
             outs.append(out)
-        del layers, rest  # the pulled buffers go as the groups' programs finish with them
         placement = self.ctx.placement
         columns = {f"l/{i}": [o[0][i] for o in outs] for i in range(len(outs[0][0]) if outs else 0)}
         columns.update({f"r/{i}": [o[1][i] for o in outs] for i in range(len(outs[0][1]) if outs else 0)})
@@ -294,10 +307,13 @@ class GroupsStrategy(ExecutionStrategy):
                     self.cache.get(("rows", *where, "stage", rows, per_stage, parts, chunks), exchange.compile_rows),
                     self.cache.get(("rows", *where, "partial", per_stage, rows, chunks, parts), exchange.compile_rows),
                 )
-            whole_rest = None  # the rest's gradient rows, split by vocabulary over sp, made whole
+            rest_io = None  # the rest split by vocabulary over sp: its rows of the copy, the gradient made whole
             if exchange.vocab_shards(layout) > 1:
-                whole_rest = self.cache.get(("rest", *where), exchange.compile_rest)
-            groups.append((program, mesh, batch_shardings, resize, layout, whole_rest))
+                rest_io = (
+                    self.cache.get(("rest_in", *where), exchange.compile_rest_in),
+                    self.cache.get(("rest_out", *where), exchange.compile_rest_out),
+                )
+            groups.append((program, mesh, batch_shardings, resize, layout, rest_io))
         pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
         update = self.cache.get(("update", rows, parts), exchange.compile_update)
         return GroupsStep(exchange, pull, groups, update, rows, parts)
@@ -347,7 +363,13 @@ class GroupsStrategy(ExecutionStrategy):
         layers = layer_def.unflatten(
             [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)) for a, p in zip(leaves, specs)]
         )
-        rest = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), rest)
+        rest_specs = self.exchange.rest_in_specs(sigs[0].layout)  # split by vocabulary: rest_in's output
+        rest = jax.tree.structure(rest).unflatten(
+            [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p))
+                for a, p in zip(jax.tree.leaves(rest), rest_specs)
+            ]
+        )
         batches = [
             {k: jax.ShapeDtypeStruct(v, np.int32, sharding=batch_sharding) for k, v in s.input_shapes().items()}
             for s in sigs
