@@ -208,10 +208,10 @@ class StageRest:
         """What :meth:`embed_grad` needs of the first stage's input cotangent ``dx``, inside the
         op's conditional (where ``takes``: the op sends one, zeros elsewhere): ``dx`` itself, or,
         split by vocabulary, the chunk's ``T`` cotangents gathered over sp. In the op, after its
-        last collective, the gather is ordered like the op's others; outside it, as its own
-        conditional, XLA:CPU started it and a later tick's op's collectives in different orders
-        on the two devices of a stage (layout (2, 1, 2), 1F1B) and they waited for ever; as an
-        unconditional collective it ran on every tick of every stage."""
+        last collective, the gather is ordered by data like the op's others. As its own
+        conditional after the op's, the two devices of an sp pair deadlocked on XLA:CPU, one in
+        this all-gather and the other in an all-reduce inside another conditional (layout
+        (2, 1, 2), 1F1B); unconditional, it ran on every tick of every stage."""
         if self.vocab is None:
             return dx
         return maybe(takes, lambda: self.vocab.gather_cotangent(dx))

@@ -160,9 +160,9 @@ class GroupsStep:
         rest_def = jax.tree.structure(rest)
         del layers, rest
         outs = []
-        for i, (g, (program, _, batch_shardings, resize, layout, rest_io)) in enumerate(local):
-            g_layers, g_rest = views[i], rests[i]
-            views[i] = rests[i] = None
+        for at, (g, (program, _, batch_shardings, resize, layout, rest_io)) in enumerate(local):
+            g_layers, g_rest = views[at], rests[at]
+            views[at] = rests[at] = None  # this group's views: held by the calls below only
             g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
             if rest_io is not None:  # its rows of the table and head
                 split = [j for j, p in enumerate(self.exchange.rest_in_specs(layout)) if len(p)]
