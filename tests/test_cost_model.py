@@ -150,6 +150,26 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
+def test_the_head_split_by_vocabulary_holds_its_gradient_in_the_compute_dtype():
+    """The last stage's head: ``m_head_token`` per token of the device (the fp32 logits and their
+    fp32 gradient, 8 bytes per vocabulary entry) where the head is whole; split by vocabulary over
+    sp its gradient is in the compute dtype, ``(4 + e) / 8`` of it (scripts/head_memory.py measures
+    8.00 and 6.51 bytes on an abstract H100)."""
+    c = coeffs(m_head_token=8.0 * MHA.vocab_size)
+    chunk = ChunkShape(0, (200,), tail=True)
+    split = CostModel(MHA, Layout(1, 2, 2), c)  # sp = 2 divides the vocabulary (100)
+    odd = CostModel(dataclasses.replace(MHA, vocab_size=99), Layout(1, 2, 2), c)
+    assert split.splits_vocab and not odd.splits_vocab
+    assert split.head_memory(chunk) == pytest.approx((4 + 2) * 100 * 100)  # 100 tokens per device
+    assert odd.head_memory(chunk) == pytest.approx(8 * 100 * 100)
+    # on the last stage only
+    assert split.activation_memory(chunk, 0, 1) - split.activation_memory(chunk, 0, 0) == pytest.approx(
+        split.head_memory(chunk)
+    )
+    fused = CostModel(MHA, Layout(2, 1, 2), c)  # the fused data-parallel step keeps the head whole
+    assert not fused.splits_vocab and fused.head_memory(chunk) == pytest.approx(8 * 100 * 100)
+
+
 def rest_bytes(shape: ModelShape, shards: int = 1) -> tuple[float, float]:
     """What the pipeline executor holds of the rest per device by dtype, with a bf16 compute dtype
     and fp32 parameters: (the embedding table and the final norm in fp32, copy 4 + accumulator 4;

@@ -283,7 +283,7 @@ class CostModel(CollectiveTimes):
         ``+ (1 - I) · 2 · e_dkv · kv_dim · L_s · T/sp``  (Eq. 5 M_dkv)
         ``+ l · e · (D + (1 - I) · 2 · kv_dim) · T/sp``  (Eq. 9 M_ckpt: input, plus K/V kept for
         later slices; with MHA this is ``(3 - 2I) e D``)
-        ``+ m_head_token · T/sp`` on the last stage.
+        ``+`` :meth:`head_memory` on the last stage.
         """
         Ls = self.layers_per_stage
         if not 0 <= ckpt_layers <= Ls:
@@ -295,8 +295,18 @@ class CostModel(CollectiveTimes):
         act = (Ls - ckpt_layers) * (stored * t + c.m_context_token * chunk.context / self.layout.sp)
         dkv = not_tail * 2 * c.dkv_bytes_per_element * m.kv_dim * Ls * t
         ckpt = ckpt_layers * c.bytes_per_element * (m.d_model + not_tail * 2 * m.kv_dim) * t
-        head = c.m_head_token * t if self._is_last(stage) else 0.0
+        head = self.head_memory(chunk) if self._is_last(stage) else 0.0
         return act + dkv + ckpt + head
+
+    def head_memory(self, chunk: ChunkShape) -> float:
+        """Bytes the head's backward holds on one device of the last stage: ``m_head_token · T/sp``
+        (the fp32 logits and their fp32 gradient), or, split by vocabulary over sp
+        (:attr:`splits_vocab`), the fp32 logits and a gradient in the compute dtype, ``(4 + e) / 8``
+        of it (``rest.VocabShard.head_loss``; on an abstract H100 8.00 B per token and vocabulary
+        entry whole, 6.51 B split over 2 with the gathered outputs: ``scripts/head_memory.py``)."""
+        c = self.coeffs
+        share = (4.0 + c.bytes_per_element) / 8.0 if self.splits_vocab else 1.0
+        return share * c.m_head_token * chunk.tokens / self.layout.sp
 
     def working_memory(self, chunk: ChunkShape, ckpt_layers: int = 0) -> float:
         """Transient bytes of the backward of ``chunk`` while it runs (cotangents and temporaries of

@@ -131,7 +131,7 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
         head_fwd=head_fwd,
         head_bwd=LayerTime(0.0, head_fwd.alpha2 * 2.0, head_fwd.beta1),
         m_token=activation_bytes_per_token(model),
-        m_head_token=6.0 * model.vocab_size,  # bf16 logits + fp32 log-softmax
+        m_head_token=8.0 * model.vocab_size,  # fp32 logits + their fp32 gradient (scripts/head_memory.py)
         bytes_per_element=2,
         dkv_bytes_per_element=2,  # the executor's dK/dV pools are in the compute dtype (docs/design/pipeline.md)
         master_bytes_per_param=12.0,
