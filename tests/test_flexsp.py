@@ -237,9 +237,10 @@ def test_executor_cap_is_the_executor_account_of_the_padded_step():
 def test_the_executor_table_is_what_the_fit_leaves():
     """A sp = 1 group of the FlexSP benchmark's github 7B with sharded stage weights (A800) whose
     six micro-batches hold 27-40K tokens pads them to 40,960: they fit the time line's memory with
-    21-26 recomputed layers, and the executor's buffers hold a uniform 24 at that bucket but not
-    24-26 (the residual slots follow the micro-batch that stores most, the checkpoint slots the one
-    that recomputes most): the fit raises every micro-batch to 32 layers. ``executor_table`` gives
+    22-27 recomputed layers (21-26 before the head was charged its fp32 gradient), and the
+    executor's buffers hold a uniform 24 at that bucket but not 24-27 (the residual slots follow
+    the micro-batch that stores most, the checkpoint slots the one that recomputes most): the fit
+    raises every micro-batch to 32 layers. ``executor_table`` gives
     that table and ``group_time`` the plan's simulated time."""
     import sys
     from pathlib import Path
@@ -254,8 +255,8 @@ def test_the_executor_table_is_what_the_fit_leaves():
     gc, scheme = GroupCosts(costs), Scheme(1, 1)
     lengths = [40337, 27535, 33465, 37614, 38568, 39884]
     least = [gc.least_recompute(scheme, n) for n in lengths]
-    assert (min(least), max(least)) == (21, 26) and gc.bucket_recompute(scheme, 40960) == 24
-    assert executor_cap(costs, scheme, 24, 24) >= 40960 > executor_cap(costs, scheme, 24, 26)
+    assert (min(least), max(least)) == (22, 27) and gc.bucket_recompute(scheme, 40960) == 24
+    assert executor_cap(costs, scheme, 24, 24) >= 40960 > executor_cap(costs, scheme, 24, 27)
     table = gc.executor_table(scheme, 40960, least)
     assert table == [32] * 6
     choice = GroupChoice(scheme, tuple(range(6)), tuple((k,) for k in range(6)), tuple(least))
@@ -265,18 +266,21 @@ def test_the_executor_table_is_what_the_fit_leaves():
 
 
 def test_group_time_charges_the_recomputation_of_the_groups_bucket():
-    """A 14,000-token document pads its (pp=1, sp=1) group's step to 14,336 tokens, which the
-    executor's buffers hold only with all 8 layers recomputed: its memory fit raises the short
-    micro-batches from 0 to 8 layers, and ``group_time`` charges that (it is the simulated time).
-    With one bucket per group (``max_parts=1``) ``fastest_cut`` packs the two short documents into
-    one micro-batch over the bucket they pay for anyway: 2 micro-batches instead of 3, 0.289 s
-    instead of 0.375 s, simulated as modelled. In two parts the short micro-batch runs in its own
-    bucket without recomputation: 0.226 s (docs/design/bucket-parts.md)."""
-    costs = scheme_costs(8)
+    """A 10,300-token document pads its (pp=1, sp=1) group's step to 12,288 tokens, which the
+    executor's buffers hold only with all 8 layers recomputed (the time line needs 7): its memory
+    fit raises the short micro-batches from 0 to 8 layers, and ``group_time`` charges that (it is
+    the simulated time). With one bucket per group (``max_parts=1``) ``fastest_cut`` packs the two
+    short documents into one micro-batch over the bucket they pay for anyway: 2 micro-batches
+    instead of 3, 0.217 s instead of 0.291 s, simulated as modelled. In two parts the short
+    micro-batch runs in its own bucket without recomputation: 0.167 s
+    (docs/design/bucket-parts.md). (A budget of 3,072 tokens' worth: with the head charged its fp32
+    gradient, 2026-11-30, the time line of ``scheme_costs``' budget needs as many layers as the
+    bucket wherever it fits.)"""
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=1, sp=1), 3072)), 8)
     gc, scheme = GroupCosts(costs, max_parts=1), Scheme(1, 1)
-    lengths = [14000, 3000, 2000]
-    assert gc.bucket_recompute(scheme, 14336) == 8 > gc.least_recompute(scheme, 14000) > 0
-    ours = GroupChoice(scheme, (0, 1, 2), ((0,), (1,), (2,)), (gc.least_recompute(scheme, 14000), 0, 0))
+    lengths = [10300, 3000, 2000]
+    assert gc.bucket_recompute(scheme, 12288) == 8 > gc.least_recompute(scheme, 10300) > 0
+    ours = GroupChoice(scheme, (0, 1, 2), ((0,), (1,), (2,)), (gc.least_recompute(scheme, 10300), 0, 0))
     plan = build_group_plan("test", scheme, lengths, ours.micro_batches, costs, list(ours.ckpt), "paired")
     assert (plan.ckpt_layers == 8).all()
     assert gc.group_time(lengths, ours) == pytest.approx(plan.stats["iteration_time_s"], rel=1e-9)

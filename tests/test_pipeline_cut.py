@@ -38,9 +38,11 @@ def table(costs):
 
 
 def documents(table) -> list[int]:
-    """One document that needs recomputation (its bucket sets every micro-batch's) and 30 short ones."""
+    """One document that needs recomputation (its bucket sets every micro-batch's) and 40 short ones
+    (30 of up to half ``caps[0]`` until the head was charged its fp32 gradient, 2026-11-30: the
+    long document's bucket then held less, and the packing's cut padded less)."""
     rng = np.random.default_rng(0)
-    return [int(table.max_len * 0.9)] + [int(x) for x in rng.integers(100, table.cap0 // 2, 30)]
+    return [int(table.max_len * 0.9)] + [int(x) for x in rng.integers(100, table.cap0 // 3, 40)]
 
 
 def packing_plan(lengths, table, costs):
@@ -64,7 +66,7 @@ def test_bucket_cut_fills_the_bucket_the_long_document_sets(costs, table):
     plan = bucket_cut("t", lengths, mbs, ckpt, table, costs)
     assert plan.stats["fits_memory"] and given.stats["fits_memory"]
     assert sorted(d for c in plan.chunks for d, _, _ in c) == list(range(len(lengths)))
-    # the packing pads 10 micro-batches to the long document's bucket; filled up to it, 6 do
+    # the packing pads 9 micro-batches to the long document's bucket; filled up to it, 6 do
     assert plan.n_chunks < given.n_chunks
     assert plan.stats["iteration_time_s"] < 0.95 * given.stats["iteration_time_s"]
     # the chosen cut is the fastest of simulating every bin size (the ranking's top 3 hold it here)
@@ -179,8 +181,8 @@ def test_time_bound_is_below_the_built_plan(lengths, pp, simulation):
 def test_the_fit_can_make_a_cut_faster_than_its_unraised_recomputation():
     """Why :func:`time_bound` is not the cut simulated with the recomputation its tokens need: the
     memory fit raises the last stage's, which ends fused forward-backward ops there, and this 1F1B
-    plan then simulates faster than without the raise (found on random batches, 37 of ~3,600 cuts).
-    The bound holds."""
+    plan then simulates faster than without the raise (found on random batches: 37 of ~3,600 cuts
+    at first; this one since the head was charged its fp32 gradient, 2026-11-30). The bound holds."""
     from conftest import group_budget, small_cost
 
     from jvarlen.plan.pipeline_cut import _simulated
@@ -188,8 +190,8 @@ def test_the_fit_can_make_a_cut_faster_than_its_unraised_recomputation():
     scheme = Scheme(4, 1)
     costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=4, sp=1), 4096)), 4)
     t = scheme_tables(costs, [scheme], True, 0.85, "paired")[scheme]
-    lengths = [3309, 3652, 1101, 448, 2298, 2541, 2958, 2447, 2725]
-    cut = [[1, 2], [0, 3], [6], [8, 4], [5, 7]]
+    lengths = [3380, 1455, 2004, 2499, 1331, 3526, 424, 3249, 2595]
+    cut = [[5, 1], [0, 4, 6], [7], [8, 3], [2]]
     need = [int(r) for r in t.recompute_layers([sum(lengths[i] for i in mb) for mb in cut])]
     plan = build_group_plan("t", scheme, lengths, cut, costs, need)
     assert plan.stats["gpipe_units"] == 0 and (np.asarray(plan.ckpt_layers) >= np.asarray(need)[:, None]).all()
