@@ -192,12 +192,13 @@ class Exchange(MethodCaches):
         ]
         return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
 
-    def rest_in_specs(self, layout: Layout) -> list:
+    @method_cache()
+    def rest_in_specs(self, layout: Layout) -> tuple:
         """Per leaf of the rest, how a group of ``layout`` takes it (``rest.rest_specs``): the table
         and an untied head split by vocabulary over sp where its executor splits them
-        (:meth:`vocab_shards`), everything else whole."""
-        return jax.tree.leaves(
-            rest_specs(self.pulled[1], self.vocab_shards(layout)), is_leaf=lambda x: isinstance(x, P)
+        (:meth:`vocab_shards`), everything else whole. Asked every step: memoized per layout."""
+        return tuple(
+            jax.tree.leaves(rest_specs(self.pulled[1], self.vocab_shards(layout)), is_leaf=lambda x: isinstance(x, P))
         )
 
     def compile_rest_in(self, key):
