@@ -56,6 +56,19 @@ def values_compile() -> dict:
     return {"xla_backend_optimization_level": 0, **_legacy_emitters()}
 
 
+def tile_head_logits(monkeypatch, logits: int) -> None:
+    """Makes the head compute at most ``logits`` fp32 logits at a time (``jvarlen.head_tiles``),
+    however few its rows: without the rule that keeps a head of ``width`` hidden size in one tile
+    while its rows are at most ``width`` more than a tile (a test model's width is its whole chunk)."""
+    from jvarlen import head_tiles
+
+    tiles = head_tiles.logits_tiles
+    monkeypatch.setattr(head_tiles, "LOGITS_TILE_BYTES", 4 * logits)
+    monkeypatch.setattr(
+        head_tiles, "logits_tiles", lambda rows, columns, width, tile_bytes=None: tiles(rows, columns, 0, tile_bytes)
+    )
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Lets an installed CUDA plugin register without cuDNN or a driver, for the deviceless
 # compile tests (marker gpu_aot); without the plugin it does nothing.

@@ -90,8 +90,16 @@ def test_packed_loss_and_grads_equal_documents_alone(lengths, attention):
         weighted_grads = scaled if weighted_grads is None else jax.tree.map(jnp.add, weighted_grads, scaled)
         total += n
     np.testing.assert_allclose(packed_loss, weighted_loss / total, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(weighted_grads)):
-        assert_close_to_scale(got, want / total, rtol=1e-5)
+    wants = [np.asarray(w, np.float64) / total for w in jax.tree.leaves(weighted_grads)]
+    # A leaf whose gradient is 0 (here: wq, wk of one document with one target, which attends to
+    # itself alone) is fp32 rounding noise on both sides: it must stay at the resolution of the
+    # gradient's scale, not match the other side's noise.
+    resolution = 1e-6 * max(np.max(np.abs(w)) for w in wants)
+    for got, want in zip(jax.tree.leaves(packed_grads), wants):
+        if np.max(np.abs(want)) <= resolution:
+            assert np.max(np.abs(np.asarray(got))) <= resolution
+        else:
+            assert_close_to_scale(got, want, rtol=1e-5)
 
 
 def test_no_attention_across_documents():

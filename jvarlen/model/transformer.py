@@ -17,6 +17,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.kernels import ATTENTION_RESIDUALS
 from jvarlen.kernels.gpu_config import compiles_for_gpu
 from jvarlen.model.attention import AttentionFn, AttentionInputs, make_attention_fn
+from jvarlen.model.head import head_loss_sum
 from jvarlen.model.layers import DecoderLayer, RMSNorm, _param
 
 # What a rematerialised layer keeps: attention's output and logsumexp (kernels.api names them).
@@ -71,13 +72,31 @@ class Transformer(nnx.Module):
             remat=self.config.remat if remat is None else remat,
         )
 
-    def logits(self, x_btd: jax.Array) -> jax.Array:
-        x_btd = self.final_norm(x_btd)
+    def head_weights(self) -> jax.Array:
+        """The head ``[d, V]`` in the compute dtype (the table's transpose when tied)."""
         if self.config.tie_embeddings:
-            head = self.embed[...].astype(self.compute_dtype).T
-        else:
-            head = self.head[...].astype(self.compute_dtype)
-        return jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+            return self.embed[...].astype(self.compute_dtype).T
+        return self.head[...].astype(self.compute_dtype)
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        """fp32 logits ``[B, T, V]`` of the last layer's outputs (evaluation; training takes
+        :meth:`loss_sums`, which never holds them all)."""
+        return jnp.einsum(
+            "btd,dv->btv", self.final_norm(x_btd), self.head_weights(), preferred_element_type=jnp.float32
+        )
+
+    def loss_sums(self, x_btd: jax.Array, targets_bt: jax.Array, loss_mask_bt: jax.Array, spmd=None) -> dict:
+        """:func:`jvarlen.model.cross_entropy_sums` of :meth:`logits`, computed a tile of tokens at a
+        time with its gradient (:func:`jvarlen.model.head.head_loss_sum`; ``spmd``: its mesh)."""
+        loss = head_loss_sum(self.final_norm(x_btd), self.head_weights(), targets_bt, loss_mask_bt, spmd)
+        return {"loss_sum": loss, "target_tokens": jnp.sum(loss_mask_bt.astype(jnp.float32))}
+
+    def hidden(self, tokens_bt: jax.Array, inputs: AttentionInputs, attention_fn: Optional[AttentionFn] = None):
+        """The last layer's outputs ``[B, T, d]`` (before the final norm)."""
+        if attention_fn is None:
+            attention_fn = make_attention_fn(self.config.attention)
+            inputs = inputs.with_block_info(self.config.attention)
+        return self.apply_layers(self.embed_tokens(tokens_bt), inputs, attention_fn)
 
     def __call__(
         self,
@@ -85,12 +104,7 @@ class Transformer(nnx.Module):
         inputs: AttentionInputs,
         attention_fn: Optional[AttentionFn] = None,
     ) -> jax.Array:
-        if attention_fn is None:
-            attention_fn = make_attention_fn(self.config.attention)
-            inputs = inputs.with_block_info(self.config.attention)
-        x_btd = self.embed_tokens(tokens_bt)
-        x_btd = self.apply_layers(x_btd, inputs, attention_fn)
-        return self.logits(x_btd)
+        return self.logits(self.hidden(tokens_bt, inputs, attention_fn))
 
 
 def apply_stacked_layers(graphdef, stacked, x_btd, inputs, attention_fn, *, compute_dtype, remat: bool):

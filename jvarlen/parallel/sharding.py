@@ -15,7 +15,7 @@ Only shardings and ``with_sharding_constraint`` are used; no transfer code.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.parallel.layouts import COMPUTE_RULES, STATE_RULES, Rules, layout_mesh, logical_to_spec, state_mesh
+from jvarlen.parallel.layouts import (
+    COMPUTE_RULES,
+    DP,
+    SP,
+    STATE_RULES,
+    Rules,
+    batch_spec,
+    layout_mesh,
+    logical_to_spec,
+    state_mesh,
+)
 
 
 def _is_variable(x) -> bool:
@@ -140,6 +150,30 @@ def push(grads, canonical_params_sharding, params, layout_mesh: Mesh | None = No
             g = jax.lax.with_sharding_constraint(g, c)
         out.append(jax.lax.with_sharding_constraint(g.astype(p.dtype), s))
     return jax.tree.structure(grads).unflatten(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenShards:
+    """The ``spmd`` of :func:`jvarlen.model.head.head_loss_sum` on a layout's ``mesh``: the head runs
+    on each device's rows and tokens of ``[B, T]`` (``batch_spec``) inside ``shard_map``, so that
+    each device tiles its own tokens' logits (under the partitioner a tile of global tokens would
+    span devices); the loss and the head's gradient are summed over the devices in fp32."""
+
+    mesh: Mesh
+
+    def __call__(self, fn: Callable, grads: bool) -> Callable:
+        rows, axes = batch_spec(), (DP, SP)
+        in_specs = (P(*rows, None), P(), rows, rows)
+
+        def body(*args):
+            out = fn(*args)
+            if not grads:
+                return jax.lax.psum(out, axes)
+            loss, dw, dh = out
+            return jax.lax.psum(loss, axes), jax.lax.psum(dw, axes), dh
+
+        out_specs = (P(), P(), P(*rows, None)) if grads else P()
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ from flax import nnx
 
 from jvarlen.config import ModelConfig, OptimizerConfig
 from jvarlen.layout import Layout
-from jvarlen.model import AttentionInputs, build_model, cross_entropy_sums, make_attention_fn
+from jvarlen.model import AttentionInputs, build_model, make_attention_fn
 from jvarlen.model.transformer import apply_stacked_layers
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import ModelShape
@@ -286,8 +286,7 @@ class ChunkHarness:
 
         def loss(params, x, batch):
             model = nnx.merge(self.graphdef, params)
-            sums = cross_entropy_sums(model.logits(x), batch["targets"], batch["loss_mask"])
-            return sums["loss_sum"]
+            return model.loss_sums(x, batch["targets"], batch["loss_mask"])["loss_sum"]
 
         if mode == "fwd":
             fn = jax.jit(loss)
@@ -309,7 +308,7 @@ class ChunkHarness:
             model = nnx.merge(self.graphdef, params)
             x = model.embed_tokens(batch["tokens"])
             x = self._run_layers(params, x, dict(batch, ctx_k=ck, ctx_v=cv), n, ckpt_layers)
-            sums = cross_entropy_sums(model.logits(x), batch["targets"], batch["loss_mask"])
+            sums = model.loss_sums(x, batch["targets"], batch["loss_mask"])
             return sums["loss_sum"] / jnp.maximum(sums["target_tokens"], 1.0)
 
         def step(params, acc, batch):

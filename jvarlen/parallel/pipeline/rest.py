@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.model import cross_entropy_sums
+from jvarlen.model.head import head_loss
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.stage import maybe
 
@@ -119,26 +119,25 @@ class VocabShard:
         ``w [d, V/sp]`` (its columns of the head, in the compute dtype), as
         ``jvarlen.model.cross_entropy_sums`` computes it on the whole logits, and its gradient at
         cotangent ``scale``: (sum of this device's ``tokens`` token losses from ``mine``, the
-        gradient of ``w``, of ``h``). ``targets`` and ``mask`` are the whole chunk's."""
+        gradient of ``w`` (fp32), of ``h``). ``targets`` and ``mask`` are the whole chunk's. A tile of the
+        ``T`` tokens at a time (:func:`jvarlen.model.head.head_loss`), each tile's log-partition a
+        max and a sum over sp."""
         h_all = jax.lax.all_gather(h, SP, axis=0, tiled=True)
-        z = jnp.einsum("td,dv->tv", h_all, w, preferred_element_type=jnp.float32)
-        top = jax.lax.pmax(jnp.max(z, axis=-1), SP)
         row, hit = self.local(targets)
-        at_target = jnp.take_along_axis(z, jnp.clip(row, 0, self.size - 1)[:, None], axis=-1)[:, 0]
-        # one sum over sp for both, after the max: collectives that do not depend on each other may
-        # start in a different order on each device (XLA:CPU), which deadlocks
-        sums = jnp.stack([jnp.sum(jnp.exp(z - top[:, None]), axis=-1), jnp.where(hit, at_target, 0.0)])
-        sum_exp, target_logit = jax.lax.psum(sums, SP)
-        log_z = top + jnp.log(sum_exp)
-        weight = mask.astype(jnp.float32)
-        losses = (log_z - target_logit) * weight
+        losses, dw, dh_all = head_loss(h_all, w, row, hit, mask, grad_scale=scale, combine=combine_over_sp)
         loss = jnp.sum(jax.lax.dynamic_slice_in_dim(losses, mine, tokens))
-        onehot = jnp.arange(self.size)[None, :] == jnp.where(hit, row, -1)[:, None]
-        dz = ((jnp.exp(z - log_z[:, None]) - onehot) * (weight * scale)[:, None]).astype(w.dtype)
-        dw = jnp.einsum("td,tv->dv", h_all, dz, preferred_element_type=jnp.float32).astype(w.dtype)
-        dh_all = jnp.einsum("tv,dv->td", dz, w, preferred_element_type=jnp.float32)
         dh = jax.lax.psum_scatter(dh_all, SP, scatter_dimension=0, tiled=True)
         return loss, dw, dh.astype(h.dtype)
+
+
+def combine_over_sp(top, sum_exp, at_target):
+    """(log-partition, target logit) per token from each sp device's statistics over its columns."""
+    top_all = jax.lax.pmax(top, SP)
+    # one sum over sp for both, after the max: collectives that do not depend on each other may
+    # start in a different order on each device (XLA:CPU), which deadlocks
+    sums = jnp.stack([sum_exp * jnp.exp(top - top_all), at_target])
+    sum_all, target = jax.lax.psum(sums, SP)
+    return top_all + jnp.log(sum_all), target
 
 
 class StageRest:
@@ -179,26 +178,22 @@ class StageRest:
         return self.vocab.lookup(model.embed[...], tokens, self.dtype)
 
     def head_vjp(self, c, y):
-        """(loss, its gradients of :attr:`head_keys` and of ``y``) of chunk view ``c``'s last-stage output."""
-        if self.vocab is not None:
-            return self._split_head_vjp(c, y)
-
-        def loss_of(head, yy):
-            logits = self.model_of(self.with_part(head)).logits(yy[None])
-            return cross_entropy_sums(logits, c["local_targets"][None], c["local_loss_mask"][None])["loss_sum"]
-
-        loss, vjp_fn = jax.vjp(loss_of, self.part(self.head_keys), y)
-        d_head, dy = vjp_fn(self.scale.astype(loss.dtype))
-        return loss, d_head, dy
-
-    def _split_head_vjp(self, c, y):
-        """:meth:`head_vjp` with the head split by vocabulary (``VocabShard.head_loss``)."""
-        model = self.model_of(self.rest)
+        """(loss, its gradients of :attr:`head_keys` and of ``y``) of chunk view ``c``'s last-stage
+        output: the loss and its gradient in one pass (:func:`jvarlen.model.head.head_loss`, split
+        by vocabulary: ``VocabShard.head_loss``), the final norm's by JAX."""
         h, norm_vjp = jax.vjp(
             lambda nn, yy: self.model_of(self.with_part(nn)).final_norm(yy), self.part(self.norm_keys), y
         )
-        w = (model.embed[...].T if self.tied else model.head[...]).astype(self.dtype)
-        loss, dw, dh = self.vocab.head_loss(h, w, c["targets"], c["loss_mask"], self.scale, self.mine, self.tokens)
+        w = self.model_of(self.rest).head_weights()
+        if self.vocab is None:
+            targets = c["local_targets"]
+            hit = jnp.ones_like(targets, bool)
+            losses, dw, dh = head_loss(
+                h, w, targets, hit, c["local_loss_mask"], grad_scale=self.scale, dh_dtype=h.dtype
+            )
+            loss = jnp.sum(losses)
+        else:
+            loss, dw, dh = self.vocab.head_loss(h, w, c["targets"], c["loss_mask"], self.scale, self.mine, self.tokens)
         d_norm, dy = norm_vjp(dh)
         key = EMBED if self.tied else HEAD
         d_w = jax.tree.map(lambda p: (dw.T if self.tied else dw).astype(p.dtype), self.part((key,)))

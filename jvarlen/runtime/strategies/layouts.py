@@ -27,7 +27,7 @@ from jvarlen.data.packer import pack
 from jvarlen.layout import Layout, resolve_layout
 from jvarlen.model.transformer import resolve_compute_dtype
 from jvarlen.parallel.layouts import batch_sharding
-from jvarlen.parallel.sharding import pull, push
+from jvarlen.parallel.sharding import TokenShards, pull, push
 from jvarlen.parallel.ulysses import ulysses_attention_fn
 from jvarlen.runtime.step import BATCH_KEYS, CompiledStep, single_program_grads
 from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
@@ -139,6 +139,7 @@ class LayoutStrategy(ExecutionStrategy):
             pull=lambda params: pull(params, mesh, dtype),
             push=lambda grads, params: push(grads, ctx.placement.state_sharding.params, params, mesh),
             fp32_weight_sums=True,
+            spmd=TokenShards(mesh),
         )
         shapes = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype_)) for name, shape, dtype_ in bucket}
         return grads_fn, shapes, {name: batch_sharding(mesh) for name in shapes}
@@ -174,6 +175,7 @@ def layout_loss_and_grads(
         pull=lambda p: pull(p, mesh, dtype),
         push=lambda g, p: push(g, params_sharding, p, mesh),
         fp32_weight_sums=True,
+        spmd=TokenShards(mesh),
     )
 
     def run(p, b):
