@@ -105,11 +105,12 @@ def attention_rows(target: str, dtypes, head_dims, cases):
                 yield row
 
 
-def step_rows(target: str, names):
+def step_rows(target: str, names, layers=None):
     tgt = gpu_aot.gpu_target(target)
     for name in names:
         path, n, overrides = STEPS[name]
-        config = load_config(path, **{"parallel.pp": "1", **overrides})
+        extra = {} if layers is None else {"model.num_layers": str(layers)}
+        config = load_config(path, **{"parallel.pp": "1", **overrides, **extra})
         devices = gpu_aot.abstract_devices(target, n)
 
         def lower(config=config, devices=devices):
@@ -117,7 +118,8 @@ def step_rows(target: str, names):
                 return gpu_aot.lower_train_step(config, devices)
 
         rows = config.data.tokens_per_batch // config.data.seq_len
-        what = f"step {name} ({n} GPUs, {rows}x{config.data.seq_len}, remat={config.model.remat})"
+        what = f"step {name} ({n} GPUs, {rows}x{config.data.seq_len}, remat={config.model.remat}"
+        what += f", {layers} layers)" if layers is not None else ")"
         row, report = _run(target, what, lower)
         if report is not None:
             fwd = report.count("varlen_flash_fwd")
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket", type=int, default=PIPELINE_BUCKET, help="pipeline: tokens per chunk")
     ap.add_argument("--split", action="store_true", help="pipeline: one document cut into the chunks (context buffers)")
     ap.add_argument("--recompute", action="store_true", help="pipeline: every layer of every chunk recomputed")
-    ap.add_argument("--layers", type=int, help="pipeline: decoder layers (default: llama-7b's 32)")
+    ap.add_argument("--layers", type=int, help="steps and pipeline: decoder layers (default: the config's)")
     ap.add_argument("--vocab", type=int, help="pipeline: vocabulary size (default: llama-7b's 32,000)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
     ap.add_argument("--search", action="store_true", help="search kernel tiles instead (slow)")
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
         if args.part in ("all", "steps"):
-            for row in step_rows(target, args.step or list(STEPS)):
+            for row in step_rows(target, args.step or list(STEPS), args.layers):
                 rows.append(row)
                 print(f"{row.target} {row.what}: {row.status} {row.detail[:200]} ({row.seconds:.0f} s)", flush=True)
         if args.part in ("all", "pipeline"):

@@ -235,19 +235,21 @@ def test_policies_keep_the_fastest_plan_that_fits_memory():
     """Under a tight budget the fastest layout (2 × sp = 2) needs more than the budget by the
     executor's account even recomputing every layer, while 1 × sp = 4 fits: every policy, and
     auto, keep the one that fits (before: the faster one, with no event). sp = 2 cannot hold the
-    47,269-token document: its executor bucket (49,152 tokens) is over what the executor's account
-    holds even recomputing every layer (44,924), so sp = 2 admits at most 40,960 tokens and a
-    layout that puts the document there is refused at once (before: planned, not fitting)."""
+    69,958-token document: its executor bucket (81,920 tokens) is over what the executor's account
+    holds even recomputing every layer (81,657), so sp = 2 admits at most 65,536 tokens and a
+    layout that puts the document there is refused at once (before: planned, not fitting). (The
+    batch is 1.48× and the budget 2.7 GB since a recomputing backward is charged its layer's
+    activations, 2026-11-30: at 2.231 GB the planner's own count held 18,418 tokens on sp = 2.)"""
     model = ModelConfig(vocab_size=320, d_model=256, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=768)
     base = make_cost(ModelShape.from_config(model), "a800", Layout(8, 1, 1))
-    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2.231e9)), 4)
-    lengths = [47269, 24697, 4049, 12039, 40594, 3242, 139, 4221, 4516]
+    tight = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=2.7e9)), 4)
+    lengths = [69958, 36552, 5993, 17818, 60079, 4798, 206, 6247, 6684]
     from jvarlen.plan.hydraulis import HomogeneousOptions
     from jvarlen.plan.sp_assemble import assemble_strategy, fastest_fitting, fits_memory
     from jvarlen.plan.sp_groups import GroupCosts
     from jvarlen.plan.strategy import Scheme
 
-    with pytest.raises(PlanningError, match=r"largest MaxLen: \(pp=1, sp=2\): 40960"):
+    with pytest.raises(PlanningError, match=r"largest MaxLen: \(pp=1, sp=2\): 65536"):
         plan_strategy("homogeneous", lengths, tight, HomogeneousOptions(scheme=Scheme(1, 2)))
     gc = GroupCosts(tight)  # the 2 × sp = 2 layout put together by hand, past the policies' admission
     groups = [gc.flex_group(lengths, Scheme(1, 2), docs) for docs in ([0, 3], [1, 2, 4, 5, 6, 7, 8])]

@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from jvarlen import head_tiles
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
@@ -150,24 +151,36 @@ def test_activation_memory_eq5_9_10_hand_computed():
     assert gqa.activation_memory(split, 2) == pytest.approx(2 * 4 * 32 * 2 * t + 2 * 2 * (64 + 2 * 32) * t)
 
 
-def test_the_head_split_by_vocabulary_holds_its_gradient_in_the_compute_dtype():
-    """The last stage's head: ``m_head_token`` per token of the device (the fp32 logits and their
-    fp32 gradient, 8 bytes per vocabulary entry) where the head is whole; split by vocabulary over
-    sp its gradient is in the compute dtype, ``(4 + e) / 8`` of it (scripts/head_memory.py measures
-    8.00 and 6.51 bytes on an abstract H100)."""
-    c = coeffs(m_head_token=8.0 * MHA.vocab_size)
+def test_the_head_holds_one_tile_of_logits(monkeypatch):
+    """The last stage's head: ``m_head_token / V`` (``(4 + e)``: fp32 logits, their gradient in the
+    compute dtype) per logit of one tile (``jvarlen.head_tiles``), the device's ``T/sp`` tokens
+    over ``V`` columns whole, the chunk's ``T`` tokens over ``V/sp`` columns split by vocabulary;
+    with more than one tile the fp32 sum of the head's gradient, ``4 · d · columns``; per token the
+    outputs' gradient (``e · d``), split the gathered outputs and their fp32 gradient (``(e + 4) · d``)."""
+    c = coeffs(m_head_token=6.0 * MHA.vocab_size)
     chunk = ChunkShape(0, (200,), tail=True)
     split = CostModel(MHA, Layout(1, 2, 2), c)  # sp = 2 divides the vocabulary (100)
     odd = CostModel(dataclasses.replace(MHA, vocab_size=99), Layout(1, 2, 2), c)
     assert split.splits_vocab and not odd.splits_vocab
-    assert split.head_memory(chunk) == pytest.approx((4 + 2) * 100 * 100)  # 100 tokens per device
-    assert odd.head_memory(chunk) == pytest.approx(8 * 100 * 100)
+    d = MHA.d_model
+    assert split.head_memory(chunk) == pytest.approx(6 * 200 * 50 + 6 * d * 200)  # one tile: 200 tokens, 50 columns
+    assert odd.head_memory(chunk) == pytest.approx(6 * 100 / 99 * 100 * 99 + 2 * d * 100)  # 100 tokens per device
     # on the last stage only
     assert split.activation_memory(chunk, 0, 1) - split.activation_memory(chunk, 0, 0) == pytest.approx(
         split.head_memory(chunk)
     )
     fused = CostModel(MHA, Layout(2, 1, 2), c)  # the fused data-parallel step keeps the head whole
-    assert not fused.splits_vocab and fused.head_memory(chunk) == pytest.approx(8 * 100 * 100)
+    assert not fused.splits_vocab and fused.head_memory(chunk) == pytest.approx(6 * 100 * 100 + 2 * d * 100)
+    monkeypatch.setattr(head_tiles, "LOGITS_TILE_BYTES", 4 * 10 * 100)  # ten rows of 100 fp32 logits
+    # one tile while the logits are at most a tile's and the gradient sum's (10 + 64 rows of 100)
+    assert fused.head_memory(ChunkShape(0, (148,), tail=True)) == pytest.approx(6 * 74 * 100 + 2 * d * 74)
+    many = 6 * 10 * 100 + 4 * d * 100
+    assert fused.head_memory(chunk) == pytest.approx(many + 2 * d * 100)  # 10 tiles of 10 rows
+    assert split.head_memory(chunk) == pytest.approx(6 * 20 * 50 + 4 * d * 50 + 6 * d * 200)  # 10 of 20
+    # 105 tokens per device: 11 tiles, of 105/11 rows in the planner's account (its rows are T/sp, not whole)
+    assert fused.head_memory(ChunkShape(0, (210,), tail=True)) == pytest.approx(
+        6 * 105 / 11 * 100 + 4 * d * 100 + 2 * d * 105
+    )
 
 
 def rest_bytes(shape: ModelShape, shards: int = 1) -> tuple[float, float]:
@@ -612,3 +625,31 @@ def test_the_account_charges_a_share_of_the_vocabulary():
         assert floor(untied, one, True) - floor(untied, layout, True) == pytest.approx((held + copy) * (1 - 1 / sp))
         assert floor(odd, layout) == pytest.approx(floor(odd, one))  # 99: nothing split
         assert floor(odd, layout, True) == pytest.approx(floor(odd, one, True))
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 2, 2), Layout(2, 1, 2), Layout(2, 1, 4)], ids=str)
+@pytest.mark.parametrize("tile_rows", [None, 7, 40])
+def test_the_head_lines_bound_it_for_every_chunk(monkeypatch, layout, tile_rows):
+    """``head_memory_lines``: every line bounds the head from above up to its limit, the lowest
+    ``per`` from below (the capacity searches divide a chunk's memory by its tokens; the tiled
+    head is not linear in them); the head is subadditive in the tokens. Split (sp = 2 divides 100) and whole (a fused step); one tile, tiles of 7 or 40
+    rows of 100 or 50 columns."""
+    cm = CostModel(MHA, layout, coeffs(m_head_token=6.0 * MHA.vocab_size))
+    if tile_rows:
+        monkeypatch.setattr(head_tiles, "LOGITS_TILE_BYTES", 4 * tile_rows * 100)
+    lines = cm.head_memory_lines()
+    lowest = min(per for _, per, _ in lines)
+    tiled = False
+    for tokens in range(1, 1500):
+        head = cm.head_memory(ChunkShape(0, (tokens,), tail=True))
+        assert lowest * tokens <= head * (1 + 1e-12), tokens
+        assert any(tokens <= limit and head <= (fixed + per * tokens) * (1 + 1e-12) for fixed, per, limit in lines), (
+            tokens
+        )
+        tiled |= tokens > lines[0][2]  # past one tile: the second line's
+    assert tiled == bool(tile_rows)
+    # subadditive (epp.split_memory_bound: a document's slices hold at least its head)
+    head = [cm.head_memory(ChunkShape(0, (t,), tail=True)) if t else 0.0 for t in range(1500)]
+    for a in range(1, 750, 7):
+        for b in range(a, 1500 - a, 11):
+            assert head[a + b] <= (head[a] + head[b]) * (1 + 1e-12), (a, b)

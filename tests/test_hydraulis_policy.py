@@ -141,9 +141,11 @@ def test_per_micro_batch_recomputation_as_given(costs):
 def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simulated_too():
     """The estimates leave out the recomputation that fits the executor's buffers (+12 % on the
     (pp 1, sp 8) group here). On this batch (7B, 8 A800s, the benchmark's commoncrawl setting, batch
-    1003) the packed candidate 2×(pp=1, sp=4), estimated at 4.819 s, would not be simulated, and
-    Hydraulis would return the finalist 1×(pp=1, sp=8), estimated at 4.543 s and simulated at
-    5.137 s; simulated, it takes 4.929 s, as the homogeneous policy found."""
+    1003) the packed candidate 2×(pp=1, sp=4), estimated at 4.856 s, would not be simulated, and
+    Hydraulis would return the finalist 1×(pp=1, sp=8), estimated at 4.580 s and simulated at
+    5.137 s; simulated, it takes 4.929 s, as the homogeneous policy found. (4.819 / 4.543 s and one
+    candidate given up before the head's logits were tiled and a recomputing backward charged its
+    layer's activations, 2026-11-30.)"""
     import sys
     from pathlib import Path
 
@@ -161,10 +163,10 @@ def test_a_packed_candidate_whose_estimate_beats_the_simulated_finalists_is_simu
     plan = plan_strategy("hydraulis", batch, costs, options)
     candidates = plan.stats["candidates"]
     simulated = [c["iteration_time_s"] for c in candidates if c["estimate"] == "simulated"]
-    # three planned (every packed candidate estimated below 5.137 s); the one whose groups simulate
-    # slower than the best plan is given up ("exceeds")
+    # four planned (every packed candidate estimated below 5.137 s); the two whose groups simulate
+    # slower than the best plan are given up ("exceeds")
     assert [c["estimate"] for c in candidates].count("simulated") == 2
-    assert [c["estimate"] for c in candidates].count("exceeds") == 1
+    assert [c["estimate"] for c in candidates].count("exceeds") == 2
     assert plan.describe() == "2×(pp=1, sp=4)" and plan.stats["iteration_time_s"] == min(simulated)
     assert all(c["estimated_s"] >= min(simulated) for c in candidates if c["estimate"] == "packed")
     homogeneous = plan_strategy("homogeneous", batch, costs, HomogeneousOptions(simulation="ticks"))

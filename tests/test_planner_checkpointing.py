@@ -141,8 +141,9 @@ def test_every_backward_window_holds_its_working_memory(seed):
     """A backward's working memory (``CostModel.working_memory``, larger where the chunk recomputes)
     count in its window: the solution is the brute-force optimum and fits when the stage's ops are
     replayed (activations + the running backward's working memory). Planned on activations
-    alone, at the same budget, seeds 0, 2, 3 and 4 do not fit (0, 3 and 4 while the profiles priced
-    dK/dV in fp32)."""
+    alone, at the same budget, seeds 0, 2, 3, 4 and 5 do not fit (0, 2, 3 and 4 while the head was
+    charged every logit, before 2026-11-30's tiles; 0, 3 and 4 while the profiles priced dK/dV in
+    fp32)."""
     problem, schedule, unit, cost = _unit(seed, **WORK)
     # the solve must finish to be compared with brute force: the planner's 0.05 s wall-clock limit
     # ran out on a loaded machine (CI, seed 0: the greedy fallback), so limits as generous as above
@@ -156,6 +157,6 @@ def test_every_backward_window_holds_its_working_memory(seed):
     assert (replay_peaks(unit, schedule, ckpt_table(problem, sol.values), cost) <= cost.memory_budget).all()
     hint = greedy(problem)
     assert hint is not None and problem.feasible(hint)
-    blind_problem, _, _, _ = _unit(seed)  # same budget, no working memory
+    blind_problem, _, _, _ = _unit(seed, **{k: 0.0 for k in WORK})  # same budget, no working memory
     blind = ckpt_table(blind_problem, solve(blind_problem, exact).values)
-    assert (replay_peaks(unit, schedule, blind, cost) > cost.memory_budget).any() == (seed in (0, 2, 3, 4))
+    assert (replay_peaks(unit, schedule, blind, cost) > cost.memory_budget).any() == (seed in (0, 2, 3, 4, 5))

@@ -185,10 +185,10 @@ class CostCoefficients:
       layer (it runs inside the profiled program); such a profile leaves ``alltoall_*`` empty
       for that degree, so Eq. 3 adds nothing on top (``ProfileMeta.source`` says so).
     * ``m_token``: activation bytes stored per token per layer on one device without
-      checkpointing (Eq. 5 ``M_token / L``); divided by ``sp``. ``m_head_token``: bytes per token
-      the last stage holds for the whole head in its backward (the fp32 logits and their fp32
-      gradient: 8 bytes per vocabulary entry, ``scripts/head_memory.py``); the head split by
-      vocabulary over sp writes its gradient in the compute dtype (``CostModel.head_memory``). ``m_stored_token``: bytes per
+      checkpointing (Eq. 5 ``M_token / L``); divided by ``sp``. ``m_head_token``: bytes per row
+      of a tile of the head's logits (``jvarlen.head_tiles``) while the head computes its loss and
+      gradient: the fp32 logits and their gradient in the compute dtype, ``(4 + e)`` per
+      vocabulary entry (``CostModel.head_memory``, ``scripts/head_memory.py``). ``m_stored_token``: bytes per
       token a *stored* layer of the pipeline executor keeps on one device under its residual policy
       (what ``jax.checkpoint`` saves: matmul outputs and the attention's output and logsumexp under
       ``dots_and_attention``), used for a stored layer by Eq. 10 and the executor's account

@@ -26,10 +26,11 @@ from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost mod
     profile_filename,
 )
 from jvarlen.plan.cost_collectives import CollectiveTimes
+from jvarlen.plan.cost_head import HeadMemory
 from jvarlen.plan.memo import BoundedMemo
 
 
-class CostModel(CollectiveTimes):
+class CostModel(CollectiveTimes, HeadMemory):
     """Per-stage time (s) and memory (bytes per device) of chunks for a given layout.
 
     ``stage`` arguments select the head/embedding extras of the first and last stage;
@@ -298,16 +299,6 @@ class CostModel(CollectiveTimes):
         head = self.head_memory(chunk) if self._is_last(stage) else 0.0
         return act + dkv + ckpt + head
 
-    def head_memory(self, chunk: ChunkShape) -> float:
-        """Bytes the head's backward holds on one device of the last stage: ``m_head_token · T/sp``
-        (the fp32 logits and their fp32 gradient), or, split by vocabulary over sp
-        (:attr:`splits_vocab`), the fp32 logits and a gradient in the compute dtype, ``(4 + e) / 8``
-        of it (``rest.VocabShard.head_loss``; on an abstract H100 8.00 B per token and vocabulary
-        entry whole, 6.51 B split over 2 with the gathered outputs: ``scripts/head_memory.py``)."""
-        c = self.coeffs
-        share = (4.0 + c.bytes_per_element) / 8.0 if self.splits_vocab else 1.0
-        return share * c.m_head_token * chunk.tokens / self.layout.sp
-
     def working_memory(self, chunk: ChunkShape, ckpt_layers: int = 0) -> float:
         """Transient bytes of the backward of ``chunk`` while it runs (cotangents and temporaries of
         one layer; with ``ckpt_layers > 0`` also the residuals of the layer being recomputed):
@@ -429,7 +420,8 @@ class CostModel(CollectiveTimes):
     def max_tokens(self, stage: Optional[int] = None, in_flight: int = 1, tail: bool = False) -> int:
         """Hydraulis MaxLen: the largest chunk (tokens) that fits ``in_flight`` times on ``stage``
         (all stages when None) with full recomputation (``ckpt_layers = L_s``), Eq. 8 + 10, plus the
-        transients of one of them in its backward (:meth:`backward_memory`, no context).
+        transients of one of them in its backward (:meth:`backward_memory`, no context), by the
+        affine bounds of :meth:`chunk_memory_lines`.
 
         ``tail=False`` charges the K/V and dK/dV terms of a non-tail slice (the worst case).
         Returns 0 when even the model states and one backward's layer gradients do not fit.
@@ -437,10 +429,7 @@ class CostModel(CollectiveTimes):
         stages = range(self.layout.pp) if stage is None else [stage]
         best = None
         for p in stages:
-            free = self.memory_budget - self.memory_floor(p)
-            probe = ChunkShape(0, (self.layout.sp,), tail=tail)
-            act = self.activation_memory(probe, self.layers_per_stage, p) / self.layout.sp  # bytes per chunk token
-            work = self.working_memory(probe, self.layers_per_stage) / self.layout.sp
-            n = 0 if free <= 0 else int(free // (in_flight * act + work))
+            lines = self.chunk_memory_lines(p, self.layers_per_stage, in_flight, tail)
+            n = self.fitting_tokens(self.memory_budget - self.memory_floor(p), lines)
             best = n if best is None else min(best, n)
         return best

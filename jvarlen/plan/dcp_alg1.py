@@ -20,12 +20,16 @@ from jvarlen.plan.strategy import Scheme
 class ProfileEntry:
     """Alg. 1's profile of one (b, p) (§3.5): ``t_f`` seconds to recompute one layer of the batch,
     ``m`` bytes per device one layer keeps beyond its checkpoint when not recomputed, ``T`` seconds
-    and ``M`` bytes per device of the batch with every layer recomputed (Eq. 4, 6 with r = L)."""
+    and ``M`` bytes per device of the batch with every layer recomputed (Eq. 4, 6 with r = L).
+    ``peaks``, where given: the bytes with ``k = 0 .. L`` layers not recomputed, which Alg. 1 then
+    reads instead of Eq. 6's ``M + k·m`` (the cost model is not linear in ``k``: a backward that
+    recomputes a layer holds that layer's activations, one that recomputes none does not)."""
 
     t_f: float
     m: float
     T: float
     M: float
+    peaks: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +47,23 @@ def alg1(
     capacity: float, layers: int, candidates: Mapping[tuple[int, int], ProfileEntry], seq_len: float
 ) -> Optional[Setting]:
     """DCP-intra, Alg. 1: for each (b, p), the most layers that can skip recomputation within the
-    memory ``capacity`` (``M + k·m <= capacity``, so ``r = L - k`` recomputed layers, Eq. 6), the
+    memory ``capacity`` (``M + k·m <= capacity``, Eq. 6, or the entry's exact ``peaks``; ``r = L - k``
+    recomputed layers), the
     time ``T - k·t_f`` (Eq. 4-5), and the (b, p) of highest throughput ``b·s / (p·time)`` (Eq. 1;
     ties: smaller p, then smaller b). The paper's loop breaks at the *first* k that fits, which
     would keep a single layer; we take the largest (what the text describes). (b, p) whose fully
     recomputed batch exceeds the capacity are skipped; None when none fits."""
     best = None
     for (b, p), e in sorted(candidates.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if e.M > capacity:
+        if e.peaks:
+            fitting = [k for k, peak in enumerate(e.peaks) if peak <= capacity]
+            if not fitting:
+                continue
+            k = max(fitting)
+        elif e.M > capacity:
             continue
-        k = layers if e.m <= 0 else int(min(layers, math.floor((capacity - e.M) / e.m)))
+        else:
+            k = layers if e.m <= 0 else int(min(layers, math.floor((capacity - e.M) / e.m)))
         t = e.T - k * e.t_f
         thr = b * seq_len / (p * t)
         if best is None or thr > best.throughput * (1 + 1e-12):
@@ -66,11 +77,13 @@ def profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> Profi
     chunk = ChunkShape(0, (int(seq_len),) * int(b))
     L = gc.layers
     full = cost.peak_memory(chunk, L, 0)
+    floor = cost.memory_floor(0)
     return ProfileEntry(
         t_f=cost.recompute_time(chunk, 1),
         m=cost.peak_memory(chunk, L - 1, 0) - full,
         T=gc.micro_batch_time(chunk.slices, scheme, L),
-        M=cost.memory_floor(0) + full,
+        M=floor + full,
+        peaks=tuple(floor + cost.peak_memory(chunk, L - k, 0) for k in range(L + 1)),
     )
 
 

@@ -40,16 +40,25 @@ def split_memory_bound(length: int, cost) -> tuple[float, int]:
     recomputed, Eq. 19), ``w`` the least backward working memory per token and ``c`` its part per
     context token; the slices' own context terms and the other documents' chunks only add. That is
     linear in ``s``, so its least value over ``1 <= s <= length`` (``s = length``: not split) is at
-    an end. Assumes the memory coefficients are non-negative (as profiled and analytic ones are)."""
+    an end. Each slice's chunk on the last stage also holds its head (:meth:`CostModel.head_memory`),
+    which grows less than linearly in the tokens past a tile of logits but is subadditive: the
+    slices' heads hold at least the whole document's. Assumes the memory coefficients are
+    non-negative (as profiled and analytic ones are)."""
     sp, layers = cost.layout.sp, cost.layers_per_stage
     split, whole = ChunkShape(0, (sp,), tail=False), ChunkShape(0, (sp,), tail=True)
     w = min(cost.working_memory(whole, r) for r in (0, layers)) / sp
     c = (cost.working_memory(ChunkShape(sp, (sp,)), 0) - cost.working_memory(whole, 0)) / sp
     worst, stage = -math.inf, 0
     for p in range(cost.layout.pp):
-        a = min(cost.activation_memory(split, r, p) for r in (0, layers)) / sp + c
-        t = min(cost.activation_memory(whole, r, p) for r in (0, layers)) / sp + w
-        need = cost.memory_floor(p) + min((length - 1) * a + t, length * t)
+        last = p == cost.layout.pp - 1
+
+        def linear(probe, r, last=last, p=p):  # per token, all but the head (not linear in the tokens)
+            return (cost.activation_memory(probe, r, p) - (cost.head_memory(probe) if last else 0.0)) / sp
+
+        a = min(linear(split, r) for r in (0, layers)) + c
+        t = min(linear(whole, r) for r in (0, layers)) + w
+        head = cost.head_memory(ChunkShape(0, (length,), tail=True)) if last else 0.0
+        need = cost.memory_floor(p) + min((length - 1) * a + t, length * t) + head
         if need > worst:
             worst, stage = need, p
     return worst, stage
@@ -287,9 +296,9 @@ class _Search:
             if infeasible:
                 # Finer slicing shrinks the chunk windows: if even the largest candidate does not
                 # fit, try a finer one before the coarser ones.
-                bigger = int(round(n * max(options.n_ratio, 1.5)))
+                bigger = min(int(round(n * max(options.n_ratio, 1.5))), finest)  # at most the finest
                 bumps = len(cands) - len(candidates)
-                if best is None and options.n_slices is None and n == max(cands) and bigger <= finest and bumps < 2:
+                if best is None and options.n_slices is None and n == max(cands) and bigger > n and bumps < 2:
                     cands.append(bigger)
                     queue.insert(0, bigger)
                 continue

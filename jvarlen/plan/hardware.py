@@ -131,7 +131,11 @@ def analytic_coefficients(model: ModelShape, cluster: ClusterSpec | str, num_nod
         head_fwd=head_fwd,
         head_bwd=LayerTime(0.0, head_fwd.alpha2 * 2.0, head_fwd.beta1),
         m_token=activation_bytes_per_token(model),
-        m_head_token=8.0 * model.vocab_size,  # fp32 logits + their fp32 gradient (scripts/head_memory.py)
+        # a rematerialised layer's backward holds that layer's activations again (llama-7b's fused
+        # step on 8 abstract H100s at 64K tokens per device: 8.1-8.5 GiB above the charge without
+        # it, 8.04 GiB by this; docs/benchmarks.md, "The head in tiles")
+        m_work_remat_token=activation_bytes_per_token(model),
+        m_head_token=(4.0 + 2.0) * model.vocab_size,  # a tile's fp32 logits + their bf16 gradient, per row
         bytes_per_element=2,
         dkv_bytes_per_element=2,  # the executor's dK/dV pools are in the compute dtype (docs/design/pipeline.md)
         master_bytes_per_param=12.0,

@@ -149,16 +149,14 @@ def build_table(
 ):
     """The :class:`SchemeTable` of ``scheme`` under ``costs`` (see the module docstring)."""
     cost = costs.cost(scheme)
-    pp, sp, lps = scheme.pp, scheme.sp, cost.layers_per_stage
+    pp, lps = scheme.pp, cost.layers_per_stage
     # Memory: bytes per token with r recomputed layers, per stage; 1F1B keeps pp - p micro-batches on stage p.
-    probe = ChunkShape(0, (sp,), tail=True)
     caps = np.zeros(lps + 1, dtype=np.int64)
     for r in range(lps + 1):
         best = None
         for p in range(pp):
-            free = cost.memory_budget - cost.memory_floor(p)
-            per_token = (pp - p) * cost.activation_memory(probe, r, p) / sp + cost.working_memory(probe, r) / sp
-            n = 0 if free <= 0 or per_token <= 0 else int(free // per_token)
+            lines = cost.chunk_memory_lines(p, r, in_flight=pp - p, tail=True)
+            n = cost.fitting_tokens(cost.memory_budget - cost.memory_floor(p), lines)
             best = n if best is None else min(best, n)
         caps[r] = best
     caps = np.maximum.accumulate(caps)  # more recomputation never holds fewer tokens

@@ -112,11 +112,10 @@ class GroupCosts(MethodCaches):
         executor's backward returns, within the budget), ``R = max_recompute``."""
         cost = self.costs.cost(scheme)
         free = (cost.memory_budget - cost.memory_floor(0)) * _SAFETY
-        probe = ChunkShape(0, (scheme.sp * 1024,))
         out = np.zeros(self.max_recompute + 1, dtype=np.int64)
         for r in range(self.max_recompute + 1):
-            per_token = cost.peak_memory(probe, r, 0) / probe.tokens
-            out[r] = 0 if free <= 0 else int(free // per_token)
+            # stage 0 of a pp = 1 group is its last: the head, not linear in the tokens, is bounded
+            out[r] = cost.fitting_tokens(free, cost.chunk_memory_lines(0, r, in_flight=1, tail=True))
         if self.micro_batch_tokens is not None:
             out = np.minimum(out, int(self.micro_batch_tokens))
         return out

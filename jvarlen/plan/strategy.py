@@ -324,10 +324,8 @@ class SchemeCosts(MethodCaches):
             return cost.max_tokens(in_flight=scheme.pp, tail=True)
         best = None
         for stage in range(scheme.pp):
-            free = cost.memory_budget - cost.memory_floor(stage)
-            probe = ChunkShape(0, (scheme.sp,))
-            per_token = (cost.activation_memory(probe, 0, stage) + cost.working_memory(probe, 0)) / scheme.sp
-            n = 0 if free <= 0 else int(free // (scheme.pp * per_token))
+            lines = cost.chunk_memory_lines(stage, 0, in_flight=scheme.pp, tail=False)
+            n = cost.fitting_tokens(cost.memory_budget - cost.memory_floor(stage), lines)
             best = n if best is None else min(best, n)
         return int(best or 0)
 

@@ -127,7 +127,7 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
     return CostCoefficients(
         fwd=LayerTime(),
         m_token=activation_bytes_per_token(shape, e),
-        m_head_token=8.0 * shape.vocab_size,  # fp32 logits + their fp32 gradient (scripts/head_memory.py)
+        m_head_token=(4.0 + e) * shape.vocab_size,  # a tile's fp32 logits + their gradient, per row
         # The layer concatenates cached and own K/V before attention and autodiff keeps the
         # concatenation: 2 · e · kv_dim bytes per context token per stored layer; while a layer's
         # backward runs, the concatenation's cotangent and the context gradient cut from it.
