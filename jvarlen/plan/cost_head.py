@@ -1,6 +1,6 @@
 """The head's memory on the last stage, in bytes per device (docs/design/head.md): exact per chunk
 (:meth:`HeadMemory.head_memory`) and as an affine bound in the chunk's tokens
-(:meth:`HeadMemory.head_memory_bound`), which the capacity searches that divide a probe chunk's
+(:meth:`HeadMemory.head_memory_lines`), which the capacity searches that divide a probe chunk's
 memory by its tokens need: the tiled logits do not grow with the tokens past one tile. A mixin of
 :class:`jvarlen.plan.cost.CostModel`."""
 
