@@ -102,12 +102,18 @@ def _run(spmd, grads: bool, *args):
     return fn(*args) if spmd is None else spmd(fn, grads)(*args)
 
 
+def whole_head_loss(h, w, targets, mask, *, grad_scale=None):
+    """:func:`head_loss` of ``h [N, d]`` against the whole head ``w [d, V]`` (every target is one of
+    its columns), ``dh`` in ``h``'s dtype."""
+    targets = targets.astype(jnp.int32)
+    return head_loss(h, w, targets, jnp.ones_like(targets, bool), mask, grad_scale=grad_scale, dh_dtype=h.dtype)
+
+
 def _local_sum(grads: bool, h, w, targets, mask):
     """(loss sum, and with ``grads`` the gradients of ``w`` (fp32) and of ``h``) of one device's tokens."""
     h2 = h.reshape(-1, h.shape[-1])
-    t = targets.reshape(-1).astype(jnp.int32)
     scale = jnp.float32(1.0) if grads else None
-    out = head_loss(h2, w, t, jnp.ones_like(t, bool), mask.reshape(-1), grad_scale=scale, dh_dtype=h.dtype)
+    out = whole_head_loss(h2, w, targets.reshape(-1), mask.reshape(-1), grad_scale=scale)
     if not grads:
         return jnp.sum(out)
     losses, dw, dh = out

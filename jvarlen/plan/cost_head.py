@@ -71,16 +71,21 @@ class HeadMemory:
         rows = 1.0 if self.splits_vocab else 1.0 / sp  # a device's rows per chunk token
         return [(0.0, (per_logit * columns + per_row) * rows, one_tile / rows), (cap, per_row * rows, math.inf)]
 
+    def activation_per_token(self, stage: int, ckpt_layers: int, tail: bool = True) -> float:
+        """:meth:`activation_memory` per token of a chunk without context on ``stage``, all but the
+        last stage's head (every other term is linear in the tokens)."""
+        probe = ChunkShape(0, (self.layout.sp,), tail=tail)
+        head = self.head_memory(probe) if self._is_last(stage) else 0.0
+        return (self.activation_memory(probe, ckpt_layers, stage) - head) / self.layout.sp
+
     def chunk_memory_lines(self, stage: int, ckpt_layers: int, in_flight: int = 1, tail: bool = True) -> list:
         """Affine bounds ``(fixed, per token, limit)`` of ``in_flight · activation_memory +
         working_memory`` of a chunk of ``T`` tokens without context on ``stage`` (every term is
         linear in ``T`` but the last stage's head: :meth:`head_memory_lines`)."""
         sp = self.layout.sp
-        probe = ChunkShape(0, (sp,), tail=tail)
-        last = self._is_last(stage)
-        linear = (self.activation_memory(probe, ckpt_layers, stage) - (self.head_memory(probe) if last else 0.0)) / sp
-        work = self.working_memory(probe, ckpt_layers) / sp
-        heads = self.head_memory_lines() if last else [(0.0, 0.0, math.inf)]
+        linear = self.activation_per_token(stage, ckpt_layers, tail)
+        work = self.working_memory(ChunkShape(0, (sp,), tail=tail), ckpt_layers) / sp
+        heads = self.head_memory_lines() if self._is_last(stage) else [(0.0, 0.0, math.inf)]
         return [(in_flight * fixed, in_flight * (linear + per) + work, limit) for fixed, per, limit in heads]
 
     @staticmethod

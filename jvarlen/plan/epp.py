@@ -45,19 +45,14 @@ def split_memory_bound(length: int, cost) -> tuple[float, int]:
     slices' heads hold at least the whole document's. Assumes the memory coefficients are
     non-negative (as profiled and analytic ones are)."""
     sp, layers = cost.layout.sp, cost.layers_per_stage
-    split, whole = ChunkShape(0, (sp,), tail=False), ChunkShape(0, (sp,), tail=True)
+    whole = ChunkShape(0, (sp,), tail=True)
     w = min(cost.working_memory(whole, r) for r in (0, layers)) / sp
     c = (cost.working_memory(ChunkShape(sp, (sp,)), 0) - cost.working_memory(whole, 0)) / sp
     worst, stage = -math.inf, 0
     for p in range(cost.layout.pp):
-        last = p == cost.layout.pp - 1
-
-        def linear(probe, r, last=last, p=p):  # per token, all but the head (not linear in the tokens)
-            return (cost.activation_memory(probe, r, p) - (cost.head_memory(probe) if last else 0.0)) / sp
-
-        a = min(linear(split, r) for r in (0, layers)) + c
-        t = min(linear(whole, r) for r in (0, layers)) + w
-        head = cost.head_memory(ChunkShape(0, (length,), tail=True)) if last else 0.0
+        a = min(cost.activation_per_token(p, r, tail=False) for r in (0, layers)) + c
+        t = min(cost.activation_per_token(p, r, tail=True) for r in (0, layers)) + w
+        head = cost.head_memory(ChunkShape(0, (length,), tail=True)) if p == cost.layout.pp - 1 else 0.0
         need = cost.memory_floor(p) + min((length - 1) * a + t, length * t) + head
         if need > worst:
             worst, stage = need, p

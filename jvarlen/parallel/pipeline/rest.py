@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvarlen.model.head import head_loss
+from jvarlen.model.head import head_loss, whole_head_loss
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline.stage import maybe
 
@@ -186,11 +186,7 @@ class StageRest:
         )
         w = self.model_of(self.rest).head_weights()
         if self.vocab is None:
-            targets = c["local_targets"]
-            hit = jnp.ones_like(targets, bool)
-            losses, dw, dh = head_loss(
-                h, w, targets, hit, c["local_loss_mask"], grad_scale=self.scale, dh_dtype=h.dtype
-            )
+            losses, dw, dh = whole_head_loss(h, w, c["local_targets"], c["local_loss_mask"], grad_scale=self.scale)
             loss = jnp.sum(losses)
         else:
             loss, dw, dh = self.vocab.head_loss(h, w, c["targets"], c["loss_mask"], self.scale, self.mine, self.tokens)
