@@ -159,9 +159,12 @@ class Session:
     def state_sharding(self):
         return self.placement.state_sharding
 
-    def layout_step(self, layout: Layout, rows: int, seq_len: int) -> LayoutStep:
+    def layout_step(
+        self, layout: Layout, rows: int, seq_len: int, *, residual_policy: Optional[str] = "dots_and_attention"
+    ) -> LayoutStep:
         """The data-parallel step on ``layout`` (``dp · sp`` = the session's devices) for batches of
-        ``rows`` rows of ``seq_len`` tokens."""
+        ``rows`` rows of ``seq_len`` tokens (``residual_policy``: what a layer that is not
+        rematerialised keeps, as :meth:`plan_step`'s)."""
         from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
 
         layout.validate(len(self.placement.devices), num_heads=self.context.model.num_heads)
@@ -172,7 +175,8 @@ class Session:
                 f"rows ({rows}) and seq_len ({seq_len}) must be >= 1, seq_len divisible by sp ({layout.sp})"
             )
         policy = LayoutPolicy(len(self.placement.devices), self.context.model.num_heads, 1, layout)
-        return LayoutStep(LayoutStrategy(self.context, policy, rows, seq_len), self.cache, rows, seq_len)
+        strategy = LayoutStrategy(self.context, policy, rows, seq_len, residual=residual_policy)
+        return LayoutStep(strategy, self._cache_for(("layouts", residual_policy)), rows, seq_len)
 
     def plan_step(
         self,

@@ -327,9 +327,10 @@ class ParallelConfig:
     # (for tests and benchmarks). Neither: the fixed layout (dp, pp, sp).
     tokens_per_device: Optional[int] = None
     sp_cycle: Optional[list[int]] = None
-    # What a pipeline stage keeps of a layer whose recomputation the plan does not ask for:
-    # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in
-    # the backward), "all" (every residual), or a jax.checkpoint_policies name.
+    # What a layer that is not recomputed keeps for its backward, in every execution strategy (the
+    # data-parallel step's layers when model.remat is off, a pipeline's or a group's stored layers):
+    # "dots_and_attention" (matmul and attention outputs; elementwise ops are recomputed in the
+    # backward), "all" (every residual, plain autodiff), or a jax.checkpoint_policies name.
     residual_policy: str = "dots_and_attention"
     # A pipeline stage's layers (and their gradient accumulator): "replicated" (every device holds
     # the stage) or "sharded" (ZeRO-3 over the stage's sp devices and the dp pipelines: 1/(dp·sp)

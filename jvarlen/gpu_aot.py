@@ -272,7 +272,8 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
     ctx = abstract_step_context(config, devices)
     seq_len = seq_len or config.data.seq_len
     rows = rows or max(layout.dp, config.data.tokens_per_batch // seq_len)
-    strategy = LayoutStrategy(ctx, LayoutPolicy(len(devices), config.model.num_heads, 1, layout), rows, seq_len)
+    policy = LayoutPolicy(len(devices), config.model.num_heads, 1, layout)
+    strategy = LayoutStrategy(ctx, policy, rows, seq_len, residual=config.parallel.residual_policy)
     batch = {k: np.zeros((rows, seq_len), np.float32 if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
     with lowering_device(devices[0]):
         return ctx.lower(*strategy.step_inputs(("layout", layout, shape_bucket(batch))))

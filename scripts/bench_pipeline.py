@@ -85,6 +85,7 @@ from pipeline_policies import (  # noqa: E402
 from jvarlen.config import ModelConfig  # noqa: E402
 from jvarlen.layout import Layout  # noqa: E402
 from jvarlen.model import build_model  # noqa: E402
+from jvarlen.model.transformer import DOTS_AND_ATTENTION  # noqa: E402
 from jvarlen.parallel import pipeline as pl  # noqa: E402
 from jvarlen.parallel.layouts import layout_mesh  # noqa: E402
 from jvarlen.parallel.pipeline import pack_chunks  # noqa: E402
@@ -166,7 +167,13 @@ def overhead(graphdef, cfg, params, tokens, repeats, n: int = 1):
     layout = Layout(1, 1, 1)
     plain_batch = {k: pack.arrays[k] for k in ("tokens", "segment_ids", "positions", "targets", "loss_mask")}
     runs = {"plain jitted loss+grads": (jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)), plain_batch)}
-    variants = [("executor, F and B fused in one tick", None, 0, True)]
+    # the data-parallel step as the layouts strategy runs it (parallel.residual_policy's default)
+    dp_step = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, residual=DOTS_AND_ATTENTION))
+    runs[f"data-parallel step, residuals kept: {DOTS_AND_ATTENTION}"] = (dp_step, plain_batch)
+    variants = [
+        ("executor, F and B fused in one tick", None, 0, True),
+        (f"executor, F and B fused in one tick, residuals kept: {DOTS_AND_ATTENTION}", DOTS_AND_ATTENTION, 0, True),
+    ]
     for policy in POLICIES:
         for r in (0, cfg.num_layers):
             variants.append(

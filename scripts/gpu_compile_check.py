@@ -263,15 +263,19 @@ def _analytic(shape, target: str):
 
 def cost_model_memory(config, devices: int, target: str) -> dict:
     """What the planner's cost model predicts for the same data-parallel step, bytes per device:
-    model states + Eq. 10 activations (all layers checkpointed when model.remat) + working
-    memory, and its memory budget; with the analytic profile of the target's GPU."""
+    model states + Eq. 10 activations (all layers checkpointed when model.remat, else each keeping
+    what ``parallel.residual_policy`` saves, as the runtime's cost model charges a stored layer) +
+    working memory, and its memory budget; with the analytic profile of the target's GPU."""
     from jvarlen.layout import Layout
+    from jvarlen.parallel.pipeline.stage import stored_token_bytes
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel, ModelShape
 
     shape = ModelShape.from_config(config.model)
     layout = Layout(dp=devices)
-    cost = CostModel(shape, layout, _analytic(shape, target))
+    coeffs = _analytic(shape, target)
+    coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
+    cost = CostModel(shape, layout, coeffs)
     rows = config.data.tokens_per_batch // config.data.seq_len // devices
     chunk = ChunkShape(0, (config.data.seq_len,) * rows)
     ckpt = shape.num_layers if config.model.remat else 0

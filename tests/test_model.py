@@ -141,6 +141,28 @@ def test_untied_head_and_remat_do_not_change_the_loss():
         np.testing.assert_allclose(loss_sums(graphdef_r, params_r, batch)["loss_sum"], plain, rtol=1e-6)
 
 
+def test_residual_policy_keeps_less_and_changes_no_gradient():
+    """A layer that is not rematerialised keeps what ``parallel.residual_policy`` names (default:
+    matmul and attention outputs; the elementwise rest is recomputed in the backward): the same
+    loss and gradients as plain autodiff, and fewer bytes live in the compiled step."""
+    from jvarlen.runtime.step import loss_and_grads
+
+    cfg = dict(TINY, d_model=64, mlp_dim=256, attention="xla")
+    graphdef, params = _model(**cfg)
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 64, n).astype(np.int32) for n in (70, 50, 100)]
+    batch = pack_rows(docs, rows=2, seq_len=128)
+    runs = {}
+    for residual in (None, "dots_and_attention"):
+        step = jax.jit(functools.partial(loss_and_grads, graphdef, residual=residual))
+        temp = step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+        runs[residual] = (temp, *step(params, batch))
+    (plain_temp, plain_sums, plain_grads), (temp, sums, grads) = runs[None], runs["dots_and_attention"]
+    np.testing.assert_allclose(sums["loss_sum"], plain_sums["loss_sum"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, plain_grads)
+    assert temp < plain_temp, (temp, plain_temp)
+
+
 @pytest.mark.parametrize("name,expected", [("llama-7b", 6_738_415_616), ("llama-13b", 13_015_864_320)])
 def test_llama_parameter_counts_by_eval_shape(name, expected):
     config = load_config(CONFIG_DIR / f"{name}.yaml")

@@ -23,6 +23,29 @@ from jvarlen.model.layers import DecoderLayer, RMSNorm, _param
 # What a rematerialised layer keeps: attention's output and logsumexp (kernels.api names them).
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS)
 
+# What a layer that is not rematerialised keeps by default (``parallel.residual_policy``), in the
+# fused step and in the pipeline's stored layers alike: matmul outputs and the attention's output and
+# logsumexp; the backward recomputes the elementwise rest (norms, rotary, the MLP's activation),
+# whose fp32 intermediates plain autodiff would keep (docs/design/residuals.md).
+DOTS_AND_ATTENTION = "dots_and_attention"
+
+
+def residual_policy(name: str):
+    """A ``jax.checkpoint`` policy by name: ``"all"``, :data:`DOTS_AND_ATTENTION` or any policy
+    of ``jax.checkpoint_policies``."""
+    cp = jax.checkpoint_policies
+    if name == "all":
+        return cp.everything_saveable
+    if name == DOTS_AND_ATTENTION:
+        return cp.save_from_both_policies(
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*ATTENTION_RESIDUALS)
+        )
+    if not hasattr(cp, name):
+        raise ValueError(
+            f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a jax.checkpoint_policies name"
+        )
+    return getattr(cp, name)
+
 
 class Transformer(nnx.Module):
     """LLaMA-style decoder on packed documents.
@@ -59,8 +82,10 @@ class Transformer(nnx.Module):
         attention_fn: AttentionFn,
         *,
         remat: Optional[bool] = None,
+        residual: Optional[str] = None,
     ) -> jax.Array:
-        """Runs every stacked layer over ``x`` with one ``lax.scan``."""
+        """Runs every stacked layer over ``x`` with one ``lax.scan`` (``residual``: what a layer
+        keeps for the backward where it is not rematerialised, :func:`layer_body`)."""
         graphdef, stacked = nnx.split(self.layers)
         return apply_stacked_layers(
             graphdef,
@@ -70,6 +95,7 @@ class Transformer(nnx.Module):
             attention_fn,
             compute_dtype=self.compute_dtype,
             remat=self.config.remat if remat is None else remat,
+            residual=residual,
         )
 
     def head_weights(self) -> jax.Array:
@@ -91,12 +117,19 @@ class Transformer(nnx.Module):
         loss = head_loss_sum(self.final_norm(x_btd), self.head_weights(), targets_bt, loss_mask_bt, spmd)
         return {"loss_sum": loss, "target_tokens": jnp.sum(loss_mask_bt.astype(jnp.float32))}
 
-    def hidden(self, tokens_bt: jax.Array, inputs: AttentionInputs, attention_fn: Optional[AttentionFn] = None):
-        """The last layer's outputs ``[B, T, d]`` (before the final norm)."""
+    def hidden(
+        self,
+        tokens_bt: jax.Array,
+        inputs: AttentionInputs,
+        attention_fn: Optional[AttentionFn] = None,
+        residual: Optional[str] = None,
+    ):
+        """The last layer's outputs ``[B, T, d]`` (before the final norm; ``residual``: see
+        :func:`layer_body`)."""
         if attention_fn is None:
             attention_fn = make_attention_fn(self.config.attention)
             inputs = inputs.with_block_info(self.config.attention)
-        return self.apply_layers(self.embed_tokens(tokens_bt), inputs, attention_fn)
+        return self.apply_layers(self.embed_tokens(tokens_bt), inputs, attention_fn, residual=residual)
 
     def __call__(
         self,
@@ -107,15 +140,19 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens_bt, inputs, attention_fn))
 
 
-def apply_stacked_layers(graphdef, stacked, x_btd, inputs, attention_fn, *, compute_dtype, remat: bool):
+def apply_stacked_layers(
+    graphdef, stacked, x_btd, inputs, attention_fn, *, compute_dtype, remat: bool, residual: Optional[str] = None
+):
     """Scans ``x`` through layers whose state leaves are stacked ``[L, ...]``."""
-    body = layer_body(graphdef, inputs, attention_fn, compute_dtype=compute_dtype, remat=remat)
+    body = layer_body(graphdef, inputs, attention_fn, compute_dtype=compute_dtype, remat=remat, residual=residual)
     x_btd, _ = jax.lax.scan(body, x_btd, stacked)
     return x_btd
 
 
-def layer_body(graphdef, inputs, attention_fn, *, compute_dtype, remat: bool):
-    """The scan body ``(x, layer_state) -> (x, None)`` of one layer."""
+def layer_body(graphdef, inputs, attention_fn, *, compute_dtype, remat: bool, residual: Optional[str] = None):
+    """The scan body ``(x, layer_state) -> (x, None)`` of one layer. ``remat``: recomputed in the
+    backward but for attention's residuals; otherwise ``residual`` (a :func:`residual_policy` name)
+    says what the layer keeps: None or ``"all"`` every residual of plain autodiff."""
 
     def body(x, layer_state):
         layer = nnx.merge(graphdef, layer_state)
@@ -126,6 +163,8 @@ def layer_body(graphdef, inputs, attention_fn, *, compute_dtype, remat: bool):
         # statistics: the attention backward needs them, and recomputing them would run the
         # attention forward a second time (the costliest part of a long-context layer).
         body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICY)
+    elif residual not in (None, "all"):
+        body = jax.checkpoint(body, prevent_cse=False, policy=residual_policy(residual))
     return body
 
 

@@ -192,8 +192,9 @@ class CostCoefficients:
       token a *stored* layer of the pipeline executor keeps on one device under its residual policy
       (what ``jax.checkpoint`` saves: matmul outputs and the attention's output and logsumexp under
       ``dots_and_attention``), used for a stored layer by Eq. 10 and the executor's account
-      (:func:`jvarlen.plan.executor_memory.executor_memory`); 0 where not measured (``m_token``,
-      measured on the fused step, which keeps every residual, is used then).
+      (:func:`jvarlen.plan.executor_memory.executor_memory`); 0 where not measured (``m_token`` is
+      used then: the profiler measures it on plain-autodiff layers, which keep every residual, so
+      it is above what a layer keeps under a residual policy).
     * ``m_context_token``: bytes per *context* token per un-checkpointed layer that the attention
       backward keeps on top of ``m_token`` (the kernel reads ``[cached K/V; own K/V]`` as one
       concatenated array and autodiff saves it: ``2·e·kv_dim`` here; 0 for a kernel that reads the

@@ -86,7 +86,14 @@ def make_strategy(
     from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
 
     policy = LayoutPolicy.from_config(config, len(run.placement.devices))
-    return LayoutStrategy(ctx, policy, config.data.rows_per_batch, config.data.seq_len, layout_for_step)
+    return LayoutStrategy(
+        ctx,
+        policy,
+        config.data.rows_per_batch,
+        config.data.seq_len,
+        layout_for_step,
+        residual=config.parallel.residual_policy,
+    )
 
 
 def train(

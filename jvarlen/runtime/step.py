@@ -22,20 +22,21 @@ from jvarlen.runtime.state import TrainState
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
 
-def loss_sums(graphdef, params, batch: dict, attention_fn=None, spmd=None) -> dict:
+def loss_sums(graphdef, params, batch: dict, attention_fn=None, spmd=None, residual=None) -> dict:
     """Forward pass and loss sums of one packed batch (``spmd``: the head's token shards,
-    :class:`jvarlen.parallel.sharding.TokenShards`)."""
+    :class:`jvarlen.parallel.sharding.TokenShards`; ``residual``: what a layer that is not
+    rematerialised keeps, :func:`jvarlen.model.transformer.layer_body`)."""
     model = nnx.merge(graphdef, params)
     inputs = AttentionInputs(segment_ids=batch["segment_ids"], positions=batch["positions"])
-    x = model.hidden(batch["tokens"], inputs, attention_fn)
+    x = model.hidden(batch["tokens"], inputs, attention_fn, residual)
     return model.loss_sums(x, batch["targets"], batch["loss_mask"], spmd)
 
 
-def loss_and_grads(graphdef, params, batch: dict, attention_fn=None, spmd=None):
+def loss_and_grads(graphdef, params, batch: dict, attention_fn=None, spmd=None, residual=None):
     """(sums, grads) where grads are of the *mean* loss over the batch's real targets."""
 
     def mean_loss(p):
-        sums = loss_sums(graphdef, p, batch, attention_fn, spmd)
+        sums = loss_sums(graphdef, p, batch, attention_fn, spmd, residual)
         return sums["loss_sum"] / jnp.maximum(sums["target_tokens"], 1.0), sums
 
     (_, sums), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
@@ -53,6 +54,7 @@ def single_program_grads(
     push: Optional[Callable] = None,
     fp32_weight_sums: bool = False,
     spmd=None,
+    residual: Optional[str] = None,
 ) -> GradsFn:
     """Gradients of one packed batch in one program (the data-parallel layouts' way): ``pull(params)``
     maps the stored parameters to what propagation uses and ``push(grads, params)`` maps the
@@ -60,11 +62,13 @@ def single_program_grads(
     ``fp32_weight_sums``: the layer matmuls' weight gradients get an fp32 output, so that the
     partitioner sums them over the layout's devices in fp32 (:func:`jvarlen.model.layers.fp32_weight_gradients`).
     ``spmd``: the layout's token shards, over which the head tiles each device's own tokens
-    (:class:`jvarlen.parallel.sharding.TokenShards`)."""
+    (:class:`jvarlen.parallel.sharding.TokenShards`). ``residual``: what a layer that is not
+    rematerialised keeps (``parallel.residual_policy``; None: every residual)."""
 
     def grads_fn(params, batch):
         with fp32_weight_gradients() if fp32_weight_sums else contextlib.nullcontext():
-            sums, grads = loss_and_grads(graphdef, params if pull is None else pull(params), batch, attention_fn, spmd)
+            pulled = params if pull is None else pull(params)
+            sums, grads = loss_and_grads(graphdef, pulled, batch, attention_fn, spmd, residual)
         return sums, grads if push is None else push(grads, params), {}
 
     return grads_fn

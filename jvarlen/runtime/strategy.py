@@ -21,9 +21,24 @@ import abc
 import dataclasses
 from typing import Any, Callable, Hashable, Optional, Sequence
 
-from jvarlen.config import ModelConfig
+from jvarlen.config import ConfigError, ModelConfig
 from jvarlen.parallel.sharding import Placement
 from jvarlen.runtime.step import CompiledStep, GradsFn, compile_train_step, lower_train_step, make_train_step
+
+
+def checked_residual(name: Optional[str]) -> Optional[str]:
+    """``parallel.residual_policy`` as the strategies take it: None where a layer keeps every residual
+    (None or ``"all"``: plain autodiff), else the policy's name, checked
+    (:func:`jvarlen.model.transformer.residual_policy`; an unknown name is a :class:`ConfigError`)."""
+    if name in (None, "all"):
+        return None
+    from jvarlen.model.transformer import residual_policy
+
+    try:
+        residual_policy(name)
+    except ValueError as error:
+        raise ConfigError(f"parallel.residual_policy: {error}") from None
+    return name
 
 
 @dataclasses.dataclass

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvarlen.config import ModelConfig
-from jvarlen.kernels.api import ATTENTION_RESIDUALS
 from jvarlen.model import AttentionInputs, make_attention_fn
 from jvarlen.model.layers import layer_with_context
-from jvarlen.model.transformer import abstract_model, resolve_compute_dtype
+from jvarlen.model.transformer import abstract_model, residual_policy, resolve_compute_dtype
 from jvarlen.parallel import ulysses
 from jvarlen.parallel.pipeline.signature import PipelineSignature
 from jvarlen.parallel.pipeline.weights import StageWeights
@@ -249,28 +248,6 @@ def stage_shapes(
         K=cfg.num_kv_heads * repeats // sp,  # kv heads per device after the Ulysses all_to_all
         vocab_shards=sig.layout.vocab_shards(cfg.vocab_size, vocab_max_sp),
     )
-
-
-# What a stored layer keeps besides the policies of jax.checkpoint_policies: matmul outputs
-# and the attention's output and logsumexp (so the backward recomputes only elementwise ops).
-DOTS_AND_ATTENTION = "dots_and_attention"
-
-
-def residual_policy(name: str):
-    """A ``jax.checkpoint`` policy by name: ``"all"``, :data:`DOTS_AND_ATTENTION` or any policy
-    of ``jax.checkpoint_policies``."""
-    cp = jax.checkpoint_policies
-    if name == "all":
-        return cp.everything_saveable
-    if name == DOTS_AND_ATTENTION:
-        return cp.save_from_both_policies(
-            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*ATTENTION_RESIDUALS)
-        )
-    if not hasattr(cp, name):
-        raise ValueError(
-            f"unknown residual policy {name!r}: use 'all', {DOTS_AND_ATTENTION!r} or a jax.checkpoint_policies name"
-        )
-    return getattr(cp, name)
 
 
 def _shared(lp, ck, cv) -> list:

@@ -61,7 +61,7 @@ from jvarlen.plan import cpsat
 from jvarlen.plan.strategy import SchemeCosts, StrategyPlan, plan_strategy
 from jvarlen.runtime.memory_fit import ensure_fits
 from jvarlen.runtime.strategies.group_exchange import SUM_KEYS, Exchange
-from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
+from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext, checked_residual
 
 
 def strategy_options(config, pipeline, costs, say=lambda _: None):
@@ -221,7 +221,7 @@ class GroupsStrategy(ExecutionStrategy):
     ):
         self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
         self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
-        self.residual = None if residual == "all" else residual
+        self.residual = checked_residual(residual)
         self.stage_weights = stage_weights
         # the vocabulary is split over a group's sp within a node, as the planner's account assumes
         if vocab_max_sp is None and costs is not None:

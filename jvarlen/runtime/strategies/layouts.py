@@ -25,12 +25,12 @@ import numpy as np
 from jvarlen.config import Config, ConfigError
 from jvarlen.data.packer import pack
 from jvarlen.layout import Layout, resolve_layout
-from jvarlen.model.transformer import resolve_compute_dtype
+from jvarlen.model.transformer import DOTS_AND_ATTENTION, resolve_compute_dtype
 from jvarlen.parallel.layouts import batch_sharding
 from jvarlen.parallel.sharding import TokenShards, pull, push
 from jvarlen.parallel.ulysses import ulysses_attention_fn
 from jvarlen.runtime.step import BATCH_KEYS, CompiledStep, single_program_grads
-from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
+from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext, checked_residual
 
 
 def per_device_tokens(layout: Layout, rows: int, seq_len: int) -> int:
@@ -108,12 +108,24 @@ def pad_rows(batch: dict, dp: int) -> dict:
 
 
 class LayoutStrategy(ExecutionStrategy):
-    """Rows of ``data.seq_len`` tokens on one ``(dp, 1, sp)`` layout per iteration (:class:`LayoutPolicy`)."""
+    """Rows of ``data.seq_len`` tokens on one ``(dp, 1, sp)`` layout per iteration (:class:`LayoutPolicy`).
+    ``residual``: what a layer that is not rematerialised keeps (``parallel.residual_policy``, as the
+    pipeline's stored layers)."""
 
     name = "layouts"
 
-    def __init__(self, ctx: StepContext, policy: LayoutPolicy, rows: int, seq_len: int, layout_for_step=None):
+    def __init__(
+        self,
+        ctx: StepContext,
+        policy: LayoutPolicy,
+        rows: int,
+        seq_len: int,
+        layout_for_step=None,
+        *,
+        residual: Optional[str] = DOTS_AND_ATTENTION,
+    ):
         self.ctx, self.policy, self.rows, self.seq_len = ctx, policy, rows, seq_len
+        self.residual = checked_residual(residual)
         self.layout_for_step = layout_for_step or (lambda step, rows, seq_len: policy.choose(step, rows, seq_len))
 
     def prepare(self, iteration, known=()) -> Prepared:
@@ -140,6 +152,7 @@ class LayoutStrategy(ExecutionStrategy):
             push=lambda grads, params: push(grads, ctx.placement.state_sharding.params, params, mesh),
             fp32_weight_sums=True,
             spmd=TokenShards(mesh),
+            residual=self.residual,
         )
         shapes = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype_)) for name, shape, dtype_ in bucket}
         return grads_fn, shapes, {name: batch_sharding(mesh) for name in shapes}
@@ -164,7 +177,15 @@ class LayoutStrategy(ExecutionStrategy):
 
 
 def layout_loss_and_grads(
-    graphdef, params, params_sharding, batch: dict, mesh, *, attention="auto", compute_dtype="auto"
+    graphdef,
+    params,
+    params_sharding,
+    batch: dict,
+    mesh,
+    *,
+    attention="auto",
+    compute_dtype="auto",
+    residual: Optional[str] = DOTS_AND_ATTENTION,
 ):
     """(loss sums, canonical grads) of a packed ``batch`` computed in the layout of ``mesh`` (the
     step's gradients without the update: for tests and research code)."""
@@ -176,6 +197,7 @@ def layout_loss_and_grads(
         push=lambda g, p: push(g, params_sharding, p, mesh),
         fp32_weight_sums=True,
         spmd=TokenShards(mesh),
+        residual=checked_residual(residual),
     )
 
     def run(p, b):

@@ -20,7 +20,7 @@ from jvarlen.config import Config, ConfigError
 from jvarlen.layout import Layout
 from jvarlen.parallel.pipeline import PipelineSignature, make_pipeline_grads, prepare_plans, split_documents
 from jvarlen.parallel.pipeline.executor import DATA
-from jvarlen.parallel.pipeline.stage import residual_policy, stored_token_bytes
+from jvarlen.parallel.pipeline.stage import stored_token_bytes
 from jvarlen.plan import chunk, cpsat
 from jvarlen.plan.api import PlannerOptions, make_cost, plan_iteration
 from jvarlen.plan.checkpointing import SolverOptions
@@ -29,7 +29,7 @@ from jvarlen.plan.service import PlanningService
 from jvarlen.runtime.cost_check import PACKAGE_PROFILES, find_profile, load_profile
 from jvarlen.runtime.feed import split_by_rows
 from jvarlen.runtime.step import CompiledStep
-from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext
+from jvarlen.runtime.strategy import ExecutionStrategy, Planner, Prepared, StepContext, checked_residual
 
 
 def planner_options(config: Config) -> PlannerOptions:
@@ -106,14 +106,9 @@ class PipelineStrategy(ExecutionStrategy):
         comparisons; the planner's simulation stays as ``options`` says). ``stage_weights`` and
         ``vocab_max_sp``: see ``make_pipeline_grads`` (the latter by default the cost model's
         ``gpus_per_node``, as its account assumes; without a cost model, any sp)."""
-        if residual is not None and residual != "all":
-            try:
-                residual_policy(residual)
-            except ValueError as error:
-                raise ConfigError(f"parallel.residual_policy: {error}") from None
         self.ctx, self.layout, self.cost, self.policy, self.options = ctx, layout, cost, policy, options
         self.rows_per_batch, self.ahead, self.workers, self.wait = rows_per_batch, ahead, workers, wait
-        self.residual = None if residual == "all" else residual
+        self.residual = checked_residual(residual)
         self.stage_weights = stage_weights
         self.chunk_multiple, self.bucket, self.paired = chunk_multiple, bucket, paired
         if vocab_max_sp is None and cost is not None:
