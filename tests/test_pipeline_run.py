@@ -178,6 +178,8 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
         session.layout_step(Layout(dp=2, pp=4, sp=1), rows=2, seq_len=16)
     with pytest.raises(ValueError, match="seq_len divisible by sp"):
         session.layout_step(Layout(dp=2, pp=1, sp=4), rows=2, seq_len=18)
+    with pytest.raises(ValueError, match="parallel.residual_policy: unknown residual policy 'bogus'"):
+        session.layout_step(Layout(dp=8), rows=8, seq_len=16, residual_policy="bogus")
     assert step.cache is session.cache and other.cache is session.cache  # same options: one cache
     sharded = session.plan_step(LAYOUT, bucket=32, stage_weights="sharded")
     stored = session.plan_step(LAYOUT, bucket=32, residual_policy="all")
