@@ -209,9 +209,13 @@ def pipeline_rows(
                     f"{len(re.findall(r' reduce-scatter(?:-start)?[(]', report.hlo))} reduce-scatters in the HLO "
                     f"({rs_loops} of the {loop_rs} async ones in the passes overlapped)"
                 )
-                pred = pipeline_cost_memory(shape, layout, target, chunks, bucket, mode == "sharded", split, recompute)
+                pred = pipeline_cost_memory(
+                    shape, layout, target, chunks, bucket, mode == "sharded", split, recompute, config=config
+                )
                 row.detail += (
-                    f"; cost model (analytic {target}): peak {pred['peak'] / GiB:.2f} GiB "
+                    f"; the planner's executor account (analytic {target}) {pred['account'] / GiB:.2f} GiB "
+                    f"({(pred['account'] - report.peak_bytes) / report.peak_bytes:+.1%}); its Eq. 10 time line: "
+                    f"peak {pred['peak'] / GiB:.2f} GiB "
                     f"({(pred['peak'] - report.peak_bytes) / report.peak_bytes:+.0%}): model states "
                     f"{pred['model_state'] / GiB:.2f}, activations {pred['activations'] / GiB:.2f}, working "
                     f"{pred['working'] / GiB:.2f}, a backward's layer gradients {pred['layer_gradients'] / GiB:.2f} GiB"
@@ -220,20 +224,28 @@ def pipeline_rows(
 
 
 def pipeline_cost_memory(
-    shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False, recompute=False
+    shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False, recompute=False, config=None
 ) -> dict:
     """What the planner's cost model predicts for :func:`gpu_aot.lower_pipeline_step`'s plan (``chunks``
     one-document chunks of ``bucket`` tokens, 1F1B, or with ``split`` the slices of one document in
     token-level 1F1B; nothing recomputed, or with ``recompute`` every layer), bytes per device of the
     stage that needs most: model states, the stored activations at the peak and the working memory
     of the backward running then (of the largest backward: with ``split`` the slices' differ), with
-    the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``)."""
+    the layer gradients it returns (``jvarlen.plan.plan.replay_peaks``); and ``account``, the
+    planner's account of what the executor's compiled step holds for the plan, which it fits plans
+    to (``jvarlen.plan.executor_memory``). With ``config``, a stored layer keeps what its
+    ``parallel.residual_policy`` saves, as the runtime's cost model charges it."""
+    from jvarlen.parallel.pipeline.stage import stored_token_bytes
     from jvarlen.plan import schedule
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel
-    from jvarlen.plan.plan import replay_peaks
+    from jvarlen.plan.executor_memory import executor_memory
+    from jvarlen.plan.plan import Plan, replay_peaks
 
-    cost = CostModel(shape, layout, _analytic(shape, target), stage_weights_sharded=sharded)
+    coeffs = _analytic(shape, target)
+    if config is not None:
+        coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
+    cost = CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
     if split:
         shapes = [ChunkShape(i * bucket, (bucket,), tail=i == chunks - 1) for i in range(chunks)]
         sched = schedule.token_level_1f1b([-1] + list(range(chunks - 1)), layout.pp)
@@ -241,16 +253,23 @@ def pipeline_cost_memory(
         shapes = [ChunkShape(0, (bucket,))] * chunks
         sched = schedule.one_f_one_b(chunks, layout.pp)
     ckpt = cost.layers_per_stage if recompute else 0
-    peaks = replay_peaks(shapes, sched, np.full((chunks, layout.pp), ckpt, np.int32), cost)
+    table = np.full((chunks, layout.pp), ckpt, np.int32)
+    peaks = replay_peaks(shapes, sched, table, cost)
     p = int(np.argmax(peaks))
     state = cost.model_state_memory(p)
     work, grads = max(cost.working_memory(c, ckpt) for c in shapes), cost.layer_gradient_memory()
+    if split:
+        lengths, pieces = (chunks * bucket,), tuple(((0, i * bucket, bucket),) for i in range(chunks))
+    else:
+        lengths, pieces = (bucket,) * chunks, tuple(((i, 0, bucket),) for i in range(chunks))
+    plan = Plan("given", layout, shape.num_layers, lengths, pieces, (chunks,), sched, table, cost.memory_budget)
     return {
         "model_state": state,
         "activations": peaks[p] - state - work - grads,
         "working": work,
         "layer_gradients": grads,
         "peak": peaks[p],
+        "account": executor_memory(plan, cost).total,
     }
 
 
