@@ -289,7 +289,11 @@ def stored_token_bytes(cfg: ModelConfig, residual: Optional[str], tokens: int = 
     policy = None if residual in (None, "all") else residual
     s = stage_shapes(None, cfg, sig, residual_policy=policy)
     _, stacked = nnx.split(abstract_model(cfg).layers, nnx.Param)
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+    # one layer as the stage holds it: weight matrices in the compute dtype (StageWeights.pull), so
+    # that a cast of them is not taken for a residual
+    leaves, treedef = jax.tree.flatten(stacked)
+    dtypes = [leaf.compute_dtype for leaf in s.fns.weights.leaves]
+    one = treedef.unflatten([jax.ShapeDtypeStruct(a.shape[1:], dt) for a, dt in zip(leaves, dtypes)])
     layer = jax.eval_shape(s.fns.weights.gather, one)
     x = jax.ShapeDtypeStruct((tokens, s.d), s.compute_dtype)
     ctx = jax.ShapeDtypeStruct((0, s.K, s.D), s.compute_dtype)
