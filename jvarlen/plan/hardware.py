@@ -95,8 +95,9 @@ def activation_bytes_per_token(model: ModelShape, bytes_per_element: int = 2) ->
     gate and up (2 F), activated product (F), in the compute dtype, plus fp32 softmax
     log-sum-exp per head. A layer under the default residual policy (``dots_and_attention``, the
     fused step's and the pipeline's) keeps less: llama-7b's compiled data-parallel step on abstract
-    H100s 118,531 B per token and layer against this 131,712 (plain autodiff, which keeps the
-    norms' and the MLP activation's fp32 intermediates too, 271,634; docs/design/residuals.md)."""
+    H100s 92,606 B per token and layer against this 131,712 (plain autodiff, which keeps the norms'
+    and the MLP activation's fp32 intermediates too, 243,096; docs/design/residuals.md). The
+    runtime charges a layer what its policy keeps (``m_stored_token``)."""
     d, f = model.d_model, model.mlp_dim
     elems = 2 * d + d + model.q_dim + 2 * model.kv_dim + model.q_dim + d + 3 * f
     return bytes_per_element * elems + 4 * model.num_heads
