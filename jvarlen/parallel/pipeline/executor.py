@@ -131,7 +131,7 @@ class StageProgram:
         stored one is rebuilt from its residual slots, so at most one layer's rebuilt residuals are
         held (docs/design/pipeline-recompute.md). Only a fused op has an ascending pass."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
-        if kind == FUSED and not fns.weights.group:
+        if kind == FUSED and not fns.weights.group and not s.Sc:
             return self.fused_op(r, k)
         is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
         active = is_b | is_fused
@@ -210,38 +210,30 @@ class StageProgram:
         )
 
     def fused_op(self, r, k):
-        """Lane 0's fused F and B of chunk k where the stage's weights are whole on every device: one
-        ``jax.vjp`` of the scan over the stage's layers, applied to the head's cotangent at once.
-        Its residuals never leave the op, so autodiff keeps them as the data-parallel step's scan
-        does, where the passes of :meth:`backward_op` keep each layer's ``vjp`` leaves (CPU, one
-        stage, 4 × 512 tokens: 0 % against the data-parallel step instead of +6-7 %;
-        docs/design/residuals.md). Sharded weights take :meth:`backward_op`'s passes, whose gathers
-        autodiff would keep as residuals."""
+        """Lane 0's fused F and B of chunk k in a signature without context, where the stage's
+        weights are whole on every device: one ``jax.vjp`` of the scan over the stage's layers,
+        applied to the head's cotangent at once. Its residuals never leave the op, so autodiff keeps
+        them as the data-parallel step's scan does, where the passes of :meth:`backward_op` keep
+        each layer's ``vjp`` leaves (CPU, one stage, 4 × 512 tokens: 0 % against the data-parallel
+        step instead of +6-7 %; docs/design/residuals.md). Sharded weights take the passes, whose
+        gathers autodiff would keep as residuals, and so do signatures with context, whose passes
+        read each layer's context rows in place where this would stack them over the layers."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
         f = fns.layer(c["inputs"], c["local_positions"])
         x = self.rest.embed(c, after=r["x"]) if s.pp == 1 else r["x"]
-        layers = jnp.arange(s.ls)
-        ctx = jax.vmap(lambda j: jnp.stack(slots.context_of(s, r, c, j)))(layers)  # [Ls, 2, Sc, K, D]
-        own = jax.vmap(lambda j: jnp.stack(slots.own_context_grads(s, r, c, j)))(layers)
+        ck, cv = slots.context_of(s, r, c, 0)  # no context: [0, K, D] each
 
-        def forward(weights, x, ctx):
-            def body(x, xs):
-                lp, (ck, cv) = xs
-                y, k_own, v_own = f(lp, x, ck, cv)
-                return y, jnp.stack([k_own, v_own])
+        def forward(weights, x):
+            return jax.lax.scan(lambda x, lp: (f(lp, x, ck, cv)[0], None), x, weights)[0]
 
-            return jax.lax.scan(body, x, (weights, ctx))
-
-        (y, _), vjp_fn = jax.vjp(forward, self.layers, x, ctx)
+        y, vjp_fn = jax.vjp(forward, self.layers, x)
         loss, d_head, dy = self.rest.head_vjp(c, y)
-        d_layers, dx, d_ctx = vjp_fn((dy, own.astype(s.compute_dtype)))
+        d_layers, dx = vjp_fn(dy)
         return dict(
             self.out,
             send_grad=dx,
             lookup_cotangent=self.rest.lookup_cotangent(dx, self.is_first),
             d_layers=d_layers,
-            dck=d_ctx[:, 0],
-            dcv=d_ctx[:, 1],
             d_head=d_head,
             loss=loss,
             count=jnp.asarray(s.ls, jnp.int32),
