@@ -214,8 +214,8 @@ class StageProgram:
         weights are whole on every device: one ``jax.vjp`` of the scan over the stage's layers,
         applied to the head's cotangent at once. Its residuals never leave the op, so autodiff keeps
         them as the data-parallel step's scan does, where the passes of :meth:`backward_op` keep
-        each layer's ``vjp`` leaves (CPU, one stage, 4 × 512 tokens: 0 % against the data-parallel
-        step instead of +6-7 %; docs/design/residuals.md). Sharded weights take the passes, whose
+        each layer's ``vjp`` leaves (CPU, one stage, 4 × 512 tokens: +0.1 / −7.2 % against the
+        data-parallel step instead of +6-7 %; docs/design/residuals.md). Sharded weights take the passes, whose
         gathers autodiff would keep as residuals, and so do signatures with context, whose passes
         read each layer's context rows in place where this would stack them over the layers."""
         s, fns, c = self.s, self.s.fns, self.chunk(k)
