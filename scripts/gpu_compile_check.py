@@ -235,16 +235,16 @@ def pipeline_cost_memory(
     planner's account of what the executor's compiled step holds for the plan, which it fits plans
     to (``jvarlen.plan.executor_memory``). With ``config``, a stored layer keeps what its
     ``parallel.residual_policy`` saves, as the runtime's cost model charges it."""
-    from jvarlen.parallel.pipeline.stage import stored_token_bytes
     from jvarlen.plan import schedule
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel
     from jvarlen.plan.executor_memory import executor_memory
     from jvarlen.plan.plan import Plan, replay_peaks
+    from jvarlen.runtime.strategies.pipeline import with_stored_bytes
 
     coeffs = _analytic(shape, target)
     if config is not None:
-        coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
+        coeffs = with_stored_bytes(coeffs, config)
     cost = CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
     if split:
         shapes = [ChunkShape(i * bucket, (bucket,), tail=i == chunks - 1) for i in range(chunks)]
@@ -286,15 +286,13 @@ def cost_model_memory(config, devices: int, target: str) -> dict:
     what ``parallel.residual_policy`` saves, as the runtime's cost model charges a stored layer) +
     working memory, and its memory budget; with the analytic profile of the target's GPU."""
     from jvarlen.layout import Layout
-    from jvarlen.parallel.pipeline.stage import stored_token_bytes
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostModel, ModelShape
+    from jvarlen.runtime.strategies.pipeline import with_stored_bytes
 
     shape = ModelShape.from_config(config.model)
     layout = Layout(dp=devices)
-    coeffs = _analytic(shape, target)
-    coeffs = coeffs.replace(m_stored_token=stored_token_bytes(config.model, config.parallel.residual_policy))
-    cost = CostModel(shape, layout, coeffs)
+    cost = CostModel(shape, layout, with_stored_bytes(_analytic(shape, target), config))
     rows = config.data.tokens_per_batch // config.data.seq_len // devices
     chunk = ChunkShape(0, (config.data.seq_len,) * rows)
     ckpt = shape.num_layers if config.model.remat else 0

@@ -69,13 +69,19 @@ def cost_model(config: Config, layout: Layout, say) -> CostModel:
     else:
         say(f"[jvarlen] planner cost model: {path}")
         coeffs = CostCoefficients.load(path) if stand_in else load_profile(path, config, say, "planner")
-    if not coeffs.m_stored_token:  # what a stored layer keeps under this run's residual policy
-        try:
-            stored = stored_token_bytes(config.model, config.parallel.residual_policy)
-        except ValueError as error:
-            raise ConfigError(f"parallel.residual_policy: {error}") from None
-        coeffs = coeffs.replace(m_stored_token=stored)
-    return CostModel(shape, layout, coeffs, stage_weights_sharded=sharded)
+    return CostModel(shape, layout, with_stored_bytes(coeffs, config), stage_weights_sharded=sharded)
+
+
+def with_stored_bytes(coeffs: CostCoefficients, config: Config) -> CostCoefficients:
+    """``coeffs`` whose ``m_stored_token`` is what a layer keeps under ``config``'s
+    ``parallel.residual_policy`` (``stage.stored_token_bytes``), where the profile has none."""
+    if coeffs.m_stored_token:
+        return coeffs
+    try:
+        stored = stored_token_bytes(config.model, config.parallel.residual_policy)
+    except ValueError as error:
+        raise ConfigError(f"parallel.residual_policy: {error}") from None
+    return coeffs.replace(m_stored_token=stored)
 
 
 class PipelineStrategy(ExecutionStrategy):
