@@ -352,7 +352,7 @@ def run_policies(spec: dict, devices, say) -> dict:
         from jvarlen.profile.clock import calls_per_round
         from jvarlen.profile.harness import ChunkHarness, reference_probe
 
-        probe = reference_probe(ChunkHarness(cfg))
+        probe = reference_probe(ChunkHarness(cfg, residual=spec.get("probe_residual_policy", "all")))
         # as many calls as the profile's reading is the minimum over (one per round where unknown)
         calls = calls_per_round(spec.get("probe_calls") or spec["repeats"], spec["repeats"])
         out[REFERENCE_KEY] = []
@@ -505,6 +505,8 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
         "tables": [t for t in args.tables.split(",") if t],
         # the probe only means something for the profile's own model and probe
         "reference_s": cost.coeffs.meta.reference_s if reference_matches(cost) else 0.0,
+        # the probe's layers keep what the profile's did (older profiles: plain autodiff)
+        "probe_residual_policy": cost.coeffs.meta.residual_policy or "all",
     }
     for seed in [int(x) for x in args.seeds.split(",")]:
         lengths = long_tailed_batch(seed, args.workload, args.batch_tokens, args.context, args.scale)

@@ -64,7 +64,7 @@ def main(argv=None):
     from jvarlen.config import ModelConfig, load_config
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostCoefficients, ModelShape
-    from jvarlen.profile.fit import refit_profile
+    from jvarlen.profile.fit import refit_profile, report_residual_policy
     from jvarlen.profile.harness import ChunkHarness
     from jvarlen.profile.measure import ProfileGrid, measure_memory, program_memory
     from jvarlen.profile.memory import layer_residual_bytes, memory_check
@@ -77,7 +77,12 @@ def main(argv=None):
         report_path = args.profile.replace(".json", ".report.json")
         with open(report_path) as f:
             report = json.load(f)
-        grid_harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
+        grid_harness = ChunkHarness(
+            model_cfg,
+            token_buckets=grid.token_buckets,
+            context_buckets=grid.context_buckets,
+            residual=report_residual_policy(report),
+        )
         report["memory"] = measure_memory(grid_harness, grid.token_buckets)
         with open(report_path, "w") as f:
             json.dump(report, f, indent=1)
@@ -87,7 +92,13 @@ def main(argv=None):
         coeffs = CostCoefficients.load(args.profile)
     if coeffs.meta.model_key != shape.key():
         raise SystemExit(f"profile {args.profile} is for {coeffs.meta.model_key}, model is {shape.key()}")
-    harness = ChunkHarness(model_cfg, token_buckets=(256, 768, 1536), context_buckets=(0, 1024, 2048))
+    # the profile's layers: what its memory coefficients were measured on (older profiles: plain autodiff)
+    harness = ChunkHarness(
+        model_cfg,
+        token_buckets=(256, 768, 1536),
+        context_buckets=(0, 1024, 2048),
+        residual=coeffs.meta.residual_policy or "all",
+    )
 
     # Per-layer slopes: XLA (two differences averaged) vs autodiff residuals vs the profile.
     slopes = []

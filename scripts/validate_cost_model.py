@@ -108,10 +108,11 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
 
     grid = ProfileGrid()
     buckets = dict(token_buckets=grid.token_buckets, context_buckets=grid.context_buckets)
-    harness = ChunkHarness(model_cfg, sp=args.sp, **buckets)
+    harness = ChunkHarness(model_cfg, sp=args.sp, residual=args.residual_policy, **buckets)
     probe = None
     if not args.no_reference and jax.default_backend() == "cpu":
-        probe = reference_probe(harness if args.sp == 1 else ChunkHarness(model_cfg, sp=1, **buckets))
+        sp1 = harness if args.sp == 1 else ChunkHarness(model_cfg, sp=1, residual=args.residual_policy, **buckets)
+        probe = reference_probe(sp1)
     capacities = [c for c in (512, 768, 1024, 1536, 2048) if c <= max(grid.token_buckets)]
     pool = np.asarray(stdlib_lengths())
     rng = np.random.default_rng(args.seed)
@@ -151,6 +152,18 @@ def measure_plans(args, model_cfg, shape) -> list[dict]:
             flush=True,
         )
     return rows
+
+
+def check_measurements(saved: dict, path: str, model: str, backend: str, residual: str) -> None:
+    """Measurements of another model, backend or residual policy than the profile's are refused
+    (they would be scored against the wrong profile). Files from before the policy was recorded
+    timed plain-autodiff layers."""
+    theirs = (saved.get("model", model), saved.get("backend", backend), saved.get("residual_policy", "all"))
+    if theirs != (model, backend, residual):
+        sys.exit(
+            f"validate_cost_model: {path} holds measurements of {theirs[0]} on {theirs[1]} with residual_policy "
+            f"{theirs[2]!r}, not of this {model} on {backend} with {residual!r}"
+        )
 
 
 def error_summary(rows: list[dict], key: str = "rel_err") -> dict:
@@ -205,7 +218,10 @@ def profiled_shapes(profile: str) -> dict[int, set[str]]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="profile JSON (default: measure one now)")
-    ap.add_argument("--config", help="run YAML whose model is used (default: ModelConfig())")
+    ap.add_argument(
+        "--config",
+        help="run YAML whose model (and, without --profile, residual policy) is used (default: Config())",
+    )
     ap.add_argument("--plans", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
@@ -248,7 +264,7 @@ def main(argv=None):
 
     import jax
 
-    from jvarlen.config import ModelConfig, load_config
+    from jvarlen.config import Config, load_config
     from jvarlen.layout import Layout
     from jvarlen.plan.chunk import ChunkShape
     from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
@@ -258,29 +274,31 @@ def main(argv=None):
     from jvarlen.runtime.compile_cache import enable_persistent_cache as enable_compilation_cache
 
     enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla"))
-    model_cfg = load_config(args.config).model if args.config else ModelConfig()
+    run_cfg = load_config(args.config) if args.config else Config()
+    model_cfg = run_cfg.model
     shape = ModelShape.from_config(model_cfg)
+    # the plans' layers keep what the profile's layers kept (profiles before the field: plain autodiff)
+    if args.profile:
+        args.residual_policy = CostCoefficients.load(args.profile).meta.residual_policy or "all"
+    else:
+        args.residual_policy = run_cfg.parallel.residual_policy
     if args.measurements and os.path.exists(args.measurements):
         with open(args.measurements) as f:
             saved = json.load(f)
-        theirs = (saved.get("model", shape.key()), saved.get("backend", jax.default_backend()))
-        if theirs != (shape.key(), jax.default_backend()):
-            sys.exit(
-                f"validate_cost_model: {args.measurements} holds measurements of {theirs[0]} on {theirs[1]}, "
-                f"not of this {shape.key()} on {jax.default_backend()}"
-            )
+        check_measurements(saved, args.measurements, shape.key(), jax.default_backend(), args.residual_policy)
         rows = saved["plans"]
     else:
         rows = measure_plans(args, model_cfg, shape)
         if args.measurements:
             os.makedirs(os.path.dirname(os.path.abspath(args.measurements)), exist_ok=True)
             with open(args.measurements, "w") as f:
-                json.dump(
-                    {"backend": jax.default_backend(), "model": shape.key(), "sp": args.sp, "plans": rows}, f, indent=1
-                )
+                saved = {"backend": jax.default_backend(), "model": shape.key(), "sp": args.sp}
+                json.dump(dict(saved, residual_policy=args.residual_policy, plans=rows), f, indent=1)
     for path in args.also_measurements:
         with open(path) as f:
-            rows = rows + [dict(r, source=path) for r in json.load(f)["plans"]]
+            saved = json.load(f)
+        check_measurements(saved, path, shape.key(), jax.default_backend(), args.residual_policy)
+        rows = rows + [dict(r, source=path) for r in saved["plans"]]
     if args.measure_only:
         return None
     if args.profile is None:
@@ -338,6 +356,7 @@ def main(argv=None):
     normalized = [r for r in rows if "speed_vs_profile" in r]
     summary = {
         "profile": args.profile,
+        "residual_policy": args.residual_policy,
         "reference": (
             f"{len(normalized)} of {len(rows)} plans converted to the profile's clock by the reference probe "
             f"(profile reading {ref_profile * 1e3:.1f} ms; probe {probe_name}; "

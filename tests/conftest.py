@@ -154,6 +154,14 @@ def small_cost(pp: int = 4, sp: int = 2, budget: float | None = None, model: Mod
     return CostModel(model, layout, coeffs)
 
 
+# The CPU profile shipped from 2026-11-26 to 2026-11-30 (plain-autodiff layers), frozen for tests
+# whose scenario rests on its numbers (which constraint binds, which partition is fastest): they
+# test the planner's logic and must not change meaning when the shipped profile is measured again.
+FROZEN_CPU_PROFILE = os.path.join(
+    os.path.dirname(__file__), "fixtures", "profiles", "cpu_plain_autodiff_2026-11-26.json"
+)
+
+
 def tight_budget(cost: CostModel, tokens: int) -> float:
     """A budget that holds the model states plus ``tokens`` non-tail tokens with no recomputation
     (and the layer gradients the executor's backward returns, ``layer_gradient_memory``)."""

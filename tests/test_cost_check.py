@@ -68,7 +68,7 @@ def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
     assert check.refit.refits == 2
 
 
-def test_a_profile_of_another_model_says_so_and_an_unreadable_one_names_its_file(tmp_path):
+def test_a_profile_of_another_model_or_policy_says_so_and_an_unreadable_one_names_its_file(tmp_path):
     import dataclasses
 
     import pytest
@@ -80,6 +80,9 @@ def test_a_profile_of_another_model_says_so_and_an_unreadable_one_names_its_file
     config = parse_config([f"--train.cost_profile={shipped}"])
     assert StepTimeCheck.from_config(config, said.append) is not None
     assert not any("approximate" in line for line in said)  # the shipped CPU profile is this model's
+    keep_all = parse_config([f"--train.cost_profile={shipped}", "--parallel.residual_policy=all"])
+    assert StepTimeCheck.from_config(keep_all, said.append) is not None  # its layers keep every residual
+    assert "timed layers keeping residual_policy 'dots_and_attention', this run's keep 'all'" in said[-2]
     other = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=64))
     assert StepTimeCheck.from_config(other, said.append) is not None
     assert (

@@ -51,7 +51,7 @@ def test_old_profiles_without_memory_fields_still_load(tmp_path):
 
 
 def test_fit_memory_recovers_known_coefficients():
-    from jvarlen.plan.cost_fit import fit_memory
+    from jvarlen.profile.measure import fit_memory
 
     rows = []
     for t in (512, 1024, 2048):
@@ -63,6 +63,16 @@ def test_fit_memory_recovers_known_coefficients():
     assert fit["m_work_token"] == pytest.approx(15000)
     assert fit["m_ckpt_token"] == pytest.approx(512)
     assert fit["m_work_remat_token"] == pytest.approx(20000)
+    assert "m_context_token" not in fit  # no rows with context: the profile keeps its default
+    # a chunk of 512 tokens after 2,048 context tokens: each layer keeps 384 B per context token more
+    context_rows = [
+        dict(tokens=512, context=2048, layers=n, remat=0, temp=n * (13000 * 512 + 384 * 2048) + 15000 * 512 + 9999)
+        for n in (2, 3, 4)
+    ]
+    assert fit_memory(rows + context_rows)["m_context_token"] == pytest.approx(384)
+    assert fit_memory(rows + context_rows)["m_token"] == pytest.approx(13000)  # fitted on context 0 alone
+    less = [dict(r, temp=r["temp"] - r["layers"] * 900 * 2048) for r in context_rows]  # keeps less than without
+    assert fit_memory(rows + less)["m_context_token"] == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,11 @@ def shipped():
         pytest.fail(
             "the shipped CPU profile has no measured working memory; run scripts/validate_cost_memory.py --refit_profile"
         )
-    return ChunkHarness(cfg, token_buckets=(768,), context_buckets=(0, 1024)), coeffs
+    # the profile's layers (what they keep for the backward: its residual policy)
+    harness = ChunkHarness(
+        cfg, token_buckets=(768,), context_buckets=(0, 1024), residual=coeffs.meta.residual_policy or "all"
+    )
+    return harness, coeffs
 
 
 def test_memory_of_a_held_out_split_chunk_matches_xla(shipped):

@@ -3,18 +3,16 @@ and Hydraulis' ``pp = 1`` MaxLen: a document is admitted on a scheme only where 
 recomputation lets it fit both the planner's count of its tokens (``GroupCosts.caps``) and the
 executor's account of the bucket it is padded to (``GroupCosts.executor_caps``).
 
-On the shipped CPU profile with a tight budget the bucket is what binds: sp = 4 holds 10,866
+On the CPU profile shipped until 2026-11-30 (``conftest.FROZEN_CPU_PROFILE``) with a tight budget the bucket is what binds: sp = 4 holds 10,866
 unpadded tokens by the planner's count, but 10,866 tokens pad to a 12,288-token bucket and the
 executor holds at most a 9,874-token one, so the longest document whose plan fits is 8,192 tokens.
 Before the fix every policy accepted 8,193-10,866 tokens and returned a plan that did not fit."""
 
 from __future__ import annotations
 
-import glob
-
 import numpy as np
 import pytest
-from conftest import group_budget
+from conftest import FROZEN_CPU_PROFILE, group_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -31,15 +29,14 @@ from jvarlen.plan.hydraulis_costs import build_table
 from jvarlen.plan.sp_assemble import fits_memory
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan, plan_strategy
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 
 @pytest.fixture(scope="module")
 def costs() -> SchemeCosts:
-    """The shipped CPU profile on 8 devices, a budget holding 1,024 tokens per device without
+    """The frozen CPU profile on 8 devices, a budget holding 1,024 tokens per device without
     recomputation."""
     shape = ModelShape.from_config(Config().model)
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(FROZEN_CPU_PROFILE)
     budget = group_budget(CostModel(shape, Layout(1, 1, 1), coeffs), 1024)
     return SchemeCosts(CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget)), 8)
 
@@ -175,7 +172,7 @@ def test_states_over_the_budget_name_the_sharded_stage_weights():
     the refusal says what the states need and that sharding the stage weights over the group's
     devices (parallel.stage_weights=sharded) fits them, and with it the same batch plans."""
     shape = ModelShape.from_config(Config().model)
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(FROZEN_CPU_PROFILE)
 
     def costs(budget, sharded=False):
         cost = CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget), stage_weights_sharded=sharded)

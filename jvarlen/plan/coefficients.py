@@ -168,6 +168,9 @@ class ProfileMeta:
     # probe calls each chunk's reading is the minimum over (the calibration's rounds); a reading
     # beside a measurement must be the same statistic (jvarlen.profile.clock); 0 = not recorded
     reference_calls: int = 0
+    # measured profiles: what the profiled layers kept for their backward (a
+    # ``parallel.residual_policy`` name); "" = not recorded (profiles before it: plain autodiff, "all")
+    residual_policy: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +196,13 @@ class CostCoefficients:
       (what ``jax.checkpoint`` saves: matmul outputs and the attention's output and logsumexp under
       ``dots_and_attention``), used for a stored layer by Eq. 10 and the executor's account
       (:func:`jvarlen.plan.executor_memory.executor_memory`); 0 where not measured (``m_token`` is
-      used then: the profiler measures it on plain-autodiff layers, which keep every residual, so
-      it is above what a layer keeps under a residual policy).
+      used then: a measured profile's is XLA's figure for layers under the residual policy it was
+      profiled with, ``meta.residual_policy``; the analytic one counts every residual).
     * ``m_context_token``: bytes per *context* token per un-checkpointed layer that the attention
-      backward keeps on top of ``m_token`` (the kernel reads ``[cached K/V; own K/V]`` as one
-      concatenated array and autodiff saves it: ``2·e·kv_dim`` here; 0 for a kernel that reads the
-      cache in place). Divided by ``sp``.
+      backward keeps on top of ``m_token``: with every residual kept, the ``[cached K/V; own K/V]``
+      concatenation the kernel reads (``2·e·kv_dim``, the default); under a policy that saves
+      matmul and attention outputs nothing (it is rebuilt from the cache). Measured by the
+      profiler's memory grid (:func:`jvarlen.profile.measure.fit_memory`). Divided by ``sp``.
     * ``m_work_token`` / ``m_work_remat_token``: working memory per token of the backward in
       flight (cotangents and temporaries of one layer; with recomputation also the rebuilt
       residuals of one layer), measured from XLA's temp sizes; ``m_work_context_token`` per context

@@ -7,8 +7,8 @@
 * :class:`OnlineRefit`: logs predicted vs measured step time and refits per-term scale factors
   of the coefficients from measured steps (Gauss-Newton on the simulator's makespan).
 * Profiler reports (``jvarlen.profile``): :func:`fit_layer_programs` (dual-layer
-  program times), :func:`fit_time_terms` (all time coefficients of one Ulysses degree),
-  :func:`fit_memory` (XLA temp sizes).
+  program times), :func:`fit_time_terms` (all time coefficients of one Ulysses degree); the
+  memory grid's fit is :func:`jvarlen.profile.measure.fit_memory`.
 
 Pure numpy/scipy.
 """
@@ -326,27 +326,6 @@ class OnlineRefit:
 
 
 # --------------------------------------------------------------------------- profiler reports
-
-
-def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
-    """Per-token memory coefficients from :func:`measure_memory` rows (least squares).
-
-    Without recomputation ``temp = n·m_token·T + m_work_token·T + c``; with all ``n`` layers
-    recomputed ``temp = n·m_ckpt_token·T + m_work_remat_token·T + c'``. ``m_token`` is Eq. 5's
-    stored activations per layer and token; ``m_ckpt_token`` is Eq. 9's checkpoint (the layer
-    input, ``e·D`` for a tail chunk; returned for checking, the model uses ``e·D``); the
-    ``m_work*`` slopes are the working memory of the backward in flight.
-    """
-    out = {}
-    for remat, (slope, work) in ((False, ("m_token", "m_work_token")), (True, ("m_ckpt_token", "m_work_remat_token"))):
-        sel = [r for r in rows if r["context"] == 0 and (r["remat"] > 0) == remat]
-        if not sel:
-            continue
-        x = np.array([[r["layers"] * r["tokens"], r["tokens"], 1.0] for r in sel], float)
-        y = np.array([r["temp"] for r in sel], float)
-        theta, *_ = np.linalg.lstsq(x, y, rcond=None)
-        out[slope], out[work] = float(theta[0]), float(theta[1])
-    return out
 
 
 def fit_layer_programs(

@@ -14,9 +14,9 @@ import jax
 from jvarlen.config import ModelConfig
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, LayerTime, ModelShape, ProfileMeta
-from jvarlen.plan.cost_fit import fit_memory, fit_time_terms
+from jvarlen.plan.cost_fit import fit_time_terms
 from jvarlen.profile.harness import REFERENCE_CHUNKS, REFERENCE_PROBE, ChunkHarness
-from jvarlen.profile.measure import SP_GRID, ProfileGrid, measure_calibration, measure_profile
+from jvarlen.profile.measure import SP_GRID, ProfileGrid, fit_memory, measure_calibration, measure_profile
 
 
 def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> CostCoefficients:
@@ -51,6 +51,7 @@ def fit_profile(report: dict, shape: ModelShape, base: CostCoefficients) -> Cost
     return c0.replace(
         **terms,
         m_token=mem.get("m_token") or report.get("m_token") or c0.m_token,
+        m_context_token=mem.get("m_context_token", c0.m_context_token),
         m_work_token=mem.get("m_work_token", c0.m_work_token),
         m_work_remat_token=mem.get("m_work_remat_token", c0.m_work_remat_token),
         per_sp=per_sp,
@@ -86,7 +87,14 @@ def profile_meta(shape: ModelShape, report: dict) -> ProfileMeta:
         reference_s=reference,
         reference_probe=REFERENCE_PROBE if reference else "",
         reference_calls=int(report.get("calibration_rounds", 0)) if reference else 0,
+        residual_policy=report_residual_policy(report),
     )
+
+
+def report_residual_policy(report: dict) -> str:
+    """What the report's layers kept for their backward; reports from before it was recorded
+    profiled plain-autodiff layers (``"all"``)."""
+    return report.get("residual_policy", "all")
 
 
 def reference_reading(report: dict) -> float:
@@ -128,9 +136,10 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
         fwd=LayerTime(),
         m_token=activation_bytes_per_token(shape, e),
         m_head_token=(4.0 + e) * shape.vocab_size,  # a tile's fp32 logits + their gradient, per row
-        # The layer concatenates cached and own K/V before attention and autodiff keeps the
-        # concatenation: 2 · e · kv_dim bytes per context token per stored layer; while a layer's
-        # backward runs, the concatenation's cotangent and the context gradient cut from it.
+        # The layer concatenates cached and own K/V before attention and plain autodiff keeps the
+        # concatenation: 2 · e · kv_dim bytes per context token per stored layer (the memory grid
+        # measures it under the run's policy); while a layer's backward runs, the concatenation's
+        # cotangent and the context gradient cut from it.
         m_context_token=2.0 * e * shape.kv_dim,
         m_work_context_token=2.0 * 2.0 * e * shape.kv_dim,
         bytes_per_element=e,
@@ -155,11 +164,12 @@ def run_profiler(cfg) -> str:
 
     from tqdm import tqdm
 
-    from jvarlen.config import ModelConfig, load_config
+    from jvarlen.config import Config, load_config
     from jvarlen.plan.cost import profile_filename
 
     enable_compilation_cache(cfg.compilation_cache)
-    model_cfg = load_config(cfg.config).model if cfg.config else ModelConfig()
+    run_cfg = load_config(cfg.config) if cfg.config else Config()
+    model_cfg, residual = run_cfg.model, run_cfg.parallel.residual_policy
     shape = ModelShape.from_config(model_cfg)
     dev = jax.devices()[0]
     path = os.path.join(cfg.out_dir, profile_filename(shape, jax.default_backend(), dev.device_kind))
@@ -179,7 +189,9 @@ def run_profiler(cfg) -> str:
         return path
 
     def measure(sp: int, grid: ProfileGrid) -> dict:
-        harness = ChunkHarness(model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=sp)
+        harness = ChunkHarness(
+            model_cfg, token_buckets=grid.token_buckets, context_buckets=grid.context_buckets, sp=sp, residual=residual
+        )
         n_pairs = len(grid.token_buckets) * len(grid.context_buckets)
         with tqdm(total=n_pairs, desc=f"profiling sp={sp} (token, context) buckets", unit="bucket") as bar:
 
@@ -192,11 +204,15 @@ def run_profiler(cfg) -> str:
     if cfg.extend_report:
         with open(cfg.extend_report) as f:
             report = json.load(f)
-        check_report(report, shape, cfg.extend_report)
+        check_report(report, shape, cfg.extend_report, residual)
         if cfg.recalibrate:
             for sp, sub in [(1, report)] + [(int(k), v) for k, v in sorted(report.get("sp_reports", {}).items())]:
                 harness = ChunkHarness(
-                    model_cfg, token_buckets=sub["token_buckets"], context_buckets=sub["context_buckets"], sp=sp
+                    model_cfg,
+                    token_buckets=sub["token_buckets"],
+                    context_buckets=sub["context_buckets"],
+                    sp=sp,
+                    residual=residual,
                 )
                 rounds = cfg.calibration_rounds
                 with tqdm(total=rounds, desc=f"calibrating sp={sp}", unit="round") as bar:
@@ -212,9 +228,11 @@ def run_profiler(cfg) -> str:
                 sp, dataclasses.replace(SP_GRID, repeats=cfg.repeats, calibration_rounds=cfg.calibration_rounds)
             )
     report.update(model_key=shape.key(), backend=jax.default_backend())
-    _fit_and_save(report, model_cfg, path)
+    # the measurements first: a fit that fails loses nothing (``--refit_from`` fits them again)
+    os.makedirs(cfg.out_dir, exist_ok=True)
     with open(path.replace(".json", ".report.json"), "w") as f:
         json.dump(report, f, indent=1)
+    _fit_and_save(report, model_cfg, path)
     return path
 
 
@@ -230,15 +248,22 @@ def refit_profile(
     return _fit_and_save(report, model_cfg, out_path, base)
 
 
-def check_report(report: dict, shape: ModelShape, where: str) -> None:
-    """A saved report measured another model shape or backend: refused (its numbers would be saved
-    as this model's). Reports from before the keys were recorded are taken as they are."""
+def check_report(report: dict, shape: ModelShape, where: str, residual: Optional[str] = None) -> None:
+    """A saved report measured another model shape or backend, or (``residual`` given) layers under
+    another residual policy: refused (its numbers would be saved as this model's, or mixed with
+    timings of other layers). Reports from before the model keys were recorded are taken as they
+    are."""
     import jax
 
     mine = (shape.key(), jax.default_backend())
     theirs = (report.get("model_key", mine[0]), report.get("backend", mine[1]))
     if theirs != mine:
         raise ValueError(f"{where} was measured for {theirs[0]} on {theirs[1]}, not this {mine[0]} on {mine[1]}")
+    if residual is not None and report_residual_policy(report) != residual:
+        raise ValueError(
+            f"{where} profiled layers under residual_policy {report_residual_policy(report)!r}, this run's "
+            f"parallel.residual_policy is {residual!r}: profile again (--force true) or run with the report's policy"
+        )
 
 
 def _fit_and_save(

@@ -30,6 +30,11 @@ grid :data:`SP_GRID`. The fit gives per-degree coefficients (``per_sp``, ``recom
 devices are threads of one process; process CPU time counts all of them, so the per-device
 time is process CPU time / sp (:func:`per_device_divisor`): the step time each device would
 take with a core of its own and nothing to wait for.
+
+Layers that are not recomputed keep what the run's ``parallel.residual_policy`` saves
+(``ChunkHarness(residual=...)``, default the config's default), as the training step's and the
+pipeline executor's layers do: a profile times and measures the layers the runtime runs, and
+records the policy (``ProfileMeta.residual_policy``).
 """
 
 from __future__ import annotations
@@ -42,10 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jvarlen.config import ModelConfig, OptimizerConfig
+from jvarlen.config import ModelConfig, OptimizerConfig, ParallelConfig
 from jvarlen.layout import Layout
 from jvarlen.model import AttentionInputs, build_model, make_attention_fn
-from jvarlen.model.transformer import apply_stacked_layers
+from jvarlen.model.transformer import apply_stacked_layers, residual_policy
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import ModelShape
 from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS  # noqa: F401 (re-exported)
@@ -149,9 +154,13 @@ class ChunkHarness:
         token_buckets: Sequence[int] = TOKEN_BUCKETS,
         context_buckets: Sequence[int] = CONTEXT_BUCKETS,
         sp: int = 1,
+        residual: Optional[str] = ParallelConfig.residual_policy,
     ):
         self.cfg = cfg
         self.sp = sp
+        # what a layer that is not recomputed keeps ("all": every residual of plain autodiff)
+        self.residual_policy = residual or "all"
+        residual_policy(self.residual_policy)  # an unknown name fails here, before anything is compiled
         self.mesh = None
         if sp > 1:  # Ulysses over the first sp devices; tokens split over sp, parameters replicated
             from jvarlen.parallel.layouts import layout_mesh
@@ -242,7 +251,9 @@ class ChunkHarness:
         for lo, hi, remat in parts:
             if hi > lo:
                 part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
-                x = apply_stacked_layers(gdef, part, x, inputs, attn, compute_dtype=self.dtype, remat=remat)
+                x = apply_stacked_layers(
+                    gdef, part, x, inputs, attn, compute_dtype=self.dtype, remat=remat, residual=self.residual_policy
+                )
         return x
 
     # ---- layer-slice programs (profiling)

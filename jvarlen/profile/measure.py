@@ -13,7 +13,6 @@ import numpy as np
 
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
-from jvarlen.plan.cost_fit import fit_memory
 from jvarlen.profile.harness import (
     ChunkHarness,
     chunk_step_timer,
@@ -152,23 +151,67 @@ def memory_layer_counts(num_layers: int) -> tuple[int, ...]:
     return tuple(n for n in (2, 3, 4) if n <= num_layers) if num_layers >= 2 else (1,)
 
 
+def fit_memory(rows: Sequence[dict]) -> dict[str, float]:
+    """Per-token memory coefficients from :func:`measure_memory` rows (least squares).
+
+    Without recomputation ``temp = n·m_token·T + m_work_token·T + c``; with all ``n`` layers
+    recomputed ``temp = n·m_ckpt_token·T + m_work_remat_token·T + c'``. ``m_token`` is Eq. 5's
+    stored activations per layer and token; ``m_ckpt_token`` is Eq. 9's checkpoint (the layer
+    input, ``e·D`` for a tail chunk; returned for checking, the model uses ``e·D``); the
+    ``m_work*`` slopes are the working memory of the backward in flight.
+
+    Rows of a chunk after ``C`` context tokens (no recomputation) give ``m_context_token``: what a
+    stored layer keeps per context token, the difference of the per-layer slopes (over the layer
+    counts) of that chunk and of the same token count without context, divided by ``C`` (clipped
+    at 0). With every residual kept it is the concatenated ``[cached; own]`` K/V that attention
+    reads; a policy that saves matmul and attention outputs rebuilds it from the cache.
+    """
+    out = {}
+    for remat, (slope, work) in ((False, ("m_token", "m_work_token")), (True, ("m_ckpt_token", "m_work_remat_token"))):
+        sel = [r for r in rows if r["context"] == 0 and (r["remat"] > 0) == remat]
+        if not sel:
+            continue
+        x = np.array([[r["layers"] * r["tokens"], r["tokens"], 1.0] for r in sel], float)
+        y = np.array([r["temp"] for r in sel], float)
+        theta, *_ = np.linalg.lstsq(x, y, rcond=None)
+        out[slope], out[work] = float(theta[0]), float(theta[1])
+
+    def per_layer(tokens: int, context: int) -> Optional[float]:
+        sel = [r for r in rows if (r["tokens"], r["context"], r["remat"]) == (tokens, context, 0)]
+        if len({r["layers"] for r in sel}) < 2:
+            return None
+        return float(np.polyfit([r["layers"] for r in sel], [r["temp"] for r in sel], 1)[0])
+
+    extra = []
+    for tokens, context in sorted({(r["tokens"], r["context"]) for r in rows if r["context"] > 0}):
+        with_context, without = per_layer(tokens, context), per_layer(tokens, 0)
+        if with_context is not None and without is not None:
+            extra.append(max(0.0, (with_context - without) / context))
+    if extra:
+        out["m_context_token"] = float(np.mean(extra))
+    return out
+
+
 def measure_memory(harness: ChunkHarness, tokens: Sequence[int], progress: Optional[Callable] = None) -> list[dict]:
     """``memory_analysis()`` of the forward+backward layer programs (compiled, not run) over
     (tokens ∈ ``tokens``, context 0, layer counts :func:`memory_layer_counts`, recomputation of
-    none or all layers). Rows: ``{tokens, context, layers, remat, temp, argument, output, alias}``;
-    empty when the backend reports nothing."""
+    none or all layers), and of the smallest token count after the harness's smallest context
+    bucket without recomputation (what a stored layer keeps per context token:
+    :func:`fit_memory`'s ``m_context_token``). Rows: ``{tokens, context,
+    layers, remat, temp, argument, output, alias}``; empty when the backend reports nothing."""
     rows = []
-    for t in tokens:
-        chunk = ChunkShape(0, (t,))
+    contexts = [c for c in harness.context_buckets if c > 0][:1]
+    cases = [ChunkShape(0, (t,)) for t in tokens] + [ChunkShape(c, (min(tokens),), tail=False) for c in contexts]
+    for chunk in cases:
         batch = harness.layer_inputs(chunk)
         for n in memory_layer_counts(harness.cfg.num_layers):
-            for remat in (0, n):
+            for remat in (0, n) if chunk.context == 0 else (0,):
                 stats = program_memory(harness.layers_program(n, "fwdbwd", remat), harness.params, batch)
                 if stats is None:
                     return []
-                rows.append(dict(tokens=t, context=0, layers=n, remat=remat, **stats))
+                rows.append(dict(tokens=chunk.tokens, context=chunk.context, layers=n, remat=remat, **stats))
         if progress:
-            progress(t)
+            progress(chunk.tokens)
     return rows
 
 
@@ -260,6 +303,7 @@ def measure_profile(
         "token_buckets": list(harness.token_buckets),
         "context_buckets": list(harness.context_buckets),
         "sp": harness.sp,
+        "residual_policy": harness.residual_policy,
         "clock_divisor": per_device_divisor(harness.sp),
         "clock": clock_name(),
     }

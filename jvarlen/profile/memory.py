@@ -62,26 +62,31 @@ def measure_memory_case(harness, case: MemoryCase) -> Optional[dict]:
 
 def layer_residual_bytes(harness, chunk: ChunkShape) -> int:
     """Bytes autodiff saves for the backward of one decoder layer on ``chunk`` (``jax.vjp``'s
-    residual leaves minus the layer's parameters, by ``jax.eval_shape``: nothing is compiled).
-    Independent of XLA's buffer assignment: what Eq. 5's ``M_token`` should count."""
+    residual leaves minus what its caller holds anyway: the layer's parameters, the chunk's context
+    K/V and its segment metadata; by ``jax.eval_shape``, nothing is compiled) under the harness's
+    residual policy. Independent of XLA's buffer assignment: what Eq. 5's ``M_token`` should count."""
     from flax import nnx
 
     from jvarlen.model import AttentionInputs
+    from jvarlen.model.transformer import residual_policy
 
     batch = harness.layer_inputs(chunk)
     model = nnx.merge(harness.graphdef, harness.params)
     gdef, stacked = nnx.split(model.layers)
     state0 = jax.tree.map(lambda a: a[0], stacked)
-    inputs = AttentionInputs(batch["seg"], batch["pos"], batch["kv_seg"], batch["kv_pos"])
-    attn = harness._attention_fn(batch["ctx_k"], batch["ctx_v"])
 
-    def residuals(state, x):
+    def residuals(state, x, ck, cv, metadata):
+        inputs = AttentionInputs(*metadata)
+        attn = harness._attention_fn(ck, cv)
         layer_fn = lambda s, y: nnx.merge(gdef, s)(y, inputs, attn, harness.dtype)  # noqa: E731
+        if harness.residual_policy != "all":
+            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=residual_policy(harness.residual_policy))
         _, vjp = jax.vjp(layer_fn, state, x)
-        params = {id(p) for p in jax.tree.leaves(state)}
-        return [r for r in jax.tree.leaves(vjp) if id(r) not in params]
+        held = {id(p) for p in jax.tree.leaves((state, ck, cv, metadata))}
+        return [r for r in jax.tree.leaves(vjp) if id(r) not in held]
 
-    shapes = jax.eval_shape(residuals, state0, batch["x"])
+    metadata = tuple(batch[k] for k in ("seg", "pos", "kv_seg", "kv_pos"))
+    shapes = jax.eval_shape(residuals, state0, batch["x"], batch["ctx_k"], batch["ctx_v"], metadata)
     return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in shapes))
 
 

@@ -52,7 +52,8 @@ def find_profile(config: Config) -> Optional[str]:
 def load_profile(path: str, config: Config, say: Callable[[str], None], what: str = "cost model") -> CostCoefficients:
     """The coefficients of the profile at ``path``: a file that cannot be read as one is a
     :class:`ConfigError` naming it; a profile measured for another model shape or backend is used
-    (its plans are valid) with a line saying that its predicted times are approximate."""
+    (its plans are valid) with a line saying that its predicted times are approximate, and so is
+    one whose layers kept other residuals than this run's (``parallel.residual_policy``)."""
     try:
         coeffs = CostCoefficients.load(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
@@ -63,6 +64,12 @@ def load_profile(path: str, config: Config, say: Callable[[str], None], what: st
         say(
             f"[jvarlen] {what}: {path} was made for {meta.model_key} on {meta.backend}, this run is {run[0]} on "
             f"{run[1]}: its predicted times are approximate"
+        )
+    profiled, running = meta.residual_policy or "all", config.parallel.residual_policy or "all"
+    if not meta.analytic and profiled != running:
+        say(
+            f"[jvarlen] {what}: {path} timed layers keeping residual_policy {profiled!r}, this run's keep "
+            f"{running!r}: its predicted times are approximate"
         )
     return coeffs
 
