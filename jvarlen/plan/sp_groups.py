@@ -295,11 +295,15 @@ class GroupCosts(MethodCaches):
                 out.add(b)
         return sorted(x for x in out if x >= longest)
 
-    def packing_caps(self, scheme: Scheme, longest: int) -> list[int]:
-        """Bin sizes (tokens) worth packing a padded group into whose longest document holds
-        ``longest`` tokens: every executor bucket from that document's up to :meth:`cap_full`, then
-        ``cap_full`` itself (the most any micro-batch may hold), smallest first."""
-        return bucket_bins(longest, self.cap_full(scheme), scheme.sp)
+    def packing_caps(self, scheme: Scheme, shortest: int) -> list[int]:
+        """Bin sizes (tokens) worth packing a padded group into whose shortest document holds
+        ``shortest`` tokens: every executor bucket from that document's up to :meth:`cap_full`, then
+        ``cap_full`` itself (the most any micro-batch may hold), smallest first. A document longer
+        than a bin runs alone (:func:`packed_group`), so a small bin packs the short documents into
+        small buckets while the long ones run alone: where a small bucket costs less per token
+        (the CPU profile under the residual policy: 512 tokens 23 % less than 1,024) that is the
+        fastest cut, which bins from the longest document's bucket up never tried."""
+        return bucket_bins(shortest, self.cap_full(scheme), scheme.sp)
 
     # ---- FlexSP / homogeneous micro-batching
     def flex_group(
@@ -359,7 +363,7 @@ class GroupCosts(MethodCaches):
                 cut = chunk_group(local, cap, min_batches)
                 if admissible(cut):
                     cuts.append(cut)
-            for cap in self.packing_caps(scheme, max(local)):
+            for cap in self.packing_caps(scheme, min(local)):
                 cut = packed_group(local, cap)
                 if admissible(cut):
                     cuts.append(cut)
