@@ -308,10 +308,12 @@ class _Search:
                 break
             if best is None or found.time < best.time:
                 best = found
-        if best is None and options.n_slices is None:
+        if best is None and not tried and options.n_slices is None and math.isinf(self.ceiling):
             # Near the memory bound whether an N fits is not monotone in N (its grouping's buckets:
             # CPU profile, pp = 2, 7,614 tokens: 12 fits, 9, 10, 14, 16 do not), so where no coarse
-            # candidate fits, each other N of their range is tried once before the batch is refused.
+            # candidate fits memory, each other N of their range is tried once before the batch is
+            # refused. Not under a ceiling: there a refusal only drops a scheme from a comparison
+            # (``auto``'s and epp-pipelines' searches), and the scan would cost most of their time.
             for n in range(min(cands) + 1, max(max(cands), finest) + 1):
                 if n not in cands:
                     found, _ = self.attempt(n, None, self.ceiling)
