@@ -506,7 +506,7 @@ def measure_policies(cfg, args) -> tuple[dict, dict]:
         # the probe only means something for the profile's own model and probe
         "reference_s": cost.coeffs.meta.reference_s if reference_matches(cost) else 0.0,
         # the probe's layers keep what the profile's did (older profiles: plain autodiff)
-        "probe_residual_policy": cost.coeffs.meta.residual_policy or "all",
+        "probe_residual_policy": cost.coeffs.meta.profiled_residual_policy,
     }
     for seed in [int(x) for x in args.seeds.split(",")]:
         lengths = long_tailed_batch(seed, args.workload, args.batch_tokens, args.context, args.scale)

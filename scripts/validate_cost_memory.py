@@ -97,7 +97,7 @@ def main(argv=None):
         model_cfg,
         token_buckets=(256, 768, 1536),
         context_buckets=(0, 1024, 2048),
-        residual=coeffs.meta.residual_policy or "all",
+        residual=coeffs.meta.profiled_residual_policy,
     )
 
     # Per-layer slopes: XLA (two differences averaged) vs autodiff residuals vs the profile.

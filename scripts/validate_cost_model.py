@@ -279,7 +279,7 @@ def main(argv=None):
     shape = ModelShape.from_config(model_cfg)
     # the plans' layers keep what the profile's layers kept (profiles before the field: plain autodiff)
     if args.profile:
-        args.residual_policy = CostCoefficients.load(args.profile).meta.residual_policy or "all"
+        args.residual_policy = CostCoefficients.load(args.profile).meta.profiled_residual_policy
     else:
         args.residual_policy = run_cfg.parallel.residual_policy
     if args.measurements and os.path.exists(args.measurements):

@@ -88,7 +88,7 @@ def shipped():
         )
     # the profile's layers (what they keep for the backward: its residual policy)
     harness = ChunkHarness(
-        cfg, token_buckets=(768,), context_buckets=(0, 1024), residual=coeffs.meta.residual_policy or "all"
+        cfg, token_buckets=(768,), context_buckets=(0, 1024), residual=coeffs.meta.profiled_residual_policy
     )
     return harness, coeffs
 

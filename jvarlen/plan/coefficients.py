@@ -172,6 +172,11 @@ class ProfileMeta:
     # ``parallel.residual_policy`` name); "" = not recorded (profiles before it: plain autodiff, "all")
     residual_policy: str = ""
 
+    @property
+    def profiled_residual_policy(self) -> str:
+        """:attr:`residual_policy`, profiles from before it was recorded reading as ``"all"``."""
+        return self.residual_policy or "all"
+
 
 @dataclasses.dataclass(frozen=True)
 class CostCoefficients:

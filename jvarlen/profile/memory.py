@@ -68,7 +68,7 @@ def layer_residual_bytes(harness, chunk: ChunkShape) -> int:
     from flax import nnx
 
     from jvarlen.model import AttentionInputs
-    from jvarlen.model.transformer import residual_policy
+    from jvarlen.model.transformer import layer_body
 
     batch = harness.layer_inputs(chunk)
     model = nnx.merge(harness.graphdef, harness.params)
@@ -78,10 +78,10 @@ def layer_residual_bytes(harness, chunk: ChunkShape) -> int:
     def residuals(state, x, ck, cv, metadata):
         inputs = AttentionInputs(*metadata)
         attn = harness._attention_fn(ck, cv)
-        layer_fn = lambda s, y: nnx.merge(gdef, s)(y, inputs, attn, harness.dtype)  # noqa: E731
-        if harness.residual_policy != "all":
-            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=residual_policy(harness.residual_policy))
-        _, vjp = jax.vjp(layer_fn, state, x)
+        body = layer_body(
+            gdef, inputs, attn, compute_dtype=harness.dtype, remat=False, residual=harness.residual_policy
+        )
+        _, vjp = jax.vjp(lambda s, y: body(y, s)[0], state, x)
         held = {id(p) for p in jax.tree.leaves((state, ck, cv, metadata))}
         return [r for r in jax.tree.leaves(vjp) if id(r) not in held]
 

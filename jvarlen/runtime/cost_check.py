@@ -65,7 +65,7 @@ def load_profile(path: str, config: Config, say: Callable[[str], None], what: st
             f"[jvarlen] {what}: {path} was made for {meta.model_key} on {meta.backend}, this run is {run[0]} on "
             f"{run[1]}: its predicted times are approximate"
         )
-    profiled, running = meta.residual_policy or "all", config.parallel.residual_policy or "all"
+    profiled, running = meta.profiled_residual_policy, config.parallel.residual_policy or "all"
     if not meta.analytic and profiled != running:
         say(
             f"[jvarlen] {what}: {path} timed layers keeping residual_policy {profiled!r}, this run's keep "

@@ -130,9 +130,10 @@ class StageProgram:
         (the stash for layer 0, else its checkpoint slot) under ``jax.vjp`` and applied at once, a
         stored one is rebuilt from its residual slots, so at most one layer's rebuilt residuals are
         held (docs/design/pipeline-recompute.md). Only a fused op has an ascending pass."""
-        s, fns, c = self.s, self.s.fns, self.chunk(k)
+        s, fns = self.s, self.s.fns
         if kind == FUSED and not fns.weights.group and not s.Sc:
             return self.fused_op(r, k)
+        c = self.chunk(k)
         is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
         active = is_b | is_fused
         fusable = kind == FUSED or (kind is None and s.sig.fused)  # static: the op may be a fused one
