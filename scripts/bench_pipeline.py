@@ -20,6 +20,9 @@
 7. ``predict``: ``--profile``'s prediction error on the steps of earlier runs (``--runs``).
 8. ``retime``: the plans of earlier runs (``--runs``) timed again on today's executor, one run
    per input under the directory ``--out``: a refit after an executor change on the same steps.
+   With ``--profile`` the steps are converted to and predicted by that profile instead of the one
+   the runs were planned with (a refit for a re-measured profile; ``overheads`` and ``predict``
+   refuse runs on another profile's clock).
 
 In 5, 6 and 8, when the profile carries a reference reading (CPU profiles, :mod:`jvarlen.profile.clock`),
 worker 0 times the reference probe as many times as the profile's reading is the minimum over
@@ -31,7 +34,7 @@ profile's clock (the machine's speed changes by 20-30 % within an hour here).
     python scripts/bench_pipeline.py --parts overheads --processes --seeds 100,101 --profile-out runs/p.json
     python scripts/bench_pipeline.py --parts overheads --runs runs/a.spec.json,runs/b.spec.json --profile-out runs/p.json
     python scripts/bench_pipeline.py --parts predict --runs runs/c.spec.json --profile runs/p.json
-    python scripts/bench_pipeline.py --parts retime --processes --runs runs/a.spec.json --out runs/again/
+    python scripts/bench_pipeline.py --parts retime --processes --runs runs/a.spec.json --out runs/again/ [--profile P]
 
 Prints a Markdown table per part (pasted into docs/benchmarks.md, section "Pipeline").
 """
@@ -71,7 +74,9 @@ from pipeline_policies import (  # noqa: E402
     REFERENCE_KEY,
     RESIDUAL_POLICY,
     add_recompute_variants,
+    adopt_profile,
     batch_documents,
+    check_units,
     load_runs,
     long_tailed_batch,
     plan_policies,
@@ -414,6 +419,7 @@ def overheads(cfg, args) -> None:
 
     runs = load_runs(args.runs) if args.runs else [measure_policies(cfg, args)]
     cost, path = policy_cost(args, cfg)
+    check_units(runs, cost, path)
     scales = [profile_clock_scale(spec, times) for spec, times in runs]
     rows = []
     for key, plan, table, measured in timed_steps(runs):
@@ -472,8 +478,9 @@ def predict(cfg, args) -> None:
     print(f"\nprofile {os.path.basename(path)}: |predicted - measured| / measured per step (profile clock)")
     print("| run | steps | median | max |")
     print("|---|---|---|---|")
-    everything = []
-    for name, run in zip(args.runs.split(","), load_runs(args.runs)):
+    everything, runs = [], load_runs(args.runs)
+    check_units(runs, cost, path)
+    for name, run in zip(args.runs.split(","), runs):
         errors = []
         for _, plan, table, measured in timed_steps([run]):
             if table == "paired":
@@ -525,6 +532,8 @@ def retime(cfg, args) -> None:
         spec["retimed_from"] = os.path.basename(spec_path)
         spec["repeats"] = args.repeats
         spec["processes"] = args.processes
+        if args.profile:  # the plans as planned, their steps converted to and predicted by --profile
+            adopt_profile(spec, args.profile)
         if args.recompute_variants:
             add_recompute_variants(spec)
         out = os.path.join(args.out, os.path.basename(spec_path).replace(".spec.json", ".json"))

@@ -136,6 +136,52 @@ def profile_clock_scale(spec: dict, times: dict) -> float:
     return to_profile_clock(1.0, reference_seconds(times[REFERENCE_KEY]), spec["reference_s"])
 
 
+def check_units(runs: list[tuple[dict, dict]], cost, path: str) -> None:
+    """Refuses runs whose steps were converted to another profile's clock than ``cost``'s (another
+    reference reading or probe residual policy): fitting or scoring them against ``cost`` would
+    compare seconds of two clocks. ``--parts retime --profile`` times such plans again on this one."""
+    meta = cost.coeffs.meta
+    for spec, _ in runs:
+        theirs = (spec.get("reference_s") or 0.0, spec.get("probe_residual_policy", "all"))
+        if not (theirs[0] and meta.reference_s):
+            continue
+        if not np.isclose(theirs[0], meta.reference_s, rtol=1e-9) or theirs[1] != meta.profiled_residual_policy:
+            raise SystemExit(
+                f"the run of {spec['profile']} was timed against its probe reading {theirs[0]:.4f} s "
+                f"({theirs[1]} layers), {path} reads {meta.reference_s:.4f} s ({meta.profiled_residual_policy}): "
+                "its steps are on another clock; time its plans again with --parts retime --profile "
+                f"{path}"
+            )
+
+
+def adopt_profile(spec: dict, path: str) -> None:
+    """Re-aims an earlier run's ``spec`` at the profile at ``path`` before its plans are timed
+    again: the probe reading and probe policy the steps are converted with become that profile's,
+    and every plan's prediction is simulated again with it (each at its own memory budget). The
+    plans (chunks, schedule, recomputation) stay as they were planned."""
+    import argparse
+
+    from jvarlen.config import ModelConfig
+    from jvarlen.plan.assemble import record_simulation
+    from jvarlen.plan.plan import Plan
+
+    costs: dict = {}
+    for batch in spec["batches"]:
+        for policy, plan_json in batch["plans"].items():
+            plan = Plan.from_json(plan_json)
+            budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
+            if budget not in costs:
+                ns = argparse.Namespace(profile=path, budget_mb=budget, pp=spec["pp"])
+                costs[budget] = policy_cost(ns, ModelConfig(**spec["model"]))[0]
+            record_simulation(plan, costs[budget], "paired")
+            batch["plans"][policy] = plan.to_json()
+    cost = next(iter(costs.values()))
+    spec["adopted_from"] = spec["profile"]
+    spec["profile"] = path
+    spec["reference_s"] = cost.coeffs.meta.reference_s if reference_matches(cost) else 0.0
+    spec["probe_residual_policy"] = cost.coeffs.meta.profiled_residual_policy
+
+
 def load_runs(paths: str) -> list[tuple[dict, dict]]:
     """(spec, times) of earlier ``--parts policies|overheads`` runs: their comma-separated
     ``.spec.json`` files, each with its ``.times.json`` beside it."""
