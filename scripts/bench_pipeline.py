@@ -16,7 +16,9 @@
    fitted on them (``CostCoefficients.tick_overhead``, ``tick_token_overhead``,
    ``tick_context_overhead``, ``tick_recompute_factor``: the last only from steps that recompute,
    e.g. batches planned under a tight ``--budget-mb``), written into a copy of the profile;
-   ``--runs A.spec.json,B.spec.json`` fits on earlier runs' steps instead.
+   ``--runs A.spec.json,B.spec.json`` fits on earlier runs' steps instead. The profile's per-bucket
+   token factors (``bucket_token_scale``, from whole-model steps) are kept on the executor's chunks
+   or dropped (``executor_bucket_scale``), whichever fits the steps better (``--executor-buckets``).
 7. ``predict``: ``--profile``'s prediction error on the steps of earlier runs (``--runs``).
 8. ``retime``: the plans of earlier runs (``--runs``) timed again on today's executor, one run
    per input under the directory ``--out``: a refit after an executor change on the same steps.
@@ -421,18 +423,37 @@ def overheads(cfg, args) -> None:
     cost, path = policy_cost(args, cfg)
     check_units(runs, cost, path)
     scales = [profile_clock_scale(spec, times) for spec, times in runs]
-    rows = []
-    for key, plan, table, measured in timed_steps(runs):
-        sim = "paired" if table == "paired" else "ticks"
-        terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), cost, sim)
-        rows.append((key, terms, measured))
+    steps = list(timed_steps(runs))
     fit_terms = [t for t in args.fit_terms.split(",") if t]
-    fit = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows], fit=fit_terms)
+
+    def fit_with(bucket_scale: bool):
+        """The executor terms fitted with or without the profile's bucket factors on the executor's
+        chunks: (cost model, fit, rows, median relative error on the steps)."""
+        model = cost.replace(coeffs=cost.coeffs.replace(executor_bucket_scale=bucket_scale))
+        rows = []
+        for key, plan, table, measured in steps:
+            sim = "paired" if table == "paired" else "ticks"
+            terms = tick_overhead_terms(plan.schedule, plan.chunk_shapes(), np.asarray(plan.ckpt_layers), model, sim)
+            rows.append((key, terms, measured))
+        fit = fit_tick_overhead([t for _, t, _ in rows], [m for _, _, m in rows], fit=fit_terms)
+        errors = [abs(t[0] + float(np.dot(fit, t[1:])) - m) / m for _, t, m in rows]
+        return model, fit, rows, float(np.median(errors))
+
+    choices = {"in-situ": [True], "flat": [False], "auto": [True, False]}[args.executor_buckets]
+    fits = [fit_with(choice) for choice in choices]
+    for choice, (_, f, _, err) in zip(choices, fits):
+        print(
+            f"executor chunks {'with' if choice else 'without'} the profile's bucket factors: median |error| "
+            f"{100 * err:.1f} % ({f[0] * 1e3:.2f} ms, {f[1] * 1e6:.2f} us, {f[2] * 1e6:.2f} us, {f[3]:.3f})"
+        )
+    cost, fit, rows, _ = min(fits, key=lambda x: x[3])
     tick, per_token, per_context, recompute = fit
     print(
         f"\ntick overhead {tick * 1e3:.2f} ms + {per_token * 1e6:.2f} us per bucket token + {per_context * 1e6:.2f} us "
-        f"per context token; a recomputed layer costs {recompute:.3f} forwards more; fitted on {len(rows)} steps; "
-        f"profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} (reference probe)"
+        f"per context token; a recomputed layer costs {recompute:.3f} forwards more; executor chunks "
+        f"{'with' if cost.coeffs.executor_bucket_scale else 'without'} the profile's bucket factors; fitted on "
+        f"{len(rows)} steps; profile {os.path.basename(path)}; measured x {', '.join(f'{s:.3f}' for s in scales)} "
+        "(reference probe)"
     )
     print(
         "| step | ticks on the critical path | bucket | context | recomputed forward s | measured s "
@@ -455,12 +476,13 @@ def overheads(cfg, args) -> None:
             if not args.runs
             else f"(--runs {', '.join(_short(s) for s in args.runs.split(','))}, {len(rows)} steps)"
         )
-        + ("" if set(fit_terms) == set(EXECUTOR_TERMS) else f", fitted: {', '.join(fit_terms)}"),
+        + ("" if set(fit_terms) == set(EXECUTOR_TERMS) else f", fitted: {', '.join(fit_terms)}")
+        + ("" if cost.coeffs.executor_bucket_scale else ", executor chunks at one per-token cost"),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         reference_calls=calibration_rounds(path) or 0,  # the meta's, else the report's beside it
     )
     fitted = dict(zip(EXECUTOR_TERMS, fit))
-    cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)
+    cost.coeffs.replace(**fitted, meta=meta).save(args.profile_out)  # executor_bucket_scale: the chosen
     print(f"wrote {args.profile_out}")
 
 
@@ -700,6 +722,13 @@ def main():
         "--fit-terms",
         default="tick_overhead,tick_token_overhead,tick_context_overhead,tick_recompute_factor",
         help="--parts overheads: the executor terms fitted (the others 0)",
+    )
+    parser.add_argument(
+        "--executor-buckets",
+        choices=("auto", "in-situ", "flat"),
+        default="auto",
+        help="--parts overheads: the executor's chunks with the profile's per-bucket token factors (in-situ), "
+        "at one per-token cost (flat), or whichever fits the steps better (auto)",
     )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

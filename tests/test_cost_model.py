@@ -465,6 +465,26 @@ def test_executor_recomputation_is_charged_in_the_lock_step_models_only():
     assert simulate(one_f_one_b(3, 2), [chunk] * 3, ckpt, fitted).stage_recompute.tolist() == [0.0, 0.0]
 
 
+def test_one_stage_pays_none_of_the_multi_stage_executors_terms():
+    """The executor terms are fitted on multi-stage steps; one stage runs each chunk's forward and
+    backward as one op, priced by the whole-model calibration: its paired simulation of one chunk
+    is that chunk's forward + backward + step overhead, whatever the tick terms say."""
+    from jvarlen.plan.simulator import simulate
+
+    chunk = ChunkShape(0, (600,))
+    terms = dict(tick_overhead=0.03, tick_token_overhead=4e-5, tick_context_overhead=1e-5, tick_recompute_factor=0.6)
+    base = coeffs(token_buckets=(512, 1024), bucket_token_scale={1: {1024: 2.0}})
+    one = CostModel(GQA, Layout(1, 1, 1), base.replace(**terms, executor_bucket_scale=False)).padded(1024)
+    plain = CostModel(GQA, Layout(1, 1, 1), base).padded(1024)
+    assert one.tick_overhead(2048) == 0.0 and one.time_tokens(chunk) == plain.time_tokens(chunk) == 2048.0
+    assert one.executor_recompute_time(chunk, 2) == plain.recompute_time(chunk, 2)
+    for mode in ("paired", "ticks"):
+        t = simulate(one_f_one_b(1, 1), [chunk], None, one, mode).iteration_time
+        assert t == pytest.approx(one.fwd_time(chunk, 0) + one.bwd_time(chunk, 0) + one.step_overhead())
+    two = CostModel(GQA, Layout(1, 2, 1), base.replace(**terms)).padded(1024)
+    assert two.tick_overhead(2048) == pytest.approx(0.03 + 4e-5 * 1024 + 1e-5 * 2048)
+
+
 @pytest.mark.parametrize(
     "chunk",
     [

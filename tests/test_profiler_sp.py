@@ -152,6 +152,25 @@ def test_bucket_token_scale_lookup_and_json(tmp_path):
     assert CostCoefficients.load(tmp_path / "p.json") == c
 
 
+def test_a_multi_stage_executors_padded_chunks_drop_the_bucket_factors_where_the_executor_fit_says_so(tmp_path):
+    c = BASE.replace(
+        fwd=LayerTime(0, 1e-3, 0), bwd=LayerTime(), token_buckets=(512, 1024), bucket_token_scale={1: {1024: 2.0}}
+    )
+    flat = c.replace(executor_bucket_scale=False)
+    chunk = ChunkShape(0, (600,))
+    for coeffs in (c, flat):  # unpadded chunks (the data-parallel step, InfiniPipe's async model) keep them
+        assert CostModel(SHAPE, Layout(1, 1, 1), coeffs).time_tokens(chunk) == 2048.0
+    assert CostModel(SHAPE, Layout(1, 2, 1), c).padded(1024).time_tokens(chunk) == 2048.0
+    assert CostModel(SHAPE, Layout(1, 2, 1), flat).padded(1024).time_tokens(chunk) == 1024.0
+    # one stage runs a chunk's forward and backward as one op, as the whole-model steps did
+    assert CostModel(SHAPE, Layout(1, 1, 1), flat).padded(1024).time_tokens(chunk) == 2048.0
+    flat.save(tmp_path / "p.json")
+    assert CostCoefficients.load(tmp_path / "p.json").executor_bucket_scale is False
+    data = flat.to_json()
+    del data["executor_bucket_scale"]  # profiles saved before the field: the factors apply
+    assert CostCoefficients.from_json(data).executor_bucket_scale is True
+
+
 def test_fit_profile_recovers_per_sp_coefficients_and_leaves_sp1_alone():
     """With 1 % timing noise the per-chunk constants β1 are weakly identified (they trade off
     against the per-call constant of the 2- and 3-layer programs); the slopes and the predicted

@@ -246,6 +246,16 @@ class CostCoefficients:
       measured inside one fused forward + backward program (on CPU that costs nothing measurable,
       while the executor's separate backward does). Fitted on executor steps with the tick
       overheads, 0 otherwise.
+    * ``executor_bucket_scale``: whether the lock-step executor's chunks (padded to the step's
+      bucket) take ``bucket_token_scale`` too. Those factors come from whole-model steps, each chunk's
+      forward and backward in one program; the executor runs them in ops of their own, where per-token
+      cost may not vary with the bucket the same way. The executor fit keeps the factors or charges its
+      chunks one per-token cost, whichever predicts its calibration steps better.
+
+    The executor terms (the tick overheads, ``tick_recompute_factor``, ``executor_bucket_scale``)
+    apply where ``pp > 1``: they are fitted on multi-stage steps, and one stage runs each chunk's
+    forward and backward as one op, which the whole-model calibration prices (measured at the
+    data-parallel step's cost, docs/benchmarks.md, "pp = 1 against the data-parallel step").
     """
 
     fwd: LayerTime
@@ -287,6 +297,7 @@ class CostCoefficients:
     tick_token_overhead: float = 0.0
     tick_context_overhead: float = 0.0
     tick_recompute_factor: float = 0.0
+    executor_bucket_scale: bool = True
     op_overhead: float = 0.0
     meta: ProfileMeta = ProfileMeta()
 
@@ -375,6 +386,7 @@ class CostCoefficients:
             "tick_token_overhead",
             "tick_context_overhead",
             "tick_recompute_factor",
+            "executor_bucket_scale",
             "op_overhead",
         ):
             out[name] = getattr(self, name)

@@ -76,7 +76,11 @@ class CostModel(CollectiveTimes, HeadMemory):
         self._fwd, self._bwd = coeffs.layer_times(layout.sp)
         self._head_fwd, self._head_bwd = coeffs.head_times(layout.sp)
         self._recompute = coeffs.recompute_times(layout.sp)
-        self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items())
+        # the executor's own terms are fitted on multi-stage steps; one stage runs each chunk's forward
+        # and backward as one op, priced by the whole-model calibration (CostCoefficients)
+        self.executor_terms = layout.pp > 1
+        scaled = pad_to is None or not self.executor_terms or coeffs.executor_bucket_scale
+        self._bucket_scale = sorted(coeffs.bucket_token_scale.get(layout.sp, {}).items()) if scaled else []
         # memos of pure functions of this (immutable) model: the planner's searches simulate the
         # same chunks and buckets many times per iteration (bounded: a run plans ever new chunks)
         self._padded: dict = {}
@@ -137,7 +141,8 @@ class CostModel(CollectiveTimes, HeadMemory):
 
     def time_tokens(self, chunk: ChunkShape) -> float:
         """The token count the linear term of Eq. 1 is charged on: :meth:`linear_tokens` times the
-        measured per-token factor of its bucket (``bucket_token_scale``)."""
+        measured per-token factor of its bucket (``bucket_token_scale``; on a multi-stage executor's
+        padded chunks only where ``executor_bucket_scale``)."""
         t = self.linear_tokens(chunk)
         if not self._bucket_scale:
             return float(t)
@@ -219,7 +224,7 @@ class CostModel(CollectiveTimes, HeadMemory):
         """:meth:`recompute_time` as the lock-step pipeline executor pays it: plus
         ``tick_recompute_factor`` forwards of each recomputed layer (fitted on executor steps)."""
         t = self.recompute_time(chunk, layers)
-        factor = self.coeffs.tick_recompute_factor
+        factor = self.coeffs.tick_recompute_factor if self.executor_terms else 0.0
         return t + layers * factor * self.layer_fwd_compute(chunk) if factor else t
 
     def p2p_time(self, chunk: ChunkShape, stage: int = 0) -> float:
@@ -240,8 +245,11 @@ class CostModel(CollectiveTimes, HeadMemory):
     def tick_overhead(self, context: int = 0) -> float:
         """The lock-step executor's own seconds per tick (0 unless fitted on executor steps): a
         constant, a part per token of the step's bucket (``pad_to``; none without one) and a part
-        per token of its ``context`` bucket (:func:`jvarlen.plan.chunk.executor_context`)."""
+        per token of its ``context`` bucket (:func:`jvarlen.plan.chunk.executor_context`); 0 on
+        one stage."""
         c = self.coeffs
+        if not self.executor_terms:
+            return 0.0
         return c.tick_overhead + c.tick_token_overhead * (self.pad_to or 0) + c.tick_context_overhead * context
 
     def op_overhead(self) -> float:
