@@ -6,6 +6,7 @@ import glob
 
 import numpy as np
 import pytest
+from conftest import FROZEN_CPU_PROFILE
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -115,16 +116,20 @@ def test_paired_planning_also_cuts_bucket_sized_slices():
         assert not any(k.startswith("b") for k in other.stats["tuned_iteration_times"])
 
 
+@pytest.mark.parametrize("profile", ["frozen", "shipped"])
 @pytest.mark.parametrize("seed", range(6))
-def test_bounded_search_plans_what_the_exhaustive_search_plans(seed):
+def test_bounded_search_plans_what_the_exhaustive_search_plans(seed, profile):
     """Random batches (the shipped workloads ÷ 16), 1-4 stages, tight and loose memory, with and
     without a tick overhead: the bounded search (the default) returns the exhaustive search's
-    plan, chunk for chunk, and skips at least one candidate on most of them (the bounds are used)."""
+    plan, chunk for chunk, and skips candidates (the bounds are used): on most batches with the
+    profile frozen for such scenarios, on some with the shipped one, whose executor terms (one
+    per-token cost on the executor's chunks) leave the mesh a single candidate on more batches."""
     rng = np.random.default_rng(seed)
+    base = CostCoefficients.load(FROZEN_CPU_PROFILE) if profile == "frozen" else COEFFS
     skipped = 0
     for _ in range(4):
         pp = int(rng.choice([1, 2, 4]))
-        coeffs = COEFFS.replace(
+        coeffs = base.replace(
             memory_budget=float(rng.choice([60e6, 120e6, 1e9])), tick_overhead=float(rng.choice([0.0, 0.002, 0.02]))
         )
         cost = CostModel(SHAPE, Layout(1, pp, 1), coeffs)
@@ -149,7 +154,7 @@ def test_bounded_search_plans_what_the_exhaustive_search_plans(seed):
         )
         np.testing.assert_array_equal(bounded.ckpt_layers, full.ckpt_layers)
         skipped += bool(bounded.stats["pruned_lower_bounds"])
-    assert skipped >= 2
+    assert skipped >= (2 if profile == "frozen" else 1)
 
 
 def test_paired_planning_may_pack_chunks_longer_than_the_longest_document():
