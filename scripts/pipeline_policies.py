@@ -136,6 +136,20 @@ def profile_clock_scale(spec: dict, times: dict) -> float:
     return to_profile_clock(1.0, reference_seconds(times[REFERENCE_KEY]), spec["reference_s"])
 
 
+def budget_cost(spec: dict, plan, costs: dict, profile: str):
+    """The cost model of ``profile`` for ``spec``'s model at ``plan``'s memory budget, memoised in
+    ``costs`` by budget (a spec's plans share one or two)."""
+    import argparse
+
+    from jvarlen.config import ModelConfig
+
+    budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
+    if budget not in costs:
+        ns = argparse.Namespace(profile=profile, budget_mb=budget, pp=spec["pp"])
+        costs[budget] = policy_cost(ns, ModelConfig(**spec["model"]))[0]
+    return costs[budget]
+
+
 def check_units(runs: list[tuple[dict, dict]], cost, path: str) -> None:
     """Refuses runs whose steps were converted to another profile's clock than ``cost``'s (another
     reference reading or probe residual policy): fitting or scoring them against ``cost`` would
@@ -159,9 +173,6 @@ def adopt_profile(spec: dict, path: str) -> None:
     again: the probe reading and probe policy the steps are converted with become that profile's,
     and every plan's prediction is simulated again with it (each at its own memory budget). The
     plans (chunks, schedule, recomputation) stay as they were planned."""
-    import argparse
-
-    from jvarlen.config import ModelConfig
     from jvarlen.plan.assemble import record_simulation
     from jvarlen.plan.plan import Plan
 
@@ -169,11 +180,7 @@ def adopt_profile(spec: dict, path: str) -> None:
     for batch in spec["batches"]:
         for policy, plan_json in batch["plans"].items():
             plan = Plan.from_json(plan_json)
-            budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
-            if budget not in costs:
-                ns = argparse.Namespace(profile=path, budget_mb=budget, pp=spec["pp"])
-                costs[budget] = policy_cost(ns, ModelConfig(**spec["model"]))[0]
-            record_simulation(plan, costs[budget], "paired")
+            record_simulation(plan, budget_cost(spec, plan, costs, path), "paired")
             batch["plans"][policy] = plan.to_json()
     cost = next(iter(costs.values()))
     spec["adopted_from"] = spec["profile"]
@@ -215,9 +222,6 @@ def add_recompute_variants(spec: dict) -> None:
     spec's profile): pairs of steps that differ in their recomputation only, which a fit of the
     executor's terms can tell from the terms that grow with the ticks and buffers (otherwise the
     steps that recompute are those with long contexts, and the fit gives one the other's cost)."""
-    import argparse
-
-    from jvarlen.config import ModelConfig
     from jvarlen.plan.assemble import record_simulation
     from jvarlen.plan.plan import Plan
 
@@ -228,11 +232,7 @@ def add_recompute_variants(spec: dict) -> None:
             layers = np.asarray(plan.ckpt_layers)
             if layers.any():
                 continue
-            budget = plan.memory_budget_bytes / 1e6 if plan.memory_budget_bytes else 0.0
-            if budget not in costs:
-                ns = argparse.Namespace(profile=spec["profile"], budget_mb=budget, pp=spec["pp"])
-                costs[budget] = policy_cost(ns, ModelConfig(**spec["model"]))[0]
-            cost = costs[budget]
+            cost = budget_cost(spec, plan, costs, spec["profile"])
             full = np.full_like(layers, cost.layers_per_stage)
             variant = dataclasses.replace(plan, policy=f"{policy}+remat", ckpt_layers=full, stats={})
             record_simulation(variant, cost, "paired")

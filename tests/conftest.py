@@ -136,9 +136,11 @@ def require_devices(n: int) -> None:
 
 
 # ---------------------------------------------------------------- small analytic cost models for the planner tests
+from jvarlen.config import ModelConfig  # noqa: E402
 from jvarlen.layout import Layout  # noqa: E402
-from jvarlen.plan.cost import CostModel, ModelShape  # noqa: E402
+from jvarlen.plan.cost import CostModel, ModelShape, profile_filename  # noqa: E402
 from jvarlen.plan.hardware import A800, analytic_coefficients  # noqa: E402
+from jvarlen.runtime.cost_check import PACKAGE_PROFILES  # noqa: E402
 
 SMALL = ModelShape(
     num_layers=8, d_model=1024, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=2816, vocab_size=32000
@@ -159,6 +161,11 @@ def small_cost(pp: int = 4, sp: int = 2, budget: float | None = None, model: Mod
 # test the planner's logic and must not change meaning when the shipped profile is measured again.
 FROZEN_CPU_PROFILE = os.path.join(
     os.path.dirname(__file__), "fixtures", "profiles", "cpu_plain_autodiff_2026-11-26.json"
+)
+
+# The CPU profile jvarlen ships for the default model (tests of what the runtime plans with today).
+SHIPPED_CPU_PROFILE = os.path.join(
+    PACKAGE_PROFILES, profile_filename(ModelShape.from_config(ModelConfig()), "cpu", "cpu")
 )
 
 

@@ -1,15 +1,14 @@
 """The training loop's predicted-vs-measured step time and its online refit."""
 
-import glob
-
 import numpy as np
+from conftest import SHIPPED_CPU_PROFILE
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.cost_fit import OnlineRefit
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES, StepTimeCheck, replica_chunks
+from jvarlen.runtime.cost_check import StepTimeCheck, replica_chunks
 
 
 def test_replica_chunks_are_the_pieces_of_each_replicas_rows():
@@ -21,7 +20,7 @@ def test_replica_chunks_are_the_pieces_of_each_replicas_rows():
 def test_refit_turns_a_mis_scaled_profile_into_accurate_predictions():
     config = Config()
     shape = ModelShape.from_config(config.model)
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
     check = StepTimeCheck(OnlineRefit(shape, coeffs, every=8), "test", say=lambda _: None)
     truth = OnlineRefit(shape, coeffs)  # the machine: 2.5x slower than the profile says
     rng = np.random.default_rng(0)
@@ -48,7 +47,7 @@ def test_pipeline_steps_are_predicted_from_their_plans_and_refitted():
 
     config = Config()
     shape = ModelShape.from_config(config.model)
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
     check = StepTimeCheck(OnlineRefit(shape, coeffs, every=4), "test", say=lambda _: None)
     cost = CostModel(shape, Layout(dp=2, pp=2, sp=1), coeffs)
     rng = np.random.default_rng(1)
@@ -75,7 +74,7 @@ def test_a_profile_of_another_model_or_policy_says_so_and_an_unreadable_one_name
 
     from jvarlen.config import ConfigError, parse_config
 
-    shipped = sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0]
+    shipped = SHIPPED_CPU_PROFILE
     said = []
     config = parse_config([f"--train.cost_profile={shipped}"])
     assert StepTimeCheck.from_config(config, said.append) is not None

@@ -6,10 +6,10 @@ contain. Tolerances are fixed in advance: the per-layer stored bytes (Eq. 5 + co
 within 5 % of XLA's per-layer slope; the whole 4-layer program's peak within 10 %.
 """
 
-import glob
 import types
 
 import pytest
+from conftest import SHIPPED_CPU_PROFILE
 
 from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
@@ -78,10 +78,9 @@ def test_fit_memory_recovers_known_coefficients():
 @pytest.fixture(scope="module")
 def shipped():
     from jvarlen.profile.harness import ChunkHarness
-    from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
     cfg = ModelConfig()
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
     if not coeffs.m_work_token:
         pytest.fail(
             "the shipped CPU profile has no measured working memory; run scripts/validate_cost_memory.py --refit_profile"

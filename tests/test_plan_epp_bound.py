@@ -2,10 +2,8 @@
 every earlier slice of a split document stays live until the last slice's backward, so the
 slices together need a memory no slice count can shrink; the N search is not entered."""
 
-import glob
-
 import pytest
-from conftest import SMALL, tight_budget
+from conftest import SHIPPED_CPU_PROFILE, SMALL, tight_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -14,10 +12,9 @@ from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.hardware import A800, analytic_coefficients
 from jvarlen.plan.strategy import SchemeCosts, enumerate_schemes, plan_strategy
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 SHAPE = ModelShape.from_config(Config().model)
-COEFFS = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+COEFFS = CostCoefficients.load(SHIPPED_CPU_PROFILE)
 
 
 def tight(cost: CostModel, tokens: int) -> CostModel:

@@ -2,11 +2,10 @@
 GPipe order where the lock-step simulator says that is faster and memory allows."""
 
 import dataclasses
-import glob
 
 import numpy as np
 import pytest
-from conftest import FROZEN_CPU_PROFILE
+from conftest import FROZEN_CPU_PROFILE, SHIPPED_CPU_PROFILE
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -17,10 +16,9 @@ from jvarlen.plan.epp import bucket_candidates, chunk_candidate
 from jvarlen.plan.plan import stage_peak_memory
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.workloads import sample_batch
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 SHAPE = ModelShape.from_config(Config().model)
-COEFFS = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+COEFFS = CostCoefficients.load(SHIPPED_CPU_PROFILE)
 
 
 def forwards_first(sched: Schedule) -> bool:

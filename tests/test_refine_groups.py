@@ -10,13 +10,12 @@ length buckets, missed the same case by as much; it refines its fastest candidat
 
 from __future__ import annotations
 
-import glob
 import itertools
 import math
 
 import numpy as np
 import pytest
-from conftest import group_budget
+from conftest import SHIPPED_CPU_PROFILE, group_budget
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -26,13 +25,12 @@ from jvarlen.plan.flexsp import FlexSPOptions
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, plan_strategy
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 
 def cpu_costs(devices: int, tokens: int) -> SchemeCosts:
     """The shipped CPU profile, a budget holding ``tokens`` tokens per device without recomputation."""
     shape = ModelShape.from_config(Config().model)
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
     budget = group_budget(CostModel(shape, Layout(1, 1, 1), coeffs), tokens)
     return SchemeCosts(CostModel(shape, Layout(1, 1, 1), coeffs.replace(memory_budget=budget)), devices)
 

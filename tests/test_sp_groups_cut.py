@@ -11,12 +11,11 @@ a bucket with the rest in a smaller part pad less."""
 
 from __future__ import annotations
 
-import glob
 import math
 
 import numpy as np
 import pytest
-from conftest import FROZEN_CPU_PROFILE, group_budget, small_cost
+from conftest import FROZEN_CPU_PROFILE, SHIPPED_CPU_PROFILE, group_budget, small_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +26,6 @@ from jvarlen.plan.chunking import chunk_group, min_parts, packed_group, sorted_o
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 
 def set_partitions(items):
@@ -53,7 +51,7 @@ def cpu_costs(devices: int, tokens: int, profile: str = FROZEN_CPU_PROFILE) -> S
 
 def shipped_cpu_costs(devices: int, tokens: int) -> SchemeCosts:
     """:func:`cpu_costs` on the CPU profile jvarlen ships."""
-    return cpu_costs(devices, tokens, sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    return cpu_costs(devices, tokens, SHIPPED_CPU_PROFILE)
 
 
 def a800_costs(devices: int, tokens: int) -> SchemeCosts:

@@ -4,18 +4,17 @@ weights once, by planning its first sample batches both ways."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
 
 import pytest
+from conftest import SHIPPED_CPU_PROFILE
 
 from jvarlen.config import ConfigError, load_config
 from jvarlen.data.pipeline import DataPipeline
 from jvarlen.layout import resolve_layout
 from jvarlen.plan.coefficients import CostCoefficients
 from jvarlen.plan.strategy import Scheme, SchemeCosts
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 from jvarlen.runtime.strategies.groups import choose_stage_weights
 from jvarlen.runtime.strategies.pipeline import cost_model
 
@@ -24,7 +23,7 @@ SMALL = {"data.seq_len": "128", "data.tokens_per_batch": "1024", "data.max_docum
 
 
 def _config(tmp_path, cache, budget=None, **extra):
-    coeffs = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/L4-d128-*__cpu__cpu.json"))[0])
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
     profile = tmp_path / f"profile-{budget}.json"
     coeffs.replace(memory_budget=budget or coeffs.memory_budget).save(profile)
     overrides = {**SMALL, "data.cache_dir": cache, "train.cost_profile": str(profile), "plan.policy": "flexsp"}
