@@ -168,10 +168,11 @@ def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):
         # tight memory: pipelines fit the long documents; EPP's 2×(pp=4, sp=1), which moves no
         # vocabulary collectives, beats the homogeneous (pp=2, sp=4) pipeline cut at its bucket
         # (0.00678 s against 0.00698 s; they tied before the time model charged them) ...
-        (2060e6, LENGTHS, True),
-        # ... and EPP's chunks of a longer document beat whole-document micro-batches (0.01090 s
-        # against 0.01115 s)
-        (2064e6, [10240] + LENGTHS, True),
+        (2075e6, LENGTHS, True),
+        # ... and EPP's chunks of a longer document beat whole-document micro-batches (0.01187 s
+        # against 0.01323 s). (The budgets rose by 15-20 MB when the executor's account took in
+        # a tick's reads and the step's inputs.)
+        (2084e6, [10240] + LENGTHS, True),
     ],
 )
 def test_auto_bounds_epp_pipelines_by_the_other_policies_and_chooses_as_without(costs, budget, lengths, epp_wins):

@@ -37,6 +37,7 @@ from jvarlen.plan.memo import BoundedMemo
 from jvarlen.plan.schedule import BWD, FUSED, FWD, IDLE, lanes, paired_ticks
 
 __all__ = [
+    "CHUNK_KEYS",
     "FUSED",
     "Peaks",
     "SLOT_COUNTS",
@@ -52,6 +53,8 @@ __all__ = [
     "round_buffers",
 ]
 
+# a chunk's int32 rows among the executor's device inputs (jvarlen.parallel.pipeline.signature)
+CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 # the slot counts of a table and of a signature (each excludes the dummy slot)
 SLOT_COUNTS = ("n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt")
 

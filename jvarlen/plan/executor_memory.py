@@ -15,8 +15,13 @@ time line's peak. :func:`executor_memory` is that account, term by term:
 - ``checkpoints``: ``slots · T/sp · d · e``, a recomputed layer's input (layers 1.. of them);
 - ``op``: the largest op's transients: a backward's working memory and layer gradients
   (:meth:`CostModel.backward_memory` at the bucket, recomputing where the plan does), its stacked
-  context dK/dV ``2 · L/pp · Sc · K' · D · e``, and where the program holds the fused op, the
-  stack of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``;
+  context dK/dV ``2 · L/pp · Sc · K' · D · e``; where the program holds the fused op, the larger
+  of that and the fused op's: a backward that rebuilds no layer, the stacked dK/dV and the stack
+  of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``;
+- ``tick``: what a tick holds beside its op: both lanes' inputs read out of the stash and the
+  inbox ``2 · T/sp · d · e``, and with context the zero rows a forward clears in the dK/dV pools
+  ``L/pp · T · K' · D · e``;
+- ``inputs``: the chunks' int32 rows (:data:`jvarlen.plan.buffers.CHUNK_KEYS`), ``5 · n · T · 4``;
 - ``states``: :meth:`CostModel.model_state_memory` of the largest stage.
 
 ``m_stored`` is what the executor keeps per token and stored layer under its residual policy
@@ -33,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.plan.buffers import SLOT_COUNTS, kept_apart, plan_ticks, round_buffers, slot_counts
+from jvarlen.plan.buffers import CHUNK_KEYS, SLOT_COUNTS, kept_apart, plan_ticks, round_buffers, slot_counts
 from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_context
 from jvarlen.plan.simulator import simulate
 
@@ -101,6 +106,8 @@ class _Account:
         kv_heads = model.num_kv_heads * (layout.sp // math.gcd(model.num_kv_heads, layout.sp)) // layout.sp
         self.kv_row = kv_heads * model.head_dim * self.e  # one layer's K (or V) of one token, per device
         self.states = max(cost.model_state_memory(p) for p in range(layout.pp))
+        # the chunks' int32 token, target, mask, position and segment rows this pipeline receives
+        self.input_bytes = len(CHUNK_KEYS) * len(shapes) * self.bucket * 4
         self._work: dict = {}  # (context rows, recomputes) -> the largest backward's working memory
         self._ticks: dict = {}  # fusable chunks kept apart -> (paired tick table, slot memo)
         self.fusable = np.asarray(plan.schedule.fusable, bool) & fuse  # only these can change the table
@@ -129,8 +136,12 @@ class _Account:
         if (sc, recomputes) not in self._work:
             shape = ChunkShape(sc, (self.bucket,), tail=True)
             self._work[sc, recomputes] = self.cost.backward_memory(shape, ls if recomputes else 0)
-        op = self._work[sc, recomputes] + (2 * ls * sc * self.kv_row if sc else 0)
-        op += ls * tl * self.stored if rounded["fused"] else 0
+        dctx = 2 * ls * sc * self.kv_row if sc else 0
+        op = self._work[sc, recomputes] + dctx
+        if rounded["fused"]:  # the fused op rebuilds no layer: its stack holds every layer's residuals
+            if (sc, False) not in self._work:
+                self._work[sc, False] = self.cost.backward_memory(ChunkShape(sc, (self.bucket,), tail=True), 0)
+            op = max(op, self._work[sc, False] + dctx + ls * tl * self.stored)
         terms = dict(
             states=self.states,
             stash=(rounded["n_stash"] + 1) * tl * d * e,
@@ -139,6 +150,10 @@ class _Account:
             residuals=rounded["n_res"] * tl * self.stored,
             checkpoints=rounded["n_ckpt"] * tl * d * e,
             op=op,
+            # what a tick holds beside its op: both lanes' inputs, read out of the stash and the
+            # inbox, and the zero rows a forward clears in the dK/dV pools
+            tick=2 * tl * d * e + (ls * self.bucket * self.kv_row if sc else 0),
+            inputs=self.input_bytes,
         )
         return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=self.bucket), slots.peaks)
 

@@ -132,6 +132,8 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
     except Exception:  # noqa: BLE001 - CPU has no memory_stats
         pass
     e = resolve_compute_dtype(model_cfg.compute_dtype).itemsize
+    # the stage's copy is in the compute dtype, its gradient accumulator in the parameters' (fp32 at least)
+    accumulator = max(4, resolve_compute_dtype(model_cfg.param_dtype).itemsize)
     return CostCoefficients(
         fwd=LayerTime(),
         m_token=activation_bytes_per_token(shape, e),
@@ -145,7 +147,7 @@ def _default_base(model_cfg: ModelConfig) -> CostCoefficients:
         bytes_per_element=e,
         dkv_bytes_per_element=e,  # the executor's dK/dV pools: the compute dtype
         master_bytes_per_param=12.0,
-        stage_bytes_per_param=6.0,
+        stage_bytes_per_param=float(e + accumulator),
         memory_budget=budget,
         gpus_per_node=max(1, jax.local_device_count()),
     )

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from jvarlen.layout import Layout
-from jvarlen.plan.buffers import round_buffers, round_up
+from jvarlen.plan.buffers import CHUNK_KEYS, round_buffers, round_up
 
-CHUNK_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 TABLE_KEYS = ("ops", "stash_slot", "grad_slot", "ctx_base", "res_slot", "ckpt_slot", "recv_act", "recv_grad")
 GROWABLE = ("n_ticks", "context", "n_stash", "n_grad", "ctx_rows", "n_res", "n_ckpt", "fused")
 
