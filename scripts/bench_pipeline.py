@@ -667,11 +667,20 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
         by.setdefault(r["policy"] if r["table"] == "paired" else f"{r['policy']} ({r['table']})", []).append(r)
     print("\n| policy | mean measured s (median per batch) | mean predicted s | epp speedup (measured / predicted) |")
     print("|---|---|---|---|")
-    epp = np.mean([r["measured_median_s"] for r in by.get("epp", [])]) if "epp" in by else None
-    epp_p = np.mean([r["predicted_s"] for r in by.get("epp", [])]) if "epp" in by else None
+    epp = {r["seed"]: r for r in by.get("epp", [])}
     for policy, rs in by.items():
         m, p = np.mean([r["measured_median_s"] for r in rs]), np.mean([r["predicted_s"] for r in rs])
-        speed = f"{m / epp:.2f}x / {p / epp_p:.2f}x" if epp else ""
+        both = [r for r in rs if r["seed"] in epp]  # a policy that could not plan a batch: the others'
+        speed = ""
+        if both:
+            mean = lambda rows, k: np.mean([r[k] for r in rows])  # noqa: E731
+            e = [epp[r["seed"]] for r in both]
+            speed = (
+                f"{mean(both, 'measured_median_s') / mean(e, 'measured_median_s'):.2f}x / "
+                f"{mean(both, 'predicted_s') / mean(e, 'predicted_s'):.2f}x"
+            )
+            if len(both) < len(rs) or len(both) < len(epp):
+                speed += f" ({len(both)} batches both planned)"
         print(f"| {policy} | {m:.3f} | {p:.3f} | {speed} |")
     errs = [abs(r["measured_median_s"] - r["predicted_s"]) / r["measured_median_s"] for r in rows]
     print(f"\nmedian |measured - predicted| / measured: {100 * np.median(errs):.1f} % over {len(errs)} runs")

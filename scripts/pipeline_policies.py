@@ -71,11 +71,12 @@ def policy_cost(args, cfg):
 
 
 def plan_policies(lengths, cost, args, policies) -> dict:
-    """{policy: Plan}, every plan's prediction in the executor's model (paired ticks). CP-SAT stops
+    """{policy: Plan}, every plan's prediction in the executor's model (paired ticks); a policy that
+    cannot plan the batch is left out (with its reason printed). CP-SAT stops
     on its deterministic limit only (``deterministic_options``): with the default 0.05 s wall-clock
     limit, seeds 150 and 151 at 60 MB gave one of two EPP plans (3.536 or 3.624 s; 4.031 or 4.203
     s) depending on the machine's load, in the same planning time (0.1-0.3 s)."""
-    from jvarlen.plan.api import PlannerOptions, plan_iteration
+    from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
     from jvarlen.plan.assemble import record_simulation, simulate
     from jvarlen.plan.service import deterministic_options
 
@@ -103,7 +104,11 @@ def plan_policies(lengths, cost, args, policies) -> dict:
             )
             plan = dataclasses.replace(plan, policy="epp-ticks", stats=dict(plan.stats))
         else:
-            plan = plan_iteration(lengths, cost=cost, policy=policy, options=options)
+            try:
+                plan = plan_iteration(lengths, cost=cost, policy=policy, options=options)
+            except PlanningError as e:  # the batch does not fit this policy's plans: the others still run
+                print(f"{policy}: cannot plan this batch: {e}", flush=True)
+                continue
         record_simulation(plan, cost, "paired")
         plans[policy] = plan
     return plans

@@ -119,18 +119,23 @@ def fit_executor_memory(plan: Plan, cost, simulation: str = "paired") -> Plan:
     budget, raised where the simulator's time line fits but the executor's buffers do not; the
     account goes into ``stats`` (``executor_memory_bytes``, per term ``executor_memory``), and a
     plan that does not fit even when everything is recomputed keeps its table."""
-    ckpt, account, changed = fit_executor(plan, cost, mode=simulation)
-    if changed and account.total <= cost.memory_budget:
+    ckpt, least, changed = fit_executor(plan, cost, mode=simulation)
+    account = least
+    if changed and least.total <= cost.memory_budget:
         added = int((ckpt - np.asarray(plan.ckpt_layers)).sum())
         plan = dataclasses.replace(plan, ckpt_layers=ckpt)
         plan.events.append(
             f"executor memory: {len(changed)} (chunk, stage) pairs recompute {added} more layers so that "
-            f"the executor's buffers fit the budget: {account.describe()}"
+            f"the executor's buffers fit the budget: {least.describe()}"
         )
     elif changed:
-        account = executor_memory(plan, cost)
-    if account.total > cost.memory_budget:
-        plan.events.append(f"executor memory: {account.describe()} does not fit the budget even recomputing all it can")
+        account = executor_memory(plan, cost)  # the plan keeps its own table
+    if least.total > cost.memory_budget:
+        plan.events.append(
+            f"executor memory: {least.describe()} does not fit the budget even recomputing all it can "
+            f"({cost.memory_budget / 1e6:,.1f} MB)"
+        )
+        plan.stats["executor_memory_least_bytes"] = least.total
     plan.stats.update(executor_memory_bytes=account.total, executor_memory=account.terms)
     return plan
 

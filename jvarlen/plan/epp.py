@@ -257,7 +257,8 @@ class _Search:
         cand.grouping = group_chunks(cand.chunks, self.lengths, cost, options, self.tune_mode, cand.shapes)
         plan = assemble(self.policy, self.lengths, cand.chunks, list(cand.grouping.units), cost, **self.assembly)
         if not plan.stats["fits_memory"]:  # the executor's buffers (paired), recomputing all they can
-            raise PlanningError(f"needs {plan.stats.get('executor_memory_bytes', 0) / 1e6:,.0f} MB per device")
+            least = plan.stats.get("executor_memory_least_bytes", plan.stats.get("executor_memory_bytes", 0))
+            raise PlanningError(f"needs {least / 1e6:,.1f} MB per device even recomputing all it can")
         cand.time = self.tuned[cand.key] = plan.stats["iteration_time_s"]
         if self.progress is not None:
             self.progress(f"{what}: {len(cand.chunks)} chunks, {cand.time:.4g} s simulated")
