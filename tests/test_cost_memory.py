@@ -109,6 +109,27 @@ def test_memory_of_a_held_out_split_chunk_matches_xla(shipped):
     assert predict_memory(shape, coeffs, MemoryCase(chunk, 4, 0))["peak"] == pytest.approx(temp[4], rel=0.10)
 
 
+@pytest.mark.parametrize("compute, param, stage_bytes", [("float32", "float32", 8), ("bfloat16", "float32", 6)])
+def test_the_profiler_charges_the_stage_copy_in_the_compute_dtype(compute, param, stage_bytes):
+    """A stage holds its layers' copy in the compute dtype and their gradient accumulator in the
+    parameters' (fp32 at least): 8 bytes per parameter for the fp32 CPU model, 6 for bf16. The
+    profiler wrote 6 for every model, and the CPU account was 0.8 MB short on its 60 MB steps
+    (docs/design/executor-memory.md, "What a tick holds")."""
+    from jvarlen.profile.fit import _default_base
+
+    config = ModelConfig(
+        vocab_size=320,
+        d_model=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=384,
+        compute_dtype=compute,
+        param_dtype=param,
+    )
+    assert _default_base(config).stage_bytes_per_param == stage_bytes
+
+
 @pytest.mark.parametrize("profile", ["analytic", "fitted"])
 def test_a_split_documents_kv_rows_cost_what_the_executor_holds(profile):
     """A non-tail slice's tokens, every layer recomputed: Eq. 9's K/V kept for later slices plus

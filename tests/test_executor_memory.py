@@ -5,11 +5,10 @@ the compiled step, and plans that fit it under the ``"paired"`` simulation."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import SHIPPED_CPU_PROFILE, require_devices
 
 from jvarlen.config import Config
 from jvarlen.layout import Layout
@@ -17,14 +16,14 @@ from jvarlen.parallel import pipeline as pl
 from jvarlen.parallel.pipeline.stage import stored_token_bytes
 from jvarlen.plan.api import PlannerOptions, plan_iteration
 from jvarlen.plan.assemble import fit_executor_memory
+from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
 from jvarlen.plan.executor_memory import executor_memory, fit_executor
-from jvarlen.runtime.cost_check import PACKAGE_PROFILES
 
 # the shipped CPU profile's model, as the pipeline benchmark runs it
 MODEL = dataclasses.replace(Config().model, compute_dtype="float32", attention="xla")
 SHAPE = ModelShape.from_config(MODEL)
-COEFFS = CostCoefficients.load(sorted(glob.glob(f"{PACKAGE_PROFILES}/{SHAPE.key()}__cpu__cpu.json"))[0])
+COEFFS = CostCoefficients.load(SHIPPED_CPU_PROFILE)
 LAYOUT = Layout(1, 2, 1)
 SPLIT = [4000, 3000, 500, 700, 200, 900]  # two documents split, four whole
 OPTIONS = PlannerOptions(min_slice_tokens=256, simulation="paired")
@@ -130,6 +129,41 @@ def test_the_account_is_what_the_compiled_step_needs(plans, name):
     need = need_bytes(step.compiled(prepared).memory_analysis())
     account = executor_memory(plan, cost).total
     assert abs(account / need - 1) < 0.06, (account, need)
+
+
+@pytest.mark.parametrize("name", ["free", "dapple"])
+def test_a_tick_holds_both_lanes_reads_the_zero_rows_and_the_inputs(plans, name):
+    """Beside its op a tick holds the two lanes' inputs read out of the stash and the inbox
+    (``T/sp`` rows of ``d`` each), and where the signature has context, the zero K/V rows a forward
+    clears in dK/dV (``L/pp · T`` rows of ``K' · D``); the step holds the chunks' five int32 rows
+    (docs/design/executor-memory.md, "What a tick holds": XLA's buffer assignment of the 60 MB
+    benchmark steps). The CPU model: d = 128, fp32, 2 KV heads of 32, 2 layers per stage."""
+    plan, cost = plans[name]
+    account = executor_memory(plan, cost)
+    t, context = account.sizes["bucket"], account.sizes["context"]
+    assert (context > 0) == (name == "free")  # the free plan splits documents; DAPPLE's are whole
+    zero_rows = 2 * t * 2 * 32 * 4 if context else 0
+    assert account.terms["tick"] == 2 * t * 128 * 4 + zero_rows
+    assert account.terms["inputs"] == 5 * plan.n_chunks * t * 4
+
+
+def test_the_fused_op_rebuilds_no_layer(plans):
+    """A fused op keeps every layer's residuals in its stack and rebuilds none, so the account
+    charges it a backward without recomputation beside the stack, and the program the larger of
+    that and a recomputing backward (the two ops run in different ticks). Before, the stack was
+    added to the recomputing backward: 2.1 MB over XLA's figure on a fused 60 MB step."""
+    plan, cost = plans["free"]
+    account = executor_memory(plan, cost)
+    assert account.sizes["fused"] and account.sizes["context"]
+    ls, t, sc = cost.layers_per_stage, account.sizes["bucket"], account.sizes["context"]
+    shape = ChunkShape(sc, (t,), tail=True)
+    dctx = 2 * ls * sc * 2 * 32 * 4
+    stack = ls * t * cost.coeffs.m_stored_token
+    fused = cost.backward_memory(shape, 0) + dctx + stack
+    recomputing = cost.backward_memory(shape, ls) + dctx
+    recomputes = bool((np.asarray(plan.ckpt_layers) > 0).any())
+    assert account.terms["op"] == pytest.approx(max(fused, recomputing if recomputes else 0.0))
+    assert fused < cost.backward_memory(shape, ls) + dctx + stack
 
 
 def test_residual_and_checkpoint_slots_round_by_quarters_of_at_most_eight():
