@@ -117,16 +117,7 @@ def test_the_profiler_charges_the_stage_copy_in_the_compute_dtype(compute, param
     (docs/design/executor-memory.md, "What a tick holds")."""
     from jvarlen.profile.fit import _default_base
 
-    config = ModelConfig(
-        vocab_size=320,
-        d_model=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        mlp_dim=384,
-        compute_dtype=compute,
-        param_dtype=param,
-    )
+    config = ModelConfig(compute_dtype=compute, param_dtype=param)  # the default (CPU) model's shape
     assert _default_base(config).stage_bytes_per_param == stage_bytes
 
 

@@ -112,6 +112,13 @@ class _Account:
         self._ticks: dict = {}  # fusable chunks kept apart -> (paired tick table, slot memo)
         self.fusable = np.asarray(plan.schedule.fusable, bool) & fuse  # only these can change the table
 
+    def _backward(self, sc: int, recomputes: bool) -> float:
+        """The largest backward's working memory and layer gradients at context window ``sc``."""
+        if (sc, recomputes) not in self._work:
+            shape = ChunkShape(sc, (self.bucket,), tail=True)
+            self._work[sc, recomputes] = self.cost.backward_memory(shape, self.ls if recomputes else 0)
+        return self._work[sc, recomputes]
+
     def measure(self, ckpt) -> ExecutorMemory:
         ckpt = np.asarray(ckpt, np.int32)
         key = (kept_apart(ckpt) & self.fusable).tobytes()
@@ -132,16 +139,10 @@ class _Account:
         sizes["context"] = self.context
         rounded = round_buffers(types.SimpleNamespace(**sizes), self.bucket, ls)
         sc = rounded["context"]
-        recomputes = bool((ckpt > 0).any())
-        if (sc, recomputes) not in self._work:
-            shape = ChunkShape(sc, (self.bucket,), tail=True)
-            self._work[sc, recomputes] = self.cost.backward_memory(shape, ls if recomputes else 0)
         dctx = 2 * ls * sc * self.kv_row if sc else 0
-        op = self._work[sc, recomputes] + dctx
+        op = self._backward(sc, bool((ckpt > 0).any())) + dctx
         if rounded["fused"]:  # the fused op rebuilds no layer: its stack holds every layer's residuals
-            if (sc, False) not in self._work:
-                self._work[sc, False] = self.cost.backward_memory(ChunkShape(sc, (self.bucket,), tail=True), 0)
-            op = max(op, self._work[sc, False] + dctx + ls * tl * self.stored)
+            op = max(op, self._backward(sc, False) + dctx + ls * tl * self.stored)
         terms = dict(
             states=self.states,
             stash=(rounded["n_stash"] + 1) * tl * d * e,
