@@ -132,18 +132,18 @@ def test_the_account_is_what_the_compiled_step_needs(plans, name):
 
 
 @pytest.mark.parametrize("name", ["free", "dapple"])
-def test_a_tick_holds_both_lanes_reads_the_zero_rows_and_the_inputs(plans, name):
+def test_a_tick_holds_both_lanes_reads_and_the_step_the_inputs(plans, name):
     """Beside its op a tick holds the two lanes' inputs read out of the stash and the inbox
-    (``T/sp`` rows of ``d`` each), and where the signature has context, the zero K/V rows a forward
-    clears in dK/dV (``L/pp · T`` rows of ``K' · D``); the step holds the chunks' five int32 rows
+    (``T/sp`` rows of ``d`` each), and the step holds the chunks' five int32 rows
     (docs/design/executor-memory.md, "What a tick holds": XLA's buffer assignment of the 60 MB
-    benchmark steps). The CPU model: d = 128, fp32, 2 KV heads of 32, 2 layers per stage."""
+    benchmark steps). A forward clears a continuing document's dK/dV rows in place, so context
+    adds nothing here (it did: ``L/pp · T`` zero rows of ``K' · D`` until 2026-12-01). The CPU
+    model: d = 128, fp32."""
     plan, cost = plans[name]
     account = executor_memory(plan, cost)
     t, context = account.sizes["bucket"], account.sizes["context"]
     assert (context > 0) == (name == "free")  # the free plan splits documents; DAPPLE's are whole
-    zero_rows = 2 * t * 2 * 32 * 4 if context else 0
-    assert account.terms["tick"] == 2 * t * 128 * 4 + zero_rows
+    assert account.terms["tick"] == 2 * t * 128 * 4
     assert account.terms["inputs"] == 5 * plan.n_chunks * t * 4
 
 

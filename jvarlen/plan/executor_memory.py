@@ -19,8 +19,8 @@ time line's peak. :func:`executor_memory` is that account, term by term:
   of that and the fused op's: a backward that rebuilds no layer, the stacked dK/dV and the stack
   of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``;
 - ``tick``: what a tick holds beside its op: both lanes' inputs read out of the stash and the
-  inbox ``2 · T/sp · d · e``, and with context the zero rows a forward clears in the dK/dV pools
-  ``L/pp · T · K' · D · e``;
+  inbox ``2 · T/sp · d · e`` (a forward clears its rows of the dK/dV pools in place,
+  :func:`jvarlen.parallel.pipeline.slots.clear_rows`: no block of zeros);
 - ``inputs``: the chunks' int32 rows (:data:`jvarlen.plan.buffers.CHUNK_KEYS`), ``5 · n · T · 4``;
 - ``states``: :meth:`CostModel.model_state_memory` of the largest stage.
 
@@ -151,9 +151,7 @@ class _Account:
             residuals=rounded["n_res"] * tl * self.stored,
             checkpoints=rounded["n_ckpt"] * tl * d * e,
             op=op,
-            # what a tick holds beside its op: both lanes' inputs, read out of the stash and the
-            # inbox, and the zero rows a forward clears in the dK/dV pools
-            tick=2 * tl * d * e + (ls * self.bucket * self.kv_row if sc else 0),
+            tick=2 * tl * d * e,  # both lanes' inputs, read out of the stash and the inbox
             inputs=self.input_bytes,
         )
         return ExecutorMemory({k: float(v) for k, v in terms.items()}, dict(rounded, bucket=self.bucket), slots.peaks)

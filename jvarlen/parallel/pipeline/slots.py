@@ -24,6 +24,24 @@ def put_rows(pool, rows, value):
     return pool.at[:, rows].set(value.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
+def clear_rows(pool, start, mask):
+    """``pool[:, start + j] = 0`` in place where ``mask[j]`` (``mask``: ``[W]`` bool); rows past the
+    pool are left alone. One dynamic slice of ``W`` rows, zeroed where masked and written back where
+    it was read, which XLA fuses into an in-place update: a scatter of zeros would hold an
+    ``[Ls, W, ...]`` zero block (``L/pp · T · K · D`` per pool in the pipeline's ticks)."""
+    rows, width = pool.shape[1], mask.shape[0]
+    ar = jnp.arange(width, dtype=jnp.int32)
+    if rows < width:  # the slice must fit the pool
+        zeros = jnp.zeros((pool.shape[0], width) + pool.shape[2:], pool.dtype)
+        return put_rows(pool, jnp.where(mask, start + ar, rows + ar), zeros)
+    at = jnp.clip(start, 0, rows - width)  # where the slice lands (XLA clamps its start the same way)
+    token = ar + at - start
+    clear = (token >= 0) & mask[jnp.clip(token, 0, width - 1)]
+    block = jax.lax.dynamic_slice_in_dim(pool, at, width, axis=1)
+    block = jnp.where(clear.reshape((1, width) + (1,) * (pool.ndim - 2)), jnp.zeros((), pool.dtype), block)
+    return jax.lax.dynamic_update_slice_in_dim(pool, block, at, axis=1)
+
+
 def add_rows(pool, rows, value):
     """``pool[:, rows] += value`` in place; rows past the pool are dropped (distinct ``rows``)."""
     return pool.at[:, rows].add(value.astype(pool.dtype), mode="drop", unique_indices=True)
