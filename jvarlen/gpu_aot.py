@@ -199,8 +199,14 @@ def compile_report(lowered, *, kernel_prefix: str = KERNEL_PREFIX, ptxas: bool =
     Raises what XLA raises when the program does not compile. Compiled at XLA's default backend
     optimization level, whatever ``XLA_FLAGS`` says (the test suite lowers it for its CPU programs;
     at level 0 the GPU kernels spill registers that a training compile does not).
+    XLA's dump (HLO, buffer assignment, live ranges) is kept in a new folder under
+    ``$JVARLEN_AOT_DUMP`` where that is set (``scripts/xla_buffers.py`` reads it), else deleted.
     """
-    with tempfile.TemporaryDirectory(prefix="jvarlen-aot-") as dump:
+    keep = os.environ.get("JVARLEN_AOT_DUMP")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="jvarlen-aot-") as scratch:
+        dump = tempfile.mkdtemp(prefix="compile-", dir=keep) if keep else scratch
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_backend_optimization_level": 3})
         kernels: dict[str, KernelStats] = {}
         for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
