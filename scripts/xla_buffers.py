@@ -4,8 +4,10 @@ For a module dumped by XLA (``XLA_FLAGS=--xla_dump_to=DIR`` on CPU; ``JVARLEN_AO
 deviceless GPU compiles of ``scripts/gpu_compile_check.py``), prints the temporary allocation's
 values of at least ``--min-mib`` by offset, each with its shape and live range (positions in the
 flattened schedule), and the values XLA lists as live at its own peak point, largest first. Values
-at the same offset with disjoint live ranges share memory; a carry of the tick loop is live over
-the whole loop (docs/design/executor-memory.md has what the pipeline step's values are).
+at the same offset with disjoint live ranges share memory. A loop's carry is listed with the range
+of its update in the body, while its buffer is held across the iterations: read the address space
+(offsets), not a sum of the printed ranges (docs/design/executor-memory.md has what the pipeline
+step's values are).
 
 Usage: ``python scripts/xla_buffers.py DIR/module_0001.jit_train_step[...]_after_optimizations
 [--min-mib 100]`` (the path without ``-buffer-assignment.txt``).
