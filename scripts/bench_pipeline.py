@@ -673,12 +673,12 @@ def report_policies(spec: dict, times: dict, out: str) -> None:
         both = [r for r in rs if r["seed"] in epp]  # a policy that could not plan a batch: the others'
         speed = ""
         if both:
-            mean = lambda rows, k: np.mean([r[k] for r in rows])  # noqa: E731
             e = [epp[r["seed"]] for r in both]
-            speed = (
-                f"{mean(both, 'measured_median_s') / mean(e, 'measured_median_s'):.2f}x / "
-                f"{mean(both, 'predicted_s') / mean(e, 'predicted_s'):.2f}x"
-            )
+            ratio = {
+                k: np.mean([r[k] for r in both]) / np.mean([r[k] for r in e])
+                for k in ("measured_median_s", "predicted_s")
+            }
+            speed = f"{ratio['measured_median_s']:.2f}x / {ratio['predicted_s']:.2f}x"
             if len(both) < len(rs) or len(both) < len(epp):
                 speed += f" ({len(both)} batches both planned)"
         print(f"| {policy} | {m:.3f} | {p:.3f} | {speed} |")

@@ -363,9 +363,8 @@ class StageProgram:
             rows = jnp.where(writes, slots.own_rows(s, c), s.R + jnp.arange(s.T, dtype=jnp.int32))
             carry["ck"] = slots.put_rows(carry["ck"], rows, o["k_own"])
             carry["cv"] = slots.put_rows(carry["cv"], rows, o["v_own"])
-            cleared = writes & (c["own"][0, :, 0, 0] > 0)
-            carry["dck"] = slots.clear_rows(carry["dck"], c["ctx_base"] + c["C"], cleared)
-            carry["dcv"] = slots.clear_rows(carry["dcv"], c["ctx_base"] + c["C"], cleared)
+            carry["dck"] = slots.clear_own_rows(carry["dck"], c, writes)
+            carry["dcv"] = slots.clear_own_rows(carry["dcv"], c, writes)
         carry["g_rest"] = add_part(carry["g_rest"], o["d_head"])  # the last stage's
         carry["loss"] = carry["loss"] + o["loss"]
         carry["count"] = carry["count"] + o["count"]

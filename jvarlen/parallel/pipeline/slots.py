@@ -57,11 +57,22 @@ def context_rows(s, c):
     return jnp.where(ar >= c["shift"], c["ctx_base"] + ar - c["shift"], s.R + ar)
 
 
+def _owned(c):
+    """``[T]``: the chunk's tokens whose keys a later slice of its document reads (its first piece,
+    when it continues); they go to the pool rows from ``c["ctx_base"] + c["C"]`` on."""
+    return c["own"][0, :, 0, 0] > 0
+
+
 def own_rows(s, c):
     """The pool rows ``[T]`` of the chunk's own keys, where a later slice of its document reads
-    them (its first piece, when it continues); past the pool elsewhere."""
+    them; past the pool elsewhere."""
     ar = jnp.arange(s.T, dtype=jnp.int32)
-    return jnp.where(c["own"][0, :, 0, 0] > 0, c["ctx_base"] + c["C"] + ar, s.R + ar)
+    return jnp.where(_owned(c), c["ctx_base"] + c["C"] + ar, s.R + ar)
+
+
+def clear_own_rows(pool, c, writes):
+    """The chunk's own rows of a dK/dV pool cleared in place where ``writes`` (:func:`clear_rows`)."""
+    return clear_rows(pool, c["ctx_base"] + c["C"], writes & _owned(c))
 
 
 def context_of(s, r, c, j):
