@@ -157,11 +157,18 @@ class PipelineGrads:
         residual_policy=None,
         stage_weights="replicated",
         compiler_options=None,
+        per_layer_grads=None,
     ):
         mesh = pipeline_mesh(sig.layout)
         self.sharding = NamedSharding(mesh, P("dp"))
         grads = make_pipeline_grads(
-            graphdef, cfg, sig, mesh, residual_policy=residual_policy, stage_weights=stage_weights
+            graphdef,
+            cfg,
+            sig,
+            mesh,
+            residual_policy=residual_policy,
+            stage_weights=stage_weights,
+            per_layer_grads=per_layer_grads,
         )
         fn = jax.jit(grads)
         shapes = {k: jax.ShapeDtypeStruct(v, np.int32, sharding=self.sharding) for k, v in sig.input_shapes().items()}

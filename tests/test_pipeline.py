@@ -78,6 +78,18 @@ def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int, paired: bool =
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_matches_reference_under_every_table(layout):
+    _matches_reference(layout)
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=str)
+def test_per_layer_accumulation_matches_reference(layout):
+    """The form a GPU step compiles (``per_layer_grads``): no conditional around lane 0's ops, each
+    descent adding each layer's gradients and context dK/dV into the step's buffers as it goes;
+    Ulysses inside the layers' conditionals where sp > 1."""
+    _matches_reference(layout, per_layer_grads=True)
+
+
+def _matches_reference(layout, per_layer_grads=None):
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)
     graphdef, params = tiny_params(cfg)
@@ -89,9 +101,9 @@ def test_matches_reference_under_every_table(layout):
             for _, pipes, scheds, ckpts, paired in cases
         ]
     )
-    assert sig.context > 0 and sig.n_res > 0
+    assert sig.context > 0 and sig.n_res > 0 and sig.fused
     grads_of = PipelineGrads(
-        graphdef, cfg, sig, params, compiler_options=values_compile()
+        graphdef, cfg, sig, params, compiler_options=values_compile(), per_layer_grads=per_layer_grads
     )  # new tables: same executable
     refs = {}
     for name, pipes, scheds, ckpts, paired in cases:

@@ -2,22 +2,21 @@
 one program.
 
 See docs/design/pipeline.md. Static: the :class:`PipelineSignature` (layout, bucket, chunk count,
-tick count, context bucket, slot counts). Runtime data: the chunks, the tick table
-``[ticks, pp, 2]`` from ``jvarlen.plan.schedule`` and the slot tables of
-:mod:`jvarlen.plan.buffers` (which also encode the recomputation table), built on
-the host by :mod:`jvarlen.parallel.pipeline.prepare`. Mesh axes ``(dp, pp, sp)`` of
-:mod:`jvarlen.parallel.layouts`; every pipeline (``dp`` index) has its own chunks and tables;
-Ulysses runs inside each stage over ``sp``.
+tick count, context bucket, slot counts). Runtime data: the chunks, the tick table ``[ticks, pp,
+2]`` from ``jvarlen.plan.schedule`` and the slot tables of :mod:`jvarlen.plan.buffers` (which also
+encode the recomputation table), built on the host by :mod:`jvarlen.parallel.pipeline.prepare`.
+Mesh axes ``(dp, pp, sp)`` of :mod:`jvarlen.parallel.layouts`; every pipeline (``dp`` index) has
+its own chunks and tables; Ulysses runs inside each stage over ``sp``.
 
-Inside ``shard_map`` one device runs a loop over paired ticks (:class:`StageProgram`):
-in each tick lane 0 (a backward or the fused F and B of the last stage) and then lane 1 (a
-forward) gather what their op reads from the stage's buffers (the context and residual buffers
-are read one layer at a time inside its passes), run it, scatter what it wrote and add its
-gradients (:mod:`jvarlen.parallel.pipeline.slots`); then two ``ppermute`` pass activations /
-cotangents to the neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
-in a conditional on its mode (``stage.StageFns.ascend``/``descend``); where the stage's weights
-are sharded, each layer's gather over the stage's dp × sp devices runs between those
-conditionals (``StageWeights.layer_pass``).
+Inside ``shard_map`` one device runs a loop over paired ticks (:class:`StageProgram`): in each
+tick lane 0 (a backward or the fused F and B of the last stage) and then lane 1 (a forward) gather
+what their op reads from the stage's buffers (the context and residual buffers are read one layer
+at a time inside its passes), run it, scatter what it wrote and add its gradients
+(:mod:`jvarlen.parallel.pipeline.slots`); then two ``ppermute`` pass activations / cotangents to
+the neighbouring stages. An op is a few passes over the stage's layers (scans), each layer's work
+in a conditional on its mode (``stage.StageFns.ascend``/``descend``); where the stage's weights are
+sharded, each layer's gather over the stage's dp × sp devices runs between those conditionals
+(``StageWeights.layer_pass``).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from flax import nnx
 from jvarlen.model import AttentionInputs
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline import slots
+from jvarlen.parallel.pipeline.fused import fused_op
 from jvarlen.parallel.pipeline.rest import StageRest, add_part
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS
 from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes
@@ -59,8 +59,11 @@ class StageProgram:
     scattered after it (to the dummy slot, or dropped, when it writes nothing), so every buffer
     update is in place in the tick loop's carry."""
 
-    def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True):
+    def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True, per_layer: Optional[bool] = None):
         self.s, self.layers, self.scale = s, layers, scale
+        # lane 0's descents add each layer's gradients as they go (:meth:`backward_lane`); None:
+        # off XLA:CPU, whose step needs more memory in that form (docs/design/executor-memory.md)
+        self.per_layer = not cpu if per_layer is None else per_layer
         self.b = jax.tree.map(lambda a: a[0], b)
         self.stage = jax.lax.axis_index(PP)
         self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
@@ -121,20 +124,26 @@ class StageProgram:
         return run
 
     # ---- the ops: reads -> outputs (:attr:`out` where a lane does not run)
-    def backward_op(self, r, op, k, kind=None):
+    def backward_op(self, r, op, k, kind=None, into=None):
         """Lane 0: the backward of chunk k, or the fused F and B of the last stage (its forward keeps
         every layer's residuals; with one stage its input is the embedding), or nothing (``op`` idle).
         ``kind``: the op, static (BWD or FUSED), or None: ``op``, data.
+        ``into``: run outside any conditional as ``kind`` where ``op`` is that kind, the descent
+        adding each layer's gradients into ``into``'s accumulators and dK/dV pools (``g_layers``,
+        ``dck``, ``dcv``; with the buffers the op reads) as it goes, returned updated as ``into``;
+        without it, returned stacked over the stage's layers (``d_layers``, ``dck``, ``dcv``).
 
         A backward descends the stage's layers once: a recomputed layer is rebuilt from its input
         (the stash for layer 0, else its checkpoint slot) under ``jax.vjp`` and applied at once, a
         stored one is rebuilt from its residual slots, so at most one layer's rebuilt residuals are
         held (docs/design/pipeline-recompute.md). Only a fused op has an ascending pass."""
-        s, fns = self.s, self.s.fns
-        if kind == FUSED and not fns.weights.group and not s.Sc:
+        s, fns, r_op = self.s, self.s.fns, r
+        if kind == FUSED and not fns.weights.group and not s.Sc and into is None:
             return self.fused_op(r, k)
         c = self.chunk(k)
         is_b, is_fused = (op == BWD, op == FUSED) if kind is None else (kind == BWD, kind == FUSED)
+        if into is not None:  # the kind's structure, run where the op is that kind
+            is_b, is_fused = is_b & (op == BWD), is_fused & (op == FUSED)
         active = is_b | is_fused
         fusable = kind == FUSED or (kind is None and s.sig.fused)  # static: the op may be a fused one
         f = fns.layer(c["inputs"], c["local_positions"])
@@ -142,7 +151,7 @@ class StageProgram:
             x = r["x"]
             if s.pp == 1:
                 x = jnp.where(is_fused, maybe(is_fused, lambda: self.rest.embed(c, after=x)), x)
-            mode = KEEP if kind == FUSED else jnp.where(is_fused, KEEP, NONE)
+            mode = KEEP if kind == FUSED and into is None else jnp.where(is_fused, KEEP, NONE)
 
             def up(x, lp, xs):
                 j, m = xs
@@ -163,9 +172,11 @@ class StageProgram:
         else:
             rebuilds = recompute & ~is_fused if s.stores or fusable else True
 
-        def down(dy, lp, xs):
+        def down(carry, lp, xs):
+            dy, acc = carry if into is not None else (carry, None)
             j, kept, slot, ckpt_slot, rebuild = xs
             rebuild = rebuilds if static else rebuild
+            r = r_op if acc is None else dict(r_op, **acc)  # the buffers it reads, as the loop carries them
             ck, cv = slots.context_of(s, r, c, j)
             dk, dv = slots.own_context_grads(s, r, c, j)
 
@@ -190,55 +201,37 @@ class StageProgram:
                 dlp, dx, dck, dcv = from_input()
             else:
                 dlp, dx, dck, dcv = jax.lax.cond(rebuild, from_input, from_residuals)
-            return dx, ((dck, dcv), dlp)  # the context's gradients as the stage sees them (rows: ctx_rows)
+            if acc is None:
+                return dx, ((dck, dcv), dlp)  # the context's gradients as the stage sees them (rows: ctx_rows)
+            acc = slots.add_layer(s, acc, j, c, active, dlp, dck, dcv)
+            # its layer forwards counted in the loop: lane 1's writes then wait for it (:meth:`tick`)
+            ran = is_fused if rebuild is None else is_fused | (is_b & rebuild)  # a fused op ran each layer
+            acc["count"] = acc["count"] + ran.astype(jnp.int32)
+            return (dx, acc), None
 
         static = rebuilds is None or isinstance(rebuilds, bool)
         per_layer = (c["res_slot"] if s.stores else None, c["ckpt_slot"] if s.sig.n_ckpt else None)
         xs = (jnp.arange(s.ls), residuals) + per_layer + (None if static else rebuilds,)
-        dx, ((dck, dcv), d_layers) = self.layer_pass(down, dy, xs, reverse=True, reduce=True)
-        forwards = jnp.where(is_fused, s.ls, jnp.sum(jnp.where(is_b, recompute, False)))
+        if into is None:
+            dx, ((dck, dcv), d_layers) = self.layer_pass(down, dy, xs, reverse=True, reduce=True)
+            grads = dict(d_layers=d_layers, dck=dck, dcv=dcv)
+            forwards = jnp.where(is_fused, s.ls, jnp.sum(jnp.where(is_b, recompute, False)))
+        else:
+            (dx, into), _ = self.layer_pass(down, (dy, dict(into, count=jnp.zeros((), jnp.int32))), xs, reverse=True)
+            forwards = into.pop("count")
+            grads = dict(into=into)
 
         return dict(
             self.out,
             send_grad=dx,
             lookup_cotangent=self.rest.lookup_cotangent(dx, active & self.is_first),
-            d_layers=d_layers,
-            dck=dck,
-            dcv=dcv,
             d_head=d_head,
             loss=loss,
             count=forwards.astype(jnp.int32),
+            **grads,
         )
 
-    def fused_op(self, r, k):
-        """Lane 0's fused F and B of chunk k in a signature without context, where the stage's
-        weights are whole on every device: one ``jax.vjp`` of the scan over the stage's layers,
-        applied to the head's cotangent at once. Its residuals never leave the op, so autodiff keeps
-        them as the data-parallel step's scan does, where the passes of :meth:`backward_op` keep
-        each layer's ``vjp`` leaves (CPU, one stage, 4 × 512 tokens: +0.1 / −7.2 % against the
-        data-parallel step instead of +6-7 %; docs/design/residuals.md). Sharded weights take the passes, whose
-        gathers autodiff would keep as residuals, and so do signatures with context, whose passes
-        read each layer's context rows in place where this would stack them over the layers."""
-        s, fns, c = self.s, self.s.fns, self.chunk(k)
-        f = fns.layer(c["inputs"], c["local_positions"])
-        x = self.rest.embed(c, after=r["x"]) if s.pp == 1 else r["x"]
-        ck, cv = slots.context_of(s, r, c, 0)  # no context: [0, K, D] each
-
-        def forward(weights, x):
-            return jax.lax.scan(lambda x, lp: (f(lp, x, ck, cv)[0], None), x, weights)[0]
-
-        y, vjp_fn = jax.vjp(forward, self.layers, x)
-        loss, d_head, dy = self.rest.head_vjp(c, y)
-        d_layers, dx = vjp_fn(dy)
-        return dict(
-            self.out,
-            send_grad=dx,
-            lookup_cotangent=self.rest.lookup_cotangent(dx, self.is_first),
-            d_layers=d_layers,
-            d_head=d_head,
-            loss=loss,
-            count=jnp.asarray(s.ls, jnp.int32),
-        )
+    fused_op = fused_op  # lane 0's fused F and B as one ``jax.vjp`` (no context, whole weights)
 
     def forward_op(self, r, op, k, kind=None):
         """Lane 1: the forward of chunk k, keeping the residuals of the layers it stores (and, on the
@@ -316,15 +309,30 @@ class StageProgram:
         reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
         if s.fns.weights.dp_sharded:  # one pass for every op kind: its layers' gathers are matched
             o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
-        else:  # a branch per op kind, with static layer modes where they are (fewer conditionals)
+        elif not self.per_layer or s.fns.weights.group or (s.sig.fused and not s.Sc):
+            # a branch per op kind: the layers' gathers only where one runs; the fused op of a
+            # signature without context, one ``jax.vjp`` of the stage (:meth:`fused_op`)
             fused = partial(self.backward_op, kind=FUSED) if s.sig.fused else self.idle
             kinds = [self.idle, partial(self.backward_op, kind=BWD), fused]
             o = jax.lax.switch(jnp.clip(op - 1, 0, 2), kinds, reads, op, k)
-        if s.Sc:  # into the context's pool rows (an op without context's: past the pool, dropped)
-            rows = jnp.where(takes_dctx, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
-            carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
-            carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
-        carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
+        else:
+            # no conditional around the ops (their layers' skip the work), each descent adding each
+            # layer's gradients in place as it goes (docs/design/executor-memory.md); the buffers it
+            # reads go through its loop's carry too, which lane 1 then updates in place
+            into = {name: carry[name] for name in ("g_layers", "dck", "dcv", "ck", "cv", "res", "ckpt")}
+            o = self.backward_op(dict(reads, **into), op, k, kind=BWD, into=into)
+            if s.sig.fused:
+                # after the backward's descent (it reads what that one returns): the fused op's stack
+                # of residuals is then never held beside a backward that recomputes
+                f = self.backward_op(dict(reads, **o["into"]), op, k, kind=FUSED, into=o["into"])
+                o = dict(f, **{key: o[key] + f[key] for key in ("send_grad", "lookup_cotangent", "count")})
+            carry.update(o["into"])
+        if "into" not in o:  # the op's stacks (an op without context's pool rows: past the pool, dropped)
+            if s.Sc:
+                rows = jnp.where(takes_dctx, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
+                carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
+                carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
+            carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])
         g_rest = add_part(carry["g_rest"], o["d_head"])
         carry["g_rest"] = self.rest.embed_grad(g_rest, c, o["lookup_cotangent"], takes_dctx & self.is_first)
         carry["loss"] = carry["loss"] + o["loss"]

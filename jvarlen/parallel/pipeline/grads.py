@@ -31,6 +31,7 @@ def make_pipeline_grads(
     canonical: bool = True,
     group_axes=None,
     vocab_max_sp: Optional[int] = None,
+    per_layer_grads: Optional[bool] = None,
 ):
     """The un-jitted ``grads(params, batch) -> (sums, grads, layer_forwards [dp, pp])``.
 
@@ -57,6 +58,9 @@ def make_pipeline_grads(
     its stage arrives split on over the stage's sp devices (contiguous chunks; a group has dp = 1), or None;
     the rows are then each device's chunk of the stage's summed gradient. ``grads.layer_specs``:
     the layers' partition specs it takes.
+    ``per_layer_grads``: a backward adds each layer's gradients into the accumulators as it goes
+    (one layer's gradient held, not the stage's stack; ``StageProgram.per_layer``); None: where the
+    mesh is not XLA:CPU's.
     """
     parts = isinstance(sig, tuple)
     sigs = sig if parts else (sig,)
@@ -76,7 +80,7 @@ def make_pipeline_grads(
     def device_fn(layers, rest, bs, scale):
         pulled, acc = weights.pull(layers), None
         for s, b in zip(shapes, bs):
-            program = StageProgram(s, pulled, rest, b, scale, cpu)
+            program = StageProgram(s, pulled, rest, b, scale, cpu, per_layer_grads)
             acc = program.accumulate(acc)
         return program.finish(acc)
 

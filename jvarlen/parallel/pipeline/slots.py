@@ -47,6 +47,21 @@ def add_rows(pool, rows, value):
     return pool.at[:, rows].add(value.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
+def add_layer(s, acc, j, c, active, dlp, dck, dcv) -> dict:
+    """A backward's layer ``j`` added into the step's buffers ``acc`` in place: its gradient ``dlp``
+    into the accumulators' row ``j`` (``g_layers``: ``[Ls, ...]``), and where ``active`` its
+    context's dK/dV ``[Sc, K, D]`` into the pools' rows of chunk ``c`` (``dck``, ``dcv``). A
+    descent that adds as it goes holds one layer's gradient, not the stage's stack of them."""
+    acc = dict(acc)
+    acc["g_layers"] = jax.tree.map(lambda g, d: put(g, j, get(g, j) + d.astype(g.dtype)), acc["g_layers"], dlp)
+    if s.Sc:
+        rows = jnp.where(active, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
+        for name, d in (("dck", dck), ("dcv", dcv)):
+            pool = acc[name]
+            acc[name] = pool.at[j, rows].add(d.astype(pool.dtype), mode="drop", unique_indices=True)
+    return acc
+
+
 # ---- a split document's context in the pool (``s``: the StageShapes, ``c``: a chunk view)
 def context_rows(s, c):
     """The pool rows ``[Sc]`` of the context as a layer of chunk ``c`` sees it: the document's keys
