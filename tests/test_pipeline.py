@@ -89,6 +89,28 @@ def test_per_layer_accumulation_matches_reference(layout):
     _matches_reference(layout, per_layer_grads=True)
 
 
+@pytest.mark.parametrize("per_layer_grads", [False, True])
+def test_whole_documents_match_reference(per_layer_grads):
+    """A signature without context (whole documents, 1F1B, the last stage fusing each chunk): on
+    XLA:CPU the fused op is one ``jax.vjp`` of the stage (``fused_op``); in the per-layer form it
+    runs as passes, adding each layer's gradients as it descends."""
+    layout = Layout(dp=2, pp=2, sp=1)
+    require_devices(layout.num_devices)
+    cfg = tiny_config(num_layers=4)
+    graphdef, params = tiny_params(cfg)
+    pipes = pipelines(layout.dp, plans=(PLAN_C,), seed=300)
+    n = pipes[0][1].n_chunks
+    scheds = [sch.one_f_one_b(pk.n_chunks, layout.pp) for _, pk in pipes]
+    ckpts = [np.zeros((n, layout.pp), np.int32), np.full((n, layout.pp), 1, np.int32)]
+    sig, batch = pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)
+    assert sig.context == 0 and sig.fused
+    grads_of = PipelineGrads(graphdef, cfg, sig, params, per_layer_grads=per_layer_grads)
+    sums, grads, _ = grads_of(params, batch)
+    ref_sums, ref_grads = reference(graphdef, params, [d for docs, _ in pipes for d in docs])
+    np.testing.assert_allclose(sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-5)
+    assert_tree_close(grads, ref_grads)
+
+
 def _matches_reference(layout, per_layer_grads=None):
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)

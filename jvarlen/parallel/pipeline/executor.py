@@ -309,7 +309,7 @@ class StageProgram:
         reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
         if s.fns.weights.dp_sharded:  # one pass for every op kind: its layers' gathers are matched
             o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
-        elif not self.per_layer or s.fns.weights.group or (s.sig.fused and not s.Sc):
+        elif not self.per_layer or s.fns.weights.group:
             # a branch per op kind: the layers' gathers only where one runs; the fused op of a
             # signature without context, one ``jax.vjp`` of the stage (:meth:`fused_op`)
             fused = partial(self.backward_op, kind=FUSED) if s.sig.fused else self.idle

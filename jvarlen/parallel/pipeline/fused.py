@@ -1,5 +1,7 @@
 """Lane 0's fused F and B of one chunk in a pipeline signature without context, as one ``jax.vjp``
-of the stage (a method of :class:`jvarlen.parallel.pipeline.executor.StageProgram`; device code)."""
+of the stage (a method of :class:`jvarlen.parallel.pipeline.executor.StageProgram`; device code).
+Where the step adds each layer's gradients as it descends (``StageProgram.per_layer``, a GPU
+step's form) the fused op runs as passes instead: this form returns the stage's gradients stacked."""
 
 from __future__ import annotations
 
