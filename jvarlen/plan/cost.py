@@ -325,7 +325,10 @@ class CostModel(CollectiveTimes, HeadMemory):
         it. Where every device holds the rest of the model (:attr:`holds_rest`), one op's gradient
         of the rest is charged too, in the rest's dtypes (:meth:`_rest_bytes`): one program runs on
         every stage, so a middle stage allocates the head's gradient as the last one does. A fused
-        data-parallel step (:meth:`peak_memory`) has no such copy."""
+        data-parallel step (:meth:`peak_memory`) has no such copy. A GPU step whose stage weights
+        are whole on each device adds each layer's gradient as it descends
+        (``StageProgram.per_layer``) and holds one layer's: there this charge is conservative by
+        ``L_s - 1`` layers (docs/design/executor-memory.md)."""
         c = self.coeffs
         n = self.layers_per_stage * self.model.layer_params
         group = self.layout.dp * self.layout.sp

@@ -17,7 +17,9 @@ time line's peak. :func:`executor_memory` is that account, term by term:
   (:meth:`CostModel.backward_memory` at the bucket, recomputing where the plan does), its stacked
   context dK/dV ``2 · L/pp · Sc · K' · D · e``; where the program holds the fused op, the larger
   of that and the fused op's: a backward that rebuilds no layer, the stacked dK/dV and the stack
-  of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``;
+  of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored`` (a GPU step adds
+  each layer's gradients and dK/dV as it descends, ``StageProgram.per_layer``: the stacks are then
+  conservative);
 - ``tick``: what a tick holds beside its op: both lanes' inputs read out of the stash and the
   inbox ``2 · T/sp · d · e`` (a forward clears its rows of the dK/dV pools in place,
   :func:`jvarlen.parallel.pipeline.slots.clear_rows`: no block of zeros);
