@@ -57,12 +57,12 @@ class StageProgram:
     No buffer leaves an op's conditional: what an op reads is gathered before it (or, for the
     context and residual buffers, read one layer at a time inside it) and what it writes is
     scattered after it (to the dummy slot, or dropped, when it writes nothing), so every buffer
-    update is in place in the tick loop's carry."""
+    update is in place in the tick loop's carry. In the per-layer form lane 0's ops run outside
+    any conditional and the buffers they read and add to go through their passes' loop carries."""
 
     def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True, per_layer: Optional[bool] = None):
         self.s, self.layers, self.scale = s, layers, scale
-        # lane 0's descents add each layer's gradients as they go (:meth:`backward_lane`); None:
-        # off XLA:CPU, whose step needs more memory in that form (docs/design/executor-memory.md)
+        # lane 0 adds each layer's gradients as it goes (:meth:`backward_lane`); None: off XLA:CPU
         self.per_layer = not cpu if per_layer is None else per_layer
         self.b = jax.tree.map(lambda a: a[0], b)
         self.stage = jax.lax.axis_index(PP)
@@ -204,9 +204,8 @@ class StageProgram:
             if acc is None:
                 return dx, ((dck, dcv), dlp)  # the context's gradients as the stage sees them (rows: ctx_rows)
             acc = slots.add_layer(s, acc, j, c, active, dlp, dck, dcv)
-            # its layer forwards counted in the loop: lane 1's writes then wait for it (:meth:`tick`)
-            ran = is_fused if rebuild is None else is_fused | (is_b & rebuild)  # a fused op ran each layer
-            acc["count"] = acc["count"] + ran.astype(jnp.int32)
+            ran = is_fused if rebuild is None else is_fused | (is_b & rebuild)
+            acc["count"] = acc["count"] + ran.astype(jnp.int32)  # in the loop: lane 1's writes wait for it
             return (dx, acc), None
 
         static = rebuilds is None or isinstance(rebuilds, bool)
@@ -321,9 +320,10 @@ class StageProgram:
             # reads go through its loop's carry too, which lane 1 then updates in place
             into = {name: carry[name] for name in ("g_layers", "dck", "dcv", "ck", "cv", "res", "ckpt")}
             o = self.backward_op(dict(reads, **into), op, k, kind=BWD, into=into)
-            if s.sig.fused:
-                # after the backward's descent (it reads what that one returns): the fused op's stack
-                # of residuals is then never held beside a backward that recomputes
+            if s.sig.fused:  # after the backward, reading what it returns (its collectives in order):
+                # the fused op's stack of residuals is then never held beside a recomputing backward
+                if self.ordered:
+                    o, reads = jax.lax.optimization_barrier((o, reads))
                 f = self.backward_op(dict(reads, **o["into"]), op, k, kind=FUSED, into=o["into"])
                 o = dict(f, **{key: o[key] + f[key] for key in ("send_grad", "lookup_cotangent", "count")})
             carry.update(o["into"])

@@ -59,8 +59,9 @@ def make_pipeline_grads(
     the rows are then each device's chunk of the stage's summed gradient. ``grads.layer_specs``:
     the layers' partition specs it takes.
     ``per_layer_grads``: a backward adds each layer's gradients into the accumulators as it goes
-    (one layer's gradient held, not the stage's stack; ``StageProgram.per_layer``); None: where the
-    mesh is not XLA:CPU's.
+    (one layer's gradient held, not the stage's stack; ``StageProgram.per_layer``; stage weights
+    sharded over more than one device keep their stacked reduce-scattered gradients); None: where
+    the mesh is not XLA:CPU's.
     """
     parts = isinstance(sig, tuple)
     sigs = sig if parts else (sig,)
