@@ -322,8 +322,8 @@ class StageProgram:
             o = self.backward_op(dict(reads, **into), op, k, kind=BWD, into=into)
             if s.sig.fused:  # after the backward, reading what it returns (its collectives in order):
                 # the fused op's stack of residuals is then never held beside a recomputing backward
-                if self.ordered:
-                    o, reads = jax.lax.optimization_barrier((o, reads))
+                if self.ordered:  # its input after the count, an output of the backward's loop
+                    o["count"], reads["x"] = jax.lax.optimization_barrier((o["count"], reads["x"]))
                 f = self.backward_op(dict(reads, **o["into"]), op, k, kind=FUSED, into=o["into"])
                 o = dict(f, **{key: o[key] + f[key] for key in ("send_grad", "lookup_cotangent", "count")})
             carry.update(o["into"])
