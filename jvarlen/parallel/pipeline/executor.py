@@ -329,7 +329,7 @@ class StageProgram:
             carry.update(o["into"])
         if "into" not in o:  # the op's stacks (an op without context's pool rows: past the pool, dropped)
             if s.Sc:
-                rows = jnp.where(takes_dctx, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
+                rows = slots.dctx_rows(s, c, takes_dctx)
                 carry["dck"] = slots.add_rows(carry["dck"], rows, o["dck"])
                 carry["dcv"] = slots.add_rows(carry["dcv"], rows, o["dcv"])
             carry["g_layers"] = jax.tree.map(lambda g, d: g + d.astype(g.dtype), carry["g_layers"], o["d_layers"])

@@ -55,11 +55,17 @@ def add_layer(s, acc, j, c, active, dlp, dck, dcv) -> dict:
     acc = dict(acc)
     acc["g_layers"] = jax.tree.map(lambda g, d: put(g, j, get(g, j) + d.astype(g.dtype)), acc["g_layers"], dlp)
     if s.Sc:
-        rows = jnp.where(active, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
+        rows = dctx_rows(s, c, active)
         for name, d in (("dck", dck), ("dcv", dcv)):
             pool = acc[name]
             acc[name] = pool.at[j, rows].add(d.astype(pool.dtype), mode="drop", unique_indices=True)
     return acc
+
+
+def dctx_rows(s, c, takes):
+    """The pool rows ``[Sc]`` an op's context dK/dV go to: chunk ``c``'s context rows where the op
+    ``takes`` them, else rows past the pool (dropped)."""
+    return jnp.where(takes, c["ctx_rows"], s.R + jnp.arange(s.Sc, dtype=jnp.int32))
 
 
 # ---- a split document's context in the pool (``s``: the StageShapes, ``c``: a chunk view)
