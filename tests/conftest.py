@@ -115,14 +115,16 @@ def corpus_cache() -> str:
     return os.environ["JVARLEN_TEST_CORPUS_CACHE"]
 
 
-def flip_a_bit(step_dir) -> str:
-    """Flips one bit in the middle of the largest array data file of a checkpoint's train state
-    (bit rot, a bad copy: the file stays readable); returns the file's path."""
+def flip_a_bit(step_dir, at: float = 0.5) -> str:
+    """Flips one bit at fraction ``at`` of the largest array data file of a checkpoint's train state
+    (bit rot, a bad copy: the file stays readable); returns the file's path. Flipping the same bit
+    again undoes it. Where the byte lands in a compressed frame's header, the reader itself rejects
+    the file; elsewhere it reads other bits than were written."""
     import glob
 
     files = sorted(glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True), key=os.path.getsize)
     with open(files[-1], "r+b") as f:
-        f.seek(os.path.getsize(files[-1]) // 2)
+        f.seek(int(os.path.getsize(files[-1]) * at))
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x40]))

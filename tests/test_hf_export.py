@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -216,10 +217,34 @@ def test_float16_export_refuses_values_beyond_its_range(tmp_path):
 
 
 def test_export_refuses_a_checkpoint_whose_bits_changed(tmp_path):
+    """A flipped bit is refused whichever check finds it: the reader (the bit broke a compressed
+    frame) or the checksums (it decompressed to other bits, the case only they catch). Bits are
+    flipped and restored at several places until the checksums have been the ones to refuse."""
     from conftest import flip_a_bit
 
     run, _, _ = _saved_run(tmp_path)
-    flip_a_bit(run / "checkpoints" / "7")
-    with pytest.raises(ValueError, match=r"checkpoint 7 .*: params/.* does not hold the bits that were written"):
+    step_dir = run / "checkpoints" / "7"
+    refused_by = []
+    for at in (0.5, 0.3, 0.7, 0.1, 0.9, 0.4, 0.6, 0.2):
+        flip_a_bit(step_dir, at)
+        with pytest.raises(ValueError, match=r"checkpoint 7 in .*(does not hold the bits|cannot be read)") as refused:
+            _export(run, tmp_path / "hf")
+        assert not (tmp_path / "hf").exists()
+        refused_by.append("checksum" if "does not hold the bits that were written" in str(refused.value) else "reader")
+        if refused_by[-1] == "checksum":
+            assert re.search(r"checkpoint 7 in .*: params/.* does not hold the bits", str(refused.value))
+            break
+        flip_a_bit(step_dir, at)  # undone: the next place is flipped on its own
+    assert refused_by[-1] == "checksum", refused_by
+
+
+def test_export_reports_a_truncated_checkpoint_as_unreadable(tmp_path):
+    import glob
+
+    run, _, _ = _saved_run(tmp_path)
+    files = glob.glob(str(run / "checkpoints" / "7" / "state" / "**" / "d" / "*"), recursive=True)
+    for path in files:
+        os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match=r"checkpoint 7 in .* cannot be read \(.*\); export an older checkpoint"):
         _export(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -72,18 +72,20 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{run_dir!r} has no checkpoints/ directory: not a jvarlen run directory")
     manager = ocp.CheckpointManager(directory)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {directory}")
-    saved = manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-    # not re-read from init_from: that directory may have changed or gone since the run started
-    model = ModelConfig(**{**saved, "init_from": None})
-    _, abstract = nnx.split(abstract_model(model), nnx.Param)
-    target = {"params": jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract)}
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-    restored = manager.restore(step, args=ocp.args.Composite(state=args, data=ocp.args.JsonRestore()))
-    manager.close()
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        saved = _read(manager, step, directory, model=ocp.args.JsonRestore())["model"]
+        # not re-read from init_from: that directory may have changed or gone since the run started
+        model = ModelConfig(**{**saved, "init_from": None})
+        _, abstract = nnx.split(abstract_model(model), nnx.Param)
+        target = {"params": jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract)}
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        restored = _read(manager, step, directory, state=args, data=ocp.args.JsonRestore())
+    finally:
+        manager.close()
     params = restored["state"]["params"]
     differs = verify_checksums(state_checksums({"params": params}), (restored["data"] or {}).get(CHECKSUMS))
     if differs is not None:
@@ -92,6 +94,23 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
             "export an older checkpoint with --step"
         )
     return SavedRun(model, saved.get("init_from"), params, step)
+
+
+def _read(manager: ocp.CheckpointManager, step: int, directory: str, **items) -> dict:
+    """``manager.restore`` of ``items``; damage found while reading (a corrupt compressed frame, a
+    truncated or missing file) is reported like a failed checksum, naming the step."""
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**items))
+    except OSError as error:
+        if not isinstance(error, (FileNotFoundError, NotADirectoryError)):
+            raise  # storage (EIO, a stale mount, permissions): the checkpoint may be fine
+        reason = error
+    except Exception as error:  # noqa: BLE001 (orbax and tensorstore raise their own types for damage)
+        reason = error
+    first_line = f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}"[:300]
+    raise ValueError(
+        f"checkpoint {step} in {directory} cannot be read ({first_line}); export an older checkpoint with --step"
+    ) from reason
 
 
 def _parameter_arrays(params) -> dict[tuple[str, ...], np.ndarray]:
