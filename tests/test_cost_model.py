@@ -267,6 +267,28 @@ def test_the_executor_backward_holds_its_layer_gradients_until_they_are_accumula
     assert cm.peak_memory(ch, 1, 0) == pytest.approx(cm.activation_memory(ch, 1, 0) + cm.working_memory(ch, 1))
 
 
+@pytest.mark.parametrize("backend, per_layer", [("gpu", True), ("analytic", True), ("cpu", False), ("", False)])
+def test_a_gpu_backward_holds_one_layers_gradients(backend, per_layer):
+    """Off XLA:CPU, with its stage weights whole on each device, the executor's backward adds each
+    layer's gradients into the accumulator as it descends (``StageProgram.per_layer``): one layer's
+    ``e · layer params`` is held, not the stage's stack. Coefficients of no named backend are
+    charged the stack; sharded stage weights keep their stacked reduce-scattered gradients."""
+    c = coeffs(m_work_token=500.0)
+    c = c.replace(meta=dataclasses.replace(c.meta, backend=backend))
+    cm = CostModel(MHA, Layout(2, 2, 2), c)
+    assert cm.executor_per_layer == per_layer
+    stage_layers = MHA.num_layers // 2 * MHA.layer_params
+    held = MHA.layer_params if per_layer else stage_layers
+    split = rest_bytes(MHA, shards=2)[1]
+    assert cm.layer_gradient_memory() == pytest.approx(c.bytes_per_element * held + split)
+    sharded = CostModel(MHA, Layout(2, 2, 2), c, stage_weights_sharded=True)
+    accumulator = c.stage_bytes_per_param - c.bytes_per_element
+    assert not sharded.executor_per_layer
+    assert sharded.layer_gradient_memory() == pytest.approx(accumulator * stage_layers / 4 + split)
+    alone = CostModel(MHA, Layout(1, 2, 1), c, stage_weights_sharded=True)  # nothing to shard over: whole
+    assert alone.executor_per_layer == per_layer
+
+
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
     c = coeffs(memory_budget=5e7, m_head_token=40.0, m_work_token=500.0, m_work_remat_token=700.0)

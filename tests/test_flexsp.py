@@ -205,7 +205,8 @@ def test_executor_cap_is_the_executor_account_of_the_padded_step():
     micro-batches give the largest bucket per (least, most) recomputed layers) against the account
     of real group plans padded to each bucket, uniform and mixed tables: on the small model a step
     fits with 0 or all 8 layers recomputed; on 7B of the FlexSP benchmark (A800) the slot rounding
-    makes it 16, 24 or 32 of 32 layers at sp = 8, and a table of 16-18 layers needs more than 16."""
+    makes it 8, 16, 24 or 32 of 32 layers (8-12K tokens per device: 8-24), and a table of 16-18
+    layers needs more than 16."""
     import sys
     from pathlib import Path
 
@@ -217,7 +218,7 @@ def test_executor_cap_is_the_executor_account_of_the_padded_step():
     setting = next(s for s in bench.settings(False) if s.model == "7b" and not s.zero3)
     cases = [
         (scheme_costs(8), [3072, 12288, 14336, 20480, 114688], [(0, 1), (1, 7), (0, 8)]),
-        (setting.costs(), [1024, 4096, 6144, 7168, 20480], [(0, 16), (16, 18), (16, 24), (20, 31)]),
+        (setting.costs(), [1024, 6144, 8192, 10240, 12288, 20480], [(0, 16), (16, 18), (16, 24), (20, 31)]),
     ]
     seen = set()
     for costs, buckets, mixed in cases:
@@ -237,11 +238,13 @@ def test_executor_cap_is_the_executor_account_of_the_padded_step():
 def test_the_executor_table_is_what_the_fit_leaves():
     """A sp = 1 group of the FlexSP benchmark's github 7B with sharded stage weights (A800) whose
     six micro-batches hold 27-40K tokens pads them to 40,960: they fit the time line's memory with
-    20-25 recomputed layers, and the executor's buffers hold that bucket only with every layer
-    recomputed (uniform 32): the fit raises every micro-batch to 32 layers. (Until a recomputing
-    backward was charged its layer's activations and the head its tiles, 2026-11-30, they needed
-    22-27 and the buffers held the bucket at a uniform 24 but not at 24-27, which the fit raised.) ``executor_table`` gives that table and ``group_time`` the plan's simulated
-    time."""
+    17-23 recomputed layers, and the executor's buffers hold that bucket with a uniform 24 but not
+    with 23 or fewer (the slots are rounded: 20 to 23 recomputed layers all hold 26,573 tokens, 24
+    hold 45,915): the fit raises every micro-batch to 24. ``executor_table`` gives that table and
+    ``group_time`` the plan's simulated time. (Before a GPU step's descents added each layer's
+    gradients as they went, 2026-12-01, the time line needed 20-25 and the buffers held the bucket
+    only with every layer recomputed; before a recomputing backward was charged its layer's
+    activations and the head its tiles, 2026-11-30, 22-27 and a uniform 24.)"""
     import sys
     from pathlib import Path
 
@@ -255,10 +258,11 @@ def test_the_executor_table_is_what_the_fit_leaves():
     gc, scheme = GroupCosts(costs), Scheme(1, 1)
     lengths = [40337, 27535, 33465, 37614, 38568, 39884]
     least = [gc.least_recompute(scheme, n) for n in lengths]
-    assert (min(least), max(least)) == (20, 25) and gc.bucket_recompute(scheme, 40960) == 32
-    assert executor_cap(costs, scheme, 32, 32) >= 40960 > executor_cap(costs, scheme, 24, 24)
+    assert (min(least), max(least)) == (17, 23) and gc.bucket_recompute(scheme, 40960) == 24
+    assert executor_cap(costs, scheme, 24, 24) >= 40960 > executor_cap(costs, scheme, 23, 23)
+    assert executor_cap(costs, scheme, 17, 23) < 40960
     table = gc.executor_table(scheme, 40960, least)
-    assert table == [32] * 6
+    assert table == [24] * 6
     choice = GroupChoice(scheme, tuple(range(6)), tuple((k,) for k in range(6)), tuple(least))
     plan = build_group_plan("test", scheme, lengths, choice.micro_batches, costs, least, "paired")
     assert plan.ckpt_layers[:, 0].tolist() == table
@@ -300,16 +304,18 @@ def test_group_time_charges_the_recomputation_of_the_groups_bucket():
 
 
 def test_flexsp_ranks_its_one_degree_finalists_by_the_padded_group_model():
-    """stdlib 7B on 64 H100s (pull/push overlapped), batch 3004, one bucket per group
+    """stdlib 7B on 64 H100s (pull/push overlapped), batch 3037, one bucket per group
     (``bucket_parts=1``): by the additive model the two best one-degree layouts are sp = 16 and 32;
     the exact group model, which runs every micro-batch of a group over its bucket with the
     recomputation that bucket needs, as the executor does, ranks 2×(pp=1, sp=32) and 8×(pp=1, sp=8)
-    first (0.789 s and 0.814 s; sp = 16: 0.817 s). Those two are planned, and FlexSP is at least as
+    first (0.744 s and 0.755 s; sp = 16: 0.769 s). Those two are planned, and FlexSP is at least as
     fast as the per-iteration homogeneous reference. In up to two parts per group (the default) the
     long documents' bucket no longer sets the short ones', the exact model agrees with the additive
-    one (sp = 16: 0.769 s, sp = 32: 0.780 s, sp = 8: 0.814 s), and FlexSP's heterogeneous plan
-    beats both (0.738 s; 0.736 s with documents moved by the exact model, ``refine_groups``)."""
-    costs, batch = strategies_batch("stdlib 7B h100 64 dev 200K tok 32K ctx, pull/push", 3004)
+    one (sp = 32: 0.744 s, sp = 16: 0.749 s, sp = 8: 0.755 s), and FlexSP's heterogeneous plan
+    beats both (0.700 s). (Batch 3004 showed the same until a GPU step's descents added each
+    layer's gradients as they went, 2026-12-01: with the smaller charge its exact ranks of sp = 16
+    and 32 at one part came within 0.2 % of each other.)"""
+    costs, batch = strategies_batch("stdlib 7B h100 64 dev 200K tok 32K ctx, pull/push", 3037)
     problem = flexsp.FlexSPProblem.build(batch, GroupCosts(costs))
     assert set(flexsp.homogeneous_finalists(problem, 2)) == {"sp=16", "sp=32"}  # the additive model's two best
     expected = {1: {"2×(pp=1, sp=32)", "8×(pp=1, sp=8)"}, 2: {"2×(pp=1, sp=32)", "4×(pp=1, sp=16)"}}
@@ -370,23 +376,25 @@ def strategies_batch(setting_prefix: str, seed: int):
 
 def test_the_best_one_degree_layouts_are_simulated_too():
     """7B on 8 A800s (the strategies benchmark's commoncrawl setting, batch 1004): FlexSP's additive
-    model ranks two sp = 4 groups first (3.301 s against 3.334 s) and both the heuristic and the
-    MILP return such a layout, but in the executor's model their plans simulate at 3.57 s and
-    3.58 s and that of 1×(pp=1, sp=8) at 3.35 s: the executor runs every micro-batch of a group over its bucket, with
-    the recomputation that bucket needs. The exact group model prices both (every candidate's
-    estimate is its simulated time); the best two one-degree layouts by it are planned for the
-    executor too, and the fastest is kept."""
+    model ranks 1×(pp=1, sp=2) + 6×(pp=1, sp=1) first (3.146 s against 3.209 s for four sp = 2
+    groups) and both the heuristic and the MILP return that layout, but in the executor's model its
+    plan simulates at 3.39 s and that of 4×(pp=1, sp=2) at 3.239 s: the executor runs every
+    micro-batch of a group over its bucket, with the recomputation that bucket needs. The exact
+    group model prices both (every candidate's estimate is its simulated time); the best two
+    one-degree layouts by it are planned for the executor too, and the fastest is kept. (Before a
+    GPU step's descents added each layer's gradients as they went, 2026-12-01, the same misrank
+    held between two sp = 4 groups and one sp = 8 group.)"""
     costs, batch = strategies_batch("commoncrawl 7B a800-ib200 8 dev", 1004)
     plan = plan_strategy("flexsp", batch, costs)
     candidates = {c["source"]: c for c in plan.stats["candidates"]}
-    assert plan.stats["source"] == "sp=8" and plan.describe() == "1×(pp=1, sp=8)"
+    assert plan.stats["source"] == "sp=2" and plan.describe() == "4×(pp=1, sp=2)"
     assert plan.stats["iteration_time_s"] == min(c["simulated_s"] for c in candidates.values())
     for c in candidates.values():
         assert c["iteration_time_s"] == pytest.approx(c["simulated_s"], rel=1e-9), c
-    assert candidates["heuristic"]["model_makespan_s"] < candidates["sp=8"]["model_makespan_s"]  # the misrank
-    assert candidates["sp=8"]["iteration_time_s"] < candidates["heuristic"]["iteration_time_s"]  # padded: right
+    assert candidates["heuristic"]["model_makespan_s"] < candidates["sp=2"]["model_makespan_s"]  # the misrank
+    assert candidates["sp=2"]["iteration_time_s"] < candidates["heuristic"]["iteration_time_s"]  # padded: right
     before = plan_strategy("flexsp", batch, costs, FlexSPOptions(homogeneous_top=0))
-    assert before.describe() == "2×(pp=1, sp=4)"
+    assert before.describe() == "1×(pp=1, sp=2) + 6×(pp=1, sp=1)"
     assert before.stats["iteration_time_s"] > plan.stats["iteration_time_s"]
 
 

@@ -317,24 +317,34 @@ class CostModel(CollectiveTimes, HeadMemory):
         per_token = c.m_work_remat_token if ckpt_layers > 0 else c.m_work_token
         return (per_token * chunk.tokens + c.m_work_context_token * chunk.context) / self.layout.sp
 
+    @property
+    def executor_per_layer(self) -> bool:
+        """Whether the pipeline executor's backward adds each layer's gradients into the
+        accumulator as it descends (``StageProgram.per_layer``): a step compiled off XLA:CPU (the
+        profile's backend: a GPU or TPU profile, or hardware figures), its stage weights whole on
+        each device (sharded over more than one device, the ops return their reduce-scattered
+        gradients stacked). Coefficients that name no backend are charged the stacks, the larger."""
+        sharded = self.stage_weights_sharded and self.layout.dp * self.layout.sp > 1
+        return self.coeffs.meta.backend in ("gpu", "tpu", "analytic") and not sharded
+
     def layer_gradient_memory(self) -> float:
         """Bytes one device of a stage holds beside :meth:`working_memory` while the pipeline
-        executor runs a backward: the op returns its layers' gradients stacked in the compute dtype,
-        ``e · L_s · layer params`` (with sharded stage weights the reduce-scattered ``1/(dp·sp)`` of
-        them, summed in the accumulator's dtype), and adds them into the gradient accumulator after
-        it. Where every device holds the rest of the model (:attr:`holds_rest`), one op's gradient
-        of the rest is charged too, in the rest's dtypes (:meth:`_rest_bytes`): one program runs on
-        every stage, so a middle stage allocates the head's gradient as the last one does. A fused
-        data-parallel step (:meth:`peak_memory`) has no such copy. A GPU step whose stage weights
-        are whole on each device adds each layer's gradient as it descends
-        (``StageProgram.per_layer``) and holds one layer's: there this charge is conservative by
-        ``L_s - 1`` layers (docs/design/executor-memory.md)."""
+        executor runs a backward: its layers' gradients in the compute dtype, one layer's
+        ``e · layer params`` where it adds each into the accumulator as it descends
+        (:attr:`executor_per_layer`), else stacked, ``e · L_s · layer params`` (with sharded stage
+        weights the reduce-scattered ``1/(dp·sp)`` of them, summed in the accumulator's dtype),
+        added after the op. Where every device holds the rest of the model (:attr:`holds_rest`),
+        one op's gradient of the rest is charged too, in the rest's dtypes (:meth:`_rest_bytes`):
+        one program runs on every stage, so a middle stage allocates the head's gradient as the
+        last one does. A fused data-parallel step (:meth:`peak_memory`) has no such copy."""
         c = self.coeffs
         n = self.layers_per_stage * self.model.layer_params
         group = self.layout.dp * self.layout.sp
         rest = self._rest_bytes()[1] if self.holds_rest else 0.0
         if self.stage_weights_sharded and group > 1:
             return (c.stage_bytes_per_param - c.bytes_per_element) * n / group + rest
+        if self.executor_per_layer:
+            return c.bytes_per_element * self.model.layer_params + rest
         return c.bytes_per_element * n + rest
 
     def memory_floor(self, stage: int) -> float:

@@ -17,9 +17,9 @@ time line's peak. :func:`executor_memory` is that account, term by term:
   (:meth:`CostModel.backward_memory` at the bucket, recomputing where the plan does), its stacked
   context dK/dV ``2 · L/pp · Sc · K' · D · e``; where the program holds the fused op, the larger
   of that and the fused op's: a backward that rebuilds no layer, the stacked dK/dV and the stack
-  of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored`` (a GPU step adds
-  each layer's gradients and dK/dV as it descends, ``StageProgram.per_layer``: the stacks are then
-  conservative);
+  of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``. Where the step's
+  descents add each layer's gradients as they go (a GPU step with whole stage weights,
+  ``StageProgram.per_layer``), one layer's gradients and dK/dV instead of the stage's stacks;
 - ``tick``: what a tick holds beside its op: both lanes' inputs read out of the stash and the
   inbox ``2 · T/sp · d · e`` (a forward clears its rows of the dK/dV pools in place,
   :func:`jvarlen.parallel.pipeline.slots.clear_rows`: no block of zeros);
@@ -108,6 +108,7 @@ class _Account:
         kv_heads = model.num_kv_heads * (layout.sp // math.gcd(model.num_kv_heads, layout.sp)) // layout.sp
         self.kv_row = kv_heads * model.head_dim * self.e  # one layer's K (or V) of one token, per device
         self.states = max(cost.model_state_memory(p) for p in range(layout.pp))
+        self.per_layer = cost.executor_per_layer  # one layer's gradients at a time (backward_memory too)
         # the chunks' int32 token, target, mask, position and segment rows this pipeline receives
         self.input_bytes = len(CHUNK_KEYS) * len(shapes) * self.bucket * 4
         self._work: dict = {}  # (context rows, recomputes) -> the largest backward's working memory
@@ -141,7 +142,7 @@ class _Account:
         sizes["context"] = self.context
         rounded = round_buffers(types.SimpleNamespace(**sizes), self.bucket, ls)
         sc = rounded["context"]
-        dctx = 2 * ls * sc * self.kv_row if sc else 0
+        dctx = 2 * (1 if self.per_layer else ls) * sc * self.kv_row if sc else 0  # dK/dV an op holds
         op = self._backward(sc, bool((ckpt > 0).any())) + dctx
         if rounded["fused"]:  # the fused op rebuilds no layer: its stack holds every layer's residuals
             op = max(op, self._backward(sc, False) + dctx + ls * tl * self.stored)
