@@ -214,13 +214,13 @@ def test_group_plans_fit_the_executors_buffers():
 def test_one_stage_groups_keep_stored_layers_without_the_fused_stack():
     """A one-stage plan that stores every layer fuses its chunks, and the fused op holds a stack of
     a chunk's residuals over all L/pp layers (a (pp 1, sp 8) group of llama-7b on A800s, cut into
-    FlexSP's micro-batches that fit without recomputation: 61.1 GiB storing every layer, 46.5 GiB
+    FlexSP's micro-batches that fit without recomputation: 64.0 GiB storing every layer, 46.9 GiB
     recomputing every one). Under a budget halfway between, recomputing whole chunks only frees
     that stack once every chunk recomputes every layer; capping the layers each chunk stores
     unfuses them all, and the signature then compiles no fused op: the repair keeps the cheaper
     table, here 8 of 32 layers stored per chunk. (Until a GPU step's descents added each layer's
-    gradients as they went, the group itself needed the repair at the A800's budget: 87.2 GiB
-    storing everything, 16 layers stored after the cap.)"""
+    gradients as they went, 2026-12-01, the group itself needed the repair at the A800's budget,
+    67.1 GiB: 72.8 GiB storing everything, 16 layers stored after the cap.)"""
     import sys
     from pathlib import Path
 
