@@ -243,8 +243,8 @@ def test_export_reports_a_truncated_checkpoint_as_unreadable(tmp_path):
 
     run, _, _ = _saved_run(tmp_path)
     files = glob.glob(str(run / "checkpoints" / "7" / "state" / "**" / "d" / "*"), recursive=True)
-    for path in files:
-        os.truncate(path, os.path.getsize(path) // 2)
+    largest = max(files, key=os.path.getsize)  # the parameters' data, cut short
+    os.truncate(largest, os.path.getsize(largest) // 2)
     with pytest.raises(ValueError, match=r"checkpoint 7 in .* cannot be read \(.*\); export an older checkpoint"):
         _export(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
