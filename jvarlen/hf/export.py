@@ -32,7 +32,13 @@ from jvarlen.hf.hf_config import HFCheckpointError, hf_config_dict, read_hf_conf
 from jvarlen.hf.safetensors_dir import INDEX, write_sharded
 from jvarlen.hf.weights import tensor_maps
 from jvarlen.model import abstract_model
-from jvarlen.runtime.checkpoint import CHECKSUMS, state_checksums, verify_checksums
+from jvarlen.runtime.checkpoint import (
+    CHECKSUMS,
+    is_storage_error,
+    read_error_summary,
+    state_checksums,
+    verify_checksums,
+)
 
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
@@ -101,16 +107,13 @@ def _read(manager: ocp.CheckpointManager, step: int, directory: str, **items) ->
     truncated or missing file) is reported like a failed checksum, naming the step."""
     try:
         return manager.restore(step, args=ocp.args.Composite(**items))
-    except OSError as error:
-        if not isinstance(error, (FileNotFoundError, NotADirectoryError)):
-            raise  # storage (EIO, a stale mount, permissions): the checkpoint may be fine
-        reason = error
     except Exception as error:  # noqa: BLE001 (orbax and tensorstore raise their own types for damage)
-        reason = error
-    first_line = f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}"[:300]
-    raise ValueError(
-        f"checkpoint {step} in {directory} cannot be read ({first_line}); export an older checkpoint with --step"
-    ) from reason
+        if is_storage_error(error):
+            raise
+        raise ValueError(
+            f"checkpoint {step} in {directory} cannot be read ({read_error_summary(error)}); "
+            "export an older checkpoint with --step"
+        ) from error
 
 
 def _parameter_arrays(params) -> dict[tuple[str, ...], np.ndarray]:

@@ -204,7 +204,7 @@ class Checkpointer:
         )
 
     def _set_aside(self, step: int, error: Exception) -> str:
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        reason = read_error_summary(error)
         path = os.path.join(self.directory, str(step))
         aside = f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
         if os.path.exists(aside):  # the same step set aside twice within a second
@@ -224,10 +224,21 @@ class Checkpointer:
         self.manager.close()
 
 
+def is_storage_error(error: Exception) -> bool:
+    """A failed read that says nothing about the checkpoint (EIO, a stale mount, permissions): it
+    may be fine. A missing file or a damaged one is the checkpoint's."""
+    return isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError))
+
+
+def read_error_summary(error: Exception) -> str:
+    """One line naming a failed read: the error's type and its message's first line."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
 def _raise_unless_damage(error: Exception, step: int, directory: str) -> None:
     """Raises what a failed read of checkpoint ``step`` means when it is not damage."""
-    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError)):
-        raise error  # storage (EIO, a stale mount, permissions): the checkpoint may be fine
+    if is_storage_error(error):
+        raise error
     if isinstance(error, ValueError) and "structures do not match" in str(error):
         diff = "\n".join(str(error).splitlines()[1:9])
         raise CheckpointMismatchError(
