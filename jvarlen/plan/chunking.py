@@ -135,16 +135,16 @@ def packed_group(lengths: Sequence[int], cap: int) -> list[list[int]]:
     ``cap`` tokens: each document, longest first, joins the first micro-batch it fits in, else opens
     a new one (a document longer than ``cap`` is a micro-batch of its own). Micro-batches in the
     order they were opened, each longest document first."""
-    room = np.zeros(len(lengths), dtype=np.int64)  # free tokens per open micro-batch
+    room: list[int] = []  # free tokens per open micro-batch
     out: list[list[int]] = []
     for i in sorted_order(lengths):
         n = int(lengths[i])
-        fits = np.flatnonzero(room[: len(out)] >= n) if n <= cap else ()
-        if len(fits):
-            out[int(fits[0])].append(i)
-            room[int(fits[0])] -= n
+        first = next((j for j, free in enumerate(room) if free >= n), None) if n <= cap else None
+        if first is not None:
+            out[first].append(i)
+            room[first] -= n
         else:
-            room[len(out)] = max(0, int(cap) - n)
+            room.append(max(0, int(cap) - n))
             out.append([i])
     return out
 

@@ -16,7 +16,7 @@ import json
 from typing import Optional
 
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape, tile_pairs
+from jvarlen.plan.chunk import ChunkShape, executor_bucket, executor_bucket_below, tile_pairs
 from jvarlen.plan.coefficients import (  # noqa: F401 (re-exported: the cost model's vocabulary)
     CostCoefficients,
     LayerTime,
@@ -85,6 +85,8 @@ class CostModel(CollectiveTimes, HeadMemory):
         # same chunks and buckets many times per iteration (bounded: a run plans ever new chunks)
         self._padded: dict = {}
         self._alltoall = BoundedMemo()
+        self._vocab = BoundedMemo()
+        self._scaled = BoundedMemo()
         self._p2p_link: dict = {}
         self._gather_s, self._reduce_s = self._weight_comm_times()
         self.op_terms = BoundedMemo()  # the simulator's per-op durations (jvarlen.plan.simulator._Durations)
@@ -146,8 +148,34 @@ class CostModel(CollectiveTimes, HeadMemory):
         t = self.linear_tokens(chunk)
         if not self._bucket_scale:
             return float(t)
-        factor = next((f for b, f in self._bucket_scale if b >= t), self._bucket_scale[-1][1])
-        return t * factor
+        got = self._scaled.get(t)
+        if got is None:
+            factor = next((f for b, f in self._bucket_scale if b >= t), self._bucket_scale[-1][1])
+            got = self._scaled.put(t, t * factor)
+        return got
+
+    def grows_with_padding(self) -> bool:
+        """Whether a chunk's time never falls as the bucket it is padded to (an executor bucket,
+        :meth:`padded`) or its recomputed layers grow: every Eq. 1 term (layers, head,
+        recomputation) and the sp group's link non-negative, and the tokens charged
+        (:meth:`time_tokens`) non-decreasing from each executor bucket to the next across every
+        per-bucket factor's edge (a measured factor may fall enough to undo the extra tokens). A
+        search may then bound a padded step from below by its chunks at their own buckets."""
+        sp = self.layout.sp
+        terms = (*self.coeffs.layer_times(sp), *self.coeffs.head_times(sp), self.coeffs.recompute_times(sp))
+        if min(min(t.alpha1, t.alpha2, t.beta1) for t in terms) < 0:
+            return False
+        link = self.coeffs.alltoall_link(sp)
+        if link.bandwidth <= 0 or link.latency < 0:
+            return False
+        one = ChunkShape(0, (1,))
+        for edge, _ in self.padded(None)._bucket_scale[:-1]:
+            below = executor_bucket_below(edge, sp)
+            if below and self.padded(below).time_tokens(one) > self.padded(executor_bucket(edge + 1, sp)).time_tokens(
+                one
+            ):
+                return False
+        return True
 
     def layer_fwd_compute(self, chunk: ChunkShape) -> float:
         """Eq. 1 for one layer on the stage's sp group (no all-to-all)."""

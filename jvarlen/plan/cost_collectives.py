@@ -115,9 +115,16 @@ class CollectiveTimes:
         stacked sums of the log-partition (``[T]``, ``[2, T]`` fp32), its backward reduce-scatters
         the outputs' fp32 gradient. The executor runs the cotangents' all-gather in the first
         stage's backward only (``rest.StageRest.lookup_cotangent``), as charged here."""
-        if not self.splits_vocab or stage is None:
+        if stage is None:
             return 0.0
         t = self.linear_tokens(chunk)
+        key = (t, stage, backward)
+        got = self._vocab.get(key)
+        if got is None:
+            got = self._vocab.put(key, self._vocab_time(t, stage, backward) if self.splits_vocab else 0.0)
+        return got
+
+    def _vocab_time(self, t: int, stage: int, backward: bool) -> float:
         activations = self.coeffs.bytes_per_element * self.model.d_model * t
         total = self._sp_collective(activations) if stage == 0 else 0.0
         if stage == self.layout.pp - 1:

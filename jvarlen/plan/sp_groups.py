@@ -18,6 +18,8 @@ cost model (:class:`~jvarlen.plan.strategy.SchemeCosts`, all-to-all per layer in
 
 :func:`jvarlen.plan.sp_refine.refine_groups` moves documents between groups by that exact time.
 
+:class:`~jvarlen.plan.sp_cuts.GroupCuts` (mixed in) cuts a group into micro-batches and finds its fastest cut.
+
 :class:`~jvarlen.plan.work_table.WorkTable` tabulates the additive model for the searches.
 
 :mod:`jvarlen.plan.sp_assemble` turns the chosen groups into a
@@ -28,39 +30,20 @@ Pure Python/numpy: nothing here imports JAX.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
+import bisect
 import math
 from typing import Optional, Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape, bucket_bins, executor_bucket, executor_bucket_below
-from jvarlen.plan.chunking import chunk_group, packed_group
+from jvarlen.plan.chunk import ChunkShape, executor_bucket
 from jvarlen.plan.executor_caps import _SAFETY, admitted_caps, executor_cap, executor_recompute
 from jvarlen.plan.memo import MethodCaches, method_cache
-from jvarlen.plan.plan import part_ranges
+from jvarlen.plan.sp_cuts import GroupChoice, GroupCuts
 from jvarlen.plan.strategy import Scheme, SchemeCosts, enumerate_schemes
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupChoice:
-    """One group as a policy chose it: its scheme, its documents (indices into the iteration's
-    lengths), its micro-batches (lists of indices into ``documents``, in execution order), the
-    layers each micro-batch recomputes, and the step's parts (micro-batch counts of consecutive
-    runs, each its own executor step padded to its own bucket, :attr:`Plan.parts`; ``()``: one)."""
-
-    scheme: Scheme
-    documents: tuple[int, ...]
-    micro_batches: tuple[tuple[int, ...], ...]
-    ckpt: tuple[int, ...]
-    parts: tuple[int, ...] = ()
-
-    def part_ranges(self) -> list[tuple[int, int]]:
-        return part_ranges(self.parts, len(self.micro_batches))
-
-
-class GroupCosts(MethodCaches):
+class GroupCosts(GroupCuts, MethodCaches):
     """Per-scheme quantities of SP groups on the run's ``costs.num_devices`` devices.
 
     ``schemes``: every ``Scheme(1, sp)`` with ``sp`` a power of two dividing the heads, at most
@@ -141,8 +124,15 @@ class GroupCosts(MethodCaches):
 
     def least_recompute(self, scheme: Scheme, tokens: int) -> Optional[int]:
         """The fewest recomputed layers with which a micro-batch of ``tokens`` fits; None if none does."""
-        fit = np.flatnonzero(self.caps(scheme) >= int(tokens))
-        return int(fit[0]) if fit.size else None
+        reach = self._caps_reach(scheme)
+        r = bisect.bisect_left(reach, int(tokens))
+        return r if r < len(reach) else None
+
+    @method_cache()
+    def _caps_reach(self, scheme: Scheme) -> list[int]:
+        """:meth:`caps` as their running maximum: the first ``r`` at which it reaches a count is the
+        first at which :meth:`caps` does, found by bisection (the searches ask it per micro-batch)."""
+        return [int(x) for x in np.maximum.accumulate(self.caps(scheme))]
 
     def longest_fitting(self) -> tuple[Scheme, int]:
         """The scheme holding the longest micro-batch (full recomputation) and that length."""
@@ -276,155 +266,6 @@ class GroupCosts(MethodCaches):
         else every count raised to at least the least ``t`` with which they do (the fit's repair by
         cap, :func:`~jvarlen.plan.executor_memory.fit_executor`); unchanged where nothing fits."""
         return executor_recompute(self.costs, scheme, bucket, ckpt, self.layers)
-
-    def bucket_caps(self, scheme: Scheme, longest: int) -> list[int]:
-        """Micro-batch caps (tokens) worth cutting a padded group at whose longest document holds
-        ``longest`` tokens: the bucket that document sets, and for no recomputation, for the least
-        the document's bucket needs and for each level at which the executor's cap rises, the
-        largest bucket that level holds in both memory accounts (:meth:`executor_caps`,
-        :meth:`caps`). Within a level a larger bucket is fewer micro-batches for the same
-        recomputation."""
-        sp, ex, tl = scheme.sp, self.executor_caps(scheme), self.caps(scheme)
-        own = executor_bucket(int(longest), sp)
-        levels = {0, self.bucket_recompute(scheme, own) or 0}
-        levels.update(r for r in range(1, self.max_recompute + 1) if ex[r] > ex[r - 1])
-        out = {min(own, self.cap_full(scheme))}
-        for r in sorted(x for x in levels if x <= self.max_recompute):
-            b = executor_bucket_below(int(min(ex[r], tl[r])), sp)
-            if b is not None and b >= longest:
-                out.add(b)
-        return sorted(x for x in out if x >= longest)
-
-    def packing_caps(self, scheme: Scheme, shortest: int) -> list[int]:
-        """Bin sizes (tokens) worth packing a padded group into whose shortest document holds
-        ``shortest`` tokens: every executor bucket from that document's up to :meth:`cap_full`, then
-        ``cap_full`` itself (the most any micro-batch may hold), smallest first. A document longer
-        than a bin runs alone (:func:`packed_group`), so a small bin packs the short documents into
-        small buckets while the long ones run alone: where a small bucket costs less per token
-        (the CPU profile under the residual policy: 512 tokens 23 % less than 1,024) that is the
-        fastest cut, which bins from the longest document's bucket up never tried."""
-        return bucket_bins(shortest, self.cap_full(scheme), scheme.sp)
-
-    # ---- FlexSP / homogeneous micro-batching
-    def flex_group(
-        self, lengths: Sequence[int], scheme: Scheme, documents: Sequence[int], full_recompute: bool = False
-    ) -> GroupChoice:
-        """A group of ``documents`` on ``scheme`` cut by Eq. 23-24 into micro-batches that fit without
-        recomputation (a longer document alone, with its least recomputation), or where
-        :attr:`padded` at the group's bucket if that is faster (:meth:`fastest_cut`).
-        ``full_recompute``: every layer recomputed and micro-batches as large as that allows (the
-        usual static setting)."""
-        docs = tuple(int(d) for d in documents)
-        micro_batches, ckpt, parts = self._flex_cut(scheme, tuple(int(lengths[d]) for d in docs), full_recompute)
-        return GroupChoice(scheme, docs, micro_batches, ckpt, parts)
-
-    @method_cache(limit=4096)  # FlexSP ranks, then plans, the same groups
-    def _flex_cut(self, scheme: Scheme, local: tuple, full_recompute: bool) -> tuple[tuple, tuple, tuple]:
-        """:meth:`flex_group`'s micro-batches, recomputation and parts for documents of ``local`` lengths."""
-        docs = tuple(range(len(local)))
-        if full_recompute:
-            c = self._cut(scheme, docs, list(local), chunk_group(local, self.cap_full(scheme)), full_recompute=True)
-        else:
-            c = self.fastest_cut(local, scheme, docs, chunk_group(local, self.cap_none(scheme)))
-        return c.micro_batches, c.ckpt, c.parts
-
-    def fastest_cut(
-        self,
-        lengths: Sequence[int],
-        scheme: Scheme,
-        documents: Sequence[int],
-        micro_batches,
-        min_batches: int = 1,
-        max_batches: Optional[int] = None,
-        ckpt: Optional[Sequence[int]] = None,
-    ) -> GroupChoice:
-        """The group of ``documents`` cut into ``micro_batches`` (a policy's cut: lists of indices into
-        ``documents``), each recomputing ``ckpt`` layers (the policy's; None: the least that fits
-        it), or a faster cut of ``min_batches`` to ``max_batches`` micro-batches.
-
-        Where :attr:`padded`, every micro-batch runs over the bucket of the group's largest and
-        recomputes what that bucket needs (:meth:`group_time`): a long document sets both for the
-        short ones. So the group is also cut by Eq. 23-24 at each of :meth:`bucket_caps` (the short
-        documents packed up to the bucket they pay for anyway) and packed first-fit decreasing into
-        bins of each of :meth:`packing_caps` (micro-batches filled to a bucket, the remainder left
-        to a smaller one: balanced micro-batches all pay the largest one's bucket); each cut is also
-        tried in parts (:attr:`max_parts`, each part its own bucket), and the cut :meth:`group_time`
-        finds fastest is kept (ties: the policy's)."""
-        docs = tuple(int(d) for d in documents)
-        local = [int(lengths[d]) for d in docs]
-        cuts = [[list(mb) for mb in micro_batches]]
-
-        def admissible(cut) -> bool:
-            count = min(int(min_batches), len(local)) <= len(cut) <= (max_batches or len(local))
-            return count and cut not in cuts
-
-        if self.padded:
-            for cap in self.bucket_caps(scheme, max(local)):
-                cut = chunk_group(local, cap, min_batches)
-                if admissible(cut):
-                    cuts.append(cut)
-            for cap in self.packing_caps(scheme, min(local)):
-                cut = packed_group(local, cap)
-                if admissible(cut):
-                    cuts.append(cut)
-                if len(cut) == 1:  # larger bins hold the same single micro-batch
-                    break
-        choices = [self._cut(scheme, docs, local, cuts[0], given=ckpt)]
-        choices += [self._cut(scheme, docs, local, mbs) for mbs in cuts[1:]]
-        return min(choices, key=lambda c: self.group_time(lengths, c))
-
-    def _cut(
-        self, scheme: Scheme, docs: tuple, local: list[int], mbs, full_recompute: bool = False, given=None
-    ) -> GroupChoice:
-        """``mbs`` as a GroupChoice, each micro-batch recomputing ``given`` layers, or the least that
-        fits it, or every layer allowed (``full_recompute``); padded, as the executor's fit leaves
-        that at the group's bucket, or in parts where that is faster (:meth:`_in_parts`)."""
-        tokens = [sum(local[i] for i in mb) for mb in mbs]
-        if given is not None:
-            ckpt = [int(r) for r in given]
-        else:
-            ckpt = []
-            for n in tokens:
-                r = self.least_recompute(scheme, n)
-                if r is None:
-                    raise ValueError(f"micro-batch of {n} tokens does not fit {scheme}")
-                ckpt.append(self.max_recompute if full_recompute else r)
-        whole = GroupChoice(scheme, docs, tuple(tuple(mb) for mb in mbs), tuple(ckpt))
-        if not self.padded:
-            return whole
-        if not full_recompute:
-            whole = dataclasses.replace(
-                whole, ckpt=tuple(self.executor_table(scheme, executor_bucket(max(tokens), scheme.sp), ckpt))
-            )
-        if self.max_parts == 1 or len(mbs) == 1:
-            return whole
-        return self._in_parts(scheme, docs, local, mbs, tokens, ckpt, whole)
-
-    def _in_parts(self, scheme: Scheme, docs: tuple, local, mbs, tokens, ckpt, whole: GroupChoice) -> GroupChoice:
-        """``whole``, or the same micro-batches in up to :attr:`max_parts` parts if faster: ordered
-        by tokens, largest first, and cut where their bucket changes (a cut inside one bucket only
-        moves a micro-batch into a larger bucket), every choice of cuts tried."""
-        order = sorted(range(len(mbs)), key=lambda i: (-tokens[i], i))
-        buckets = [executor_bucket(tokens[i], scheme.sp) for i in order]
-        bounds = [i for i in range(1, len(order)) if buckets[i] != buckets[i - 1]]
-        if not bounds:
-            return whole
-        mbs_o = [[int(local[d]) for d in mbs[i]] for i in order]
-        tok_o, ck_o = [tokens[i] for i in order], [int(ckpt[i]) for i in order]
-        best, best_t = None, self._part_time(scheme, [[int(local[d]) for d in mb] for mb in mbs], tokens, whole.ckpt)
-        for k in range(1, self.max_parts):
-            for cuts in itertools.combinations(bounds, k):
-                edges = (0, *cuts, len(order))
-                t = sum(self._part_time(scheme, mbs_o[a:b], tok_o[a:b], ck_o[a:b]) for a, b in zip(edges, edges[1:]))
-                if t < best_t:
-                    best, best_t = edges, t
-        if best is None:
-            return whole
-        table = []
-        for a, b in zip(best, best[1:]):
-            table += self.executor_table(scheme, executor_bucket(tok_o[a], scheme.sp), ck_o[a:b])
-        parts = tuple(b - a for a, b in zip(best, best[1:]))
-        return GroupChoice(scheme, docs, tuple(tuple(mbs[i]) for i in order), tuple(table), parts)
 
 
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
