@@ -45,7 +45,7 @@ def test_analytic_and_shipped_cpu_costs_grow_with_padding():
 
 def test_a_factor_that_falls_across_a_bucket_edge_or_a_negative_term_disables_the_bound():
     base = small_cost(pp=1, sp=1)
-    # 1024 tokens charged 2x, the next bucket (1152) 1x: a larger bucket charged fewer tokens
+    # 1024 tokens charged 2x, the next bucket (1280) 1x: a larger bucket charged fewer tokens
     falling = base.replace(coeffs=base.coeffs.replace(bucket_token_scale={1: {1024: 2.0, 4096: 1.0}}))
     assert not falling.grows_with_padding()
     rising = base.replace(coeffs=base.coeffs.replace(bucket_token_scale={1: {1024: 0.9, 4096: 1.0}}))

@@ -169,11 +169,13 @@ class CostModel(CollectiveTimes, HeadMemory):
         if link.bandwidth <= 0 or link.latency < 0:
             return False
         one = ChunkShape(0, (1,))
+
+        def charged(bucket: int) -> float:
+            return self.padded(bucket).time_tokens(one)
+
         for edge, _ in self.padded(None)._bucket_scale[:-1]:
-            below = executor_bucket_below(edge, sp)
-            if below and self.padded(below).time_tokens(one) > self.padded(executor_bucket(edge + 1, sp)).time_tokens(
-                one
-            ):
+            below, above = executor_bucket_below(edge, sp), executor_bucket(edge + 1, sp)
+            if below and charged(below) > charged(above):
                 return False
         return True
 
