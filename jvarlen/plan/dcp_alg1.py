@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Mapping, Optional
 
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.memo import BoundedMemo
 from jvarlen.plan.sp_groups import GroupCosts
 from jvarlen.plan.strategy import Scheme
 
@@ -71,19 +73,32 @@ def alg1(
     return best
 
 
+_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per GroupCosts (one planning call)
+
+
 def profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> ProfileEntry:
-    """The cost model's answer to DCP's dual-layer profile for ``b`` sequences of ``seq_len`` on ``scheme``."""
+    """The cost model's answer to DCP's dual-layer profile for ``b`` sequences of ``seq_len`` on
+    ``scheme`` (kept per ``gc``: DCP asks the same (p, s, b) for every bucketing it tries)."""
+    memo = _PROFILES.get(gc)
+    if memo is None:
+        memo = _PROFILES[gc] = BoundedMemo(4096)
+    key = (scheme, int(seq_len), int(b))
+    got = memo.get(key)
+    return memo.put(key, _profile_entry(gc, scheme, *key[1:])) if got is None else got
+
+
+def _profile_entry(gc: GroupCosts, scheme: Scheme, seq_len: int, b: int) -> ProfileEntry:
     cost = gc.costs.cost(scheme)
-    chunk = ChunkShape(0, (int(seq_len),) * int(b))
+    chunk = ChunkShape(0, (seq_len,) * b)
     L = gc.layers
-    full = cost.peak_memory(chunk, L, 0)
     floor = cost.memory_floor(0)
+    stored = [cost.peak_memory(chunk, L - k, 0) for k in range(L + 1)]  # k layers not recomputed
     return ProfileEntry(
         t_f=cost.recompute_time(chunk, 1),
-        m=cost.peak_memory(chunk, L - 1, 0) - full,
+        m=stored[1] - stored[0],
         T=gc.micro_batch_time(chunk.slices, scheme, L),
-        M=floor + full,
-        peaks=tuple(floor + cost.peak_memory(chunk, L - k, 0) for k in range(L + 1)),
+        M=floor + stored[0],
+        peaks=tuple(floor + x for x in stored),
     )
 
 
