@@ -369,7 +369,7 @@ def auto_part(iterations: int, quick: bool) -> list[dict]:
     return out
 
 
-def _plan_record(plan) -> str:
+def plan_record(plan) -> str:
     """The plan as JSON without what the searches record about themselves (candidates simulated or
     skipped, solve times, events): equal records are the same plan."""
     data = plan.to_json()
@@ -409,7 +409,7 @@ def bounds_part(iterations: int, quick: bool, policy: str = "auto") -> list[dict
             for name in sorted(variants, reverse=i % 2 == 1):
                 c0 = time.process_time()
                 plan = plan_strategy(policy, batch, costs, variants[name])
-                row[name] = {"cpu_s": time.process_time() - c0, "plan": _plan_record(plan)}
+                row[name] = {"cpu_s": time.process_time() - c0, "plan": plan_record(plan)}
                 row[name]["chosen"] = plan.stats.get("policy_chosen", plan.describe())
             row["same_plan"] = row["bounded"]["plan"] == row["exhaustive"]["plan"]
             for name in variants:

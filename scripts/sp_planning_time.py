@@ -3,7 +3,7 @@
 Plans the same seeded batches as scripts/bench_flexsp_dcp.py's settings (GPT-7B on 64 analytic
 A800s, github and commoncrawl with ZeRO-3; Transformer-1D on 32 H200s limited to 80 GB) with
 FlexSP's heuristic, DCP, DCP-inter and the dynamic homogeneous reference, and records each call's
-process CPU seconds and its plan (stats without timings). Pin it to a core (``taskset -c 1``):
+process CPU seconds and its plan (``bench_strategies.plan_record``: without the searches' own records). Pin it to a core (``taskset -c 1``):
 the numbers are one core's. ``--against`` compares with a file another checkout wrote (run
 this script from each, e.g. a ``git worktree`` of the older commit) and reports plans that
 differ and the CPU time ratio per case.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import sys
 import time
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_flexsp_dcp import Setting, sample_tokens  # noqa: E402
+from bench_strategies import plan_record  # noqa: E402
 
 from jvarlen.plan.flexsp import FlexSPOptions  # noqa: E402
 from jvarlen.plan.homogeneous import HomogeneousOptions, plan_homogeneous  # noqa: E402
@@ -61,11 +61,6 @@ POLICIES = {
 }
 
 
-def fingerprint(plan) -> str:
-    """The plan as JSON without its timing stats (the only entries that differ between equal plans)."""
-    return re.sub(r'"[a-z_]*seconds": [0-9.e+-]+', "", json.dumps(plan.to_json(), sort_keys=True, default=str))
-
-
 def run(large: bool) -> dict:
     out = {}
     for name, setting, seed in cases(large):
@@ -78,7 +73,7 @@ def run(large: bool) -> dict:
             out[f"{name}/{policy}"] = {
                 "cpu_s": cpu,
                 "iter_s": plan.stats["iteration_time_s"],
-                "plan": fingerprint(plan),
+                "plan": plan_record(plan),
             }
             print(f"{name:26s} {policy:17s} {cpu:7.2f} s CPU  {plan.describe()}", flush=True)
     return out
