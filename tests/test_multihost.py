@@ -432,6 +432,8 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
     ]
     records = _train_on_two_processes(tmp_path, args)
     assert [(r["step"], r["dp"], r["pp"], r["sp"]) for r in records] == [(1, 2, 2, 2), (2, 2, 2, 2)]
+    # process 0 solved plan 0 of each step and read plan 1 from process 1 (plan_exchange)
+    assert [r["plans_fetched"] for r in records] == [1, 1]
     one = train(
         parse_config(
             [

@@ -8,7 +8,9 @@ iterations are sampled early and solved in worker processes while the current on
 plan that is not ready when asked for is replaced by the service's fast fallback (logged),
 unless the planner waits. The first iteration always waits: nothing trains yet that solving
 could overlap with, and a fallback plan of another shape would cost an extra compilation.
-Without a service, plans are made inline; a strategy without a planner gets none.
+Without a service, plans are made inline; a strategy without a planner gets none. In a run of
+several processes each plan is solved by one of them and read by the others
+(:class:`~jvarlen.runtime.plan_exchange.PlanExchange`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Iteration:
     plans: list = dataclasses.field(default_factory=list)
     plan_s: float = 0.0  # time the consumer spent obtaining the plans (waiting or planning)
     fallbacks: int = 0  # plans replaced by the fast fallback because the solver was late or failed
+    fetched: int = 0  # plans another process solved (PlanExchange)
 
     @property
     def documents(self) -> int:
@@ -85,8 +88,12 @@ class IterationFeed:
         *,
         ahead: int = 0,
         say: Callable[[str], None] = lambda _: None,
+        exchange=None,
     ):
+        """``exchange``: a :class:`~jvarlen.runtime.plan_exchange.PlanExchange` (several processes):
+        this process solves only the plans it owns and reads the others'."""
         self.pipeline, self.planner, self.say = pipeline, planner, say
+        self.exchange = exchange if planner is not None else None
         self.next_step, self.end = start, end
         self.service = planner.service if planner is not None else None
         self.ahead = ahead if self.service is not None else 0
@@ -105,7 +112,8 @@ class IterationFeed:
                 it.groups = self.planner.split(pieces, it.rows)
                 if self.service is not None:
                     for g, docs in enumerate(it.groups):
-                        self.service.submit(self._key(it.step, g), [len(d.tokens) for d in docs])
+                        if self._mine(it.step, g, len(it.groups)):
+                            self.service.submit(self._key(it.step, g), [len(d.tokens) for d in docs])
             self.queue.append(it)
             self.next_step += 1
 
@@ -115,15 +123,24 @@ class IterationFeed:
             raise StopIteration("no iterations left")
         it = self.queue.popleft()
         start = time.perf_counter()
-        for g, docs in enumerate(it.groups):
-            lengths = [len(d.tokens) for d in docs]
-            if self.service is None:
-                plan = self.planner.solve(lengths)
+        n = len(it.groups)
+        plans = {}
+        # this process's plans first, published as soon as solved: the others may be waiting on them
+        for g in sorted(range(n), key=lambda g: not self._mine(it.step, g, n)):
+            if not self._mine(it.step, g, n):
+                plans[g] = self.exchange.fetch(it.step, g, n, self.say)
+                it.fetched += 1
+            elif self.service is None:
+                plans[g] = self.planner.solve([len(d.tokens) for d in it.groups[g]])
             else:
-                plan = self._solved(it.step, g)
-                if plan.stats.get("service_source", "solver") != "solver":
-                    it.fallbacks += 1
-                    self.say(f"[jvarlen] step {it.step + 1} plan {g}: {plan.events[-1]}")
+                plans[g] = self._solved(it.step, g)
+            if self.exchange is not None and self._mine(it.step, g, n):
+                self.exchange.publish(it.step, g, plans[g])
+        for g, docs in enumerate(it.groups):
+            lengths, plan = [len(d.tokens) for d in docs], plans[g]
+            if plan.stats.get("service_source", "solver") != "solver":
+                it.fallbacks += 1
+                self.say(f"[jvarlen] step {it.step + 1} plan {g}: {plan.events[-1]}")
             plan.validate(lengths)
             if plan.stats.get("fits_memory") is False:  # a policy found no candidate within the budget
                 why = f" ({plan.events[-1]})" if plan.events else ""
@@ -137,6 +154,10 @@ class IterationFeed:
         self._fill()  # keep the service busy while this iteration trains
         return it
 
+    def _mine(self, step: int, g: int, plans: int) -> bool:
+        """Whether this process solves plan ``g`` of ``step`` (always, with one process)."""
+        return self.exchange is None or self.exchange.mine(step, g, plans)
+
     def _solved(self, step: int, g: int):
         key = self._key(step, g)
         wait = self.planner.wait or self.first
@@ -149,8 +170,11 @@ class IterationFeed:
         (for an ahead-of-time compile of its signature); None otherwise (and without a service)."""
         if not self.queue or self.service is None:
             return None
-        it = self.queue[0]
-        plans = [self.service.peek(self._key(it.step, g)) for g in range(len(it.groups))]
+        it, n = self.queue[0], len(self.queue[0].groups)
+        plans = [
+            self.service.peek(self._key(it.step, g)) if self._mine(it.step, g, n) else self.exchange.peek(it.step, g)
+            for g in range(n)
+        ]
         if any(p is None for p in plans):
             return None
         return dataclasses.replace(it, plans=plans)

@@ -20,6 +20,7 @@ from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
 from jvarlen.runtime.cost_check import StepTimeCheck
 from jvarlen.runtime.feed import IterationFeed
+from jvarlen.runtime.plan_exchange import PlanExchange
 from jvarlen.runtime.run import (  # noqa: F401 (the errors are part of this module's interface)
     Interrupted,
     NonFiniteError,
@@ -68,8 +69,8 @@ def make_strategy(
     if layout.pp > 1:
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy, cost_model, planner_options
 
-        # Every process plans its own copy of the iteration; only solved plans (no timing-dependent
-        # fallbacks) are guaranteed to be the same on all of them, so multi-process runs wait.
+        # Each plan is solved by one process and read by the others (plan_exchange.PlanExchange); multi-process
+        # runs still wait for the solver's plan, so that a run replays the same plans (no fallbacks).
         return PipelineStrategy(
             ctx,
             layout,
@@ -131,7 +132,15 @@ def train(
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
     strategy.attach(cache)
-    feed = IterationFeed(run.pipeline, strategy.planner(), run.start, run.end, ahead=config.plan.ahead, say=run.note)
+    feed = IterationFeed(
+        run.pipeline,
+        strategy.planner(),
+        run.start,
+        run.end,
+        ahead=config.plan.ahead,
+        say=run.note,
+        exchange=PlanExchange.for_run(),
+    )
     check = StepTimeCheck.from_config(config, run.note)
     state, run.state = run.state, None
     losses: list[float] = []
@@ -174,6 +183,7 @@ def train(
                 documents=it.documents,
                 plan_s=it.plan_s,
                 plan_fallbacks=it.fallbacks,
+                plans_fetched=it.fetched,
                 **prepared.info,
                 compile_s=compile_s,
                 compiled=compile_s > 0,
