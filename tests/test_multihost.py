@@ -448,6 +448,39 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
 
 
+@pytest.mark.slow  # a strategy policy's groups from the training CLI in two processes: ~2-3 min on 2 shared cores
+def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path):
+    """One plan a step (the strategy's groups): process 0 solves step 1's, process 1 step 2's, and
+    each reads the other's from the coordination service (plan_exchange)."""
+    import json
+
+    import jax
+
+    from jvarlen.config import parse_config
+    from jvarlen.runtime.loop import train
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    args = [a for a in CLI_ARGS if not a.startswith("--parallel.sp_cycle")]
+    args += ["--parallel.dp=8", "--parallel.pp=1", "--parallel.sp=1", "--plan.policy=flexsp"]
+    records = _train_on_two_processes(tmp_path, args)
+    assert [r["step"] for r in records] == [1, 2] and [r["plans_fetched"] for r in records] == [0, 1]
+    one = train(
+        parse_config(
+            [
+                *args,
+                "--plan.wait=true",
+                f"--logging.run_dir={tmp_path / 'one'}",
+                f"--data.cache_dir={tmp_path / 'cache0'}",
+            ]
+        ),
+        quiet=True,
+    )
+    alone = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["strategy"] for r in records] == [r["strategy"] for r in alone]
+    np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
+
+
 @pytest.mark.slow  # the training CLI in two processes, twice: ~2-3 min on 2 shared cores
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
     """SIGTERM reaches one host of a distributed run (a preemption notice, a scheduler): every
