@@ -135,6 +135,12 @@ def test_published_plans_are_kept_for_keep_steps():
     assert steps == [8, 9, 10, 11]  # process 1 owns g = 1 of every step (2 plans a step)
     assert exchange.peek(11, 1) == {"step": 11, "g": 1} and exchange.peek(11, 0) is None
     assert len(store.deleted) == 8
+    exchange.close()  # the run's end: its last plans go too
+    assert store.values == {} and len(store.deleted) == 12
+    gone = PlanExchange(MemoryStore(), 0, 2)
+    gone.publish(0, 0, "plan")
+    gone.store.delete = lambda key: (_ for _ in ()).throw(RuntimeError("UNAVAILABLE: coordination service gone"))
+    gone.close()  # a failed run's clean-up does not raise over the failure
     with pytest.raises(ValueError, match="keep"):
         PlanExchange(store, 0, 2, keep=1)
     with pytest.raises(ValueError, match="process 2 of 2"):
@@ -188,6 +194,8 @@ for step in range(3):
         else:
             got.append(exchange.fetch(step, g, 3))
 assert exchange.peek(99, 0) is None and exchange.store.get("jvarlen/plans/99/0", 0.1) is None  # the service's errors
+again = PlanExchange.for_run()  # a second run in this session: keys of its own
+assert again.prefix != exchange.prefix and again.peek(0, 0) is None and again.peek(0, 1) is None
 print(json.dumps(sorted([p["step"], p["g"], p["by"]] for p in got)))
 jax.distributed.shutdown()
 """

@@ -132,14 +132,9 @@ def train(
     run.say(f"[jvarlen] {strategy.describe()}")
     cache = CompileCache(say=run.note)
     strategy.attach(cache)
+    exchange = PlanExchange.for_run()
     feed = IterationFeed(
-        run.pipeline,
-        strategy.planner(),
-        run.start,
-        run.end,
-        ahead=config.plan.ahead,
-        say=run.note,
-        exchange=PlanExchange.for_run(),
+        run.pipeline, strategy.planner(), run.start, run.end, ahead=config.plan.ahead, say=run.note, exchange=exchange
     )
     check = StepTimeCheck.from_config(config, run.note)
     state, run.state = run.state, None
@@ -201,6 +196,8 @@ def train(
     finally:
         strategy.close()
         cache.close()
+        if exchange is not None:
+            exchange.close()
         run.close()
     return close_run(run, losses, tokens_seen, t_start, state, seconds_in_steps)
 

@@ -10,14 +10,18 @@ vector width, say) would have the processes compile different programs. With a
 that ``jax.distributed`` runs anyway); the others block on that key. Each process so solves
 ``1/P`` of the plans with its own planning workers, and every process trains on the same bytes.
 
-A process keeps its published plans for :attr:`PlanExchange.keep` steps and then deletes them:
-the processes meet in every step's collectives, so none reads a plan that many steps old.
-Values are pickled and zlib-compressed (a 64-device ``auto`` plan of 200K tokens: ~4 KB).
+A process keeps its published plans for :attr:`PlanExchange.keep` steps and then deletes them
+(the processes meet in every step's collectives, so none reads a plan that many steps old), and
+deletes the rest when the run ends. Each run of a process has its own keys (the processes start
+their runs in the same order), so a second run in one ``jax.distributed`` session never reads the
+first one's plan of the same step. Values are pickled and zlib-compressed (a 64-device ``auto``
+plan of 200K tokens: ~4 KB).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import pickle
 import time
 import zlib
@@ -25,6 +29,7 @@ from typing import Callable, Optional, Protocol
 
 NOTE_AFTER_S = 5.0  # say that this process waits for another's plan after this long
 NOTE_EVERY_S = 60.0  # and again this often
+_RUNS = itertools.count()  # the runs of this process, numbered alike on every process
 
 
 class KeyValueStore(Protocol):
@@ -93,7 +98,8 @@ class PlanExchange:
             return None
         from jax._src import distributed as jax_distributed  # the client multihost_utils uses too
 
-        return cls(CoordinationStore(jax_distributed.global_state.client), jax.process_index(), jax.process_count())
+        store = CoordinationStore(jax_distributed.global_state.client)
+        return cls(store, jax.process_index(), jax.process_count(), prefix=f"jvarlen/plans/{next(_RUNS)}/")
 
     def owner(self, step: int, g: int, plans: int) -> int:
         """The process that solves plan ``g`` of the ``plans`` of step ``step``."""
@@ -128,6 +134,16 @@ class PlanExchange:
                 f"({time.monotonic() - start:.0f} s so far)"
             )
             wait = NOTE_EVERY_S
+
+    def close(self) -> None:
+        """Deletes the plans this process published and still keeps (the end of the run; every other
+        process has read them, since they met in the steps after). Where the run fails, the
+        coordination service may be gone: nothing to delete then."""
+        try:
+            while self._published:
+                self.store.delete(self._published.popleft()[1])
+        except Exception:
+            self._published.clear()
 
     def peek(self, step: int, g: int):
         """Plan ``g`` of ``step`` if its owner has published it, else None (at once)."""
