@@ -416,13 +416,13 @@ class PlanConfig:
     # about plan seconds / step seconds of them to stay ahead.
     workers: int = 1
     # Wait for the solver instead of taking a fast fallback plan when it is late: plans (and so
-    # a resumed run) are then reproducible whatever the machine load. Always on with several
-    # processes, which must all run the same plans.
+    # a resumed run) are then reproducible whatever the machine load. With several processes each
+    # plan is solved by one of them and read by the others, fallback or not (runtime/plan_exchange.py).
     wait: bool = False
     # Limits of each checkpointing MILP (CP-SAT). The deterministic-time limit binds first, so a
-    # resumed run plans the same chunks; the wall-clock limit is a safety net. With plan.wait (and
-    # always with several processes) every planner solve runs on one worker with the wall-clock
-    # limit raised to at least 120 s, so that machine load cannot change a plan (jvarlen/plan/cpsat.py).
+    # resumed run plans the same chunks; the wall-clock limit is a safety net. With plan.wait every
+    # planner solve runs on one worker with the wall-clock limit raised to at least 120 s, so that
+    # machine load cannot change a plan (jvarlen/plan/cpsat.py).
     solver_deterministic_time: float = 0.5
     solver_time_limit_s: float = 30.0
     solver_workers: int = 1

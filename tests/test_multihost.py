@@ -429,6 +429,7 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         "--parallel.sp=2",
         "--plan.min_slice_tokens=32",
         "--data.seq_len=256",
+        "--plan.wait=true",  # the solver's plans, as the one-process run below (no fallback when late)
     ]
     records = _train_on_two_processes(tmp_path, args)
     assert [(r["step"], r["dp"], r["pp"], r["sp"]) for r in records] == [(1, 2, 2, 2), (2, 2, 2, 2)]
@@ -438,7 +439,6 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         parse_config(
             [
                 *args,
-                "--plan.wait=true",
                 f"--logging.run_dir={tmp_path / 'one'}",
                 f"--data.cache_dir={tmp_path / 'cache0'}",
             ]
@@ -462,14 +462,13 @@ def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path):
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     args = [a for a in CLI_ARGS if not a.startswith("--parallel.sp_cycle")]
-    args += ["--parallel.dp=8", "--parallel.pp=1", "--parallel.sp=1", "--plan.policy=flexsp"]
+    args += ["--parallel.dp=8", "--parallel.pp=1", "--parallel.sp=1", "--plan.policy=flexsp", "--plan.wait=true"]
     records = _train_on_two_processes(tmp_path, args)
     assert [r["step"] for r in records] == [1, 2] and [r["plans_fetched"] for r in records] == [0, 1]
     one = train(
         parse_config(
             [
                 *args,
-                "--plan.wait=true",
                 f"--logging.run_dir={tmp_path / 'one'}",
                 f"--data.cache_dir={tmp_path / 'cache0'}",
             ]

@@ -124,6 +124,33 @@ def test_each_plan_is_solved_once_and_every_process_gets_the_same_plans(corpus_c
     assert len(solved[0]) + len(solved[1]) == plans
 
 
+class LateService(RecordingService):
+    """Every plan of step 2 comes back as the service's fallback for a late solver."""
+
+    def get(self, key, wait=False):
+        plan = super().get(key, wait)
+        if key // 1024 == 2 and not wait:
+            plan.stats["service_source"] = "fallback:late"
+            plan.events.append("service: late (solver not finished when the consumer asked); fallback plan")
+        return plan
+
+
+def test_a_late_owners_fallback_plan_is_every_processs_plan(corpus_cache):
+    """Without plan.wait the owner of a plan takes the fallback when its solver is late, as one
+    process would; the others read that plan and count the fallback too, so the processes never
+    run different plans and none waits for the solver (the first step aside)."""
+    store = MemoryStore()
+    feeds, _ = _feeds(corpus_cache, store, 2, service=True)
+    for feed in feeds:
+        feed.service = feed.planner.service = LateService(feed.planner.service.solve)
+    runs = _run(feeds)
+    for step in range(STEPS):
+        a, b = runs[0][step], runs[1][step]
+        assert [_strip(p) for p in a.plans] == [_strip(p) for p in b.plans]
+        assert a.fallbacks == b.fallbacks == (LAYOUT.dp if step == 2 else 0)
+        assert all(p.stats["service_source"] == ("fallback:late" if step == 2 else "solver") for p in a.plans + b.plans)
+
+
 def test_published_plans_are_kept_for_keep_steps():
     store = MemoryStore()
     exchange = PlanExchange(store, 1, 2, keep=4)

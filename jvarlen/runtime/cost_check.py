@@ -11,7 +11,7 @@ The elastic pipeline path (:meth:`StepTimeCheck.observe_plans`) predicts each st
 instead: every replica's chunks, schedule and recomputation table through the executor's
 execution model (the simulator's ``"paired"`` lock-step ticks, with the profile's tick overheads); the slowest replica is the step. The refitted
 coefficients serve these predictions only; the planner keeps the coefficients it started with,
-so plans stay a function of the data (resume and multi-process runs need the same plans).
+so plans stay a function of the data (a resumed run plans as the run before).
 """
 
 from __future__ import annotations

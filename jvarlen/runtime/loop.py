@@ -45,7 +45,7 @@ def make_strategy(
     ctx = StepContext(
         run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state), compiler_options
     )
-    wait = config.plan.wait or jax.process_count() > 1
+    wait = config.plan.wait
     if config.plan.uses_groups:
         from jvarlen.runtime.strategies.groups import GroupsStrategy, choose_stage_weights, strategy_options
         from jvarlen.runtime.strategies.pipeline import cost_model
@@ -69,8 +69,8 @@ def make_strategy(
     if layout.pp > 1:
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy, cost_model, planner_options
 
-        # Each plan is solved by one process and read by the others (plan_exchange.PlanExchange); multi-process
-        # runs still wait for the solver's plan, so that a run replays the same plans (no fallbacks).
+        # Each plan is solved by one process and read by the others (plan_exchange.PlanExchange): a late
+        # solver's fallback is every process's plan too, so a run of several processes need not wait.
         return PipelineStrategy(
             ctx,
             layout,
