@@ -167,7 +167,7 @@ def _solver_limits(lengths):
 
 
 def test_a_service_that_waits_solves_on_the_deterministic_limit_alone():
-    """With ``reproducible`` (a run that waits for its plans, as every multi-process run does) the
+    """With ``reproducible`` (a run that waits for its plans, ``plan.wait``) the
     wall-clock limits of every planner model are raised to a safety net and CP-SAT runs one worker:
     only the deterministic limit stops a solve, so a loaded or stalled process plans the same."""
     with PlanningService(None, workers=1, solve=_solver_limits, reproducible=True) as svc:
