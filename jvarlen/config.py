@@ -413,7 +413,8 @@ class PlanConfig:
     ahead: int = 2
     # Planning processes. Up to ahead + 1 iterations are solved at once, so keep ahead >= workers;
     # a policy whose plan takes longer than a step (auto on 64 devices: docs/benchmarks.md) needs
-    # about plan seconds / step seconds of them to stay ahead.
+    # about plan seconds / step seconds of them to stay ahead, divided by the run's processes
+    # (each solves every P-th plan: runtime/plan_exchange.py), and ahead >= plan / step seconds.
     workers: int = 1
     # Wait for the solver instead of taking a fast fallback plan when it is late: plans (and so
     # a resumed run) are then reproducible whatever the machine load. With several processes each
