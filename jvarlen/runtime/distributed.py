@@ -121,11 +121,18 @@ class FailureWatch(threading.Thread):
         os._exit(self.stopping)
 
 
+def coordination_client():
+    """The coordination service's client of this ``jax.distributed`` run (the one
+    ``jax.experimental.multihost_utils`` uses too): its key-value store reports failures here and
+    carries the plans of :mod:`jvarlen.runtime.plan_exchange`."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
 def _start_watch() -> None:
     global _watch
-    from jax._src import distributed as jax_distributed  # the client multihost_utils uses too
-
-    _watch = FailureWatch(jax_distributed.global_state.client, jax.process_index())
+    _watch = FailureWatch(coordination_client(), jax.process_index())
     _watch.start()
     atexit.register(_watch.stop)  # runs before JAX's own exit hook shuts the client down
 

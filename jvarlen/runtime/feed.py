@@ -124,18 +124,18 @@ class IterationFeed:
         it = self.queue.popleft()
         start = time.perf_counter()
         n = len(it.groups)
+        mine = [g for g in range(n) if self._mine(it.step, g, n)]
         plans = {}
-        # this process's plans first, published as soon as solved: the others may be waiting on them
-        for g in sorted(range(n), key=lambda g: not self._mine(it.step, g, n)):
-            if not self._mine(it.step, g, n):
-                plans[g] = self.exchange.fetch(it.step, g, n, self.say)
-                it.fetched += 1
-            elif self.service is None:
+        for g in mine:  # first, each published once solved: the other processes may be waiting on it
+            if self.service is None:
                 plans[g] = self.planner.solve([len(d.tokens) for d in it.groups[g]])
             else:
                 plans[g] = self._solved(it.step, g)
-            if self.exchange is not None and self._mine(it.step, g, n):
+            if self.exchange is not None:
                 self.exchange.publish(it.step, g, plans[g])
+        for g in sorted(set(range(n)) - set(mine)):
+            plans[g] = self.exchange.fetch(it.step, g, n, self.say)
+            it.fetched += 1
         for g, docs in enumerate(it.groups):
             lengths, plan = [len(d.tokens) for d in docs], plans[g]
             if plan.stats.get("service_source", "solver") != "solver":

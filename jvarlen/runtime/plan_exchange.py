@@ -94,11 +94,11 @@ class PlanExchange:
         """The exchange of this JAX run's processes over its coordination service; None with one process."""
         import jax
 
+        from jvarlen.runtime.distributed import coordination_client
+
         if jax.process_count() == 1:
             return None
-        from jax._src import distributed as jax_distributed  # the client multihost_utils uses too
-
-        store = CoordinationStore(jax_distributed.global_state.client)
+        store = CoordinationStore(coordination_client())
         return cls(store, jax.process_index(), jax.process_count(), prefix=f"jvarlen/plans/{next(_RUNS)}/")
 
     def owner(self, step: int, g: int, plans: int) -> int:
