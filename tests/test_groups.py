@@ -77,8 +77,9 @@ def _state(params, optimizer):
 
 
 def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated", **step_options):
-    """One strategy step of ``plan`` (``inspect``: called on the prepared step first); its loss, gradient
-    norm and updated parameters equal the single-device reference's. Returns the step's metrics."""
+    """One strategy step of ``plan`` (``inspect(prepared, step)``: called first; what it compiles
+    through ``step.strategy`` the step then runs); its loss, gradient norm and updated parameters
+    equal the single-device reference's. Returns the step's metrics."""
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
     reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
@@ -87,7 +88,7 @@ def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated"
     step = session.strategy_step(residual_policy="all", stage_weights=stage_weights, **step_options)
     prepared = step.prepare(plan, docs)
     if inspect is not None:
-        inspect(prepared)
+        inspect(prepared, step)
     state, metrics = step(session.state, prepared)
     np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
@@ -188,7 +189,7 @@ def test_groups_in_parts_equal_the_reference(setup):
     plan = strategy_plan(setup[0], PARTS)
     assert [g.plan.parts for g in plan.groups] == [(1, 2), (1, 1), ()]
 
-    def inspect(prepared):
+    def inspect(prepared, step):
         assert prepared.info["group_parts"] == [2, 2, 1]  # in the step's record
         sigs = [k[4] for k in prepared.key[1]]
         assert isinstance(sigs[0], tuple) and [s.bucket for s in sigs[0]] == [80, 16]  # 73 tokens, then 7 and 12
@@ -256,11 +257,9 @@ def test_a_device_receives_its_stages_layers_and_no_more(setup):
     rest_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - cfg.num_layers * layer_bytes
     pulled = {}
 
-    def inspect(prepared):
+    def inspect(prepared, step):
         stage_layers = prepared.arrays["stage_layers"].shape[1]
-        optimizer = optax.sgd(0.5)
-        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-        pull = session.strategy_step(residual_policy="all").strategy.compile(prepared.key).pull
+        pull = step.strategy.compile(prepared.key).pull
         pulled[stage_layers] = pull.memory_analysis().output_size_in_bytes  # one device's
 
     halves, mixed = strategy_plan(cfg, HALVES), strategy_plan(cfg)
@@ -298,10 +297,8 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
         plan = strategy_plan(cfg, layout)
         programs = []
 
-        def inspect(prepared, plan=plan, programs=programs):
-            optimizer = optax.sgd(0.5)
-            session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-            strategy = session.strategy_step(residual_policy="all", stage_weights="sharded").strategy
+        def inspect(prepared, step, programs=programs):
+            strategy = step.strategy
             programs.append((strategy.compile(prepared.key), prepared, strategy.ctx.placement.state_sharding))
 
         _step_equals_reference(setup, plan, inspect, stage_weights="sharded")
@@ -377,7 +374,7 @@ def test_a_strategy_that_leaves_devices_idle_equals_the_reference(setup):
     rows and count for nothing in the update."""
     idle = ((Scheme(2, 2), (0, 1, 2, 3), tuple(range(len(LENGTHS))), [[0, 1, 2], [3, 4], [5, 6], [7, 8]], "fit"),)
 
-    def inspect(prepared):
+    def inspect(prepared, step):
         assert (prepared.arrays["stage_layers"][4:] == -1).all()
         assert (prepared.arrays["device_weights"][4:] == 0).all() and prepared.arrays["device_weights"][0] == 1
 
@@ -489,12 +486,9 @@ def test_a_group_whose_sp_spans_nodes_holds_the_vocabulary_whole(setup):
     cfg, graphdef, params, _ = setup
     rows = {}
 
-    def inspect(prepared):
-        optimizer = optax.sgd(0.5)
-        session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-        strategy = session.strategy_step(residual_policy="all", vocab_max_sp=2).strategy
+    def inspect(prepared, step):
         for key in prepared.key[1]:
-            _, rest_rows, *_ = strategy._compile_group(key)[0].out_info  # the table's and the norm's
+            _, rest_rows, *_ = step.strategy._compile_group(key)[0].out_info  # the table's and the norm's
             rows[key[2]] = sorted(a.shape for a in rest_rows)
 
     _step_equals_reference(setup, strategy_plan(cfg), inspect, vocab_max_sp=2)

@@ -58,6 +58,13 @@ LAYOUTS = [
     Layout(dp=1, pp=4, sp=2),
     Layout(dp=2, pp=1, sp=2),
 ]
+# The default suite's layouts: every axis above 1 (dp, pp, sp together), pp = 4, and one stage;
+# the slow suite runs them all.
+DEFAULT_LAYOUTS = (LAYOUTS[2], LAYOUTS[3], LAYOUTS[4])
+
+
+def _params(layouts):
+    return [l if l in DEFAULT_LAYOUTS else pytest.param(l, marks=pytest.mark.slow) for l in layouts]
 
 
 def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int, paired: bool = True) -> np.ndarray:
@@ -76,12 +83,12 @@ def expected_forwards(pack, sched, ckpt, layout: Layout, ls: int, paired: bool =
     return pack.n_chunks * ls + ckpt.sum(axis=0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", _params(LAYOUTS), ids=str)
 def test_matches_reference_under_every_table(layout):
     _matches_reference(layout)
 
 
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=str)
+@pytest.mark.parametrize("layout", _params([LAYOUTS[0], LAYOUTS[3]]), ids=str)
 def test_per_layer_accumulation_matches_reference(layout):
     """The form a GPU step compiles (``per_layer_grads``): no conditional around lane 0's ops, each
     descent adding each layer's gradients and context dK/dV into the step's buffers as it goes;

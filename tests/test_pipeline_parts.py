@@ -39,7 +39,7 @@ def _part(layout: Layout, num_layers: int, bucket: int, plan, seed: int, recompu
 @pytest.mark.parametrize(
     "layout,stage_weights",
     [
-        (Layout(dp=2, pp=1, sp=2), "replicated"),
+        pytest.param(Layout(dp=2, pp=1, sp=2), "replicated", marks=pytest.mark.slow),  # dp: in the slow suite
         (Layout(dp=1, pp=1, sp=2), "sharded"),
         (Layout(dp=1, pp=2, sp=2), "replicated"),
     ],

@@ -36,7 +36,8 @@ def _config(vocab: int, tied: bool):
         (Layout(dp=1, pp=2, sp=2), 64, False, 0, None),  # split: 32 rows per device
         (Layout(dp=2, pp=1, sp=2), 64, True, 1, None),  # one stage: the embedding in the fused op
         (Layout(dp=1, pp=2, sp=4), 64, True, 2, None),  # split four ways, every layer recomputed
-        (Layout(dp=1, pp=2, sp=2), 65, False, 0, None),  # 2 does not divide 65: whole on every device
+        # 2 does not divide 65: whole on every device (the default suite: in tiles below)
+        pytest.param(Layout(dp=1, pp=2, sp=2), 65, False, 0, None, marks=pytest.mark.slow),
         (Layout(dp=1, pp=2, sp=2), 64, False, 0, 512),  # split: the head in 2 tiles of the 32 gathered tokens
         (Layout(dp=1, pp=2, sp=2), 65, False, 0, 512),  # whole: 3 tiles of 6 of a device's 16 tokens
     ],

@@ -185,7 +185,13 @@ def test_stage_weights_reject_unknown_modes():
 
 
 @pytest.mark.parametrize(
-    "layout", [Layout(dp=2, pp=2, sp=2), Layout(dp=2, pp=1, sp=2), Layout(dp=4, pp=2, sp=1)], ids=str
+    "layout",
+    [
+        Layout(dp=2, pp=2, sp=2),  # chunks over dp and sp; the default suite's case
+        pytest.param(Layout(dp=2, pp=1, sp=2), marks=pytest.mark.slow),
+        pytest.param(Layout(dp=4, pp=2, sp=1), marks=pytest.mark.slow),
+    ],
+    ids=str,
 )
 def test_sharded_stage_weights_match_reference(layout):
     require_devices(layout.num_devices)
@@ -247,11 +253,11 @@ def _temp_bytes(layout, stage_weights, residual_policy, num_layers: int = 4):
 
 @pytest.mark.parametrize(
     "layout,policy",
-    [
-        (Layout(dp=1, pp=2, sp=2), "dots_and_attention"),
+    [  # the default suite: one layout sharding over dp and sp, and the policy that keeps every residual
+        pytest.param(Layout(dp=1, pp=2, sp=2), "dots_and_attention", marks=pytest.mark.slow),
         (Layout(dp=1, pp=2, sp=2), None),
         (Layout(dp=2, pp=2, sp=2), "dots_and_attention"),
-        (Layout(dp=4, pp=2, sp=1), "dots_and_attention"),
+        pytest.param(Layout(dp=4, pp=2, sp=1), "dots_and_attention", marks=pytest.mark.slow),
     ],
     ids=str,
 )
