@@ -133,9 +133,10 @@ class IterationFeed:
                 plans[g] = self._solved(it.step, g)
             if self.exchange is not None:
                 self.exchange.publish(it.step, g, plans[g])
-        for g in sorted(set(range(n)) - set(mine)):
-            plans[g] = self.exchange.fetch(it.step, g, n, self.say)
-            it.fetched += 1
+        for g in range(n):
+            if g not in plans:  # another process's
+                plans[g] = self.exchange.fetch(it.step, g, n, self.say)
+                it.fetched += 1
         for g, docs in enumerate(it.groups):
             lengths, plan = [len(d.tokens) for d in docs], plans[g]
             if plan.stats.get("service_source", "solver") != "solver":
