@@ -56,6 +56,18 @@ def values_compile() -> dict:
     return {"xla_backend_optimization_level": 0, **_legacy_emitters()}
 
 
+def relative_memory_compile() -> dict:
+    """Compiler options for a test that compares the temp memory of programs compiled alike: growth
+    with the chunks, layers, context or bucket, sharded against replicated weights, one part against
+    two. They are :func:`values_compile`'s: the legacy emitters move a pipeline step's temporaries
+    by 0.03-0.6 % (measured on this suite's steps), inside these tests' margins, and compile it 2-3x
+    faster. What they compare is the executor's buffers, which both kinds of emitter see alike. A
+    test that reads a compiled program's HLO (copies, in-place updates) or compares its bytes with
+    the planner's account keeps XLA's defaults (``pipeline_helpers.FAST_COMPILE``): that is the
+    program the runtime runs on CPU."""
+    return values_compile()
+
+
 def tile_head_logits(monkeypatch, logits: int) -> None:
     """Makes the head compute at most ``logits`` fp32 logits at a time (``jvarlen.head_tiles``),
     however few its rows: without the rule that keeps a head of ``width`` hidden size in one tile

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import relative_memory_compile, require_devices
 from flax import nnx
 from pipeline_helpers import (
     FAST_COMPILE,
@@ -62,7 +62,7 @@ def _compile(model, n: int, kind: str, recompute: int, policy=None, run=False, t
     ckpt = np.full((n, LAYOUT.pp), recompute, np.int32)
     sig, batch = pl.prepare_batch([pack], [sched], [ckpt], LAYOUT, cfg.num_layers)
     fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(LAYOUT), residual_policy=policy))
-    compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+    compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE if text else relative_memory_compile())
     if run:
         return sig, compiled.memory_analysis().temp_size_in_bytes, compiled(params, batch), docs
     if text:
@@ -152,7 +152,10 @@ def test_an_op_reads_the_context_one_layer_at_a_time():
             _, batch = pl.prepare_batch([pack], [sched], [recompute], LAYOUT, layers, signature=s)
             fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, s, pipeline_mesh(LAYOUT)))
             temps.append(
-                fn.lower(params, batch).compile(compiler_options=FAST_COMPILE).memory_analysis().temp_size_in_bytes
+                fn.lower(params, batch)
+                .compile(compiler_options=relative_memory_compile())
+                .memory_analysis()
+                .temp_size_in_bytes
             )
         row = extra * cfg.num_kv_heads * cfg.head_dim * 4  # one layer's K of the extra tokens, fp32
         growth[ls] = (temps[1] - temps[0]) / row  # the pools do not grow with the window Sc
@@ -182,7 +185,7 @@ def test_a_recomputing_backward_rebuilds_one_layer_at_a_time():
             sig, batch = pl.prepare_batch([pack], [sch.one_f_one_b(n, LAYOUT.pp)], [recompute], LAYOUT, layers)
             assert sig.n_res == 0 and not sig.fused and sig.n_ckpt > 0
             fn = jax.jit(pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(LAYOUT)))
-            compiled = fn.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+            compiled = fn.lower(params, batch).compile(compiler_options=relative_memory_compile())
             temps[ls, bucket] = compiled.memory_analysis().temp_size_in_bytes
             slots[ls] = sig.n_ckpt / (ls - 1)  # checkpoint slots per layer: the chunks in flight
     per_token = {ls: (temps[ls, 64] - temps[ls, 32]) / 32 for ls in (2, 4)}

@@ -7,11 +7,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import require_devices, values_compile
+from conftest import relative_memory_compile, require_devices, values_compile
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_helpers import (
-    FAST_COMPILE,
     PLAN_A,
     PLAN_C,
     assert_tree_close,
@@ -115,7 +114,11 @@ def test_a_step_in_parts_holds_one_parts_buffers_at_a_time():
             for s in parts
         )
         grads = pl.make_pipeline_grads(graphdef, cfg, sig, mesh)
-        compiled = jax.jit(grads).lower(abstract, shapes if isinstance(sig, tuple) else shapes[0]).compile(FAST_COMPILE)
+        compiled = (
+            jax.jit(grads)
+            .lower(abstract, shapes if isinstance(sig, tuple) else shapes[0])
+            .compile(relative_memory_compile())
+        )
         return compiled.memory_analysis().temp_size_in_bytes
 
     alone = [temp(s) for s in sigs]

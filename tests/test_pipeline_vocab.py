@@ -10,9 +10,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import require_devices, tile_head_logits, values_compile
+from conftest import relative_memory_compile, require_devices, tile_head_logits, values_compile
 from pipeline_helpers import (
-    FAST_COMPILE,
     PipelineGrads,
     assert_tree_close,
     pipeline_mesh,
@@ -69,7 +68,7 @@ def _memory(vocab: int, layout: Layout, vocab_max_sp=None) -> tuple[int, int, in
     graphdef, params = tiny_params(cfg)
     _, sig, batch = token_1f1b_batch(cfg, layout, 0)
     grads = pl.make_pipeline_grads(graphdef, cfg, sig, pipeline_mesh(layout), vocab_max_sp=vocab_max_sp)
-    compiled = jax.jit(grads).lower(params, batch).compile(FAST_COMPILE)
+    compiled = jax.jit(grads).lower(params, batch).compile(relative_memory_compile())
     gathered = 2 * sig.bucket * cfg.d_model * 4 + 4 * sig.bucket * 4
     return compiled.memory_analysis().temp_size_in_bytes, 2 * vocab * cfg.d_model * 4, gathered
 

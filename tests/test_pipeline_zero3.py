@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices, values_compile
+from conftest import relative_memory_compile, require_devices, values_compile
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from pipeline_helpers import (
-    FAST_COMPILE,
     PLAN_A,
     PLAN_B,
     PipelineGrads,
@@ -246,7 +245,7 @@ def _temp_bytes(layout, stage_weights, residual_policy, num_layers: int = 4):
         lambda spec: jax.sharding.NamedSharding(mesh, spec), weights.specs(), is_leaf=lambda x: isinstance(x, P)
     )
     placed = nnx.merge_state(params, nnx.State({"layers": jax.device_put(params["layers"], shardings)}))
-    compiled = jax.jit(grads).lower(placed, batch).compile(FAST_COMPILE)
+    compiled = jax.jit(grads).lower(placed, batch).compile(relative_memory_compile())
     stage = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) // layout.pp
     return compiled.memory_analysis().temp_size_in_bytes, stage
 
