@@ -104,9 +104,13 @@ def token_1f1b_batch(cfg, layout, recompute: int):
 
 
 def reference(graphdef, params, documents):
-    """Single-device (sums, grads of the mean loss) with one document per row."""
+    """Single-device (sums, grads of the mean loss) with one document per row (compiled for values
+    only, ``conftest.values_compile``)."""
+    from conftest import values_compile
+
     batch = reference_batch(documents)
-    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(params, batch)
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))
+    return fn.lower(params, batch).compile(values_compile())(params, batch)
 
 
 def reference_batch(documents) -> dict:

@@ -76,14 +76,20 @@ def _state(params, optimizer):
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
 
 
+def _reference(graphdef, params, optimizer, docs):
+    """The single-device reference step's (state, metrics) on ``docs``, one document per row."""
+    step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
+    state, batch = _state(params, optimizer), reference_batch(docs)
+    return step.lower(state, batch).compile(values_compile())(state, batch)
+
+
 def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated", **step_options):
     """One strategy step of ``plan`` (``inspect(prepared, step)``: called first; what it compiles
     through ``step.strategy`` the step then runs); its loss, gradient norm and updated parameters
     equal the single-device reference's. Returns the step's metrics."""
     cfg, graphdef, params, docs = setup
     optimizer = optax.sgd(0.5)
-    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    expected, ref_metrics = _reference(graphdef, params, optimizer, docs)
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all", stage_weights=stage_weights, **step_options)
     prepared = step.prepare(plan, docs)
@@ -102,8 +108,7 @@ def test_two_groups_of_different_schemes_equal_the_reference_and_the_homogeneous
     plan = strategy_plan(cfg)
     assert plan.groups[1].plan.ckpt_layers[:, 0].tolist() == [0, 1, 0]
 
-    reference_step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    expected, ref_metrics = reference_step(_state(params, optimizer), reference_batch(docs))
+    expected, ref_metrics = _reference(graphdef, params, optimizer, docs)
 
     session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
     step = session.strategy_step(residual_policy="all")
