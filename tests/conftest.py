@@ -48,11 +48,13 @@ def _legacy_emitters() -> dict:
 
 def values_compile() -> dict:
     """Compiler options for the tests that check values (losses and gradients against a reference,
-    bitwise resumes, logged metrics), never a compiled program's memory or HLO: the suite's -O0
+    bitwise resumes, logged metrics), not a compiled program's HLO or bytes: the suite's -O0
     backend and XLA:CPU's legacy (LLVM IR) emitters instead of its MLIR fusion emitters, which
     compile each of a pipeline step's ~350 fusions as its own module (the 2-layer pipeline step of
     test_pipeline_memory: 5.5 -> 1.9 s). The emitters decide some fusions and so the buffers (that
-    step's temp memory: +0.03..0.6 %): the memory and HLO tests keep XLA's defaults."""
+    step's temp memory: +0.03..0.6 %): the HLO tests and those that compare a program's bytes with
+    the planner's account keep XLA's defaults (:func:`relative_memory_compile`: the memory tests that
+    may use these options)."""
     return {"xla_backend_optimization_level": 0, **_legacy_emitters()}
 
 
