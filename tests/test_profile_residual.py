@@ -26,33 +26,33 @@ GRID = ProfileGrid(
 
 
 @pytest.fixture(scope="module")
-def policy_report():
-    """A whole profile of a model that keeps only what ``dots_and_attention`` saves (the profile of
-    the default policy is what every other profile test fits)."""
-    harness = ChunkHarness(TINY, token_buckets=(256,), context_buckets=(0,), residual="dots_and_attention")
+def keep_all_report():
+    """A whole profile of layers that keep every residual: not the default policy
+    (``dots_and_attention``), so a profile that recorded the default whatever it measured fails."""
+    harness = ChunkHarness(TINY, token_buckets=(256,), context_buckets=(0,), residual="all")
     return measure_profile(harness, GRID)
 
 
-def test_profile_measures_and_records_the_residual_policy(policy_report, tmp_path):
-    assert policy_report["residual_policy"] == "dots_and_attention"
-    # the measured stored bytes per token and layer: the policy keeps fewer than the layers that keep
-    # every residual (the norms' and the MLP activation's intermediates are recomputed), so the
-    # profile's memory grid saw the policy's layers
-    keep_all = ChunkHarness(TINY, token_buckets=(256,), context_buckets=(0,), residual="all")
-    assert 0 < policy_report["m_token"] < fit_memory(measure_memory(keep_all, GRID.token_buckets))["m_token"]
+def test_profile_measures_and_records_the_residual_policy(keep_all_report, tmp_path):
+    assert keep_all_report["residual_policy"] == "all"
+    # the measured stored bytes per token and layer: the default policy's layers keep fewer (the
+    # norms' and the MLP activation's intermediates are recomputed), so the profile's memory grid saw
+    # the layers of the policy it names
+    policy = ChunkHarness(TINY, token_buckets=(256,), context_buckets=(0,), residual="dots_and_attention")
+    assert 0 < fit_memory(measure_memory(policy, GRID.token_buckets))["m_token"] < keep_all_report["m_token"]
     shape = ModelShape.from_config(TINY)
-    report = dict(policy_report, model_key=shape.key(), backend="cpu")
-    coeffs = _fit_and_save(report, TINY, str(tmp_path / "policy.json"))
-    assert coeffs.meta.residual_policy == "dots_and_attention"
-    assert CostCoefficients.load(tmp_path / "policy.json").meta.residual_policy == "dots_and_attention"
+    report = dict(keep_all_report, model_key=shape.key(), backend="cpu")
+    coeffs = _fit_and_save(report, TINY, str(tmp_path / "all.json"))
+    assert coeffs.meta.residual_policy == "all"
+    assert CostCoefficients.load(tmp_path / "all.json").meta.residual_policy == "all"
 
 
-def test_a_report_is_not_extended_with_layers_of_another_policy(policy_report):
+def test_a_report_is_not_extended_with_layers_of_another_policy(keep_all_report):
     shape = ModelShape.from_config(TINY)
-    report = dict(policy_report, model_key=shape.key(), backend="cpu")
-    check_report(report, shape, "r.json", "dots_and_attention")
-    with pytest.raises(ValueError, match="residual_policy 'dots_and_attention'.*'all'"):
-        check_report(report, shape, "r.json", "all")
+    report = dict(keep_all_report, model_key=shape.key(), backend="cpu")
+    check_report(report, shape, "r.json", "all")
+    with pytest.raises(ValueError, match="residual_policy 'all'.*'dots_and_attention'"):
+        check_report(report, shape, "r.json", "dots_and_attention")
     old = {k: v for k, v in report.items() if k != "residual_policy"}  # written before the key: plain autodiff
     assert report_residual_policy(old) == "all"
     with pytest.raises(ValueError, match="residual_policy"):
