@@ -78,7 +78,9 @@ def tiny():
 def reference(tiny):
     config, graphdef, _, state = tiny
     batch = packed_batch(0)
-    sums, grads = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(state.params, batch)
+    sums, grads = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b), compiler_options=values_compile())(
+        state.params, batch
+    )
     return batch, jax.device_get(sums), jax.device_get(grads)
 
 
@@ -104,6 +106,7 @@ def test_loss_and_grads_match_single_device(tiny, reference, layout, tile_rows, 
         placement.mesh(layout),
         attention=config.model.attention,
         compute_dtype="float32",
+        compiler_options=values_compile(),
     )
     for key in ("loss_sum", "target_tokens"):
         np.testing.assert_allclose(float(sums[key]), float(ref_sums[key]), rtol=1e-5)
@@ -138,12 +141,21 @@ def test_bf16_embedding_gradient_of_a_frequent_token_matches_single_device():
         targets=np.roll(tokens, -1, 1),
         loss_mask=loss_mask,
     )
-    _, ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))(state.params, batch)
+    _, ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b), compiler_options=values_compile())(
+        state.params, batch
+    )
     placement = Placement.for_state(state, optimizer)
     params = place_global(state.params, placement.state_sharding.params)
     mesh = placement.mesh(Layout(dp=8))
     _, grads = layout_loss_and_grads(
-        graphdef, params, placement.state_sharding.params, batch, mesh, attention="xla", compute_dtype="bfloat16"
+        graphdef,
+        params,
+        placement.state_sharding.params,
+        batch,
+        mesh,
+        attention="xla",
+        compute_dtype="bfloat16",
+        compiler_options=values_compile(),
     )
     want, got = np.asarray(ref["embed"][...])[0], np.asarray(grads["embed"][...])[0]
     assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)

@@ -186,9 +186,11 @@ def layout_loss_and_grads(
     attention="auto",
     compute_dtype="auto",
     residual: Optional[str] = DOTS_AND_ATTENTION,
+    compiler_options: Optional[dict] = None,
 ):
     """(loss sums, canonical grads) of a packed ``batch`` computed in the layout of ``mesh`` (the
-    step's gradients without the update: for tests and research code)."""
+    step's gradients without the update: for tests and research code); ``compiler_options``: XLA's,
+    as a :class:`jvarlen.api.Session` takes them."""
     dtype = resolve_compute_dtype(compute_dtype)
     grads_fn = single_program_grads(
         graphdef,
@@ -205,9 +207,8 @@ def layout_loss_and_grads(
         return sums, grads
 
     b_sharding = {key: batch_sharding(mesh) for key in batch}
-    return jax.jit(run, in_shardings=(params_sharding, b_sharding), out_shardings=(None, params_sharding))(
-        params, batch
-    )
+    shardings = dict(in_shardings=(params_sharding, b_sharding), out_shardings=(None, params_sharding))
+    return jax.jit(run, **shardings, compiler_options=compiler_options)(params, batch)
 
 
 def shape_bucket(batch: dict) -> tuple:
