@@ -54,7 +54,10 @@ def values_compile() -> dict:
     test_pipeline_memory: 5.5 -> 1.9 s). The emitters decide some fusions and so the buffers (that
     step's temp memory: +0.03..0.6 %): the HLO tests and those that compare a program's bytes with
     the planner's account keep XLA's defaults (:func:`relative_memory_compile`: the memory tests that
-    may use these options)."""
+    may use these options). Their elementwise code is not XLA's default either: the layer-remat
+    test of test_kernels_gpu_config, jitted with these options, finds the rematerialised and the
+    plain gradients 4e-4 apart (relative; equal to 1e-5 with the default emitters, and eager), so a
+    test that compares two programs of one model at a tight tolerance checks it under both first."""
     return {"xla_backend_optimization_level": 0, **_legacy_emitters()}
 
 
