@@ -104,13 +104,16 @@ def token_1f1b_batch(cfg, layout, recompute: int):
 
 
 def reference(graphdef, params, documents):
-    """Single-device (sums, grads of the mean loss) with one document per row (compiled for values
-    only, ``conftest.values_compile``)."""
+    """Single-device (sums, grads of the mean loss) with one document per row."""
+    return single_device_grads(graphdef, params, reference_batch(documents))
+
+
+def single_device_grads(graphdef, params, batch: dict):
+    """Single-device (sums, grads of the mean loss) of a packed ``batch``, compiled for values only
+    (``conftest.values_compile``)."""
     from conftest import values_compile
 
-    batch = reference_batch(documents)
-    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))
-    return fn.lower(params, batch).compile(values_compile())(params, batch)
+    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b), compiler_options=values_compile())(params, batch)
 
 
 def reference_batch(documents) -> dict:

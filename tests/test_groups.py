@@ -78,9 +78,8 @@ def _state(params, optimizer):
 
 def _reference(graphdef, params, optimizer, docs):
     """The single-device reference step's (state, metrics) on ``docs``, one document per row."""
-    step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer))
-    state, batch = _state(params, optimizer), reference_batch(docs)
-    return step.lower(state, batch).compile(values_compile())(state, batch)
+    step = jax.jit(make_train_step(single_program_grads(graphdef), optimizer), compiler_options=values_compile())
+    return step(_state(params, optimizer), reference_batch(docs))
 
 
 def _step_equals_reference(setup, plan, inspect=None, stage_weights="replicated", **step_options):

@@ -7,6 +7,7 @@ import pytest
 from conftest import tile_head_logits, values_compile
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from pipeline_helpers import single_device_grads
 
 from jvarlen.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from jvarlen.kernels import reference_attention
@@ -17,7 +18,7 @@ from jvarlen.parallel.sharding import Placement, place_global
 from jvarlen.parallel.ulysses import gather_seq, heads_to_seq, kv_repeats, seq_to_heads, ulysses_attention_fn
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.state import create_train_state
-from jvarlen.runtime.step import loss_and_grads, single_program_grads
+from jvarlen.runtime.step import single_program_grads
 from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy, layout_loss_and_grads, shape_bucket
 from jvarlen.runtime.strategy import StepContext
 
@@ -78,9 +79,7 @@ def tiny():
 def reference(tiny):
     config, graphdef, _, state = tiny
     batch = packed_batch(0)
-    sums, grads = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b), compiler_options=values_compile())(
-        state.params, batch
-    )
+    sums, grads = single_device_grads(graphdef, state.params, batch)
     return batch, jax.device_get(sums), jax.device_get(grads)
 
 
@@ -141,9 +140,7 @@ def test_bf16_embedding_gradient_of_a_frequent_token_matches_single_device():
         targets=np.roll(tokens, -1, 1),
         loss_mask=loss_mask,
     )
-    _, ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b), compiler_options=values_compile())(
-        state.params, batch
-    )
+    _, ref = single_device_grads(graphdef, state.params, batch)
     placement = Placement.for_state(state, optimizer)
     params = place_global(state.params, placement.state_sharding.params)
     mesh = placement.mesh(Layout(dp=8))
