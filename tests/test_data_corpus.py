@@ -141,6 +141,53 @@ def test_hf_tokenizer_file(tmp_path):
     assert corpus.document(0).tolist() == [3, 2, 1, 4]
 
 
+def test_hf_tokenizer_encodes_whole_documents_as_text(tmp_path):
+    """A tokenizer.json saved with truncation and padding on, and documents quoting its special
+    tokens: every stored document is BOS, the whole text's ids, EOS (it decodes back to the text;
+    no pad id, no boundary id inside), not cut to the file's max_length nor padded to the batch's
+    longest, and ``</s>`` in the text is text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    texts = ["a cat", "the cat sat on the mat " * 6 + "</s> <s> end", "<pad>"]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.enable_truncation(max_length=4)
+    tok.enable_padding(pad_id=2, pad_token="<pad>")
+    tok.save(str(tmp_path / "tok.json"))
+    saved = json.loads((tmp_path / "tok.json").read_text())
+    assert saved["truncation"]["max_length"] == 4 and saved["padding"] is not None  # as the file says
+
+    hf = load_tokenizer(str(tmp_path / "tok.json"))
+    assert (hf.bos_id, hf.eos_id, hf.pad_id) == (0, 1, 2)
+    corpus = _load(
+        tmp_path,
+        "jsonl",
+        _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts]),
+        tokenizer=str(tmp_path / "tok.json"),
+    )
+    for i, text in enumerate(texts):
+        doc = corpus.document(i).tolist()
+        assert doc[0] == hf.bos_id and doc[-1] == hf.eos_id
+        assert not {hf.bos_id, hf.eos_id, hf.pad_id} & set(doc[1:-1]), doc
+        assert hf.decode(doc[1:-1]) == text
+    assert len(corpus.document(1)) > 40  # the long one whole
+
+
+def test_hf_tokenizer_gives_missing_specials_ids_past_its_largest(tmp_path):
+    """A vocabulary with a gap in its ids: the appended BOS/EOS/PAD take none of its ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 7}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tok.json"))
+    hf = load_tokenizer(str(tmp_path / "tok.json"))
+    assert (hf.bos_id, hf.eos_id, hf.pad_id, hf.vocab_size) == (8, 9, 10, 11)
+
+
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     ids = tok.encode("héllo ✓")

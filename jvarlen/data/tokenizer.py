@@ -65,9 +65,12 @@ class HFTokenizer:
 
     Special tokens are looked up by their usual names (``<s>``, ``</s>``,
     ``<|endoftext|>``, ``<pad>``, ...); any that the file lacks get fresh ids just past
-    its vocabulary, so ``vocab_size`` may exceed the file's own size by up to 3.
-    Text is encoded without the tokenizer's own post-processing specials: the corpus
-    adds BOS/EOS itself.
+    its vocabulary (past its largest id), so ``vocab_size`` may exceed the file's own size
+    by up to 3. A document is encoded whole, as text: the corpus adds BOS/EOS itself, so
+    the file's post-processing specials are not added, a truncation or padding saved in
+    the file is switched off (it would cut documents, or store pad ids as their tokens),
+    and a special token's string inside a document (a web page quoting ``</s>``) is
+    tokenized as the text it is, not as that token's id.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -94,9 +97,14 @@ class HFTokenizer:
             raise TokenizerError(
                 f"tokenizer file {self.path!r} could not be read as a Hugging Face tokenizer: {error}"
             ) from error
-        self.identity = "hf-" + hashlib.sha256(raw).hexdigest()[:32]
-        base = self._tok.get_vocab_size(with_added_tokens=True)
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._tok.encode_special_tokens = True
+        # v2: the file's truncation and padding off, special tokens' strings as text (caches
+        # built before may hold cut or padded documents, or boundary ids inside one)
+        self.identity = "hf-v2-" + hashlib.sha256(raw).hexdigest()[:32]
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        base = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         next_id = base
 
         def special(names: tuple[str, ...]) -> int:
