@@ -289,6 +289,13 @@ def test_corrupt_jsonl_line_names_file_and_line(tmp_path):
     path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": "broken\n')
     with pytest.raises(UnreadableFileError, match=r"bad\.jsonl:4: corrupt JSONL line"):
         _load(tmp_path, "jsonl", path)
+    # valid JSON, but the text escapes a lone surrogate (no tokenizer can encode it); an escaped
+    # pair is one character and reads as it
+    path.write_text('{"text": "pair \\ud83d\\ude00"}\n{"text": "lone \\ud800 x"}\n')
+    with pytest.raises(UnreadableFileError, match=r"bad\.jsonl:2: corrupt JSONL line \(field 'text' escapes a lone"):
+        _load(tmp_path, "jsonl", path)
+    path.write_text('{"text": "pair \\ud83d\\ude00"}\n')
+    assert bytes(_load(tmp_path, "jsonl", path).document(0)[1:-1].astype(np.uint8)).decode() == "pair \U0001f600"
 
 
 def test_missing_field_names_field_and_line(tmp_path):

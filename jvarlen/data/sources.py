@@ -210,6 +210,14 @@ class Source:
                     except (json.JSONDecodeError, UnicodeDecodeError) as error:
                         raise UnreadableFileError(f"{where}: corrupt JSONL line (invalid JSON: {error})") from error
                     text, ids = self._field(record, where)
+                    if isinstance(text, str) and b"\\u" in line:  # JSON may escape a lone surrogate: not text
+                        try:
+                            text.encode("utf-8")
+                        except UnicodeEncodeError as error:
+                            raise UnreadableFileError(
+                                f"{where}: corrupt JSONL line (field {self.text_field!r} escapes a lone UTF-16 "
+                                f"surrogate, which is not Unicode text: {error})"
+                            ) from error
                     yield RawDocument(index, line_no, text, ids)
         except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # unreadable, or a damaged/truncated archive
             after = f" after line {line_no}" if line_no else ""
