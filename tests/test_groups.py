@@ -390,22 +390,24 @@ def test_a_group_returns_its_devices_rest_gradients_without_reducing_them(setup)
     gradient as a row, which the update adds with every other device's, as for its layers: the
     group's step has no all-reduce of it (before: the executor all-reduced it over the group and
     the group's first device alone returned it, 1.05 GB of fp32 per step for Llama-2-7B)."""
-    cfg, graphdef, params, docs = setup
-    optimizer = optax.sgd(0.5)
-    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
-    step = session.strategy_step(residual_policy="all")
-    prepared = step.prepare(strategy_plan(cfg), docs)
+    cfg, _, params, _ = setup
     embedding = [a for a in jax.tree.leaves(params) if a.shape == (cfg.vocab_size, cfg.d_model)]
     assert embedding, "the embedding's shape is the test's handle on the rest's gradient"
-    for key in prepared.key[1]:
-        compiled, _, _ = step.strategy._compile_group(key)
-        shape = f"f32[{cfg.vocab_size // key[2]},{cfg.d_model}]"  # a device's rows: split by vocabulary over sp
-        text = compiled.as_text()
-        assert shape in text
-        reduced = [line for line in text.splitlines() if "all-reduce" in line and shape in line]
-        assert not reduced, reduced[:2]
-    # and the step still equals the reference (each device's row counted once)
-    _step_equals_reference(setup, strategy_plan(cfg))
+    checked = []
+
+    def inspect(prepared, step):
+        program = step.strategy.compile(prepared.key)  # the programs the step then runs
+        for key, (compiled, *_) in zip(prepared.key[1], program.groups):
+            shape = f"f32[{cfg.vocab_size // key[2]},{cfg.d_model}]"  # a device's rows: split by vocabulary over sp
+            text = compiled.as_text()
+            assert shape in text
+            reduced = [line for line in text.splitlines() if "all-reduce" in line and shape in line]
+            assert not reduced, reduced[:2]
+            checked.append(key[2])
+
+    # the step whose group programs these are equals the reference (each device's row counted once)
+    _step_equals_reference(setup, strategy_plan(cfg), inspect)
+    assert checked == [2, 4]
 
 
 def test_a_group_splits_an_untied_head_by_vocabulary_and_equals_the_reference(setup):
