@@ -181,10 +181,12 @@ def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cach
 
 def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, cache_dir):
     """A configuration refused when the run starts (here a residual policy the step builder does
-    not know, with the pipeline path) keeps the records and config of the run it was to resume."""
+    not know, with the pipeline path) keeps the records, config and checkpoints of the run it was
+    to resume (before, its smaller ``max_to_keep`` deleted checkpoints on the way out)."""
     run_dir = tmp_path / "r"
     train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=1"), quiet=True)
     metrics, config = (run_dir / "metrics.jsonl").read_text(), (run_dir / "config.json").read_text()
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
     with pytest.raises(ConfigError, match="unknown residual policy 'bogus'"):
         train(
             _config(
@@ -194,11 +196,13 @@ def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, 
                 "--checkpoint.resume=true",
                 "--parallel.pp=2",
                 "--parallel.residual_policy=bogus",
+                "--checkpoint.max_to_keep=1",
             ),
             quiet=True,
         )
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     assert (run_dir / "config.json").read_text() == config
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
 
 
 def test_learning_rate_warms_up_from_the_first_update_and_ends_at_the_final_rate():

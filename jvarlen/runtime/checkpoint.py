@@ -110,6 +110,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saved = False  # rotation on close only after a save of this run (a refused one deletes nothing)
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -132,6 +133,7 @@ class Checkpointer:
         data_state = {**data_state, CHECKSUMS: sums}
         self.manager.wait_until_finished()  # the previous save is finalized: older ones may go now
         self._rotate(keep=self.cfg.max_to_keep)
+        self._saved = True
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -220,7 +222,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.wait_until_finished()
-        self._rotate(keep=self.cfg.max_to_keep)
+        if self._saved:
+            self._rotate(keep=self.cfg.max_to_keep)
         self.manager.close()
 
 
