@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import pathlib
 from typing import Literal, Optional
@@ -56,7 +57,7 @@ def _require(condition: bool, message: str) -> None:
 
 def _positive(owner: str, **values: int | float) -> None:
     for name, value in values.items():
-        _require(value > 0, f"{owner}.{name} must be > 0, got {value}")
+        _require(value > 0 and math.isfinite(value), f"{owner}.{name} must be > 0 and finite, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ class ModelConfig:
                 f"({self.num_heads}), or set model.head_dim explicitly",
             )
             self.head_dim = self.d_model // self.num_heads
-        _positive("model", head_dim=self.head_dim)
+        _positive("model", head_dim=self.head_dim, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
         _require(self.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @property
@@ -262,6 +263,10 @@ class DataConfig:
             f"data.tokens_field applies to jsonl and parquet sources, not data.source={self.source!r}",
         )
         _require(
+            self.text_field == "text" or self.source in ("jsonl", "parquet"),
+            f"data.text_field applies to jsonl and parquet sources, not data.source={self.source!r}",
+        )
+        _require(
             self.tokens_field is None or self.text_field == "text",
             f"data.text_field={self.text_field!r} and data.tokens_field={self.tokens_field!r} are both set; "
             "a source holds either text or token ids",
@@ -289,14 +294,21 @@ class OptimizerConfig:
     grad_clip_norm: float = 1.0
 
     def __post_init__(self):
-        _positive("optimizer", learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
+        _positive("optimizer", learning_rate=self.learning_rate)
+        _require(
+            self.grad_clip_norm > 0,
+            f"optimizer.grad_clip_norm must be > 0 (inf: no clipping), got {self.grad_clip_norm}",
+        )
         _require(self.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("b1", "b2"):
             value = getattr(self, name)
             _require(0 <= value < 1, f"optimizer.{name} must be in [0, 1), got {value}")
-        _require(self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}")
-        _require(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        _positive("optimizer", eps=self.eps)
+        _require(
+            0 <= self.weight_decay < math.inf,
+            f"optimizer.weight_decay must be >= 0 and finite, got {self.weight_decay}",
+        )
 
 
 @dataclasses.dataclass
@@ -373,6 +385,14 @@ class ParallelConfig:
                 self.process_id >= 0 and (self.num_processes is None or self.process_id < self.num_processes),
                 f"parallel.process_id ({self.process_id}) must be in [0, parallel.num_processes={self.num_processes})",
             )
+        explicit = {"coordinator_address": self.coordinator_address, "num_processes": self.num_processes}
+        explicit["process_id"] = self.process_id
+        given = [f"parallel.{k}" for k, v in explicit.items() if v is not None]
+        _require(
+            self.distributed or not given,
+            f"{', '.join(given)} set without parallel.distributed=true: the run would train alone, as one "
+            "process; set parallel.distributed=true (or drop them)",
+        )
 
 
 STRATEGY_POLICIES = ("hydraulis", "flexsp", "dcp", "dcp-inter", "homogeneous", "epp-pipelines", "auto")
@@ -523,6 +543,11 @@ class Config:
 
     def __post_init__(self):
         _require(
+            not (self.checkpoint.resume and self.logging.overwrite),
+            "checkpoint.resume=true continues the run in logging.run_dir and logging.overwrite=true deletes "
+            "it; set one of them",
+        )
+        _require(
             self.parallel.stage_weights != "auto" or self.plan.uses_groups,
             f"parallel.stage_weights=auto is chosen by planning sample batches with a strategy policy "
             f"(plan.policy in {STRATEGY_POLICIES}); with plan.policy={self.plan.policy} set it to replicated or sharded",
@@ -542,6 +567,7 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
     config_path = None
     for i, arg in enumerate(args):
         if arg == "--config" or arg == "--config_path":
+            _require(i + 1 < len(args), f"{arg} needs the path of a YAML config file")
             config_path = args[i + 1]
             del args[i : i + 2]
             break
@@ -549,8 +575,8 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
             config_path = arg.split("=", 1)[1]
             del args[i]
             break
-    if config_path is not None and not os.path.exists(config_path):
-        raise ConfigError(f"config file {config_path!r} does not exist")
+    if config_path is not None and _check_config_file(config_path) is None:
+        config_path = None  # an empty file (or comments only): the defaults and the overrides
     try:
         return draccus.parse(Config, config_path=config_path, args=args, exit_on_error=False)
     except argparse.ArgumentError as error:  # a value outside a flag's fixed choices
@@ -566,6 +592,25 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
         if cause is not None:
             raise cause from None
         raise ConfigError(str(error)) from error
+
+
+def _check_config_file(path: str) -> Optional[dict]:
+    """A config file's content: a YAML mapping of sections (``model:``, ``data:``, ...), or None for
+    an empty file (it sets nothing)."""
+    _require(os.path.exists(path), f"config file {path!r} does not exist")
+    _require(not os.path.isdir(path), f"config file {path!r} is a directory; give a YAML file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = yaml.safe_load(f)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path!r} cannot be read: {error}") from None
+    _require(
+        content is None or isinstance(content, dict),
+        f"config file {path!r} holds a {type(content).__name__}, not a mapping of sections (model:, data:, ...)",
+    )
+    return content
 
 
 def load_config(path: str | os.PathLike, **overrides: str) -> Config:

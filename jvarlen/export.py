@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import draccus
@@ -14,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = draccus.parse(ExportConfig, args=sys.argv[1:] if argv is None else argv, exit_on_error=False)
         export_run(cfg)
-    except (ValueError, OSError, draccus.utils.DraccusException) as error:
+    except (ValueError, OSError, argparse.ArgumentError, draccus.utils.DraccusException) as error:
         print(f"jvarlen.export: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0

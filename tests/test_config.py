@@ -71,6 +71,16 @@ def test_batch_must_be_whole_rows():
         (["--optimizer.b1=1.0"], r"optimizer.b1 must be in \[0, 1\)"),
         (["--optimizer.eps=0"], "optimizer.eps must be > 0"),
         (["--optimizer.weight_decay=-5"], "optimizer.weight_decay must be >= 0"),
+        (["--data.text_field=body"], "text_field applies to jsonl and parquet sources, not data.source='stdlib'"),
+        (["--optimizer.learning_rate=inf"], "optimizer.learning_rate must be > 0 and finite, got inf"),
+        (["--optimizer.eps=inf"], "optimizer.eps must be > 0 and finite"),
+        (["--optimizer.weight_decay=inf"], "optimizer.weight_decay must be >= 0 and finite"),
+        (["--model.rope_theta=0"], "model.rope_theta must be > 0 and finite, got 0"),
+        (["--model.norm_eps=-1"], "model.norm_eps must be > 0"),
+        (["--model.norm_eps=nan"], "model.norm_eps must be > 0"),
+        # alone, as process 0, into the run directory every host would share
+        (["--parallel.num_processes=2", "--parallel.process_id=1"], "process_id set without parallel.distributed"),
+        (["--checkpoint.resume=true", "--logging.overwrite=true"], "set one of them"),
         (["--plan.policy=auto", "--plan.min_slice_tokens=256"], "plan.min_slice_tokens set the elastic pipeline"),
         (["--plan.policy=dcp", "--plan.gpipe_units=false", "--plan.solver_seed=3"], "gpipe_units, plan.solver_seed"),
     ],
@@ -98,6 +108,18 @@ def test_stage_weights_are_replicated_or_sharded():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(["--config", "/nonexistent/x.yaml"])
+
+
+def test_a_config_file_is_a_mapping_of_sections_and_an_empty_one_sets_nothing(tmp_path):
+    with pytest.raises(ConfigError, match="--config needs the path of a YAML config file"):
+        parse_config(["--model.d_model=64", "--config"])
+    with pytest.raises(ConfigError, match="is a directory"):
+        parse_config(["--config", str(tmp_path)])
+    (tmp_path / "list.yaml").write_text("- model\n- data\n")
+    with pytest.raises(ConfigError, match="holds a list, not a mapping of sections"):
+        parse_config(["--config", str(tmp_path / "list.yaml")])
+    (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
+    assert parse_config(["--config", str(tmp_path / "empty.yaml"), "--model.d_model=64"]).model.d_model == 64
 
 
 def test_auto_pipeline_stages_pick_the_elastic_pipeline_when_two_stages_fit():

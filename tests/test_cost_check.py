@@ -95,3 +95,6 @@ def test_a_profile_of_another_model_or_policy_says_so_and_an_unreadable_one_name
         bad = parse_config([f"--train.cost_profile={broken}"])
         with pytest.raises(ConfigError, match=f"cost profile '{broken}' cannot be read as a jvarlen profile"):
             StepTimeCheck.from_config(bad, said.append)
+    missing = parse_config([f"--train.cost_profile={tmp_path / 'none.json'}"])
+    with pytest.raises(ConfigError, match=r"train.cost_profile '.*none.json' does not exist"):
+        StepTimeCheck.from_config(missing, said.append)

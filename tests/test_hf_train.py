@@ -83,6 +83,9 @@ def test_first_step_loss_is_transformers_then_export_imports_bitwise(tmp_path, m
         moved += int(not np.array_equal(a, np.asarray(c)))
     assert moved == len(jax.tree.leaves(saved))  # step 2 trained every parameter
     assert export.main([f"--run_dir={tmp_path / 'nowhere'}", f"--out_dir={out}"]) == 2
+    assert (
+        export.main([f"--run_dir={tmp_path / 'run'}", f"--out_dir={out}2", "--dtype=fp16"]) == 2
+    )  # one line, no traceback
     # the run's own checkpoint takes precedence over init_from, which is then not read at all
     config = parse_config(
         [

@@ -106,8 +106,12 @@ def test_policy_picks_smallest_sp_that_fits_the_token_budget():
     assert policy.choose(0, rows=2, seq_len=4096) == Layout(dp=2, sp=4)  # one row split 4 ways
     assert policy.choose(0, rows=1, seq_len=8192) == Layout(dp=1, sp=8)
     assert per_device_tokens(Layout(dp=2, sp=4), 3, 4096) == 2 * 1024  # rows padded up to dp
-    with pytest.raises(ValueError, match="no layout fits parallel.tokens_per_device=1024"):
+    with pytest.raises(ConfigError, match="no layout fits parallel.tokens_per_device=1024"):
         policy.choose(0, rows=1, seq_len=16384)
+    # the config's own batch shape ([8, 1024] by default: 1,024 tokens per device at best) is
+    # checked when the policy is made, before the run starts
+    with pytest.raises(ConfigError, match=r"no layout fits parallel.tokens_per_device=100 for a \[8, 1024\] batch"):
+        _policy(tokens_per_device=100)
 
 
 def test_policy_fixed_and_cycle_and_config_errors():

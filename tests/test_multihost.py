@@ -185,7 +185,7 @@ def test_distributed_config_is_all_or_nothing():
         initialize(ParallelConfig(distributed=True, coordinator_address="127.0.0.1:1234"))
     with pytest.raises(ConfigError, match=r"process_id \(2\) must be in \[0, parallel.num_processes=2\)"):
         parse_config(["--parallel.num_processes=2", "--parallel.process_id=2"])
-    with pytest.raises(ConfigError, match="parallel.heartbeat_timeout_s must be > 0, got 0"):
+    with pytest.raises(ConfigError, match="parallel.heartbeat_timeout_s must be > 0 and finite, got 0"):
         parse_config(["--parallel.heartbeat_timeout_s=0"])
 
 

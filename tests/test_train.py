@@ -145,11 +145,14 @@ def test_resume_from_different_model_shape_is_refused(tmp_path, cache_dir):
         )
 
 
-def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cache_dir):
+def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cache_dir, monkeypatch):
     """Without resume, a run_dir with an earlier run's records and checkpoints is refused before
-    anything in it changes; ``logging.overwrite`` starts over in it."""
+    anything in it changes; ``logging.overwrite`` starts over in it. The first run names it
+    ``~/r`` (a ``--flag=~/r`` no shell expands; before, a directory named ``~`` was made)."""
     run_dir = tmp_path / "r"
-    first = train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=2"), quiet=True)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first = train(_config("~/r", cache_dir, "--train.steps=2", "--checkpoint.every_steps=2"), quiet=True)
+    assert first.run_dir == str(run_dir) and not os.path.exists("~")
     before = (run_dir / "metrics.jsonl").read_text()
     assert len(before.splitlines()) == 2
     with pytest.raises(ConfigError, match=r"holds an earlier run \(2 metric records and checkpoints of steps 2\)"):

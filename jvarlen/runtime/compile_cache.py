@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Callable, Hashable, Optional
@@ -26,6 +27,7 @@ def enable_persistent_cache(directory: Optional[str]) -> None:
     """Turns on JAX's persistent compilation cache in ``directory`` (no-op for None)."""
     if not directory:
         return
+    directory = os.path.expanduser(directory)
     if jax.config.jax_compilation_cache_dir != str(directory):
         from jax.experimental.compilation_cache import compilation_cache
 

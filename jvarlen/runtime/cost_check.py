@@ -36,9 +36,13 @@ def find_profile(config: Config) -> Optional[str]:
     """The profile for this model on this backend: ``train.cost_profile``, else the user
     cache of ``python -m jvarlen.profile``, else one shipped with jvarlen; None if none."""
     if config.train.cost_profile not in (None, "auto", "none"):
-        if not os.path.exists(config.train.cost_profile):
-            raise FileNotFoundError(f"train.cost_profile {config.train.cost_profile!r} does not exist")
-        return config.train.cost_profile
+        path = os.path.expanduser(config.train.cost_profile)
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"train.cost_profile {config.train.cost_profile!r} does not exist (a profile JSON file, "
+                "'auto' to look one up, or 'none')"
+            )
+        return path
     if config.train.cost_profile == "none":
         return None
     name = profile_filename(ModelShape.from_config(config.model), jax.default_backend(), jax.devices()[0].device_kind)

@@ -205,7 +205,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     enable_persistent_cache(config.parallel.compilation_cache_dir)
     main = jax.process_index() == 0
     quiet = quiet or not main
-    run_dir = os.path.abspath(config.logging.run_dir)
+    run_dir = os.path.abspath(os.path.expanduser(config.logging.run_dir))  # "--flag=~/x": no shell expands it
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as error:  # a file where a directory should be, no permission, ...

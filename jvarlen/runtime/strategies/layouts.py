@@ -60,7 +60,10 @@ class LayoutPolicy:
                 raise ConfigError(f"parallel.pp={fixed.pp}: pipeline parallelism needs the pipeline executor; use pp=1")
         for sp in par.sp_cycle or ():
             _validate(Layout(dp=max(num_devices // sp, 1), pp=1, sp=sp), num_devices, heads)
-        return cls(num_devices, heads, 1, fixed, par.tokens_per_device, tuple(par.sp_cycle or ()))
+        policy = cls(num_devices, heads, 1, fixed, par.tokens_per_device, tuple(par.sp_cycle or ()))
+        if par.tokens_per_device is not None:  # every batch is [rows_per_batch, seq_len]: refused at the start
+            policy.choose(0, config.data.rows_per_batch, config.data.seq_len)
+        return policy
 
     def candidates(self, seq_len: int) -> list[Layout]:
         """Valid layouts for rows of ``seq_len`` tokens, by increasing sp."""
@@ -83,7 +86,7 @@ class LayoutPolicy:
             if per_device_tokens(layout, rows, seq_len) <= self.tokens_per_device:
                 return layout
         best = candidates[-1] if candidates else None
-        raise ValueError(
+        raise ConfigError(
             f"no layout fits parallel.tokens_per_device={self.tokens_per_device} for a [{rows}, {seq_len}] batch "
             f"on {self.num_devices} devices (best: {best}, "
             f"{per_device_tokens(best, rows, seq_len) if best else '-'} tokens per device); "
