@@ -182,6 +182,24 @@ def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cach
     assert os.listdir(run_dir / "checkpoints") == ["1"]  # the earlier run's step 2 is gone
 
 
+def test_a_run_directory_in_use_by_another_run_is_refused(tmp_path, cache_dir):
+    """A second run started in the directory of one still running (starting: nothing written yet)
+    is refused naming the holder, before it reads or writes anything there; once the first ends
+    (its lock released, as a process's end releases it), a run starts there."""
+    from jvarlen.runtime.run_lock import RunDirLock
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    other = RunDirLock.acquire(str(run_dir), say=print)  # another open file: flock refuses this process too
+    try:
+        with pytest.raises(ConfigError, match=rf"'{run_dir}' is in use by another run \(pid {os.getpid()} on "):
+            train(_config(run_dir, cache_dir, "--train.steps=1"), quiet=True)
+        assert sorted(os.listdir(run_dir)) == [".lock"]
+    finally:
+        other.release()
+    assert len(train(_config(run_dir, cache_dir, "--train.steps=1"), quiet=True).losses) == 1
+
+
 def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, cache_dir):
     """A configuration refused when the run starts (here a residual policy the step builder does
     not know, with the pipeline path) keeps the records, config and checkpoints of the run it was

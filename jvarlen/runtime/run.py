@@ -27,6 +27,7 @@ from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
 from jvarlen.runtime.compile_cache import enable_persistent_cache
 from jvarlen.runtime.metrics import MetricsLogger
+from jvarlen.runtime.run_lock import RunDirLock
 from jvarlen.runtime.state import create_train_state, learning_rate_schedule, warmup_updates
 
 
@@ -118,6 +119,7 @@ class Run:
     nonfinite_total: int = 0
     signals: "StopSignals" = dataclasses.field(default_factory=lambda: StopSignals())
     earlier_run: Optional[str] = None  # what logging.overwrite deletes in start_logging, in words
+    lock: Optional[RunDirLock] = None  # the run directory's, held by the first process until close
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
@@ -196,6 +198,8 @@ class Run:
             self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
@@ -214,6 +218,18 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         ) from None
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
     say(f"[jvarlen] run directory: {run_dir}")
+    lock = RunDirLock.acquire(run_dir, say) if main else None  # before anything reads or writes the directory
+    try:
+        run = _open_locked(config, main, quiet, say, run_dir, stop_after)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, stop_after: Optional[int]) -> Run:
     # an earlier run to overwrite is deleted only once the configuration is accepted (start_logging);
     # until then no checkpointer touches its checkpoints (a checkpointer rotates them on close)
     earlier = None if config.checkpoint.resume else _claim_fresh(run_dir, config.logging.overwrite)
