@@ -261,8 +261,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp
 
 def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_path, cache_dir, monkeypatch):
     """A checkpoint whose train state another optimizer chain wrote (as another jvarlen version
-    may) is a mismatch, not damage, and a storage error is not damage: both refused, every
-    checkpoint left where it is."""
+    may) is a mismatch, not damage, and a storage error or a device out of memory is not damage:
+    all refused, every checkpoint left where it is."""
     import jvarlen.runtime.state as state_module
 
     run_dir = tmp_path / "run"
@@ -285,6 +285,16 @@ def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_pat
     with monkeypatch.context() as m:
         m.setattr(ocp.CheckpointManager, "restore", failing_read)
         with pytest.raises(OSError, match="Input/output error"):
+            train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
+
+    # nor is a device out of memory while restoring (the state is too large for this layout)
+    def out_of_memory(*_, **__):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.CheckpointManager, "restore", out_of_memory)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
             train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
     assert train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True).first_step == 2

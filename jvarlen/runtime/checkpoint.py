@@ -12,7 +12,7 @@ Guarantees beyond Orbax's atomic step directories:
   (every leaf's checksums are saved beside it, :func:`state_checksums`). What is not damage is
   not moved: a train state of another structure (another optimizer chain, another jvarlen
   version) is a :class:`CheckpointMismatchError`, a storage error (``OSError`` other than a
-  missing file) is raised as it is.
+  missing file) or running out of memory is raised as it is.
 """
 
 from __future__ import annotations
@@ -238,9 +238,14 @@ def read_error_summary(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
 
 
+def _out_of_memory(error: Exception) -> bool:
+    """The host or a device ran out of memory while reading (a state too large for this layout)."""
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+
+
 def _raise_unless_damage(error: Exception, step: int, directory: str) -> None:
     """Raises what a failed read of checkpoint ``step`` means when it is not damage."""
-    if is_storage_error(error):
+    if is_storage_error(error) or _out_of_memory(error):  # the checkpoint may well be fine
         raise error
     if isinstance(error, ValueError) and "structures do not match" in str(error):
         diff = "\n".join(str(error).splitlines()[1:9])
