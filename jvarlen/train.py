@@ -13,20 +13,26 @@ from jvarlen.config import ConfigError, parse_config
 from jvarlen.layout import requested_devices, resolve_layout
 
 
+def host_device_flags(flags: str, devices: int) -> str:
+    """``XLA_FLAGS`` giving the host platform the ``devices`` a run's layout asks for (every path:
+    the pipeline, the device groups, data-parallel and Ulysses layouts), so that it runs on a
+    CPU-only host as it would on as many GPUs (the flag has no effect on GPU/TPU devices); a device
+    count already set is kept."""
+    if devices <= 1 or "xla_force_host_platform_device_count" in flags:
+        return flags
+    return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv)
-        layout = resolve_layout(config)  # the layout the run asks for (checked before JAX starts)
+        resolve_layout(config)  # the layout the run asks for, checked before JAX starts
     except (ConfigError, FileNotFoundError) as error:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
-    if layout.num_devices > 1 and (layout.pp > 1 or config.plan.uses_groups) and "jax" not in sys.modules:
-        # the pipeline and group paths on a CPU-only host: give the host platform the devices
-        # the layout needs (no effect on GPU/TPU devices)
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            count = requested_devices(config)
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and host_device_flags(flags, requested_devices(config)) != flags:
+        os.environ["XLA_FLAGS"] = host_device_flags(flags, requested_devices(config))
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError
     from jvarlen.runtime.checkpoint import CheckpointMismatchError, NonFiniteStateError, NoReadableCheckpointError

@@ -57,14 +57,17 @@ def _config(run_dir, cache_dir, *extra):
 
 
 def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_dir):
+    # no device count: the entry point gives the host platform the 2 devices dp = 2 asks for (before,
+    # only the pipeline and group paths got theirs)
     run_dir = tmp_path / "run"
-    env = cli_env(2, values_only=True)
+    env = cli_env(values_only=True)
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "jvarlen.train",
             *TINY_ARGS,
+            "--parallel.dp=2",
             f"--logging.run_dir={run_dir}",
             f"--data.cache_dir={cache_dir}",
             "--train.steps=3",
@@ -80,7 +83,17 @@ def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["real_tokens"] > 0 for r in records)
+    assert all((r["dp"], r["sp"]) == (2, 1) for r in records), records[0]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
+
+
+def test_the_entry_point_gives_a_cpu_host_the_devices_of_the_layout():
+    from jvarlen.train import host_device_flags
+
+    assert host_device_flags("", 4) == "--xla_force_host_platform_device_count=4"
+    assert host_device_flags("--xla_dump_to=/d", 2) == "--xla_dump_to=/d --xla_force_host_platform_device_count=2"
+    assert host_device_flags("--xla_force_host_platform_device_count=8", 2).endswith("count=8")  # the user's count
+    assert host_device_flags("", 1) == ""
 
 
 def test_cli_reports_config_errors(tmp_path):
