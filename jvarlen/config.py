@@ -565,6 +565,8 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
     """
     args = list(args or [])
     config_path = None
+    given = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--config", "--config_path")]
+    _require(len(given) <= 1, f"{' and '.join(given)}: give one config file (the others would be ignored)")
     for i, arg in enumerate(args):
         if arg == "--config" or arg == "--config_path":
             _require(i + 1 < len(args), f"{arg} needs the path of a YAML config file")

@@ -115,6 +115,8 @@ def test_a_config_file_is_a_mapping_of_sections_and_an_empty_one_sets_nothing(tm
         parse_config(["--model.d_model=64", "--config"])
     with pytest.raises(ConfigError, match="is a directory"):
         parse_config(["--config", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--config and --config_path: give one config file"):
+        parse_config(["--config=a.yaml", "--config_path=b.yaml"])
     (tmp_path / "list.yaml").write_text("- model\n- data\n")
     with pytest.raises(ConfigError, match="holds a list, not a mapping of sections"):
         parse_config(["--config", str(tmp_path / "list.yaml")])
