@@ -11,6 +11,7 @@ refuses its bad values sit together, the one file a user reads to learn what a f
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import math
 import os
@@ -106,6 +107,9 @@ CHECKPOINT_FIELDS = (
 # Of those, the ones a run may change on purpose (context extension): set to a value other than
 # the default, they override the checkpoint's.
 ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
+# The model fields a command line or config file names (set by parse_config while it builds the
+# config): such a field is the user's value even where it equals the default.
+_EXPLICIT_MODEL_FIELDS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("explicit", default=frozenset())
 STAGE_WEIGHTS = ("replicated", "sharded", "auto")  # parallel.stage_weights
 
 
@@ -118,7 +122,8 @@ class ModelConfig:
     (:data:`CHECKPOINT_FIELDS`) are read from its config.json here; a field set to a value other
     than both its default and the checkpoint's is an error, except ``rope_theta`` and
     ``rope_scaling``, which then override the checkpoint's (continued pretraining with a longer
-    context). ``from_checkpoint`` lists, after that, what the checkpoint decided.
+    context). A field a config file or command line names counts as set even at its default
+    value. ``from_checkpoint`` lists, after that, what the checkpoint decided.
     """
 
     vocab_size: int = 320  # byte tokenizer (256 + specials), rounded up to a multiple of 64
@@ -188,9 +193,10 @@ class ModelConfig:
             fields["rope_scaling"] = RopeScalingConfig(**fields["rope_scaling"])
         defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
         conflicts, taken, overrides = [], {}, {}
+        explicit = _EXPLICIT_MODEL_FIELDS.get()
         for name in CHECKPOINT_FIELDS:
             mine, theirs, default = getattr(self, name), fields[name], defaults[name]
-            if mine == theirs or mine == default:
+            if mine == theirs or (mine == default and name not in explicit):
                 setattr(self, name, theirs)
                 taken[name] = theirs
             elif name in ROPE_OVERRIDES:
@@ -577,8 +583,10 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
             config_path = arg.split("=", 1)[1]
             del args[i]
             break
-    if config_path is not None and _check_config_file(config_path) is None:
-        config_path = None  # an empty file (or comments only): the defaults and the overrides
+    content = None if config_path is None else _check_config_file(config_path)
+    if content is None:
+        config_path = None  # no file, or an empty one (comments only): the defaults and the overrides
+    token = _EXPLICIT_MODEL_FIELDS.set(_model_fields_named(content, args))
     try:
         return draccus.parse(Config, config_path=config_path, args=args, exit_on_error=False)
     except argparse.ArgumentError as error:  # a value outside a flag's fixed choices
@@ -594,6 +602,16 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
         if cause is not None:
             raise cause from None
         raise ConfigError(str(error)) from error
+    finally:
+        _EXPLICIT_MODEL_FIELDS.reset(token)
+
+
+def _model_fields_named(content: Optional[dict], args: list[str]) -> frozenset:
+    """The ``model.*`` fields a config file's ``model:`` section or a ``--model.X`` flag names."""
+    section = (content or {}).get("model")
+    named = set(section) if isinstance(section, dict) else set()
+    named.update(a[len("--model.") :].split("=", 1)[0].split(".")[0] for a in args if a.startswith("--model."))
+    return frozenset(named)
 
 
 def _check_config_file(path: str) -> Optional[dict]:

@@ -89,6 +89,26 @@ def test_rope_overrides_and_conflicts(tmp_path):
         ModelConfig(init_from=str(tmp_path))
 
 
+def test_a_field_named_at_its_default_value_is_the_users(tmp_path):
+    """A model field a command line (or config file) names counts as set even at its default value:
+    against a checkpoint's other value it is a conflict, or for rope_theta an override (before: the
+    checkpoint's value replaced it without a word, as for a field left unset)."""
+    from jvarlen.config import parse_config
+
+    llama = fixture("tiny-llama")  # 2 layers, untied: the defaults are 4 and tied
+    assert parse_config([f"--model.init_from={llama}"]).model.num_layers == 2  # unset: the checkpoint's
+    with pytest.raises(ConfigError, match=r"model.num_layers=4 \(the checkpoint has 2\)"):
+        parse_config([f"--model.init_from={llama}", "--model.num_layers=4"])
+    (tmp_path / "run.yaml").write_text(f"model:\n  init_from: {llama}\n  tie_embeddings: true\n")
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings=True \(the checkpoint has False\)"):
+        parse_config(["--config", str(tmp_path / "run.yaml")])
+    rope = {**_config()["rope_parameters"], "rope_theta": 500_000.0}
+    (tmp_path / "config.json").write_text(json.dumps(_config(rope_parameters=rope)))
+    assert parse_config([f"--model.init_from={tmp_path}"]).model.rope_theta == 500_000.0
+    back = parse_config([f"--model.init_from={tmp_path}", "--model.rope_theta=10000"]).model
+    assert back.rope_theta == 10_000.0 and "overrides the checkpoint's 500000.0" in back.describe_checkpoint_fields()
+
+
 def _config(**changes) -> dict:
     with open(f"{fixture('tiny-llama')}/config.json") as f:
         hf = json.load(f)
