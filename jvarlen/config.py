@@ -104,8 +104,8 @@ CHECKPOINT_FIELDS = (
     "rope_theta",
     "rope_scaling",
 )
-# Of those, the ones a run may change on purpose (context extension): set to a value other than
-# the default, they override the checkpoint's.
+# Of those, the ones a run may change on purpose (context extension): set (named by the config,
+# or at a value other than the default), they override the checkpoint's.
 ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
 # The model fields a command line or config file names (set by parse_config while it builds the
 # config): such a field is the user's value even where it equals the default.
@@ -391,9 +391,8 @@ class ParallelConfig:
                 self.process_id >= 0 and (self.num_processes is None or self.process_id < self.num_processes),
                 f"parallel.process_id ({self.process_id}) must be in [0, parallel.num_processes={self.num_processes})",
             )
-        explicit = {"coordinator_address": self.coordinator_address, "num_processes": self.num_processes}
-        explicit["process_id"] = self.process_id
-        given = [f"parallel.{k}" for k, v in explicit.items() if v is not None]
+        multihost = ("coordinator_address", "num_processes", "process_id")
+        given = [f"parallel.{name}" for name in multihost if getattr(self, name) is not None]
         _require(
             self.distributed or not given,
             f"{', '.join(given)} set without parallel.distributed=true: the run would train alone, as one "
