@@ -152,6 +152,8 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):  # from JSON (a checkpoint's saved model config)
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
         if self.init_from is not None:
+            # absolute: checkpoints record it, and an export from another directory reads it again
+            self.init_from = os.path.abspath(os.path.expanduser(self.init_from))
             self._take_from_checkpoint()
         _positive(
             "model",
@@ -194,6 +196,11 @@ class ModelConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
         conflicts, taken, overrides = [], {}, {}
         explicit = _EXPLICIT_MODEL_FIELDS.get()
+        parts = [n.split(".", 1)[1] for n in explicit if n.startswith("rope_scaling.")]
+        if parts and self.rope_scaling is not None and fields["rope_scaling"] is not None:
+            # some fields of the checkpoint's scaling named (--model.rope_scaling.factor=4): the rest its own
+            named = {part: getattr(self.rope_scaling, part) for part in parts}
+            self.rope_scaling = dataclasses.replace(fields["rope_scaling"], **named)
         for name in CHECKPOINT_FIELDS:
             mine, theirs, default = getattr(self, name), fields[name], defaults[name]
             if mine == theirs or (mine == default and name not in explicit):
@@ -606,10 +613,17 @@ def parse_config(args: Optional[list[str]] = None) -> Config:
 
 
 def _model_fields_named(content: Optional[dict], args: list[str]) -> frozenset:
-    """The ``model.*`` fields a config file's ``model:`` section or a ``--model.X`` flag names."""
+    """The ``model.*`` fields a config file's ``model:`` section or a ``--model.X`` flag names, and
+    ``rope_scaling.X`` for the scaling's own fields named."""
     section = (content or {}).get("model")
-    named = set(section) if isinstance(section, dict) else set()
-    named.update(a[len("--model.") :].split("=", 1)[0].split(".")[0] for a in args if a.startswith("--model."))
+    section = section if isinstance(section, dict) else {}
+    named = set(section)
+    if isinstance(section.get("rope_scaling"), dict):
+        named.update(f"rope_scaling.{k}" for k in section["rope_scaling"])
+    for arg in args:
+        if arg.startswith("--model."):
+            field = arg[len("--model.") :].split("=", 1)[0]  # "rope_scaling.factor": both names
+            named.update({field.split(".")[0], field})
     return frozenset(named)
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,27 @@ def test_export_copies_the_tokenizer_that_made_the_training_ids(tmp_path):
     (run / "config.json").write_text(json.dumps(config))
     _export(run, tmp_path / "own")
     assert (tmp_path / "own" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+
+
+def test_an_export_through_a_link_to_another_file_system_replaces_the_model(tmp_path):
+    """--out_dir a symlink to a directory on another file system (here /dev/shm): the export is staged
+    beside the link's target, so --overwrite replaces the earlier model (before: staged beside the
+    link, the move failed across file systems after the earlier files were deleted: both lost)."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    run, _, params = _saved_run(tmp_path)
+    target = tempfile.mkdtemp(dir="/dev/shm", prefix="jvarlen-test-export-")
+    try:
+        (tmp_path / "link").symlink_to(target)
+        _export(run, tmp_path / "link")
+        _export(run, tmp_path / "link", overwrite=True)
+        assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
+        _, back = imported_params(target, model_config(target))
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert [p for p in os.listdir("/dev/shm") if "partial" in p and "link" in p] == []
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def test_float16_export_refuses_values_beyond_its_range(tmp_path):

@@ -6,6 +6,7 @@ computed one document at a time. Plus the config mapping, its refusals and the b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
@@ -74,6 +75,33 @@ def test_a_pretrained_model_with_the_byte_tokenizer_is_refused(tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_pretrained_model_needs_its_tokenizers_document_boundaries(tmp_path):
+    """A tokenizer.json whose BOS/EOS jvarlen cannot find by name (DeepSeek-style names) would mark
+    documents with ids past its vocabulary, untrained rows of the model's padded embedding: refused
+    with init_from, before the run directory is touched. A tokenizer_config.json beside it naming
+    them (as Hugging Face saves one) gives the model's own ids."""
+    import shutil
+
+    from jvarlen.config import parse_config
+    from jvarlen.data import load_tokenizer
+    from jvarlen.runtime.run import open_run
+
+    model = tmp_path / "model"
+    shutil.copytree(fixture("tiny-llama"), model)
+    text = (model / "tokenizer.json").read_text().replace('"<s>"', '"<|b|>"').replace('"</s>"', '"<|e|>"')
+    (model / "tokenizer.json").write_text(text)
+    args = [f"--model.init_from={model}", f"--data.tokenizer={model / 'tokenizer.json'}"]
+    with pytest.raises(ConfigError, match=r"names no BOS and no EOS token .*untrained rows"):
+        open_run(parse_config([*args, f"--logging.run_dir={tmp_path / 'run'}"]), quiet=True, stop_after=None)
+    assert not (tmp_path / "run").exists()
+    before = load_tokenizer(str(model / "tokenizer.json"))
+    assert (before.bos_id, before.eos_id) == (384, 385)  # past the 384-token vocabulary
+    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|b|>", "eos_token": {"content": "<|e|>"}}))
+    declared = load_tokenizer(str(model / "tokenizer.json"))
+    assert (declared.bos_id, declared.eos_id, declared.appended) == (1, 2, [])
+    assert declared.identity != before.identity  # other ids: another corpus cache
+
+
 def test_rope_overrides_and_conflicts(tmp_path):
     extended = model_config(fixture("tiny-llama"), rope_theta=500_000.0)
     assert extended.rope_theta == 500_000.0 and "rope_theta" not in extended.from_checkpoint
@@ -107,6 +135,23 @@ def test_a_field_named_at_its_default_value_is_the_users(tmp_path):
     assert parse_config([f"--model.init_from={tmp_path}"]).model.rope_theta == 500_000.0
     back = parse_config([f"--model.init_from={tmp_path}", "--model.rope_theta=10000"]).model
     assert back.rope_theta == 10_000.0 and "overrides the checkpoint's 500000.0" in back.describe_checkpoint_fields()
+    # a field of the checkpoint's scaling named: its other fields stay the checkpoint's (before, the
+    # defaults': tiny-qwen2's linear rule became llama3, tiny-llama's band its 8192-token default)
+    qwen = parse_config([f"--model.init_from={fixture('tiny-qwen2')}", "--model.rope_scaling.factor=4"]).model
+    assert (qwen.rope_scaling.rope_type, qwen.rope_scaling.factor) == ("linear", 4.0)
+    (tmp_path / "long.yaml").write_text(f"model:\n  init_from: {llama}\n  rope_scaling:\n    factor: 16\n")
+    scaling = parse_config(["--config", str(tmp_path / "long.yaml")]).model.rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 16.0, 64)
+
+
+def test_init_from_is_recorded_absolute(monkeypatch):
+    """A relative model.init_from is made absolute when parsed: checkpoints record it, and an
+    export run from another directory reads the model's config.json (token ids, context length)
+    and refuses to write into it (before: "is gone", default ids, and the base could be replaced)."""
+    from jvarlen.config import parse_config
+
+    monkeypatch.chdir(os.path.dirname(fixture("tiny-llama")))
+    assert parse_config(["--model.init_from=tiny-llama"]).model.init_from == fixture("tiny-llama")
 
 
 def _config(**changes) -> dict:

@@ -9,6 +9,7 @@ change (it is part of the corpus cache key).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Protocol, Sequence
 
@@ -63,8 +64,9 @@ _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` JSON file.
 
-    Special tokens are looked up by their usual names (``<s>``, ``</s>``,
-    ``<|endoftext|>``, ``<pad>``, ...); any that the file lacks get fresh ids just past
+    Special tokens are the ones a ``tokenizer_config.json`` beside the file declares
+    (``bos_token``, ``eos_token``, ``pad_token``), else looked up by their usual names (``<s>``,
+    ``</s>``, ``<|endoftext|>``, ``<pad>``, ...); any that the file lacks get fresh ids just past
     its vocabulary (past its largest id), so ``vocab_size`` may exceed the file's own size
     by up to 3. A document is encoded whole, as text: the corpus adds BOS/EOS itself, so
     the file's post-processing specials are not added, a truncation or padding saved in
@@ -100,24 +102,28 @@ class HFTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self._tok.encode_special_tokens = True
+        declared = _declared_specials(os.path.dirname(self.path))
+        digest = hashlib.sha256(raw + (json.dumps(declared, sort_keys=True).encode() if declared else b""))
         # v2: the file's truncation and padding off, special tokens' strings as text (caches
         # built before may hold cut or padded documents, or boundary ids inside one)
-        self.identity = "hf-v2-" + hashlib.sha256(raw).hexdigest()[:32]
+        self.identity = "hf-v2-" + digest.hexdigest()[:32]
         vocab = self._tok.get_vocab(with_added_tokens=True)
         base = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         next_id = base
+        self.appended: list[str] = []  # the special tokens the file lacks, given ids past its vocabulary
 
-        def special(names: tuple[str, ...]) -> int:
+        def special(kind: str, names: tuple[str, ...]) -> int:
             nonlocal next_id
-            for name in names:
+            for name in (declared.get(kind), *names):
                 if name in vocab:
                     return int(vocab[name])
+            self.appended.append(kind)
             next_id += 1
             return next_id - 1
 
-        self.bos_id = special(_BOS_NAMES)
-        self.eos_id = special(_EOS_NAMES)
-        self.pad_id = special(_PAD_NAMES)
+        self.bos_id = special("bos", _BOS_NAMES)
+        self.eos_id = special("eos", _EOS_NAMES)
+        self.pad_id = special("pad", _PAD_NAMES)
         self.vocab_size = max(next_id, base)
 
     def _text(self, text: str | bytes) -> str:
@@ -135,6 +141,23 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _declared_specials(directory: str) -> dict:
+    """``{"bos": name, "eos": name, "pad": name}`` (those given) from the ``tokenizer_config.json``
+    that Hugging Face saves beside a ``tokenizer.json`` (a name, or ``{"content": name}``); {} if none."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        value = saved.get(f"{kind}_token") if isinstance(saved, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[kind] = value
+    return out
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -247,6 +247,7 @@ def export_run(cfg: ExportConfig, say=print) -> list[str]:
         except HFCheckpointError:
             say(f"[jvarlen] {run.init_from} (model.init_from) is gone; config.json gets default token ids")
     tokenizer = cfg.tokenizer or _tokenizer_for(cfg.run_dir, run.init_from)
+    out = os.path.realpath(out)  # staged beside where the files land: moved in, never copied across file systems
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)

@@ -302,7 +302,7 @@ def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, sto
 
 def _check_tokenizer(config: Config) -> None:
     """A pretrained model (``model.init_from``) trains on its own tokenizer's ids, never on the byte
-    tokenizer's default ones."""
+    tokenizer's default ones, and marks documents with BOS/EOS tokens its tokenizer has."""
     init_from = config.model.init_from
     if init_from is not None and config.data.tokenizer == "byte":
         own = os.path.join(init_from, "tokenizer.json")
@@ -312,6 +312,17 @@ def _check_tokenizer(config: Config) -> None:
             "with BOS 256 / EOS 257, which mean other tokens to a pretrained model's embedding; set "
             f"{hint}, the tokenizer the model was trained with"
         )
+    if init_from is not None:  # a Hugging Face tokenizer file
+        from jvarlen.data.tokenizer import load_tokenizer
+
+        boundaries = [k for k in load_tokenizer(config.data.tokenizer).appended if k != "pad"]
+        if boundaries:  # ids past the tokenizer's vocabulary: rows of the embedding no training touched
+            raise ConfigError(
+                f"data.tokenizer {config.data.tokenizer!r} names no {' and no '.join(t.upper() for t in boundaries)} "
+                "token (neither in a tokenizer_config.json beside it nor by a usual name such as <s>, </s>, "
+                "<|endoftext|>): the corpus would mark documents with new ids, untrained rows of "
+                f"{init_from}'s embedding; add a tokenizer_config.json naming bos_token and eos_token"
+            )
 
 
 def _report_optimizer_changes(saved: Optional[dict], config: Config, start: int, say) -> None:
