@@ -205,6 +205,14 @@ def test_export_copies_the_tokenizer_that_made_the_training_ids(tmp_path):
     (run / "config.json").write_text(json.dumps(config))
     _export(run, tmp_path / "own")
     assert (tmp_path / "own" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    # with the file naming its special tokens (read by jvarlen and transformers alike); an export
+    # replacing one with a tokenizer that has none leaves no stale copy
+    (base / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    assert "tokenizer_config.json" in _export(run, tmp_path / "own", overwrite=True)
+    assert (tmp_path / "own" / "tokenizer_config.json").read_bytes() == (base / "tokenizer_config.json").read_bytes()
+    (base / "tokenizer_config.json").unlink()
+    _export(run, tmp_path / "own", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "own")) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 def test_an_export_through_a_link_to_another_file_system_replaces_the_model(tmp_path):

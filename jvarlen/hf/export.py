@@ -6,10 +6,11 @@ restore: the optimizer moments are not read), and writes ``config.json``
 (:func:`jvarlen.hf.hf_config.hf_config_dict`), the weights in ``--dtype`` as ``model.safetensors``
 or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``: ``--tokenizer``,
 else the run's ``data.tokenizer`` file (none for the byte tokenizer), else, for a run directory
-without ``config.json``, the one beside ``model.init_from``. Host memory: the
+without ``config.json``, the one beside ``model.init_from``; with the ``tokenizer_config.json`` and
+``special_tokens_map.json`` beside it, which name its special tokens. Host memory: the
 parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
 ``OUT_DIR`` and moved in when complete; an ``OUT_DIR`` that already holds a model is refused unless
-``--overwrite true`` (its earlier weights, index, config and tokenizer are then replaced), and so
+``--overwrite true`` (its earlier weights, index, config and tokenizer files are then replaced), and so
 are the run directory and ``model.init_from`` themselves.
 """
 
@@ -40,6 +41,8 @@ from jvarlen.runtime.checkpoint import (
     verify_checksums,
 )
 
+# Saved beside a tokenizer.json by Hugging Face: its special tokens, copied with it
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
@@ -158,6 +161,10 @@ def write_hf(
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
         files.append("tokenizer.json")
+        for name in TOKENIZER_SIDECARS:  # what names its special tokens (jvarlen read them from there too)
+            if os.path.isfile(os.path.join(os.path.dirname(tokenizer), name)):
+                shutil.copyfile(os.path.join(os.path.dirname(tokenizer), name), os.path.join(out_dir, name))
+                files.append(name)
     return files
 
 
@@ -198,7 +205,8 @@ def _tokenizer_for(run_dir: str, init_from: Optional[str]) -> Optional[str]:
 def _model_files(directory: str) -> list[str]:
     """The files of a Hugging Face model directory that an export writes (and so replaces)."""
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    return [n for n in names if n.endswith(".safetensors") or n in (INDEX, "config.json", "tokenizer.json")]
+    written = (INDEX, "config.json", "tokenizer.json", *TOKENIZER_SIDECARS)
+    return [n for n in names if n.endswith(".safetensors") or n in written]
 
 
 def _check_out_dir(cfg: ExportConfig, init_from: Optional[str]) -> str:
