@@ -111,6 +111,10 @@ def test_export_never_leaves_stale_weights_or_overwrites_a_model(tmp_path):
     out = tmp_path / "hf"
     _export(run, out, max_shard_gb=2e-5)  # ~21 KB shards: several files plus the index
     sharded = sorted(os.listdir(out))
+    umask = os.umask(0)
+    os.umask(umask)  # readable as the umask allows (before: the directory 0700, the weights 0600)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask
+    assert {os.stat(out / f).st_mode & 0o777 for f in sharded} == {0o666 & ~umask}
     assert INDEX in sharded and len([f for f in sharded if f.endswith(".safetensors")]) > 1
     with pytest.raises(ValueError, match="already holds a model"):
         _export(run, out)

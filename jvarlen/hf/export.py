@@ -227,6 +227,17 @@ def _check_out_dir(cfg: ExportConfig, init_from: Optional[str]) -> str:
     return out
 
 
+def _default_modes(directory: str) -> None:
+    """The directory and its files as the process' umask would make them (``mkdtemp`` makes the
+    staging directory 0700 and safetensors writes 0600: an export others, e.g. a serving container,
+    could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
 def _install(staging: str, out: str) -> None:
     """Moves a finished export from ``staging`` into ``out``, removing the earlier export's files
     first (every file is either the new export's or absent: no stale shard is left to be read)."""
@@ -269,6 +280,7 @@ def export_run(cfg: ExportConfig, say=print) -> list[str]:
             tokenizer=tokenizer,
             max_shard_bytes=int(cfg.max_shard_gb * 2**30),
         )
+        _default_modes(staging)
         _install(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
