@@ -50,6 +50,13 @@ def as_pieces(documents: Sequence, vocab_size: Optional[int] = None) -> list[Pie
     return [p if p.tokens.dtype == np.int32 else p._replace(tokens=p.tokens.astype(np.int32)) for p in pieces]
 
 
+def require_targets(pieces: Sequence[Piece]) -> None:
+    """Refuses a step's documents when they hold no token to predict: its update would still move
+    the parameters (momentum, weight decay) and count a step."""
+    if not sum(max(p.tokens.size - 1, 0) + (p.next_token >= 0) for p in pieces):
+        raise ValueError(f"{len(pieces)} documents with no token to predict (an empty batch): nothing to train on")
+
+
 class Step:
     """One strategy's compiled steps: ``prepare`` builds host arrays, calling runs the compiled step
     of their signature (compiled on first use, cached per signature)."""
@@ -78,6 +85,7 @@ class LayoutStep(Step):
     def prepare(self, documents: Sequence) -> Prepared:
         """Packs whole documents into ``rows x seq_len`` (best fit; raises if they do not fit)."""
         pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)
+        require_targets(pieces)
         rows = place(np.array([len(p.tokens) for p in pieces]), self.rows, self.seq_len)
         return self.strategy.prepare(Iteration(0, pieces, rows, {}), self.cache.keys())
 
@@ -98,6 +106,7 @@ class PlanStep(Step):
         if len(plans) != len(documents):
             raise ValueError(f"{len(plans)} plans but {len(documents)} lists of documents: one per pipeline")
         groups = [as_pieces(docs, self.strategy.ctx.model.vocab_size) for docs in documents]
+        require_targets([p for group in groups for p in group])
         for plan, group in zip(plans, groups):
             lengths = [len(p.tokens) for p in group]
             if tuple(lengths) == tuple(plan.lengths):  # other documents: refused below, naming them
@@ -113,6 +122,7 @@ class StrategyStep(Step):
         Raises :class:`~jvarlen.plan.plan.PlanError` for a plan that is not of these documents (each exactly
         once) or of more devices than the session has: a document in two groups would train twice."""
         pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)
+        require_targets(pieces)
         devices = len(self.strategy.ctx.placement.devices)
         if plan.num_devices > devices:
             raise PlanError(f"the strategy plan is for {plan.num_devices} devices, the session has {devices}")

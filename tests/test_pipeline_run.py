@@ -169,6 +169,10 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
         step.prepare([pa, pb], [[np.full(len(d), 64) for d in da], db])
     with pytest.raises(ValueError, match="next_token 64 is outside the model's vocabulary"):
         session.layout_step(Layout(dp=8), rows=8, seq_len=16).prepare([Piece(np.arange(1, 5), 0, 64)])
+    # no token to predict: the update would still move the parameters (before: it did, by up to 4e-4)
+    for nothing in ([], [np.array([5])]):
+        with pytest.raises(ValueError, match="no token to predict"):
+            session.layout_step(Layout(dp=8), rows=8, seq_len=16).prepare(nothing)
     other = session.plan_step(Layout(dp=1, pp=2, sp=4), bucket=32)
     with pytest.raises(ValueError, match=r"a plan for Layout\(dp=2, pp=2, sp=2\) given to the pipeline step of"):
         other.prepare([pa], [da])
