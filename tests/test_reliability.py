@@ -637,3 +637,13 @@ def test_profile_cli_refuses_what_would_mislabel_or_overwrite_a_profile(tmp_path
     assert "exists; pass --force true" in capsys.readouterr().err
     assert cli(base) == 0  # reused, and said so
     assert "reusing the profile" in capsys.readouterr().err
+    # not for a config whose layers keep other residuals (before: reused as if it were its profile)
+    (tmp_path / "all.yaml").write_text("parallel:\n  residual_policy: all\n")
+    assert cli(base + ["--config", str(tmp_path / "all.yaml")]) == 2
+    assert "keeping residual_policy 'dots_and_attention', the config's keep 'all'" in capsys.readouterr().err
+    # a file that is not a report is refused before the saved report is touched (before: it replaced it)
+    saved = {p: open(p).read() for p in glob.glob(f"{tmp_path}/*.report.json")}
+    (tmp_path / "empty.json").write_text("{}")
+    assert cli(base + ["--config", str(tmp_path / "all.yaml"), "--extend_report", str(tmp_path / "empty.json")]) == 2
+    assert "is not a profile report" in capsys.readouterr().err
+    assert {p: open(p).read() for p in glob.glob(f"{tmp_path}/*.report.json")} == saved

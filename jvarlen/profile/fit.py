@@ -182,11 +182,18 @@ def run_profiler(cfg) -> str:
         return path
     if os.path.exists(path) and not cfg.force and not cfg.extend_report:
         try:
-            CostCoefficients.load(path)
+            saved = CostCoefficients.load(path)
         except (ValueError, TypeError, KeyError) as error:
             raise ValueError(
                 f"{path} exists but cannot be read ({error!r:.120}); --force true measures it again"
             ) from None
+        measured = saved.meta is not None and not saved.meta.analytic
+        profiled = saved.meta.profiled_residual_policy if measured else residual or "all"
+        if profiled != (residual or "all"):  # one file name for every policy: not this config's
+            raise ValueError(
+                f"{path} timed layers keeping residual_policy {profiled!r}, the config's keep {residual!r}; "
+                "--force true measures it again (replacing it), or choose another --out_dir"
+            )
         print(f"[jvarlen] reusing the profile {path} (--force true measures it again)", file=sys.stderr)
         return path
 
@@ -251,12 +258,15 @@ def refit_profile(
 
 
 def check_report(report: dict, shape: ModelShape, where: str, residual: Optional[str] = None) -> None:
-    """A saved report measured another model shape or backend, or (``residual`` given) layers under
+    """A file that is not a report (before: it replaced the saved report, then the fit failed), or a
+    saved report that measured another model shape or backend, or (``residual`` given) layers under
     another residual policy: refused (its numbers would be saved as this model's, or mixed with
     timings of other layers). Reports from before the model keys were recorded are taken as they
     are."""
     import jax
 
+    if not isinstance(report, dict) or not {"token_buckets", "context_buckets"} <= report.keys():
+        raise ValueError(f"{where} is not a profile report of python -m jvarlen.profile (no token/context buckets)")
     mine = (shape.key(), jax.default_backend())
     theirs = (report.get("model_key", mine[0]), report.get("backend", mine[1]))
     if theirs != mine:
