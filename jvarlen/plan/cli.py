@@ -84,6 +84,12 @@ class PlanCli:
             parent = os.path.dirname(os.path.abspath(path)) if path else None
             if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
                 raise InputError(f"--{flag} {path}: its directory {parent!r} does not exist or is not writable")
+        outputs = [os.path.abspath(p) for p in (self.json, self.plan, self.gantt) if p]
+        if len(set(outputs)) < len(outputs):
+            raise InputError("--json, --plan and --gantt name the same file: one would replace the other")
+        # matplotlib's formats, by the chart's suffix: checked now, not after the planning (its results lost)
+        if self.gantt and os.path.splitext(self.gantt)[1].lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+            raise InputError(f"--gantt {self.gantt}: name a .png, .pdf, .svg or .jpg file")
 
 
 class InputError(ValueError):
