@@ -447,6 +447,9 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
             [f"--lengths={lengths}", f"--config={config}", f"--json={tmp_path}/o.json", f"--plan={tmp_path}/o.json"],
             "same file",
         ),
+        (["--lengths", str(lengths), "--config", config, "--iterations", "5"], "without it the file is one batch"),
+        (["--lengths", str(lengths), "--config", config, "--devices", "64"], "epp plans the config's dp*pp*sp"),
+        ([f"--lengths={lengths}", f"--config={config}", "--policy=auto", "--simulation=async"], "its own execution"),
     ]
     for argv, message in cases:
         assert plan_main(argv) == 2, argv

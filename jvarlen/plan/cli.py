@@ -69,6 +69,15 @@ class PlanCli:
             raise InputError(f"--simulation must be one of {', '.join(SIMULATIONS)}, got {self.simulation!r}")
         if self.devices < 0:
             raise InputError(f"--devices must be >= 0, got {self.devices}")
+        # flags the chosen path would not read: refused, not ignored
+        if self.iterations > 1 and self.batch_size is None:
+            raise InputError("--iterations samples batches of --batch_size documents; without it the file is one batch")
+        if self.devices and self.policy not in strategy_policies():
+            raise InputError(f"--devices applies to the strategy policies; {self.policy} plans the config's dp*pp*sp")
+        if self.simulation is not None and self.policy in strategy_policies():
+            fields = {f.name for f in dataclasses.fields(strategy_policies()[self.policy][1])}
+            if "simulation" not in fields:
+                raise InputError(f"--simulation: {self.policy} plans with its own execution model")
         if self.batch_size is not None and self.batch_size < 1:
             raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.time_limit < 0 or self.n_slices < 0 or self.context < 0:
