@@ -204,7 +204,9 @@ def run(cli: PlanCli) -> int:
             from jvarlen.plan.assemble import simulate
             from jvarlen.plan.gantt import draw_gantt
 
-            draw_gantt(simulate(plan, cost), plan.schedule, cli.gantt, title=f"{cli.policy}: iteration 0")
+            docs = tuple(tuple(piece[0] for piece in chunk) for chunk in plan.chunks)  # (doc, start, tokens)
+            schedule = dataclasses.replace(plan.schedule, chunk_docs=docs)  # labelled by document, not chunk chain
+            draw_gantt(simulate(plan, cost), schedule, cli.gantt, title=f"{cli.policy}: iteration 0")
         last = plan
     summary = summarize(cli.policy, records)
     print(format_table(cli.policy, records, summary))
