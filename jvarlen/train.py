@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jvarlen.train: configuration error: {error}", file=sys.stderr)
         return 2
     flags = os.environ.get("XLA_FLAGS", "")
-    if "jax" not in sys.modules and host_device_flags(flags, requested_devices(config)) != flags:
-        os.environ["XLA_FLAGS"] = host_device_flags(flags, requested_devices(config))
+    wanted = host_device_flags(flags, requested_devices(config))
+    if "jax" not in sys.modules and wanted != flags:
+        os.environ["XLA_FLAGS"] = wanted
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError
     from jvarlen.runtime.checkpoint import CheckpointMismatchError, NonFiniteStateError, NoReadableCheckpointError

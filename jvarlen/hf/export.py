@@ -162,8 +162,9 @@ def write_hf(
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
         files.append("tokenizer.json")
         for name in TOKENIZER_SIDECARS:  # what names its special tokens (jvarlen read them from there too)
-            if os.path.isfile(os.path.join(os.path.dirname(tokenizer), name)):
-                shutil.copyfile(os.path.join(os.path.dirname(tokenizer), name), os.path.join(out_dir, name))
+            sidecar = os.path.join(os.path.dirname(tokenizer), name)
+            if os.path.isfile(sidecar):
+                shutil.copyfile(sidecar, os.path.join(out_dir, name))
                 files.append(name)
     return files
 
@@ -210,11 +211,13 @@ def _model_files(directory: str) -> list[str]:
 
 
 def _check_out_dir(cfg: ExportConfig, init_from: Optional[str]) -> str:
-    """``cfg.out_dir`` made absolute, after refusing what would destroy data: the run directory
-    itself, the model the run started from, a file, or an earlier export without ``--overwrite``."""
-    out = os.path.abspath(cfg.out_dir)
+    """``cfg.out_dir`` resolved (links followed: the export is staged beside where its files land, so
+    they are moved in, never copied across file systems), after refusing what would destroy data:
+    the run directory itself, the model the run started from, a file, or an earlier export without
+    ``--overwrite``."""
+    out = os.path.realpath(cfg.out_dir)
     for other, what in ((cfg.run_dir, "the run directory"), (init_from, "the run's model.init_from")):
-        if other and os.path.realpath(out) == os.path.realpath(other):
+        if other and out == os.path.realpath(other):
             raise ValueError(f"--out_dir {cfg.out_dir!r} is {what}; export into a directory of its own")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out_dir {cfg.out_dir!r} exists and is not a directory")
@@ -266,7 +269,6 @@ def export_run(cfg: ExportConfig, say=print) -> list[str]:
         except HFCheckpointError:
             say(f"[jvarlen] {run.init_from} (model.init_from) is gone; config.json gets default token ids")
     tokenizer = cfg.tokenizer or _tokenizer_for(cfg.run_dir, run.init_from)
-    out = os.path.realpath(out)  # staged beside where the files land: moved in, never copied across file systems
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
