@@ -94,3 +94,46 @@ def test_a_document_just_below_the_bound_is_planned_above_it_refused(pp, sp, mon
     monkeypatch.setattr(epp, "chunk_candidate", None)  # refused before the search
     with pytest.raises(PlanningError, match=f"a document of {top + 1:,} tokens cannot be split .* needs at least"):
         plan_iteration([top + 1, 300], cost=cost, policy="epp", options=options)
+
+
+def test_scan_counts_are_bounded_and_spread_over_the_range():
+    assert epp.scan_counts(5, 12, skip={8}) == [5, 6, 7, 9, 10, 11, 12]  # few: every one
+    wide = epp.scan_counts(7, 3000, skip={14, 28, 56})
+    assert len(wide) == epp.SCAN_COUNTS and wide == sorted(set(wide))
+    assert wide[0] == 7 and wide[-1] == 3000 and not {14, 28, 56} & set(wide)
+    ratios = [b / a for a, b in zip(wide, wide[1:])]
+    assert max(ratios) < 1.5 * (3000 / 7) ** (1 / (epp.SCAN_COUNTS - 1))  # log-spaced, no large gap
+
+
+def test_epp_finds_a_slice_count_beyond_the_coarse_candidates():
+    """Whether an N fits is not monotone near the memory bound: here no coarse candidate fits and
+    N = 29-45 do, past the 512-token average slice the scan stopped at before (it refused the batch)."""
+    base = CostModel(SHAPE, Layout(1, 2, 2), COEFFS)
+    cost = tight(base, 5416)
+    options = PlannerOptions(min_slice_tokens=256)
+    coarse = epp.slice_candidates([10854], cost, options, "epp")
+    plan = plan_iteration([10854], cost=cost, policy="epp", options=options)
+    assert all(f"N={n}: infeasible" in " ".join(plan.events) for n in coarse)
+    assert plan.stats["fits_memory"] and plan.stats["n_slices"] not in coarse
+
+
+def test_a_document_no_slice_count_fits_is_refused_after_a_bounded_scan(monkeypatch):
+    """Below :func:`epp.split_memory_bound` but fitting no N: refused after the coarse candidates and
+    at most ``SCAN_COUNTS`` others (it chunked every N up to the 512-token average slice before: a
+    600K-token document on a 7B model took 9 minutes), each told to ``progress``; the error says
+    what the document needs."""
+    cost = cpu_cost(1, 1)
+    length = int(0.99 * longest_planned_bound(cost))
+    options = PlannerOptions(min_slice_tokens=16)
+    coarse = epp.slice_candidates([length, 300], cost, options, "epp")
+    chunked, told = [], []
+    chunk = epp.chunk_candidate
+    monkeypatch.setattr(epp, "chunk_candidate", lambda *a, **k: chunked.append(a[2]) or chunk(*a, **k))
+    with pytest.raises(PlanningError) as refused:
+        plan_iteration([length, 300], cost=cost, policy="epp", options=options, progress=told.append)
+    assert len(coarse) < len(chunked) <= len(coarse) + epp.SCAN_COUNTS
+    assert max(chunked) == length // 16  # the scan reaches the finest average slice
+    assert [f"N={n}: does not fit memory" for n in chunked] == [m for m in told if "does not fit" in m]
+    message = str(refused.value)
+    assert f"longest document {length:,} tokens; tried {len(chunked)} counts from {min(chunked)} to" in message
+    assert "GiB per device recomputing every layer, over the budget" in message

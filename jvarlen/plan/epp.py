@@ -18,82 +18,19 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.assemble import assemble
 from jvarlen.plan.chunk import ChunkShape, executor_bucket
+from jvarlen.plan.epp_refusals import (
+    refuse_states_over_budget,
+    refuse_unsplittable,
+    split_memory_bound,
+    states_error,
+    unfit_message,
+)
 from jvarlen.plan.grouping import group, resolve_unit
 from jvarlen.plan.options import PlannerOptions, PlanningError, SlowerThanCeiling
 from jvarlen.plan.plan import Plan
 from jvarlen.plan.sequence_processor import ChunkingResult, chunk_batch, cut, longest_slice, split_mesh
 from jvarlen.plan.simulator import lower_bound
 from jvarlen.plan.units import PlannedChunk, families_of
-
-
-def split_memory_bound(length: int, cost) -> tuple[float, int]:
-    """``(bytes, stage)``: a lower bound on the peak memory per device of any plan of a document of
-    ``length`` tokens, split or not, on its worst stage, under the memory model plans are checked
-    against (the simulator's time line, :func:`jvarlen.plan.plan.replay_peaks`, Alg. 2's windows).
-
-    A slice's activations stay on a stage from its forward to its backward, and that backward
-    needs the dK/dV of the next slice's (:func:`jvarlen.plan.schedule.dependencies`), so while the
-    last slice's backward runs, every earlier slice is live. With ``s`` tokens in the last slice
-    (its context is the other ``length - s``) the stage then holds at least
-    ``memory_floor + (length - s)·(a + c) + s·(t + w)``: ``a`` and ``t`` what a non-tail and a tail
-    chunk keep per token, the cheaper of no and full recomputation (memory is linear in the layers
-    recomputed, Eq. 19), ``w`` the least backward working memory per token and ``c`` its part per
-    context token; the slices' own context terms and the other documents' chunks only add. That is
-    linear in ``s``, so its least value over ``1 <= s <= length`` (``s = length``: not split) is at
-    an end. Each slice's chunk on the last stage also holds its head (:meth:`CostModel.head_memory`),
-    which grows less than linearly in the tokens past a tile of logits but is subadditive: the
-    slices' heads hold at least the whole document's. Assumes the memory coefficients are
-    non-negative (as profiled and analytic ones are)."""
-    sp, layers = cost.layout.sp, cost.layers_per_stage
-    whole = ChunkShape(0, (sp,), tail=True)
-    w = min(cost.working_memory(whole, r) for r in (0, layers)) / sp
-    c = (cost.working_memory(ChunkShape(sp, (sp,)), 0) - cost.working_memory(whole, 0)) / sp
-    worst, stage = -math.inf, 0
-    for p in range(cost.layout.pp):
-        a = min(cost.activation_per_token(p, r, tail=False) for r in (0, layers)) + c
-        t = min(cost.activation_per_token(p, r, tail=True) for r in (0, layers)) + w
-        head = cost.head_memory(ChunkShape(0, (length,), tail=True)) if p == cost.layout.pp - 1 else 0.0
-        need = cost.memory_floor(p) + min((length - 1) * a + t, length * t) + head
-        if need > worst:
-            worst, stage = need, p
-    return worst, stage
-
-
-def states_error(cost) -> PlanningError:
-    """The error of a layout whose model states and a backward's layer gradients alone exceed the budget."""
-    state = max(map(cost.memory_floor, range(cost.layout.pp))) / 2**30
-    return PlanningError(
-        f"the model states and a backward's layer gradients ({state:.2f} GiB per device) exceed the "
-        f"memory budget ({cost.memory_budget / 2**30:.2f} GiB per device): add pipeline stages or devices"
-    )
-
-
-def refuse_states_over_budget(cost) -> None:
-    """Raises :func:`states_error` where the model states and a backward's layer gradients of some
-    stage alone reach the budget (no plan of any policy fits)."""
-    if max(map(cost.memory_floor, range(cost.layout.pp))) >= cost.memory_budget:
-        raise states_error(cost)
-
-
-def refuse_unsplittable(lengths: Sequence[int], cost) -> None:
-    """Raises :class:`PlanningError` at once where the longest document fits no plan by
-    :func:`split_memory_bound` (every slicing, every recomputation); before it, the search would
-    chunk, group and simulate every slice number and bucket size to find none fits."""
-    longest = max(lengths)
-    if longest <= cost.max_tokens(in_flight=1, tail=True):
-        return  # fits unsplit
-    refuse_states_over_budget(cost)
-    need, p = split_memory_bound(longest, cost)
-    if need <= cost.memory_budget:
-        return
-    floor = cost.memory_floor(p)
-    raise PlanningError(
-        f"a document of {longest:,} tokens cannot be split into slices that fit memory on {cost.layout}: every "
-        f"earlier slice stays in memory until the last slice's backward, so stage {p} needs at least "
-        f"{need / 2**30:.2f} GiB per device (model states and layer gradients {floor / 2**30:.2f} GiB + "
-        f"{(need - floor) / longest:,.0f} bytes per token, the least any recomputation keeps), over the budget "
-        f"({cost.memory_budget / 2**30:.2f} GiB per device); raise pp or sp, or shorten data.seq_len"
-    )
 
 
 def smallest_slices(lengths: Sequence[int], cost, min_slice_tokens: int = 1) -> int:
@@ -223,6 +160,27 @@ def chunk_candidate(lengths, cost, n: int, slice_tokens: Optional[int] = None) -
     return Candidate(key, n_slices, slice_tokens, res, chunks, [c.shape(lengths) for c in chunks])
 
 
+SCAN_COUNTS = 24  # slice counts the fallback scan of :meth:`_Search.time_mesh` tries at most
+
+
+def scan_counts(lo: int, hi: int, skip=(), limit: int = SCAN_COUNTS) -> list[int]:
+    """The slice counts ``lo..hi`` not in ``skip``, ascending: all of them where there are at most
+    ``limit``, else ``limit`` of them spread evenly on a log scale (the window of N that fits is
+    about as wide, relative to N, at any N; a 1.5M-token document would otherwise be chunked,
+    grouped and simulated at each of ~3,000 N, minutes without a result)."""
+    rest = [n for n in range(max(1, lo), hi + 1) if n not in skip]
+    if len(rest) <= limit:
+        return rest
+    picks = {
+        min(rest, key=lambda n: abs(math.log(n) - x)) for x in _spread(math.log(rest[0]), math.log(rest[-1]), limit)
+    }
+    return sorted(picks)
+
+
+def _spread(a: float, b: float, k: int) -> list[float]:
+    return [a + (b - a) * i / (k - 1) for i in range(k)]
+
+
 class _Search:
     """The state of one EPP search: every candidate simulated (``tuned``) or skipped by its bound
     (``pruned``), the events, and the best plan of each mesh."""
@@ -236,6 +194,7 @@ class _Search:
         self.tuned: dict[str, float] = {}
         self.pruned: dict[str, float] = {}
         self.events: list[str] = []
+        self.unfit: dict[int, str] = {}  # N -> why its plan does not fit memory
         self.best: dict[str, Optional[Candidate]] = {"time": None, "bucket": None}
         self._bucket_rank: tuple = ()
 
@@ -272,7 +231,23 @@ class _Search:
         except (ValueError, PlanningError) as e:
             what = f"N={n}" if slice_tokens is None else f"{slice_tokens}-token slices"
             self.events.append(f"{what}: infeasible ({e})")
+            if slice_tokens is None:
+                self.unfit[n] = str(e)
+            if self.progress is not None:
+                self.progress(f"{what}: does not fit memory")
             return None, True
+
+    def scan(self, lo: int, hi: int, skip) -> Optional[Candidate]:
+        """The first slice count of :func:`scan_counts` ``(lo, hi)`` whose plan fits memory, telling
+        ``progress`` of each; None where none does."""
+        todo = scan_counts(lo, hi, skip)
+        if self.progress is not None and todo:
+            self.progress(f"no N of {sorted(skip)} fits memory: trying {len(todo)} others from {lo} to {hi}")
+        for n in todo:
+            found, _ = self.attempt(n, None, self.ceiling)
+            if found is not None:
+                return found
+        return None
 
     def time_mesh(self, candidates: list[int]) -> None:
         """Alg. 1's N: candidates largest first, stopping at the first slower than the best N so far
@@ -309,18 +284,17 @@ class _Search:
                 break
             if best is None or found.time < best.time:
                 best = found
-        if best is None and not tried and options.n_slices is None and math.isinf(self.ceiling):
-            # Near the memory bound whether an N fits is not monotone in N (its grouping's buckets:
-            # CPU profile, pp = 2, 7,614 tokens: 12 fits, 9, 10, 14, 16 do not), so where no coarse
-            # candidate fits memory, each other N of their range is tried once before the batch is
-            # refused. Not under a ceiling: there a refusal only drops a scheme from a comparison
-            # (``auto``'s and epp-pipelines' searches), and the scan would cost most of their time.
-            for n in range(min(cands) + 1, max(max(cands), finest) + 1):
-                if n not in cands:
-                    found, _ = self.attempt(n, None, self.ceiling)
-                    if found is not None:
-                        best = found
-                        break
+        unplanned = self.best["bucket"] is None and math.isinf(self.ceiling)
+        if best is None and not tried and options.n_slices is None and unplanned:
+            # Near the memory bound whether an N fits is not monotone in N: the lone longest document
+            # needs less the fewer its slices, the executor's buffers more the more chunks there are
+            # (CPU profile, pp = 2, 7,614 tokens: N = 15-18 fit, 1-14 and 19-39 do not), so where no
+            # coarse candidate (and no bucket size) fits memory, other N of their range are tried
+            # before the batch is refused. Not under a ceiling: there a refusal only drops a scheme
+            # from a comparison (``auto``'s and epp-pipelines' searches), and the scan would cost
+            # most of their time.
+            n_hi = max(max(cands), finest, max(lengths) // max(1, options.min_slice_tokens))
+            best = self.scan(min(cands) + 1, n_hi, set(cands))
         if best is not None and options.n_slices is None and self.policy != "epp-fast":
             n_hi = max(max(cands), max(lengths) // max(1, options.min_slice_tokens))
             mid = refine_candidate(best.n_slices, tried, options.n_ratio, min(cands), n_hi)
@@ -435,7 +409,7 @@ def plan_epp(
     if best is None and not candidates:
         raise PlanningError(f"{policy}: {unsliced}; no bucket-sized slices fit either") from unsliced
     if best is None:
-        raise PlanningError(f"{policy}: no slice number in {candidates} gives a grouping that fits memory")
+        raise PlanningError(f"{policy}: {unfit_message(search.unfit, lengths, buckets)}")
     units = list(best.grouping.units)
     if mode == "milp":
         units = [resolve_unit(u, best.shapes, cost, cost.layers_per_stage, options.solver) for u in units]

@@ -17,7 +17,15 @@ from typing import Sequence
 
 import numpy as np
 
-from jvarlen.plan.checkpointing import CkptSolution, MemoryTable, SolverOptions, build_problem, make_solution, solve
+from jvarlen.plan.checkpointing import (
+    KIB,
+    CkptSolution,
+    MemoryTable,
+    SolverOptions,
+    build_problem,
+    make_solution,
+    solve,
+)
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.schedule import Schedule
 from jvarlen.plan.units import unit_schedule
@@ -130,6 +138,16 @@ def resolve_unit(unit: Unit, shapes: Sequence[ChunkShape], cost, max_layers: int
     return dataclasses.replace(unit, ckpt=sol)
 
 
+def least_peak_memory(family: Sequence[int], shapes: Sequence[ChunkShape], cost, pp: int, max_layers: int, table=None):
+    """Peak bytes per device of ``family`` as a unit of its own with every layer recomputed: the
+    least any checkpointing of it keeps (the worst window of Eq. 20, model states included)."""
+    ids, schedule = unit_schedule([tuple(family)], pp)
+    problem = build_problem([shapes[k] for k in ids], schedule, cost, max_layers, table, ids if table else None)
+    over = problem.violation(np.full(problem.n_vars, max_layers, dtype=np.int64))
+    states = np.array([cost.model_state_memory(p) for p in range(pp)])
+    return float(np.max((over + problem.cap) * KIB + states[problem.row_stage]))
+
+
 def warmup_cost(shapes: Sequence[ChunkShape], cost, pp: int) -> float:
     """δ of Eq. 13/14: (d_p - 1) × mean per-stage forward+backward time of the iteration's chunks."""
     if not shapes:
@@ -168,7 +186,12 @@ def group(
     check = "greedy" if ckpt_mode == "milp" else ckpt_mode
     for fam in by_size[sizes[-1]]:
         if solve_range([fam], shapes, cost, pp, max_layers, options, check, table, memo) is None:
-            raise ValueError(f"a document split into {len(fam)} chunks does not fit the memory budget on its own")
+            need = least_peak_memory(fam, shapes, cost, pp, max_layers, table)
+            raise ValueError(
+                f"a document split into {len(fam)} chunks does not fit the memory budget on its own: it needs "
+                f"{need / 2**30:.4g} GiB per device recomputing every layer, over the budget "
+                f"({cost.memory_budget / 2**30:.4g} GiB)"
+            )
     dp = [0.0] + [math.inf] * levels
     back: list[tuple[int, list[Unit]]] = [(0, [])] * (levels + 1)
     solves = 0
