@@ -440,6 +440,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         (["--lengths", str(lengths), "--config", config, "--json", "/no/dir/x.json"], "--json /no/dir/x.json: its"),
         ([f"--lengths={lengths}", f"--config={config}", "--json=/no/my-dir/x-1.json"], "/no/my-dir/x-1.json"),
         (["--lengths", str(lengths), "--config", config, "--policy", "hydraulis", "--n_slices", "3"], "does not read"),
+        (["--lengths", str(lengths), "--config", config, "--policy", "dapple", "--n_slices", "3"], "fixes EPP's N"),
         # refused before planning (before: a matplotlib traceback after it, the --json results lost; and
         # one output silently replacing another)
         (["--lengths", str(lengths), "--config", config, "--gantt", str(tmp_path / "g.txt")], "name a .png, .pdf"),

@@ -37,6 +37,7 @@ from jvarlen.plan.plan import Plan
 from jvarlen.plan.units import families_of
 
 POLICIES = ("epp", "epp-fast", "wo-wbc", "wo-ckpt", "full-ckpt", "seq1f1b", "seq1f1b-tuned", "dapple")
+EPP_POLICIES = ("epp", "epp-fast", "wo-ckpt", "full-ckpt")  # the search over N (:func:`jvarlen.plan.epp.plan_epp`)
 
 
 def make_cost(model, cluster="a800", layout: Layout = Layout(1, 4, 8), zero3_sp: bool = False) -> CostModel:
@@ -97,11 +98,10 @@ def plan_iteration(
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    epp = ("epp", "epp-fast", "wo-ckpt", "full-ckpt")
-    if ceiling is not None and policy not in epp:
+    if ceiling is not None and policy not in EPP_POLICIES:
         raise ValueError(f"ceiling is an EPP search bound; policy {policy!r} has no search to bound")
     t0 = time.perf_counter()
-    if policy in epp:
+    if policy in EPP_POLICIES:
         mode = {"epp": "milp", "epp-fast": "greedy", "wo-ckpt": "none", "full-ckpt": "full"}[policy]
         plan = plan_epp(policy, lengths, cost, options, mode, progress, math.inf if ceiling is None else ceiling)
     elif policy == "wo-wbc":

@@ -12,7 +12,15 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.plan.api import POLICIES, SIMULATIONS, PlannerOptions, PlanningError, make_cost, plan_iteration
+from jvarlen.plan.api import (
+    EPP_POLICIES,
+    POLICIES,
+    SIMULATIONS,
+    PlannerOptions,
+    PlanningError,
+    make_cost,
+    plan_iteration,
+)
 from jvarlen.plan.checkpointing import SolverOptions
 
 PROGRESS_AFTER_S = 2.0  # planning that takes longer than this reports its progress on stderr
@@ -88,6 +96,8 @@ class PlanCli:
             raise InputError(
                 f"{', '.join(ignored)} apply to the elastic-pipeline policies; {self.policy} does not read them"
             )
+        if self.n_slices and self.policy in POLICIES and self.policy not in EPP_POLICIES:
+            raise InputError(f"--n_slices fixes EPP's N ({', '.join(EPP_POLICIES)}); {self.policy} does not read it")
         for flag in ("json", "plan", "gantt"):  # checked now, not after the planning they would keep
             path = getattr(self, flag)
             parent = os.path.dirname(os.path.abspath(path)) if path else None
