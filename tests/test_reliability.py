@@ -629,6 +629,11 @@ def test_profile_cli_refuses_what_would_mislabel_or_overwrite_a_profile(tmp_path
     for flags, message in (
         (["--repeats", "0"], "repeats and calibration_rounds must be >= 1"),
         (["--refit_from", str(tmp_path / "none.json")], "none.json"),
+        # measuring flags a refit would ignore (before: ignored)
+        (
+            ["--refit_from", "r.json", "--sp", "[1,2]", "--recalibrate", "true", "--extend_report", "r.json"],
+            "--sp, --e",
+        ),
     ):
         assert cli(base + flags) == 2
         err = capsys.readouterr().err.strip()

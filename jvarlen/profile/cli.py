@@ -56,6 +56,16 @@ class ProfileConfig:
             raise ValueError("sp must include 1 (the base profile) unless extend_report names a saved sp = 1 report")
         if self.recalibrate and not self.extend_report:
             raise ValueError("recalibrate needs extend_report (the saved *.report.json to recalibrate)")
+        if self.refit_from:  # fits again without measuring: the measuring flags would be ignored
+            measuring = ("sp", "extend_report", "recalibrate", "repeats", "calibration_rounds")
+            named = [f"--{k}" for k in measuring if getattr(self, k) != _field_default(k)]
+            if named:
+                raise ValueError(f"refit_from fits a saved report again without measuring; {', '.join(named)} measure")
+
+
+def _field_default(name: str):
+    field = {f.name: f for f in dataclasses.fields(ProfileConfig)}[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def cli(args: Optional[list[str]] = None) -> int:
