@@ -115,3 +115,32 @@ def test_cli_plans_an_auto_pp_config_for_the_executor(tmp_path, capsys):
         assert reported == pytest.approx(simulate(plan, cost, mode).iteration_time)
         assert simulate(plan, cost, "ticks").iteration_time >= simulate(plan, cost, "async").iteration_time > 0
     capsys.readouterr()
+
+
+def test_the_gantt_chart_is_of_the_first_iteration_planned(tmp_path, capsys, monkeypatch):
+    """An iteration that fails leaves the chart to the next one planned (before: iteration 0 or
+    nothing, without a word); when none is planned, stderr says that no chart was written."""
+    import jvarlen.plan.cli as cli
+    from jvarlen.plan.api import PlanningError
+
+    lengths, config = tmp_path / "lengths.txt", tmp_path / "tiny.yaml"
+    lengths.write_text("\n".join(str(x) for x in [9_000, 4_000, 1_500, 800, 300, 120] * 2) + "\n")
+    config.write_text(CONFIG)
+    plan, calls, titles = cli.plan_iteration, [], []
+    refuse = {0}
+
+    def first_refused(batch, **kwargs):
+        calls.append(len(calls))
+        if calls[-1] in refuse:
+            raise PlanningError("refused for the test")
+        return plan(batch, **kwargs)
+
+    monkeypatch.setattr(cli, "plan_iteration", first_refused)
+    monkeypatch.setattr("jvarlen.plan.gantt.draw_gantt", lambda *a, title, **k: titles.append(title))
+    args = ["--lengths", str(lengths), "--config", str(config), "--batch-size", "4", "--gantt", str(tmp_path / "g.png")]
+    assert main(args + ["--iterations", "3"]) == 1
+    assert titles == ["epp: iteration 1"]
+    calls.clear()
+    refuse.add(1)
+    assert main(args + ["--iterations", "2"]) == 1
+    assert titles == ["epp: iteration 1"] and "no iteration was planned, no chart written" in capsys.readouterr().err

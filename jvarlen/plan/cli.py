@@ -50,7 +50,7 @@ class PlanCli:
     policy: str = "epp"  # one of jvarlen.plan.api.POLICIES or a strategy policy
     json: Optional[str] = None  # write the summary + per-iteration records here
     plan: Optional[str] = None  # write the last plan (JSON) here
-    gantt: Optional[str] = None  # PNG Gantt chart of the first iteration
+    gantt: Optional[str] = None  # PNG Gantt chart of the first iteration planned
     batch_size: Optional[int] = None  # sample batches of this many documents from the file
     iterations: int = 1  # number of sampled batches (with --batch_size)
     seed: int = 0
@@ -210,17 +210,24 @@ def run(cli: PlanCli) -> int:
             events=plan.events,
         )
         records.append(rec)
-        if i == 0 and cli.gantt:
+        if last is None and cli.gantt:  # the first iteration planned
             from jvarlen.plan.assemble import simulate
             from jvarlen.plan.gantt import draw_gantt
 
             docs = tuple(tuple(piece[0] for piece in chunk) for chunk in plan.chunks)  # (doc, start, tokens)
             schedule = dataclasses.replace(plan.schedule, chunk_docs=docs)  # labelled by document, not chunk chain
-            draw_gantt(simulate(plan, cost), schedule, cli.gantt, title=f"{cli.policy}: iteration 0")
+            draw_gantt(simulate(plan, cost), schedule, cli.gantt, title=f"{cli.policy}: iteration {i}")
         last = plan
     summary = summarize(cli.policy, records)
     print(format_table(cli.policy, records, summary))
+    _no_chart(cli, last)
     return _save(cli, summary, records, last)
+
+
+def _no_chart(cli, planned) -> None:
+    """Says on stderr that ``--gantt`` wrote nothing when no iteration was planned."""
+    if cli.gantt and planned is None:
+        print(f"[plan] --gantt {cli.gantt}: no iteration was planned, no chart written", file=sys.stderr)
 
 
 def _save(cli, summary: dict, records: list[dict], last) -> int:
@@ -365,6 +372,7 @@ def run_strategy(cli: PlanCli) -> int:
     summary = summarize_strategy(cli.policy, records)
     print(format_strategy_table(cli.policy, records, summary))
     _save(cli, summary, records, last)
+    _no_chart(cli, first)
     if cli.gantt and first is not None:
         from jvarlen.plan.gantt import draw_strategy_gantt
 
