@@ -66,3 +66,17 @@ def test_auto_keeps_replicated_stage_weights_where_memory_does_not_bind(tmp_path
 def test_auto_stage_weights_need_a_strategy_policy():
     with pytest.raises(ConfigError, match="stage_weights=auto .* plan.policy=epp"):
         load_config(os.path.join(ROOT, "configs", "epp-cpu.yaml"), **{"parallel.stage_weights": "auto"})
+
+
+def test_the_planner_cli_reads_stage_weights_auto_with_its_policy(tmp_path, capsys):
+    """``python -m jvarlen.plan --policy flexsp`` on a config whose plan section names no strategy
+    policy: the config is read as run with that policy (before: refused as an epp config)."""
+    from jvarlen.plan.__main__ import main
+
+    config, lengths = tmp_path / "auto.yaml", tmp_path / "lengths.txt"
+    config.write_text("parallel:\n  dp: 8\n  stage_weights: auto\n")
+    lengths.write_text("\n".join(["3000", "900", "400", "120"] * 2) + "\n")
+    assert main(["--lengths", str(lengths), "--config", str(config), "--policy", "flexsp"]) == 0
+    assert "parallel.stage_weights=auto: " in capsys.readouterr().out
+    assert main(["--lengths", str(lengths), "--config", str(config), "--policy", "epp"]) == 2
+    assert "stage_weights=auto" in capsys.readouterr().err

@@ -298,10 +298,11 @@ STRATEGY_FIELDS = (
 )
 
 
-def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
+def scheme_costs_from_config(path: str, cluster: str, devices: int, policy: str):
     """(:class:`~jvarlen.plan.strategy.SchemeCosts` of the config's model on ``devices`` devices of
     ``cluster`` (0: the config's dp * pp * sp) with the analytic profile, the config's
-    ``parallel.stage_weights``); ``auto`` plans replicated (:func:`run_strategy` chooses)."""
+    ``parallel.stage_weights``); ``auto`` plans replicated (:func:`run_strategy` chooses). The
+    config is read as run with ``policy`` (``--policy``), which ``stage_weights: auto`` needs."""
     from jvarlen.config import ConfigError, load_config
     from jvarlen.layout import Layout, resolve_layout
     from jvarlen.plan.hardware import CLUSTERS
@@ -310,7 +311,7 @@ def scheme_costs_from_config(path: str, cluster: str, devices: int = 0):
     if cluster not in CLUSTERS:
         raise InputError(f"--cluster must be one of {', '.join(sorted(CLUSTERS))}, got {cluster!r}")
     try:
-        cfg = load_config(path)
+        cfg = load_config(path, **{"plan.policy": policy})
         n = devices or resolve_layout(cfg).num_devices
     except ConfigError as error:
         raise InputError(f"--config {path}: {error}") from None
@@ -337,7 +338,7 @@ def strategy_options(cli: PlanCli, corpus: list[int], costs):
 def run_strategy(cli: PlanCli) -> int:
     from jvarlen.plan.strategy import SchemeCosts, plan_strategy
 
-    costs, stage_weights = scheme_costs_from_config(cli.config, cli.cluster, cli.devices)
+    costs, stage_weights = scheme_costs_from_config(cli.config, cli.cluster, cli.devices, cli.policy)
     corpus = read_lengths(cli.lengths)
     if cli.context > 0:
         corpus = [min(x, cli.context) for x in corpus]
