@@ -131,13 +131,33 @@ class StrategyStep(Step):
         return self.strategy.prepare(it, self.cache.keys())
 
 
+class _SessionDefault:
+    def __repr__(self) -> str:
+        return "SESSION_DEFAULT"
+
+
+SESSION_DEFAULT = _SessionDefault()  # a step's residual policy: the session's (``Session.residual_policy``)
+
+
 class Session:
     """The model, its optimizer and the train state in the canonical sharding over ``devices``."""
 
     def __init__(
-        self, graphdef, model: ModelConfig, optimizer, state, *, devices=None, compiler_options=None, placed=False
+        self,
+        graphdef,
+        model: ModelConfig,
+        optimizer,
+        state,
+        *,
+        devices=None,
+        compiler_options=None,
+        placed=False,
+        residual_policy: Optional[str] = "dots_and_attention",
     ):
-        """``placed``: ``state`` is already in the canonical sharding over ``devices``."""
+        """``placed``: ``state`` is already in the canonical sharding over ``devices``.
+        ``residual_policy``: what a step's layers that are not rematerialised keep, unless the step
+        names its own (:meth:`from_config`: the config's ``parallel.residual_policy``)."""
+        self.residual_policy = residual_policy
         self.placement = Placement.for_state(state, optimizer, devices)
         self.state = state if placed else place_global(state, self.placement.state_sharding)
         self.context = StepContext(
@@ -156,7 +176,9 @@ class Session:
 
     @classmethod
     def from_config(cls, config: Config, devices=None, **kwargs) -> "Session":
-        """A fresh model, or ``config.model.init_from``'s weights streamed into their shardings."""
+        """A fresh model, or ``config.model.init_from``'s weights streamed into their shardings; its
+        steps keep the residuals of ``config.parallel.residual_policy`` unless they name their own."""
+        kwargs.setdefault("residual_policy", config.parallel.residual_policy)
         if config.model.init_from is not None:
             from jvarlen.hf.load import initial_state
 
@@ -165,17 +187,22 @@ class Session:
         graphdef, optimizer, state = create_train_state(config)
         return cls(graphdef, config.model, optimizer, state, devices=devices, **kwargs)
 
+    def _residual(self, policy):
+        return self.residual_policy if policy is SESSION_DEFAULT else policy
+
     @property
     def state_sharding(self):
         return self.placement.state_sharding
 
     def layout_step(
-        self, layout: Layout, rows: int, seq_len: int, *, residual_policy: Optional[str] = "dots_and_attention"
+        self, layout: Layout, rows: int, seq_len: int, *, residual_policy: Optional[str] = SESSION_DEFAULT
     ) -> LayoutStep:
         """The data-parallel step on ``layout`` (``dp · sp`` = the session's devices) for batches of
         ``rows`` rows of ``seq_len`` tokens (``residual_policy``: what a layer that is not
         rematerialised keeps, as :meth:`plan_step`'s)."""
         from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
+
+        residual_policy = self._residual(residual_policy)
 
         layout.validate(len(self.placement.devices), num_heads=self.context.model.num_heads)
         if layout.pp != 1:
@@ -194,7 +221,7 @@ class Session:
         *,
         bucket: Optional[int] = None,
         chunk_multiple: int = 2,
-        residual_policy: Optional[str] = "dots_and_attention",
+        residual_policy: Optional[str] = SESSION_DEFAULT,
         stage_weights: str = "replicated",
         vocab_max_sp: Optional[int] = None,
     ) -> PlanStep:
@@ -204,6 +231,8 @@ class Session:
         ``vocab_max_sp``: the largest sp that splits the embedding and head by vocabulary, as
         :meth:`strategy_step`'s)."""
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy
+
+        residual_policy = self._residual(residual_policy)
 
         model = self.context.model
         layout.validate(len(self.placement.devices), num_heads=model.num_heads, num_layers=model.num_layers)
@@ -221,7 +250,7 @@ class Session:
     def strategy_step(
         self,
         *,
-        residual_policy: Optional[str] = "dots_and_attention",
+        residual_policy: Optional[str] = SESSION_DEFAULT,
         stage_weights: str = "replicated",
         chunk_multiple: int = 2,
         vocab_max_sp: Optional[int] = None,
@@ -232,6 +261,8 @@ class Session:
         (pass the planner's ``costs.coeffs.gpus_per_node``, as its memory and time account assume;
         None: any sp that divides the vocabulary)."""
         from jvarlen.runtime.strategies.groups import GroupsStrategy
+
+        residual_policy = self._residual(residual_policy)
 
         strategy = GroupsStrategy(
             self.context,
@@ -251,4 +282,4 @@ class Session:
         return place_global(tree, shardings)
 
 
-__all__ = ["LayoutStep", "PlanStep", "Session", "Step", "StrategyStep", "as_pieces"]
+__all__ = ["SESSION_DEFAULT", "LayoutStep", "PlanStep", "Session", "Step", "StrategyStep", "as_pieces"]
