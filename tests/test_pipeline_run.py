@@ -173,6 +173,9 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
     for nothing in ([], [np.array([5])]):
         with pytest.raises(ValueError, match="no token to predict"):
             session.layout_step(Layout(dp=8), rows=8, seq_len=16).prepare(nothing)
+    # a plan of another model: its recomputation counts are of other stages (before: run as given)
+    with pytest.raises(ValueError, match="pipeline 0: a plan for 8 layers, the model has 4"):
+        step.prepare([dataclasses.replace(pa, num_layers=8), pb], [da, db])
     other = session.plan_step(Layout(dp=1, pp=2, sp=4), bucket=32)
     with pytest.raises(ValueError, match=r"a plan for Layout\(dp=2, pp=2, sp=2\) given to the pipeline step of"):
         other.prepare([pa], [da])

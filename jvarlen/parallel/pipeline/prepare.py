@@ -233,6 +233,8 @@ def prepare_plans(
     if len(documents) != len(plans):
         raise ValueError(f"{len(plans)} plans but documents for {len(documents)} pipelines")
     for i, (plan, docs) in enumerate(zip(plans, documents)):
+        if plan.num_layers != num_layers:  # its recomputation counts are of other stages
+            raise ValueError(f"pipeline {i}: a plan for {plan.num_layers} layers, the model has {num_layers}")
         # a longer document would be cut to its plan's chunks without a word
         got = tuple(len(d.tokens) if hasattr(d, "tokens") else len(d) for d in docs)
         if got != tuple(plan.lengths):
