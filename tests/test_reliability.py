@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -663,3 +664,25 @@ def test_profile_cli_refuses_what_would_mislabel_or_overwrite_a_profile(tmp_path
     assert cli(base + ["--config", str(tmp_path / "all.yaml"), "--extend_report", str(tmp_path / "empty.json")]) == 2
     assert "is not a profile report" in capsys.readouterr().err
     assert {p: open(p).read() for p in glob.glob(f"{tmp_path}/*.report.json")} == saved
+
+
+def test_a_run_refused_at_its_start_leaves_no_run_dir_it_made(tmp_path, cache_dir):
+    """A configuration refused at the start (by the layout policy, or by the data) in a run
+    directory the run made: the directory is removed again (before: an empty directory with a
+    lock file was left); one that existed before is kept."""
+    from jvarlen.data import DataError
+
+    refusals = (
+        (("--parallel.tokens_per_device=10",), ConfigError, "no layout fits"),
+        (("--data.source=jsonl", f"--data.path={tmp_path / 'none.jsonl'}"), DataError, "none.jsonl"),
+    )
+    for flags, error, message in refusals:
+        run_dir = tmp_path / "run"
+        with pytest.raises(error, match=message):
+            train(_config(run_dir, cache_dir, "--train.steps=1", *flags), quiet=True)
+        assert not run_dir.exists()
+        run_dir.mkdir()
+        with pytest.raises(error, match=message):
+            train(_config(run_dir, cache_dir, "--train.steps=1", *flags), quiet=True)
+        assert run_dir.is_dir()
+        shutil.rmtree(run_dir)

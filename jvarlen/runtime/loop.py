@@ -126,7 +126,7 @@ def train(
             }
         )
     except BaseException:
-        run.close()
+        run.close(refused=True)
         raise
     run.start_logging()  # config.json and metrics change only once the configuration is accepted
     run.say(f"[jvarlen] {strategy.describe()}")

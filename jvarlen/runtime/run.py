@@ -120,6 +120,7 @@ class Run:
     signals: "StopSignals" = dataclasses.field(default_factory=lambda: StopSignals())
     earlier_run: Optional[str] = None  # what logging.overwrite deletes in start_logging, in words
     lock: Optional[RunDirLock] = None  # the run directory's, held by the first process until close
+    created_dir: bool = False  # this run made run_dir: a refusal at its start removes it again
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
@@ -192,13 +193,17 @@ class Run:
             self.checkpointer.wait()
             raise Interrupted(stop, step + 1)
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        """``refused``: the configuration was refused before :meth:`start_logging`; a run directory
+        this run made is removed where it holds nothing (no empty directory left behind)."""
         self.signals.restore()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
         if self.lock is not None:
+            if refused and self.created_dir and self.logger is None:
+                self.lock.remove_directory_if_unused()
             self.lock.release()
 
 
@@ -210,6 +215,7 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     main = jax.process_index() == 0
     quiet = quiet or not main
     run_dir = os.path.abspath(os.path.expanduser(config.logging.run_dir))  # "--flag=~/x": no shell expands it
+    created = main and not os.path.lexists(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as error:  # a file where a directory should be, no permission, ...
@@ -223,9 +229,11 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
         run = _open_locked(config, main, quiet, say, run_dir, stop_after)
     except BaseException:
         if lock is not None:
+            if created:  # a run refused at its start leaves no directory it made (its lock file only)
+                lock.remove_directory_if_unused()
             lock.release()
         raise
-    run.lock = lock
+    run.lock, run.created_dir = lock, created
     return run
 
 

@@ -9,6 +9,7 @@ run leaves no stale lock. The file names its holder, for the refusal's message.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -50,6 +51,19 @@ class RunDirLock:
         file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         file.flush()
         return cls(file)
+
+    def remove_directory_if_unused(self) -> None:
+        """Deletes the lock file, then the run directory and its subdirectories where they hold
+        nothing else (a run refused at its start, in a directory it created); still held, so no
+        other run can have taken the directory meanwhile."""
+        if self._file is None:
+            return
+        run_dir = os.path.dirname(self._file.name)
+        with contextlib.suppress(OSError):
+            os.unlink(self._file.name)
+        for folder, _, _ in sorted(os.walk(run_dir), key=lambda entry: -len(entry[0])):  # deepest first
+            with contextlib.suppress(OSError):  # not empty: kept
+                os.rmdir(folder)
 
     def release(self) -> None:
         file, self._file = self._file, None
