@@ -165,9 +165,9 @@ SCAN_COUNTS = 24  # slice counts the fallback scan of :meth:`_Search.time_mesh` 
 
 def scan_counts(lo: int, hi: int, skip=(), limit: int = SCAN_COUNTS) -> list[int]:
     """The slice counts ``lo..hi`` not in ``skip``, ascending: all of them where there are at most
-    ``limit``, else ``limit`` of them spread evenly on a log scale (the window of N that fits is
-    about as wide, relative to N, at any N; a 1.5M-token document would otherwise be chunked,
-    grouped and simulated at each of ~3,000 N, minutes without a result)."""
+    ``limit``, else ``limit`` of them spread evenly on a log scale, as Alg. 1's candidates are (every
+    N of a 1.5M-token document's range, ~3,000, took minutes to chunk, group and simulate). A window
+    of fitting N narrower than the spread's step may be missed: the batch is then refused."""
     rest = [n for n in range(max(1, lo), hi + 1) if n not in skip]
     if len(rest) <= limit:
         return rest
