@@ -1,5 +1,6 @@
 """Layouts, the logical-axis rules, the canonical sharding, the layout policy and the compile cache."""
 
+import dataclasses
 import time
 
 import jax
@@ -126,6 +127,12 @@ def test_policy_fixed_and_cycle_and_config_errors():
         parse_config(["--parallel.tokens_per_device=64", "--parallel.sp_cycle=[1,2]"])
     with pytest.raises(ConfigError, match="tokens_per_device must be > 0"):
         parse_config(["--parallel.tokens_per_device=0"])
+    # rows Ulysses cannot split: refused at the start (before: a JAX IndivisibleError at step 1)
+    for parallel in ({"sp": 4}, {"sp_cycle": [1, 4]}):
+        config = parse_config(["--data.seq_len=102", "--data.tokens_per_batch=816"])
+        config = dataclasses.replace(config, parallel=ParallelConfig(**parallel))
+        with pytest.raises(ConfigError, match=r"data.seq_len \(102\) must be divisible by sp \(4\)"):
+            LayoutPolicy.from_config(config, N)
 
 
 def test_pad_rows_adds_padding_rows_only():

@@ -60,6 +60,12 @@ class LayoutPolicy:
                 raise ConfigError(f"parallel.pp={fixed.pp}: pipeline parallelism needs the pipeline executor; use pp=1")
         for sp in par.sp_cycle or ():
             _validate(Layout(dp=max(num_devices // sp, 1), pp=1, sp=sp), num_devices, heads)
+        for sp in [fixed.sp] if fixed is not None else par.sp_cycle or ():  # Ulysses splits each row by sp
+            if config.data.seq_len % sp:
+                raise ConfigError(
+                    f"data.seq_len ({config.data.seq_len}) must be divisible by sp ({sp}): Ulysses splits each "
+                    "row's tokens over the sp devices"
+                )
         policy = cls(num_devices, heads, 1, fixed, par.tokens_per_device, tuple(par.sp_cycle or ()))
         if par.tokens_per_device is not None:  # every batch is [rows_per_batch, seq_len]: refused at the start
             policy.choose(0, config.data.rows_per_batch, config.data.seq_len)
