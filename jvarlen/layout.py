@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 
@@ -80,10 +81,13 @@ def _auto_stages(config, num_devices: int) -> int:
 def requested_devices(config) -> int:
     """The devices a run of ``config`` asks for when it is given exactly what it needs (a CPU host
     gets them as fake devices; the planner CLI plans for them): ``(dp or 1) · pp · sp``, with auto
-    ``pp`` resolved for that count."""
+    ``pp`` resolved for that count; with ``sp_cycle``, ``(dp or 1)`` times the least common multiple
+    of its degrees (``tokens_per_device`` chooses among the layouts of the devices there are)."""
     par = config.parallel
     if config.plan.uses_groups:  # device groups over all of the config's devices
         return (par.dp or 1) * (par.pp or 1) * par.sp
+    if par.sp_cycle:  # every degree of the cycle divides the devices
+        return (par.dp or 1) * math.lcm(*par.sp_cycle)
     pp = par.pp if par.pp is not None else _auto_stages(config, (par.dp or 1) * 2 * par.sp)
     return (par.dp or 1) * pp * par.sp
 

@@ -94,6 +94,16 @@ def test_the_entry_point_gives_a_cpu_host_the_devices_of_the_layout():
     assert host_device_flags("--xla_dump_to=/d", 2) == "--xla_dump_to=/d --xla_force_host_platform_device_count=2"
     assert host_device_flags("--xla_force_host_platform_device_count=8", 2).endswith("count=8")  # the user's count
     assert host_device_flags("", 1) == ""
+    from jvarlen.config import parse_config
+    from jvarlen.layout import requested_devices
+
+    # every degree of an sp cycle divides the devices (before: sp_cycle=[1, 2] got 1 device and was refused)
+    assert requested_devices(parse_config(["--parallel.sp_cycle=[1,2]"])) == 2
+    assert (
+        requested_devices(parse_config(["--parallel.sp_cycle=[2,4,3]", "--model.num_heads=12", "--model.d_model=192"]))
+        == 12
+    )
+    assert requested_devices(parse_config(["--parallel.pp=1", "--parallel.sp=2"])) == 2
 
 
 def test_cli_reports_config_errors(tmp_path):
