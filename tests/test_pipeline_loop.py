@@ -196,9 +196,10 @@ def test_steps_log_predicted_vs_measured_time(full_run):
     must not break the loop; the refit itself is tested in test_cost_check)."""
     full, _ = full_run
     records = [json.loads(line) for line in open(os.path.join(full.run_dir, "metrics.jsonl"))]
-    observed = [r for r in records if not r["compiled"]]
-    assert observed, [r["compiled"] for r in records]
-    assert all("predicted_step_s" not in r for r in records if r["compiled"])
+    observed = [r for r in records if not r["compiled"] and not r["beside_compile"]]
+    assert observed, [(r["compiled"], r["beside_compile"]) for r in records]
+    # a step that compiled, or ran beside the next signature's compile, is not the step's own time
+    assert all("predicted_step_s" not in r for r in records if r["compiled"] or r["beside_compile"])
     for r in observed:
         assert r["predicted_step_s"] > 0 and r["pipeline_s"] > 0
         assert r["cost_error"] == pytest.approx(abs(r["predicted_step_s"] - r["pipeline_s"]) / r["pipeline_s"])

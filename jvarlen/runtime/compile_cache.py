@@ -10,6 +10,7 @@ across runs.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -61,6 +62,7 @@ class CompileCache:
         self._futures: dict = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-aot")
+        self._spans: collections.deque = collections.deque(maxlen=16)  # (start, end or None) of compiles
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -73,10 +75,23 @@ class CompileCache:
         with self._lock:
             return list(self._compiled) + list(self._futures)
 
+    def compiled_during(self, start: float, end: float) -> bool:
+        """Whether a compile ran at some time in ``[start, end]`` (``time.perf_counter()`` readings):
+        a step run then shared the host's cores with it (the background compile of the next
+        signature), so its time is not the step's alone."""
+        with self._lock:
+            return any(a <= end and (b is None or b >= start) for a, b in self._spans)
+
     def _compile(self, key: Hashable, compile_fn: Callable):
         start = time.perf_counter()
-        compiled = compile_fn(key)
-        seconds = time.perf_counter() - start
+        span = [start, None]
+        with self._lock:
+            self._spans.append(span)
+        try:
+            compiled = compile_fn(key)
+        finally:
+            span[1] = time.perf_counter()
+        seconds = span[1] - start
         with self._lock:
             self._compiled[key] = compiled
             self.compile_seconds[key] = seconds

@@ -160,13 +160,15 @@ def train(
             ahead = feed.peek()  # compile the next iteration's signature while this one runs
             if ahead is not None:
                 cache.precompile(strategy.prepare(ahead, [*signatures, prepared.key]).key, strategy.compile)
-            t_run = time.perf_counter()
             compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
             signatures[prepared.key] = None
             step_hits, step_misses = step_hits + (compile_s == 0), step_misses + (compile_s > 0)
+            t_step = time.perf_counter()
             state, metrics = compiled(state, prepared.arrays)
             metrics = jax.device_get(metrics)
-            run_s = time.perf_counter() - t_run - compile_s  # the step itself: no plan wait, no compile
+            t_done = time.perf_counter()
+            run_s = t_done - t_step  # the step itself: no plan wait, no compile
+            beside_compile = cache.compiled_during(t_step, t_done)  # the next signature's, in the background
             dt = time.perf_counter() - t0
             real = sum(len(p.tokens) for p in it.pieces)
             record = step_record(metrics, dt, run_s, run.learning_rate(step), real)
@@ -184,11 +186,12 @@ def train(
                 compiled=compile_s > 0,
                 cache_hit=compile_s == 0,
                 step_seconds=run_s,
+                beside_compile=beside_compile,
                 step_cache_hits=step_hits,
                 step_cache_misses=step_misses,
                 **strategy.record(it, prepared, metrics),
             )
-            if check is not None and compile_s == 0:
+            if check is not None and compile_s == 0 and not beside_compile:  # the step's own time only
                 record.update(strategy.observe(check, it, prepared, dt, run_s))
             postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
             run.end_step(step, record, state, postfix, data_state=it.data_state)
