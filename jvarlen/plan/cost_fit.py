@@ -184,6 +184,7 @@ class Observation:
     mode: str = "paired"
     parts: tuple[int, ...] = ()
     group: bool = False  # a device group's plan (CostModel(group=True))
+    sharded: bool = False  # its stage weights sharded (CostModel(stage_weights_sharded=True))
 
 
 class OnlineRefit:
@@ -238,12 +239,14 @@ class OnlineRefit:
         mode: Optional[str] = None,
         parts: Sequence[int] = (),
         group: bool = False,
+        sharded: bool = False,
     ) -> float:
         """Predicted seconds of one step; ``parts``: its :attr:`jvarlen.plan.plan.Plan.parts` (each
-        part its own step, one step overhead)."""
+        part its own step, one step overhead); ``sharded``: stage weights sharded, their exposed
+        gathers and reduce-scatters charged as the planner charges them."""
         from jvarlen.plan.simulator import simulate, simulate_in_parts
 
-        cost = CostModel(self.model, layout, coeffs or self.coeffs, group=group)
+        cost = CostModel(self.model, layout, coeffs or self.coeffs, group=group, stage_weights_sharded=sharded)
         sched = schedule or one_f_one_b(len(chunk_shapes), layout.pp)
         shapes, mode = list(chunk_shapes), mode or self.mode
         if parts:
@@ -265,6 +268,7 @@ class OnlineRefit:
         mode: Optional[str] = None,
         parts: Sequence[int] = (),
         group: bool = False,
+        sharded: bool = False,
     ) -> float:
         """Records a measured step; returns its prediction with the current coefficients
         (``predicted_s`` when the caller already has it, from :meth:`predict` on a valid schedule)."""
@@ -272,11 +276,15 @@ class OnlineRefit:
         mode = mode or self.mode
         if predicted_s is None:
             sched.validate()
-            pred = self.predict(chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts, group=group)
+            pred = self.predict(
+                chunk_shapes, layout, sched, ckpt_layers, mode=mode, parts=parts, group=group, sharded=sharded
+            )
         else:
             pred = float(predicted_s)
         shapes, measured = tuple(chunk_shapes), float(measured_s)
-        self.history.append(Observation(shapes, layout, measured, sched, ckpt_layers, pred, mode, tuple(parts), group))
+        self.history.append(
+            Observation(shapes, layout, measured, sched, ckpt_layers, pred, mode, tuple(parts), group, sharded)
+        )
         self._since_refit += 1
         return pred
 
@@ -298,12 +306,12 @@ class OnlineRefit:
             rows, ys = [], []
             for o in obs:
                 view = (o.chunk_shapes, o.layout, o.schedule, o.ckpt_layers)
-                t0 = self.predict(*view, cur, o.mode, o.parts, o.group)
+                t0 = self.predict(*view, cur, o.mode, o.parts, o.group, o.sharded)
                 row = []
                 for g in GROUPS:  # ∂T/∂s_g by a forward difference of 1 %
                     s2 = dict(s)
                     s2[g] = s[g] * 1.01 if s[g] > 0 else 0.01
-                    t1 = self.predict(*view, scale_coefficients(base, s2), o.mode, o.parts, o.group)
+                    t1 = self.predict(*view, scale_coefficients(base, s2), o.mode, o.parts, o.group, o.sharded)
                     row.append((t1 - t0) / (s2[g] - s[g]))
                 rows.append(row)
                 ys.append(o.measured_s - t0 + sum(r * s[g] for r, g in zip(row, GROUPS)))

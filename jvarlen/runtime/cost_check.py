@@ -117,13 +117,15 @@ class StepTimeCheck:
         slowest = max(chunks, key=lambda c: self.refit.predict([c], pp1, mode="async"))
         return self._record(self.refit.observe([slowest], pp1, measured_s, mode="async"), measured_s)
 
-    def observe_plans(self, plans: Sequence, measured_s: float, group: bool = False) -> dict:
+    def observe_plans(self, plans: Sequence, measured_s: float, group: bool = False, sharded: bool = False) -> dict:
         """Elastic pipeline step: predicts the slowest of the replicas' :class:`jvarlen.plan.Plan`
-        (the executor's paired ticks, current coefficients; ``group``: device groups' plans),
+        (the executor's paired ticks, current coefficients; ``group``: device groups' plans;
+        ``sharded``: their stage weights sharded, as the planner's cost model charges them),
         records it against ``measured_s``, refits when due."""
         views = [(p.chunk_shapes(), p.layout, p.schedule, np.asarray(p.ckpt_layers)) for p in plans]
         predicted = [
-            self.refit.predict(*view, mode="paired", parts=p.parts, group=group) for view, p in zip(views, plans)
+            self.refit.predict(*view, mode="paired", parts=p.parts, group=group, sharded=sharded)
+            for view, p in zip(views, plans)
         ]
         i = int(np.argmax(predicted))
         shapes, layout, schedule, ckpt = views[i]
@@ -137,6 +139,7 @@ class StepTimeCheck:
             mode="paired",
             parts=plans[i].parts,
             group=group,
+            sharded=sharded,
         )
         return self._record(predicted[i], measured_s)
 

@@ -387,7 +387,8 @@ class GroupsStrategy(ExecutionStrategy):
         return {"layer_forwards": [np.asarray(f).sum(0).tolist() for f in metrics.get("group_layer_forwards", [])]}
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
-        return {"groups_s": run_s, **check.observe_plans([g.plan for g in iteration.plans[0].groups], run_s, True)}
+        plans, sharded = [g.plan for g in iteration.plans[0].groups], self.stage_weights == "sharded"
+        return {"groups_s": run_s, **check.observe_plans(plans, run_s, group=True, sharded=sharded)}
 
     def fingerprint(self) -> dict:
         text = self.costs.base.fingerprint() if self.costs is not None else ""

@@ -196,7 +196,10 @@ class PipelineStrategy(ExecutionStrategy):
         return {"layer_forwards": np.asarray(metrics["layer_forwards"]).sum(0).tolist()}
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
-        return {"pipeline_s": run_s, **check.observe_plans(iteration.plans, run_s)}
+        return {
+            "pipeline_s": run_s,
+            **check.observe_plans(iteration.plans, run_s, sharded=self.stage_weights == "sharded"),
+        }
 
     def fingerprint(self) -> dict:
         return {"the planner's cost model": self.cost.fingerprint(), "the planner's options": repr(self.options)}
