@@ -1,6 +1,7 @@
 """The training loop's predicted-vs-measured step time and its online refit."""
 
 import numpy as np
+import pytest
 from conftest import SHIPPED_CPU_PROFILE
 
 from jvarlen.config import Config
@@ -121,3 +122,35 @@ def test_steps_with_sharded_stage_weights_are_predicted_as_the_planner_charges_t
     check = StepTimeCheck(OnlineRefit(shape, coeffs, every=100), "test", say=lambda _: None)
     assert check.observe_plans(plans, 1.0, sharded=True)["predicted_step_s"] == planner_s
     assert check.observe_plans(plans, 1.0)["predicted_step_s"] < 0.95 * planner_s  # what the gathers add
+
+
+def test_a_resumed_run_takes_up_the_refit_of_its_checkpoint():
+    """The refit's scales go into each checkpoint and come back on resume, so a resumed run
+    predicts as the run it continues (before: from the profile again, cost_error 0.17 -> 0.75
+    for the same steps); a checkpoint refitted from another profile is not taken up."""
+    import json
+
+    from jvarlen.plan.api import plan_iteration
+
+    shape = ModelShape.from_config(Config().model)
+    coeffs = CostCoefficients.load(SHIPPED_CPU_PROFILE)
+    cost = CostModel(shape, Layout(dp=1, pp=2, sp=1), coeffs)
+    plans = [[plan_iteration([n, 300, 200], cost=cost, policy="epp-fast")] for n in (900, 1500, 2100, 2700)]
+    check = StepTimeCheck(OnlineRefit(shape, coeffs, every=2), "test", say=lambda _: None)
+    for plan in plans:
+        check.observe_plans(plan, 3.0 * check.refit.predict(*_view(plan[0])))
+    assert check.refit.refits == 2
+    said = []
+    resumed = StepTimeCheck(OnlineRefit(shape, coeffs, every=2), "test", say=said.append)
+    resumed.restore(json.loads(json.dumps(check.state())))  # as a checkpoint keeps it
+    assert resumed.refit.refits == 2 and "taken up (2 refits)" in said[-1]
+    for plan in plans:
+        assert resumed.refit.predict(*_view(plan[0])) == pytest.approx(check.refit.predict(*_view(plan[0])), rel=1e-9)
+        assert resumed.refit.predict(*_view(plan[0])) > 2 * OnlineRefit(shape, coeffs).predict(*_view(plan[0]))
+    other = StepTimeCheck(OnlineRefit(shape, coeffs.replace(memory_budget=coeffs.memory_budget / 2)), "t", said.append)
+    other.restore(check.state())
+    assert other.refit.refits == 0 and "of another profile" in said[-1]
+
+
+def _view(plan):
+    return plan.chunk_shapes(), plan.layout, plan.schedule, np.asarray(plan.ckpt_layers), None, "paired", plan.parts

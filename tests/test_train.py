@@ -159,6 +159,22 @@ def test_resume_bitwise(tmp_path, cache_dir):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_resumed_run_takes_up_the_cost_refit_of_its_checkpoint(tmp_path, cache_dir, capsys):
+    """The online cost refit is kept in each checkpoint and taken up on resume (before: a resumed
+    run predicted from the profile again)."""
+    from conftest import SHIPPED_CPU_PROFILE
+
+    args = ("--train.steps=4", "--checkpoint.every_steps=2", f"--train.cost_profile={SHIPPED_CPU_PROFILE}")
+    args += ("--train.cost_refit_every=1",)
+    train(_config(tmp_path / "r", cache_dir, *args), quiet=True, stop_after=3)
+    capsys.readouterr()
+    train(_config(tmp_path / "r", cache_dir, *args, "--checkpoint.resume=true"))
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out  # stop_after checkpoints the last step reached
+    taken = [line for line in out.splitlines() if "the refit of the resumed run taken up" in line]
+    assert taken and "(0 refits)" not in taken[0], out
+
+
 def test_resume_from_different_model_shape_is_refused(tmp_path, cache_dir):
     train(_config(tmp_path / "r", cache_dir, "--train.steps=1"), quiet=True)
     with pytest.raises(CheckpointMismatchError, match="model.d_model: checkpoint has 32, config has 64"):

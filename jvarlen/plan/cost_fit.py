@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import re
 from typing import Optional, Sequence
 
@@ -220,7 +222,8 @@ class OnlineRefit:
         iterations: int = 3,
     ):
         self.model = model
-        self.coeffs = coeffs
+        self.coeffs = self.base = coeffs
+        self.scales = {g: 1.0 for g in GROUPS}  # of :attr:`base`, every refit so far together
         self.every = every
         self.mode = mode
         self.prior = prior
@@ -330,7 +333,27 @@ class OnlineRefit:
         self._since_refit = 0
         self.refits += 1
         self.last_scales = s
+        self.scales = {g: self.scales[g] * s[g] for g in GROUPS}
         return self.coeffs
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the refit: the scales of :attr:`base` and the refit count (the
+        window of observations starts again after a resume)."""
+        return {"scales": dict(self.scales), "refits": self.refits, "base": _fingerprint(self.base)}
+
+    def restore(self, state: dict) -> bool:
+        """Takes up :meth:`state` of a refit from the same base coefficients; False (nothing changed)
+        for another base (the profile changed between the runs)."""
+        if state.get("base") != _fingerprint(self.base) or set(state.get("scales", ())) != set(GROUPS):
+            return False
+        self.scales = {g: float(state["scales"][g]) for g in GROUPS}
+        self.coeffs = scale_coefficients(self.base, self.scales)
+        self.refits = int(state.get("refits", 0))
+        return True
+
+
+def _fingerprint(coeffs: CostCoefficients) -> str:
+    return hashlib.sha256(json.dumps(coeffs.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- profiler reports

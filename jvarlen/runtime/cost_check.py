@@ -143,6 +143,20 @@ class StepTimeCheck:
         )
         return self._record(predicted[i], measured_s)
 
+    def state(self) -> dict:
+        """The refit's state, for a checkpoint (:meth:`jvarlen.plan.cost_fit.OnlineRefit.state`)."""
+        return self.refit.state()
+
+    def restore(self, state: Optional[dict]) -> None:
+        """Takes up a resumed run's refit (its coefficients, not its window of observations); says
+        when the saved one was of another profile and is dropped."""
+        if not state:
+            return
+        if self.refit.restore(state):
+            self.say(f"[jvarlen] cost model: the refit of the resumed run taken up ({self.refit.refits} refits)")
+        else:
+            self.say("[jvarlen] cost model: the resumed run's refit was of another profile; starting from the profile")
+
     def _record(self, predicted_s: float, measured_s: float) -> dict:
         record = {"predicted_step_s": predicted_s, "cost_error": abs(predicted_s - measured_s) / measured_s}
         if self.refit.due():

@@ -137,6 +137,9 @@ def train(
         run.pipeline, strategy.planner(), run.start, run.end, ahead=config.plan.ahead, say=run.note, exchange=exchange
     )
     check = StepTimeCheck.from_config(config, run.note)
+    if check is not None:
+        check.restore(run.resumed_refit)
+        run.cost_check = check
     state, run.state = run.state, None
     losses: list[float] = []
     # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.

@@ -121,6 +121,8 @@ class Run:
     earlier_run: Optional[str] = None  # what logging.overwrite deletes in start_logging, in words
     lock: Optional[RunDirLock] = None  # the run directory's, held by the first process until close
     created_dir: bool = False  # this run made run_dir: a refusal at its start removes it again
+    cost_check: Optional[object] = None  # the loop's StepTimeCheck: its refit is saved with each checkpoint
+    resumed_refit: Optional[dict] = None  # the refit state of the checkpoint resumed from
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
@@ -188,6 +190,8 @@ class Run:
                 "skipped_in_a_row": self.nonfinite_run,
                 "optimizer": dataclasses.asdict(self.config.optimizer),
             }
+            if self.cost_check is not None:
+                schedule["cost_refit"] = self.cost_check.state()
             self.checkpointer.save(step + 1, state, {**data_state, RUN_STATE: schedule}, self.config.model)
         if stop is not None:
             self.checkpointer.wait()
@@ -256,7 +260,7 @@ def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, sto
         say(f"[jvarlen] {config.model.describe_checkpoint_fields()}")
         graphdef, optimizer, target, placement, state = _state_from_hf(config, resuming, say)
 
-    start, skipped, in_a_row = 0, 0, 0
+    start, skipped, in_a_row, resumed_refit = 0, 0, 0, None
     total = config.train.steps
     if resuming:  # a run's own checkpoint takes precedence over model.init_from
         start, state, data_state = checkpointer.restore(target, config.model)
@@ -266,6 +270,7 @@ def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, sto
         skipped = int(saved.get("skipped_updates", 0))
         in_a_row = int(saved.get("skipped_in_a_row", 0))  # train.max_nonfinite_steps counts on across the resume
         pipeline.restore(data_state)
+        resumed_refit = saved.get("cost_refit")
         say(f"[jvarlen] resumed from step {start}")
     elif config.checkpoint.resume:
         aside = checkpointer.set_aside()
@@ -305,6 +310,7 @@ def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, sto
         earlier_run=earlier,
         nonfinite_run=in_a_row,
         nonfinite_total=skipped,
+        resumed_refit=resumed_refit,
     )
 
 
