@@ -17,8 +17,8 @@ from jvarlen.plan.assemble import simulate
 from jvarlen.plan.buffers import CHUNK_KEYS
 from jvarlen.plan.chunk import executor_bucket
 from jvarlen.plan.cost import ModelShape
-from jvarlen.plan.cost_fit import OnlineRefit
 from jvarlen.plan.executor_memory import executor_memory, fit_executor
+from jvarlen.plan.online_refit import OnlineRefit
 from jvarlen.plan.plan import Plan, PlanError
 from jvarlen.plan.sp_groups import GroupChoice, GroupCosts
 from jvarlen.plan.strategy import Scheme, SchemeCosts, build_group_plan

@@ -8,7 +8,7 @@ from jvarlen.config import Config
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, ModelShape
-from jvarlen.plan.cost_fit import OnlineRefit
+from jvarlen.plan.online_refit import OnlineRefit
 from jvarlen.runtime.cost_check import StepTimeCheck, replica_chunks
 
 

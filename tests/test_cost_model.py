@@ -13,16 +13,9 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape, executor_buckets, executor_context
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, Link, ModelShape, profile_filename
-from jvarlen.plan.cost_fit import (
-    OnlineRefit,
-    fit_layer_time,
-    fit_linear,
-    fit_link,
-    fit_tick_overhead,
-    scale_coefficients,
-    tick_overhead_terms,
-)
+from jvarlen.plan.cost_fit import fit_layer_time, fit_linear, fit_link, fit_tick_overhead, tick_overhead_terms
 from jvarlen.plan.hardware import CLUSTERS, analytic_coefficients
+from jvarlen.plan.online_refit import OnlineRefit, scale_coefficients
 from jvarlen.plan.schedule import gpipe, one_f_one_b, token_level_1f1b
 
 MHA = ModelShape(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=128, vocab_size=100)

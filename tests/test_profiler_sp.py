@@ -10,7 +10,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, CostModel, LayerTime, ModelShape
-from jvarlen.plan.cost_fit import scale_coefficients
+from jvarlen.plan.online_refit import scale_coefficients
 from jvarlen.profile.fit import _attention_block, fit_profile
 from jvarlen.profile.measure import SP_GRID, ProfileGrid
 

@@ -4,7 +4,7 @@ The data-parallel step runs each replica's rows as one batched chunk ``{0, S}``
 (InfiniPipe §3.1.1) on a pp = 1 layout; the prediction is the simulator's iteration time
 for the slowest replica under the current coefficients, made *before* this step's
 measurement is used (so the logged error is held out). Every ``every`` observed steps
-:class:`jvarlen.plan.cost_fit.OnlineRefit` rescales the coefficients to the measured steps.
+:class:`jvarlen.plan.online_refit.OnlineRefit` rescales the coefficients to the measured steps.
 Steps that compiled are not observed: compile time is not step time.
 
 The elastic pipeline path (:meth:`StepTimeCheck.observe_plans`) predicts each step from its plans
@@ -26,7 +26,7 @@ from jvarlen.config import Config, ConfigError
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, ModelShape, profile_filename
-from jvarlen.plan.cost_fit import OnlineRefit
+from jvarlen.plan.online_refit import OnlineRefit
 
 PACKAGE_PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", "measured")
 USER_PROFILES = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "profiles")
@@ -144,7 +144,7 @@ class StepTimeCheck:
         return self._record(predicted[i], measured_s)
 
     def state(self) -> dict:
-        """The refit's state, for a checkpoint (:meth:`jvarlen.plan.cost_fit.OnlineRefit.state`)."""
+        """The refit's state, for a checkpoint (:meth:`jvarlen.plan.online_refit.OnlineRefit.state`)."""
         return self.refit.state()
 
     def restore(self, state: Optional[dict]) -> None:
