@@ -91,10 +91,23 @@ class LayoutStep(Step):
 
     def from_arrays(self, arrays: dict) -> Prepared:
         """A batch packed elsewhere (``[rows, seq_len]`` arrays named as
-        :data:`jvarlen.runtime.step.BATCH_KEYS`) as this step's input."""
-        from jvarlen.runtime.strategies.layouts import shape_bucket
+        :data:`jvarlen.runtime.step.BATCH_KEYS`) as this step's input; rows are padded with
+        all-padding rows up to a multiple of dp, as :meth:`prepare` pads them. Raises ValueError for
+        missing or other keys, arrays of different or non-2-D shapes, and a ``seq_len`` sp does not
+        divide (before: JAX's sharding errors)."""
+        from jvarlen.runtime.step import BATCH_KEYS
+        from jvarlen.runtime.strategies.layouts import pad_rows, shape_bucket
 
-        return Prepared(("layout", self.strategy.policy.fixed, shape_bucket(arrays)), dict(arrays))
+        layout = self.strategy.policy.fixed
+        if set(arrays) != set(BATCH_KEYS):
+            raise ValueError(f"from_arrays needs the arrays {', '.join(BATCH_KEYS)}; got {', '.join(sorted(arrays))}")
+        shapes = {k: np.shape(v) for k, v in arrays.items()}
+        if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
+            raise ValueError(f"from_arrays needs [rows, seq_len] arrays of one shape; got {shapes}")
+        if shapes["tokens"][1] % layout.sp:
+            raise ValueError(f"seq_len ({shapes['tokens'][1]}) must be divisible by sp ({layout.sp})")
+        batch = pad_rows(dict(arrays), layout.dp)  # as given where dp divides the rows (global arrays too)
+        return Prepared(("layout", layout, shape_bucket(batch)), batch)
 
 
 class PlanStep(Step):

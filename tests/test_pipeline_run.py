@@ -176,6 +176,20 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
     # a plan of another model: its recomputation counts are of other stages (before: run as given)
     with pytest.raises(ValueError, match="pipeline 0: a plan for 8 layers, the model has 4"):
         step.prepare([dataclasses.replace(pa, num_layers=8), pb], [da, db])
+    # a batch packed elsewhere: rows padded up to dp as prepare pads them; bad arrays refused (before:
+    # JAX's IndivisibleError for 3 rows on dp = 8)
+    layout_step = session.layout_step(Layout(dp=8), rows=8, seq_len=16)
+    packed = layout_step.prepare([np.arange(1, 9), np.arange(2, 12)]).arrays
+    three = {k: v[:3] for k, v in packed.items()}
+    assert layout_step.from_arrays(three).arrays["tokens"].shape == (8, 16)
+    session.state, metrics = layout_step(session.state, layout_step.from_arrays(three))  # the state is donated
+    assert np.isfinite(float(metrics["loss_sum"])) and float(metrics["target_tokens"]) == 7 + 9
+    for bad, message in (
+        ({k: v for k, v in three.items() if k != "loss_mask"}, "needs the arrays"),
+        ({**three, "tokens": three["tokens"][:, :8]}, "of one shape"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            layout_step.from_arrays(bad)
     other = session.plan_step(Layout(dp=1, pp=2, sp=4), bucket=32)
     with pytest.raises(ValueError, match=r"a plan for Layout\(dp=2, pp=2, sp=2\) given to the pipeline step of"):
         other.prepare([pa], [da])
