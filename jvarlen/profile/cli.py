@@ -37,7 +37,7 @@ class ProfileConfig:
     cpu_pin: bool = True
     cpu_core: Optional[int] = None
     cpu_single_thread: bool = False  # also pass --xla_cpu_multi_thread_eigen=false (old profiles did)
-    # Ulysses degrees to profile; degrees > 1 use the reduced grid profiler.SP_GRID and need that
+    # Ulysses degrees to profile; degrees > 1 use the reduced grid measure.SP_GRID and need that
     # many devices (on CPU, fake devices are added before JAX starts).
     sp: list[int] = dataclasses.field(default_factory=lambda: [1])
     extend_report: Optional[str] = None  # a saved *.report.json: measure only the degrees of `sp` it lacks, refit
