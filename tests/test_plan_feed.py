@@ -80,6 +80,9 @@ def test_late_solver_gives_logged_fallback_plans_after_the_first_iteration(corpu
     assert second.fallbacks == LAYOUT.dp and second.plan_s < 2.0  # later ones never do
     assert all(p.stats["service_source"] == "fallback:late" for p in second.plans)
     assert sum("late" in line for line in said) == LAYOUT.dp
+    # the service names a plan by its step (before: a key step * 1024 + plan, which plan 1024 of a
+    # step shared with plan 0 of the next)
+    assert [str(e.iteration) for e in slow.events] == ["step 2 plan 0", "step 2 plan 1"]
     lengths = [[len(d.tokens) for d in docs] for docs in second.groups]
     for plan, lens in zip(second.plans, lengths):
         plan.validate(lens)

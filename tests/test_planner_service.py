@@ -34,7 +34,7 @@ def test_service_solves_in_background_and_matches_direct_planning(workers):
     batches = [sample_batch("github", 32, 24 * K, seed=s) for s in range(3)]
     with PlanningService(cost, options=OPTS, workers=workers) as svc:
         plans = list(svc.stream(iter(batches), ahead=2, wait=True))  # fed like a sampler
-        assert svc.events == [] and svc.pending() == []
+        assert not svc.events and svc.pending() == []
     for b, plan in zip(batches, plans):
         assert plan.stats["service_source"] == "solver"
         plan.validate(b, cost)
@@ -63,15 +63,65 @@ def test_late_plan_gives_a_fast_fallback_and_logs_it():
         assert _strip(again) == _strip(plan)
 
 
-def test_failed_worker_falls_back():
+def test_failed_worker_falls_back(caplog):
+    """A solver that raises: the fallback plan, and the worker's traceback logged once (before: only
+    the error's message, one line per plan, without where it happened)."""
     cost = _cost()
     with PlanningService(cost, policy="no-such-policy", options=OPTS, workers=1) as svc:
         batch = [3000, 2000, 1000]
-        svc.submit(5, batch)
-        plan = svc.get(5, wait=True)
-        assert plan.stats["service_source"] == "fallback:failed"
-        assert svc.events[0].kind == "failed" and "ValueError" in svc.events[0].detail
-        plan.validate(batch, cost)
+        for i in (5, 6):
+            svc.submit(i, batch)
+            plan = svc.get(i, wait=True)
+            assert plan.stats["service_source"] == "fallback:failed"
+            assert svc.events[-1].kind == "failed" and "ValueError" in svc.events[-1].detail
+            plan.validate(batch, cost)
+    told = [r.getMessage() for r in caplog.records if "Worker traceback" in r.getMessage()]
+    assert len(told) == 1 and "Traceback (most recent call last)" in told[0] and "plan_iteration" in told[0]
+
+
+def test_close_ends_the_workers_without_waiting_for_their_solves():
+    """Nobody takes the plans of a closing service: its workers are ended (before: close waited for
+    every running and queued solve, 17.7 s for 10 s solves; forever for a solve that hangs)."""
+    import time
+
+    with PlanningService(_cost(), options=OPTS, workers=1, delay_s=30.0) as svc:
+        for i in range(3):
+            svc.submit(i, [3000, 2000])
+        assert svc.get(0).stats["service_source"] == "fallback:late"
+        workers = list(svc._pool._processes.values())
+        start = time.perf_counter()
+    assert time.perf_counter() - start < 10.0
+    assert workers and not any(p.is_alive() for p in workers)
+
+
+def test_ctrl_c_does_not_end_a_solving_worker():
+    """Ctrl-C reaches the worker processes too: they ignore it (and SIGTERM), and the trainer, which
+    stops after its step, gets the solver's plan (before: the worker raised KeyboardInterrupt, which
+    the waiting trainer raised in turn, losing the steps since the last checkpoint)."""
+    import signal
+    import time
+
+    with PlanningService(_cost(), options=OPTS, workers=1, delay_s=3.0) as svc:
+        svc.submit(0, [3000, 2000])
+        time.sleep(1.5)  # the worker started and sleeps in the test hook
+        for process in svc._pool._processes.values():
+            os.kill(process.pid, signal.SIGINT)
+            os.kill(process.pid, signal.SIGTERM)
+        assert svc.get(0, wait=True).stats["service_source"] == "solver" and svc.restarts == 0
+
+
+def test_the_service_keeps_only_the_latest_fallback_events(monkeypatch):
+    """A long run falls back without end: the service keeps the latest events only (before: every
+    one, ~95 bytes each, for the whole run)."""
+    from jvarlen.plan import service
+
+    monkeypatch.setattr(service, "EVENTS_KEPT", 3)
+    plan = plan_iteration([3000, 2000], cost=_cost(), policy="epp-fast", options=OPTS)
+    with PlanningService(None, workers=1, solve=_Counting(), fallback=lambda lengths: plan, delay_s=30.0) as svc:
+        for i in range(5):
+            svc.submit(i, [3000, 2000])
+            svc.get(i)
+        assert [e.iteration for e in svc.events] == [2, 3, 4]
 
 
 class _Counting:
@@ -153,6 +203,32 @@ def test_a_waiting_consumer_gets_the_solvers_plan_after_a_worker_dies(tmp_path):
         with pytest.raises(PlanningError, match="iteration 0: the planning worker died 3 times"):
             svc.get(0, wait=True)
         assert svc.restarts == 3 and not svc.events
+
+
+class _DiesOnceAndLogs(_DiesOnce):
+    """:class:`_DiesOnce`, writing each batch it solves to a log file."""
+
+    def __init__(self, marker, log):
+        super().__init__(marker)
+        self.log = str(log)
+
+    def __call__(self, lengths):
+        plan = super().__call__(lengths)
+        with open(self.log, "a") as f:
+            f.write(f"{lengths[0]}\n")
+        return plan
+
+
+def test_after_a_worker_dies_the_batch_waited_for_is_solved_first(tmp_path):
+    """The new pool solves the batch the consumer waits for before those queued behind it (before:
+    last, so the trainer waited for ``ahead`` extra solves)."""
+    log = tmp_path / "solved"
+    with PlanningService(None, workers=1, solve=_DiesOnceAndLogs(tmp_path / "died", log)) as svc:
+        for i, first in enumerate((3000, 3001, 3002)):
+            svc.submit(i, [first, 200])
+        assert svc.get(0, wait=True).stats["service_source"] == "solver" and svc.restarts == 1
+        assert svc.get(1, wait=True).stats["service_source"] == svc.get(2, wait=True).stats["service_source"]
+    assert log.read_text().split() == ["3000", "3001", "3002"]
 
 
 class _Limits:

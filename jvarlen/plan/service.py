@@ -16,6 +16,7 @@ reproduces a run exactly.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -23,10 +24,11 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 from jvarlen.plan import cpsat
 from jvarlen.plan.api import PlannerOptions, PlanningError, plan_iteration
@@ -64,6 +66,11 @@ def _start_worker(parent_pid: int, solve: Callable, reproducible: bool = False) 
     batch the worker plans (a copy sent with each batch started cold: 1.27× the planning time,
     docs/benchmarks.md, "Strategies")."""
     exit_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group and a scheduler's SIGTERM every process of the job: the
+    # trainer stops after its step (StopSignals) and then closes the pool; a worker that died of the
+    # signal instead would raise KeyboardInterrupt in the trainer waiting for its plan
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if reproducible:
         cpsat.set_reproducible()
     _WORKER["solve"] = solve
@@ -78,11 +85,30 @@ def _solve(lengths: Sequence[int], delay_s: float):
 # A batch whose worker dies is solved again this many times in all when the consumer waits (plan.wait,
 # several processes): a fallback plan there would differ from the other processes' plans.
 WAIT_ATTEMPTS = 3
+EVENTS_KEPT = 1024  # the latest fallback events a service keeps (a long run falls back without end)
+
+
+def _name(key: Hashable) -> str:
+    """A batch's key in messages: ``iteration 3``, or the key's own words (the feed's ``PlanKey``)."""
+    return f"iteration {key}" if isinstance(key, int) else str(key)
+
+
+def _stop(pool: cf.ProcessPoolExecutor) -> None:
+    """Shuts ``pool`` down without waiting for the solves it is running (nobody will take their
+    plans): its worker processes are ended."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join(timeout=5)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServiceEvent:
-    iteration: int
+    iteration: Hashable  # the batch's key
     kind: str  # "late" | "failed"
     detail: str
     fallback_policy: str
@@ -125,9 +151,10 @@ class PlanningService:
         self.workers = workers
         self.reproducible = reproducible
         self._pool = self._new_pool()
-        self._jobs: dict[int, tuple[list[int], cf.Future]] = {}
-        self.events: list[ServiceEvent] = []
+        self._jobs: dict[Hashable, tuple[list[int], cf.Future]] = {}
+        self.events: collections.deque[ServiceEvent] = collections.deque(maxlen=EVENTS_KEPT)
         self.restarts = 0
+        self._told: set[str] = set()  # solver errors whose traceback was logged
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(
@@ -137,20 +164,23 @@ class PlanningService:
             initargs=(os.getpid(), self.solve, self.reproducible),
         )
 
-    def _restart(self, detail: str) -> None:
+    def _restart(self, detail: str, first: Optional[list[int]] = None) -> Optional[cf.Future]:
         """A worker died (killed by the OS, out of memory, a crash in native code), which leaves the
         whole pool unusable: a new pool takes over, and the batches that were waiting on the old
-        one are submitted to it again."""
+        one are submitted to it again, ``first`` (the batch the consumer waits for) before them;
+        returns ``first``'s future."""
         log.warning("planning worker died (%s); restarting the planning processes", detail)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        _stop(self._pool)
         self._pool = self._new_pool()
         self.restarts += 1
+        waited = None if first is None else self._pool.submit(_solve, first, self.delay_s)
         for iteration, (lengths, fut) in list(self._jobs.items()):
             if not fut.done() or fut.cancelled() or isinstance(fut.exception(), BrokenProcessPool):
                 self._jobs[iteration] = (lengths, self._pool.submit(_solve, lengths, self.delay_s))
+        return waited
 
     # ---- producer
-    def submit(self, iteration: int, lengths: Sequence[int]) -> None:
+    def submit(self, iteration: Hashable, lengths: Sequence[int]) -> None:
         """Queues iteration ``iteration``'s batch for background solving (returns at once)."""
         lengths = [int(x) for x in lengths]
         try:
@@ -161,11 +191,11 @@ class PlanningService:
         self._jobs[iteration] = (lengths, fut)
 
     # ---- consumer
-    def get(self, iteration: int, wait: bool = False, timeout_s: float = 0.0) -> Plan:
+    def get(self, iteration: Hashable, wait: bool = False, timeout_s: float = 0.0) -> Plan:
         """The plan for ``iteration``: the solved one if ready (after at most ``timeout_s``,
         or until done with ``wait=True``), else a fast fallback plan and a logged event."""
         if iteration not in self._jobs:
-            raise KeyError(f"iteration {iteration} was never submitted")
+            raise KeyError(f"{_name(iteration)} was never submitted")
         lengths, fut = self._jobs.pop(iteration)
         for attempt in range(1, WAIT_ATTEMPTS + 1):
             try:
@@ -176,24 +206,34 @@ class PlanningService:
                 fut.cancel()
                 return self._fallback(iteration, lengths, "late", "solver not finished when the consumer asked")
             except BrokenProcessPool as e:  # its worker died (the OS killed it, a native crash)
-                self._restart(f"{type(e).__name__}: {e}")
+                # waiting means the solver's plan, which the other processes get too: solved again first
+                again = wait and attempt < WAIT_ATTEMPTS
+                fut = self._restart(f"{type(e).__name__}: {e}", first=lengths if again else None)
                 if not wait:  # never stall training
                     return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
-                if attempt == WAIT_ATTEMPTS:
+                if not again:
                     raise PlanningError(
-                        f"iteration {iteration}: the planning worker died {attempt} times solving it ({e}); with "
+                        f"{_name(iteration)}: the planning worker died {attempt} times solving it ({e}); with "
                         "plan.wait (or several processes) the plan must be the solver's, so training stops here"
                     ) from None
-                # waiting means the solver's plan, which the other processes get too: solve it again
-                fut = self._pool.submit(_solve, lengths, self.delay_s)
             except Exception as e:  # the solver raised: the same on every process, so is its fallback
+                self._tell_traceback(e)
                 return self._fallback(iteration, lengths, "failed", f"{type(e).__name__}: {e}")
         raise AssertionError("unreachable")
 
-    def _fallback(self, iteration: int, lengths: list[int], kind: str, detail: str) -> Plan:
+    def _tell_traceback(self, error: Exception) -> None:
+        """Logs the worker's traceback of a solver error, once per distinct error (a solver bug
+        otherwise shows as a fallback line per plan, without where it happened)."""
+        what = f"{type(error).__name__}: {error}"
+        if what not in self._told:
+            self._told.add(what)
+            where = getattr(error.__cause__, "tb", None) or "(no traceback)"
+            log.error("the planner raised %s; every plan it fails falls back. Worker traceback:\n%s", what, where)
+
+    def _fallback(self, iteration: Hashable, lengths: list[int], kind: str, detail: str) -> Plan:
         event = ServiceEvent(iteration, kind, detail, self.fallback_policy)
         self.events.append(event)
-        log.warning("plan for iteration %d %s (%s); using %s", iteration, kind, detail, self.fallback_policy)
+        log.warning("plan for %s %s (%s); using %s", _name(iteration), kind, detail, self.fallback_policy)
         if self.fallback is not None:
             with cpsat.reproducible() if self.reproducible else contextlib.nullcontext():
                 plan = self.fallback(lengths)
@@ -210,7 +250,7 @@ class PlanningService:
             plan.stats["service_source"] = f"fallback:{kind}"
             plan.events.append(f"service: {kind} ({detail}); fallback {policy}")
             return plan
-        raise PlanningError(f"iteration {iteration}: no fallback plan fits: " + "; ".join(errors))
+        raise PlanningError(f"{_name(iteration)}: no fallback plan fits: " + "; ".join(errors))
 
     def stream(self, batches: Iterable[Sequence[int]], ahead: int = 2, wait: bool = False) -> Iterator[Plan]:
         """Producer/consumer loop over a sampler's batches: keeps ``ahead`` iterations
@@ -231,14 +271,14 @@ class PlanningService:
             yield self.get(consumed, wait=wait)
             consumed += 1
 
-    def peek(self, iteration: int) -> Optional[Plan]:
+    def peek(self, iteration: Hashable) -> Optional[Plan]:
         """The solved plan for ``iteration`` if its worker has finished (without taking it), else None."""
         job = self._jobs.get(iteration)
         if job is None or not job[1].done() or job[1].cancelled() or job[1].exception() is not None:
             return None
         return job[1].result()
 
-    def done(self, iteration: int, timeout_s: float = 0.0) -> bool:
+    def done(self, iteration: Hashable, timeout_s: float = 0.0) -> bool:
         """Whether ``iteration``'s solver has finished (or failed), waiting up to ``timeout_s``."""
         job = self._jobs.get(iteration)
         if job is None:
@@ -246,14 +286,13 @@ class PlanningService:
         cf.wait([job[1]], timeout=timeout_s)
         return job[1].done()
 
-    def pending(self) -> list[int]:
+    def pending(self) -> list:
         return sorted(self._jobs)
 
     def close(self) -> None:
-        for _, fut in self._jobs.values():
-            fut.cancel()
+        """Ends the workers without waiting for their solves (nobody will take those plans)."""
         self._jobs.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        _stop(self._pool)
 
     def __enter__(self) -> "PlanningService":
         return self

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -56,6 +56,18 @@ def split_by_rows(dp: int, rows_per_batch: int) -> Callable:
         return groups
 
     return split
+
+
+class PlanKey(NamedTuple):
+    """A plan's key in the planning service: plan ``plan`` of 0-based step ``step`` (named so in the
+    service's messages; an int key ``step * 1024 + plan`` made plan 1024 of a step the next step's
+    plan 0)."""
+
+    step: int
+    plan: int
+
+    def __str__(self) -> str:
+        return f"step {self.step + 1} plan {self.plan}"
 
 
 @dataclasses.dataclass
@@ -100,8 +112,8 @@ class IterationFeed:
         self.first = True
         self.queue: collections.deque[Iteration] = collections.deque()
 
-    def _key(self, step: int, g: int) -> int:
-        return step * 1024 + g
+    def _key(self, step: int, g: int) -> PlanKey:
+        return PlanKey(step, g)
 
     def _fill(self) -> None:
         while len(self.queue) <= self.ahead and self.next_step < self.end:

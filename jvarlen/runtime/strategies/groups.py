@@ -240,7 +240,12 @@ class GroupsStrategy(ExecutionStrategy):
 
             fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
             self._service = PlanningService(
-                None, workers=self.workers, solve=solve, fallback=fallback, reproducible=self.wait
+                None,
+                fallback_policy=self.fallback_policy,  # named in its events and log lines
+                workers=self.workers,
+                solve=solve,
+                fallback=fallback,
+                reproducible=self.wait,
             )
         inline = functools.partial(cpsat.call_reproducibly, solve) if self.wait else solve
         return Planner(all_documents, inline, self._service, self.wait)
