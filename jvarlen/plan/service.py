@@ -95,12 +95,12 @@ def _name(key: Hashable) -> str:
 
 def _stop(pool: cf.ProcessPoolExecutor) -> None:
     """Shuts ``pool`` down without waiting for the solves it is running (nobody will take their
-    plans): its worker processes are ended."""
+    plans): its worker processes are killed (they ignore SIGTERM, :func:`_start_worker`)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         with contextlib.suppress(Exception):
-            process.terminate()
+            process.kill()
     for process in processes:
         with contextlib.suppress(Exception):
             process.join(timeout=5)
