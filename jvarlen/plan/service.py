@@ -9,9 +9,9 @@ spot (``epp-fast``: no N tuning, greedy checkpointing) and the event is logged.
 Determinism: every plan is a pure function of (lengths, cost, policy, options).
 CP-SAT runs with one worker and a fixed seed, and :func:`deterministic_options`
 makes the deterministic-time limit the binding one (the wall-clock limit is only a
-safety net), so a solved plan does not depend on machine load. Which plans were
-fallbacks is in :attr:`PlanningService.events`; replaying with ``wait=True``
-reproduces a run exactly.
+safety net), so a solved plan does not depend on machine load. Every fallback is logged
+(the latest :data:`EVENTS_KEPT` are in :attr:`PlanningService.events`, and each plan says so in
+its stats and events); replaying with ``wait=True`` reproduces a run exactly.
 """
 
 from __future__ import annotations
