@@ -12,7 +12,7 @@ from test_plan_feed import LAYOUT, OPTS, _pipeline, _strip
 
 from jvarlen.plan.api import plan_iteration
 from jvarlen.runtime import plan_exchange
-from jvarlen.runtime.feed import IterationFeed, split_by_rows
+from jvarlen.runtime.feed import IterationFeed, PlanKey, split_by_rows
 from jvarlen.runtime.plan_exchange import CoordinationStore, PlanExchange
 from jvarlen.runtime.strategy import Planner
 
@@ -120,7 +120,7 @@ def test_each_plan_is_solved_once_and_every_process_gets_the_same_plans(corpus_c
         assert solved[me] == expect, me
         assert [it.fetched for it in runs[me]] == [LAYOUT.dp - sum(s == t for t, _ in owned) for s in range(STEPS)]
         if service:
-            assert feeds[me].service.submitted == [s * 1024 + g for s, g in owned]
+            assert feeds[me].service.submitted == [PlanKey(s, g) for s, g in owned]
     assert len(solved[0]) + len(solved[1]) == plans
 
 
@@ -129,7 +129,7 @@ class LateService(RecordingService):
 
     def get(self, key, wait=False):
         plan = super().get(key, wait)
-        if key // 1024 == 2 and not wait:
+        if key.step == 2 and not wait:
             plan.stats["service_source"] = "fallback:late"
             plan.events.append("service: late (solver not finished when the consumer asked); fallback plan")
         return plan

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 from conftest import small_cost, tight_budget
@@ -43,7 +44,6 @@ def test_service_solves_in_background_and_matches_direct_planning(workers):
 
 
 def test_late_plan_gives_a_fast_fallback_and_logs_it():
-    import time
 
     cost = _cost()
     batch = sample_batch("github", 32, 24 * K, seed=7)
@@ -79,32 +79,50 @@ def test_failed_worker_falls_back(caplog):
     assert len(told) == 1 and "Traceback (most recent call last)" in told[0] and "plan_iteration" in told[0]
 
 
-def test_close_ends_the_workers_without_waiting_for_their_solves():
+def test_close_ends_the_workers_without_waiting_for_their_solves(tmp_path):
     """Nobody takes the plans of a closing service: its workers are ended (before: close waited for
     every running and queued solve, 17.7 s for 10 s solves; forever for a solve that hangs)."""
-    import time
-
-    with PlanningService(_cost(), options=OPTS, workers=1, delay_s=30.0) as svc:
+    marker = tmp_path / "solving"
+    with PlanningService(None, workers=1, solve=_SignalledWhileSolving(marker, 60.0)) as svc:
         for i in range(3):
             svc.submit(i, [3000, 2000])
-        assert svc.get(0).stats["service_source"] == "fallback:late"
-        time.sleep(1.5)  # the worker is in its solve (and ignores SIGTERM by now)
+        _wait_for(marker)  # the worker is in its solve (and ignores SIGTERM by now)
         workers = list(svc._pool._processes.values())
         start = time.perf_counter()
-    assert time.perf_counter() - start < 3.0
+    assert time.perf_counter() - start < 10.0
     assert workers and not any(p.is_alive() for p in workers)
 
 
-def test_ctrl_c_does_not_end_a_solving_worker():
+def _wait_for(marker, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the worker never started its solve"
+
+
+class _SignalledWhileSolving:
+    """A solver that marks a file once it is solving (the worker's initializer has run), then takes
+    ``seconds``."""
+
+    def __init__(self, marker, seconds):
+        self.marker, self.seconds = str(marker), seconds
+
+    def __call__(self, lengths):
+        open(self.marker, "w").close()
+        time.sleep(self.seconds)
+        return plan_iteration(lengths, cost=_cost(), policy="epp-fast", options=OPTS)
+
+
+def test_ctrl_c_does_not_end_a_solving_worker(tmp_path):
     """Ctrl-C reaches the worker processes too: they ignore it (and SIGTERM), and the trainer, which
     stops after its step, gets the solver's plan (before: the worker raised KeyboardInterrupt, which
     the waiting trainer raised in turn, losing the steps since the last checkpoint)."""
     import signal
-    import time
 
-    with PlanningService(_cost(), options=OPTS, workers=1, delay_s=3.0) as svc:
+    marker = tmp_path / "solving"
+    with PlanningService(None, workers=1, solve=_SignalledWhileSolving(marker, 2.0)) as svc:
         svc.submit(0, [3000, 2000])
-        time.sleep(1.5)  # the worker started and sleeps in the test hook
+        _wait_for(marker)
         for process in svc._pool._processes.values():
             os.kill(process.pid, signal.SIGINT)
             os.kill(process.pid, signal.SIGTERM)
