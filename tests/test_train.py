@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -213,6 +214,12 @@ def test_fresh_run_refuses_a_run_directory_holding_an_earlier_run(tmp_path, cach
             ),
             quiet=True,
         )
+    # the data-parallel path reads train.cost_profile after the strategy is made (before: after
+    # start_logging had deleted the earlier run, and with the signal handlers left installed)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(ConfigError, match="train.cost_profile '/no/profile.json' does not exist"):
+        train(_config(run_dir, cache_dir, "--logging.overwrite=true", "--train.cost_profile=/no/profile.json"))
+    assert signal.getsignal(signal.SIGINT) is handler
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert os.listdir(run_dir / "checkpoints") == ["2"]
     again = train(_config(run_dir, cache_dir, "--train.steps=1", "--logging.overwrite=true"), quiet=True)
@@ -263,6 +270,12 @@ def test_config_error_found_at_start_leaves_a_resumable_run_untouched(tmp_path, 
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     assert (run_dir / "config.json").read_text() == config
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+    with pytest.raises(ConfigError, match="train.cost_profile '/no/profile.json' does not exist"):
+        resume = ("--train.steps=3", "--checkpoint.resume=true", "--optimizer.learning_rate=0.5")
+        train(_config(run_dir, cache_dir, *resume, "--train.cost_profile=/no/profile.json"), quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(os.listdir(run_dir)) == [".lock", "checkpoints", "config.json", "metrics.jsonl"]
+    assert (run_dir / "config.json").read_text() == config
 
 
 def test_learning_rate_warms_up_from_the_first_update_and_ends_at_the_final_rate():

@@ -115,6 +115,7 @@ def train(
     distributed.initialize(config.parallel)  # before jax.devices() starts the backend
     layout = resolve_layout(config, len(jax.devices()))
     run = open_run(config, quiet, stop_after)
+    strategy = None
     try:
         strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
         distributed.check_same(
@@ -125,21 +126,44 @@ def train(
                 **strategy.fingerprint(),
             }
         )
+        check = StepTimeCheck.from_config(config, run.note)  # refuses an unreadable train.cost_profile
+        if check is not None:
+            check.restore(run.resumed_refit)
     except BaseException:
+        if strategy is not None:
+            strategy.close()
         run.close(refused=True)
         raise
-    run.start_logging()  # config.json and metrics change only once the configuration is accepted
-    run.say(f"[jvarlen] {strategy.describe()}")
-    cache = CompileCache(say=run.note)
-    strategy.attach(cache)
-    exchange = PlanExchange.for_run()
-    feed = IterationFeed(
-        run.pipeline, strategy.planner(), run.start, run.end, ahead=config.plan.ahead, say=run.note, exchange=exchange
-    )
-    check = StepTimeCheck.from_config(config, run.note)
-    if check is not None:
-        check.restore(run.resumed_refit)
-        run.cost_check = check
+    run.cost_check = check
+    cache = exchange = None
+    try:
+        run.start_logging()  # config.json and metrics change only once the configuration is accepted
+        cache = CompileCache(say=run.note)
+        run.say(f"[jvarlen] {strategy.describe()}")
+        strategy.attach(cache)
+        exchange = PlanExchange.for_run()
+        feed = IterationFeed(
+            run.pipeline,
+            strategy.planner(),
+            run.start,
+            run.end,
+            ahead=config.plan.ahead,
+            say=run.note,
+            exchange=exchange,
+        )
+        outcome = _run_steps(run, strategy, cache, feed, check)
+    finally:
+        strategy.close()
+        if cache is not None:
+            cache.close()
+        if exchange is not None:
+            exchange.close()
+        run.close()
+    return close_run(run, *outcome)
+
+
+def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -> tuple:
+    """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps)."""
     state, run.state = run.state, None
     losses: list[float] = []
     # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.
@@ -151,61 +175,54 @@ def train(
     # steps of this process that found their program compiled / waited for a compile (the cache's own
     # counters count programs: a group strategy's step is several)
     step_hits = step_misses = 0
-    try:
-        for step in range(run.start, run.end):
-            t0 = time.perf_counter()
-            it = feed.next()
-            prepared = strategy.prepare(it, list(signatures))
-            arrangement = prepared.info.get("strategy") or "Layout(dp={dp}, pp={pp}, sp={sp})".format(**prepared.info)
-            if arrangement != last_layout:
-                run.note(f"[jvarlen] step {step + 1}: {arrangement}")
-                last_layout = arrangement
-            ahead = feed.peek()  # compile the next iteration's signature while this one runs
-            if ahead is not None:
-                cache.precompile(strategy.prepare(ahead, [*signatures, prepared.key]).key, strategy.compile)
-            compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
-            signatures[prepared.key] = None
-            step_hits, step_misses = step_hits + (compile_s == 0), step_misses + (compile_s > 0)
-            t_step = time.perf_counter()
-            state, metrics = compiled(state, prepared.arrays)
-            metrics = jax.device_get(metrics)
-            t_done = time.perf_counter()
-            run_s = t_done - t_step  # the step itself: no plan wait, no compile
-            beside_compile = cache.compiled_during(t_step, t_done)  # the next signature's, in the background
-            dt = time.perf_counter() - t0
-            real = sum(len(p.tokens) for p in it.pieces)
-            record = step_record(metrics, dt, run_s, run.learning_rate(step), real)
-            losses.append(record["loss"])
-            tokens_seen += real
-            seconds_in_steps += run_s
-            record.update(
-                pieces=len(it.pieces),
-                documents=it.documents,
-                plan_s=it.plan_s,
-                plan_fallbacks=it.fallbacks,
-                plans_fetched=it.fetched,
-                **prepared.info,
-                compile_s=compile_s,
-                compiled=compile_s > 0,
-                cache_hit=compile_s == 0,
-                step_seconds=run_s,
-                beside_compile=beside_compile,
-                step_cache_hits=step_hits,
-                step_cache_misses=step_misses,
-                **strategy.record(it, prepared, metrics),
-            )
-            if check is not None and compile_s == 0 and not beside_compile:  # the step's own time only
-                record.update(strategy.observe(check, it, prepared, dt, run_s))
-            postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
-            run.end_step(step, record, state, postfix, data_state=it.data_state)
-        run.checkpointer.wait()
-    finally:
-        strategy.close()
-        cache.close()
-        if exchange is not None:
-            exchange.close()
-        run.close()
-    return close_run(run, losses, tokens_seen, t_start, state, seconds_in_steps)
+    for step in range(run.start, run.end):
+        t0 = time.perf_counter()
+        it = feed.next()
+        prepared = strategy.prepare(it, list(signatures))
+        arrangement = prepared.info.get("strategy") or "Layout(dp={dp}, pp={pp}, sp={sp})".format(**prepared.info)
+        if arrangement != last_layout:
+            run.note(f"[jvarlen] step {step + 1}: {arrangement}")
+            last_layout = arrangement
+        ahead = feed.peek()  # compile the next iteration's signature while this one runs
+        if ahead is not None:
+            cache.precompile(strategy.prepare(ahead, [*signatures, prepared.key]).key, strategy.compile)
+        compiled, compile_s = cache.fetch(prepared.key, strategy.compile)  # this step's wait only
+        signatures[prepared.key] = None
+        step_hits, step_misses = step_hits + (compile_s == 0), step_misses + (compile_s > 0)
+        t_step = time.perf_counter()
+        state, metrics = compiled(state, prepared.arrays)
+        metrics = jax.device_get(metrics)
+        t_done = time.perf_counter()
+        run_s = t_done - t_step  # the step itself: no plan wait, no compile
+        beside_compile = cache.compiled_during(t_step, t_done)  # the next signature's, in the background
+        dt = time.perf_counter() - t0
+        real = sum(len(p.tokens) for p in it.pieces)
+        record = step_record(metrics, dt, run_s, run.learning_rate(step), real)
+        losses.append(record["loss"])
+        tokens_seen += real
+        seconds_in_steps += run_s
+        record.update(
+            pieces=len(it.pieces),
+            documents=it.documents,
+            plan_s=it.plan_s,
+            plan_fallbacks=it.fallbacks,
+            plans_fetched=it.fetched,
+            **prepared.info,
+            compile_s=compile_s,
+            compiled=compile_s > 0,
+            cache_hit=compile_s == 0,
+            step_seconds=run_s,
+            beside_compile=beside_compile,
+            step_cache_hits=step_hits,
+            step_cache_misses=step_misses,
+            **strategy.record(it, prepared, metrics),
+        )
+        if check is not None and compile_s == 0 and not beside_compile:  # the step's own time only
+            record.update(strategy.observe(check, it, prepared, dt, run_s))
+        postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+        run.end_step(step, record, state, postfix, data_state=it.data_state)
+    run.checkpointer.wait()
+    return losses, tokens_seen, t_start, state, seconds_in_steps
 
 
 def _config_text(config: Config) -> str:
