@@ -29,6 +29,8 @@ from jvarlen.runtime.checkpoint import (
     NonFiniteStateError,
     NoReadableCheckpointError,
     abstract_like,
+    is_storage_error,
+    read_error_summary,
     state_checksums,
 )
 from jvarlen.runtime.loop import NonFiniteError
@@ -299,6 +301,59 @@ def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_pat
             train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
     assert train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True).first_step == 2
+
+
+def test_a_checkpoint_file_that_cannot_be_opened_is_a_storage_error_not_damage(tmp_path, cache_dir):
+    """A data file of the newest checkpoint the process may not read (a shared file system with wrong
+    permissions): TensorStore's PERMISSION_DENIED, wrapped by Orbax in a plain Exception, is raised as
+    it is and nothing is moved (before: taken for damage, the checkpoint renamed aside and the run
+    resumed from the older one, its steps redone). Root ignores file modes, so as root the resume
+    runs without the capabilities that let it."""
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: a file mode cannot deny a read")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    run_dir = tmp_path / "run"
+    args = ("--train.steps=6", "--checkpoint.every_steps=2")
+    train(_config(run_dir, cache_dir, *args), quiet=True, stop_after=4)
+    data = run_dir / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    for f in data.iterdir():
+        f.chmod(0)
+    cli = [*prefix, sys.executable, "-m", "jvarlen.train", *TINY_ARGS, "--model.attention=reference"]
+    cli += [f"--logging.run_dir={run_dir}", f"--data.cache_dir={cache_dir}", *args, "--checkpoint.resume=true"]
+    proc = subprocess.run(cli, env=cli_env(values_only=True), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "PERMISSION_DENIED" in proc.stderr, proc.stderr[-2000:]
+    assert "resumed from" not in proc.stdout
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+    for f in data.iterdir():
+        f.chmod(0o644)
+    assert train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True).first_step == 4
+
+
+def test_storage_errors_are_told_from_damage_through_the_error_chain():
+    """What Orbax raises around TensorStore's status: a permission or I/O failure anywhere in the
+    chain is a storage error; a missing file or undecodable data is the checkpoint's damage."""
+
+    def wrapped(inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception as error:
+                raise Exception("Encountered error while reading array index: (slice(0, 2, 1),)") from error
+        except Exception as outer:
+            return outer
+
+    denied = ValueError("PERMISSION_DENIED: Error reading \"params/0\" ...: Permission denied [os_error_code='13']")
+    io = ValueError("UNKNOWN: Error reading ...: Input/output error [os_error_code='5']")
+    missing = ValueError("NOT_FOUND: Error reading ...: No such file or directory [os_error_code='2']")
+    corrupt = ValueError("DATA_LOSS: Error decoding ...: invalid zstd frame")
+    assert is_storage_error(wrapped(denied)) and is_storage_error(wrapped(io))
+    assert is_storage_error(wrapped(ValueError("UNAVAILABLE: connection reset")))
+    assert is_storage_error(OSError(5, "Input/output error"))
+    assert not is_storage_error(wrapped(missing)) and not is_storage_error(wrapped(corrupt))
+    assert not is_storage_error(FileNotFoundError(2, "gone"))
+    assert read_error_summary(wrapped(denied)).startswith("ValueError: PERMISSION_DENIED: Error reading")
 
 
 def _tensorboard_events(path):

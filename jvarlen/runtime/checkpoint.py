@@ -11,14 +11,17 @@ Guarantees beyond Orbax's atomic step directories:
   can write that step again. Damage includes a state whose bits differ from those written
   (every leaf's checksums are saved beside it, :func:`state_checksums`). What is not damage is
   not moved: a train state of another structure (another optimizer chain, another jvarlen
-  version) is a :class:`CheckpointMismatchError`, a storage error (``OSError`` other than a
-  missing file) or running out of memory is raised as it is.
+  version) is a :class:`CheckpointMismatchError`, a storage error (an ``OSError`` other than a
+  missing file, or TensorStore's equivalent: :func:`is_storage_error`) or running out of memory is
+  raised as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import re
 import time
 from typing import Any, Callable, Optional
 
@@ -227,20 +230,48 @@ class Checkpointer:
         self.manager.close()
 
 
+# TensorStore (under Orbax) reports I/O failures as ValueError("PERMISSION_DENIED: ... [os_error_code='13']")
+# inside a generic Exception, not as OSError; these status codes say nothing about the checkpoint
+_STORAGE_STATUSES = ("PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNAUTHENTICATED", "ABORTED")
+_MISSING = (errno.ENOENT, errno.ENOTDIR)  # the checkpoint's own: a file of it is not there
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and what it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not seen for seen in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _storage_cause(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return not isinstance(error, (FileNotFoundError, NotADirectoryError))
+    text = str(error)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code is not None:
+        return int(code.group(1)) not in _MISSING
+    return text.startswith(_STORAGE_STATUSES)
+
+
 def is_storage_error(error: Exception) -> bool:
-    """A failed read that says nothing about the checkpoint (EIO, a stale mount, permissions): it
-    may be fine. A missing file or a damaged one is the checkpoint's."""
-    return isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError))
+    """A failed read that says nothing about the checkpoint (EIO, a stale mount, permissions), as
+    Python or TensorStore reports it anywhere in the error's chain: it may be fine. A missing file
+    or a damaged one is the checkpoint's."""
+    return any(_storage_cause(cause) for cause in _causes(error))
 
 
 def read_error_summary(error: Exception) -> str:
-    """One line naming a failed read: the error's type and its message's first line."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    """One line naming a failed read: the type and first message line of the innermost error of its
+    chain (TensorStore's status, not the array index Orbax wraps it in)."""
+    root = _causes(error)[-1]
+    return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"[:300]
 
 
 def _out_of_memory(error: Exception) -> bool:
     """The host or a device ran out of memory while reading (a state too large for this layout)."""
-    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+    return any(isinstance(c, MemoryError) or "RESOURCE_EXHAUSTED" in str(c) for c in _causes(error))
 
 
 def _raise_unless_damage(error: Exception, step: int, directory: str) -> None:
