@@ -110,8 +110,11 @@ class CompileReport:
         return max((k.shared_memory for k in self.kernels), default=0)
 
     @property
-    def spill_bytes(self) -> int:
-        return sum((k.spill_stores or 0) for k in self.kernels)
+    def spill_bytes(self) -> Optional[int]:
+        """Register spill stores of every kernel, None where ptxas did not tell one kernel's (no
+        ptxas, ``ptxas=False``, or output it could not read): unknown is not zero."""
+        spills = [k.spill_stores for k in self.kernels]
+        return None if None in spills else sum(spills)
 
     def count(self, kernel: str) -> int:
         """Launches of custom kernel ``kernel`` in the optimized HLO (calls, not fusions)."""

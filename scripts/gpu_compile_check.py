@@ -28,6 +28,7 @@ import json
 import re
 import sys
 import time
+from typing import Optional
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,7 +63,7 @@ class Row:
     status: str  # compiled | refused | FAILED
     detail: str = ""
     shared_memory: int = 0
-    spill_bytes: int = 0
+    spill_bytes: Optional[int] = 0  # None: ptxas did not tell
     peak_gib: float = 0.0
     attention_fwd_per_layer: str = ""
     seconds: float = 0.0
@@ -314,7 +315,7 @@ def markdown(rows) -> str:
     for r in rows:
         status = r.status if r.status == "compiled" else f"{r.status}: {r.detail[:160]}"
         smem = f"{r.shared_memory:,}" if r.status == "compiled" else ""
-        spills = f"{r.spill_bytes:,}" if r.status == "compiled" else ""
+        spills = ("unknown" if r.spill_bytes is None else f"{r.spill_bytes:,}") if r.status == "compiled" else ""
         peak = f"{r.peak_gib:.2f}" if r.status == "compiled" else ""
         out.append(
             f"| {r.target} | {r.what} | {status} | {smem} | {spills} | {peak} | {r.attention_fwd_per_layer} | {r.seconds:.0f} |"
@@ -335,7 +336,7 @@ def search(target: str, dtype_names, head_dims):
     tgt = gpu_aot.gpu_target(target)
     for dname in dtype_names:
         for d in head_dims:
-            chosen, best_spill = {}, {}
+            chosen, best_spill, unknown = {}, {}, set()
             for cand in _candidates(d):
                 todo = [k for k in ("fwd", "dq", "dkv") if k not in chosen]
                 if not todo:
@@ -357,13 +358,19 @@ def search(target: str, dtype_names, head_dims):
                         f"  {target} {dname} d={d} {k} {cand}: smem {ks.shared_memory} spill {ks.spill_stores}",
                         flush=True,
                     )
-                    if (ks.spill_stores or 0) == 0:
+                    if ks.spill_stores is None:
+                        unknown.add(k)  # no ptxas: a tile is not chosen on spills nobody counted
+                    elif ks.spill_stores == 0:
                         chosen[k] = cand
                     elif k not in best_spill or ks.spill_stores < best_spill[k][0]:
                         best_spill[k] = (ks.spill_stores, cand)
             for k in ("fwd", "dq", "dkv"):
                 if k not in chosen and k in best_spill:
                     chosen[k] = best_spill[k][1]
+            if unknown - set(chosen):
+                print(
+                    f"{target} {dname} d={d}: spills of {sorted(unknown - set(chosen))} unknown (no ptxas)", flush=True
+                )
             line = ", ".join(f"{k}=({c.block_q}, {c.block_kv}, {c.num_warps})" for k, c in chosen.items())
             print(f"{target} {dname} d={d}: {line}", flush=True)
 

@@ -45,3 +45,14 @@ def test_overlapped_in_loop_bodies_only():
     report = CompileReport({}, [], HLO + ENTRY)
     assert report.overlapped() == (2, 4)
     assert report.overlapped(loops_only=True) == (1, 3)
+
+
+def test_spills_ptxas_did_not_count_are_unknown_not_zero():
+    """Without ptxas (or with output it could not read) a kernel's spills are unknown: the report
+    says None, so a check of ``spill_bytes == 0`` fails instead of passing on nothing (before: 0)."""
+    from jvarlen.gpu_aot import KernelStats
+
+    counted = [KernelStats("varlen_flash_fwd", 1024, 128, 0, 0), KernelStats("varlen_flash_dkv", 1024, 255, 64, 64)]
+    assert CompileReport({}, counted, "").spill_bytes == 64
+    uncounted = [*counted, KernelStats("varlen_flash_dq", 1024)]
+    assert CompileReport({}, uncounted, "").spill_bytes is None
