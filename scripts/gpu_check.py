@@ -19,7 +19,11 @@ docs/benchmarks.md. Each part is independent: a failure is recorded and the next
 Attention layouts: documents of the given lengths, packed into one row for the varlen
 kernel (segment ids, causal) and one document per row for cuDNN (``query_seq_lengths``,
 ``is_causal``): the same visible (query, key) pairs. TFLOP/s count only those pairs
-(4 · D · H per pair forward, 2.5x that for forward + backward).
+(4 · D · H per pair forward, 3.5x that for forward + backward).
+
+Exit status 1 when anything failed (:func:`failures`): a part, a step, an attention row (an
+error, a non-finite value, or a relative error above ``WRONG``), the kernel tests, the main job
+or a pipeline run.
 """
 
 from __future__ import annotations
@@ -339,6 +343,39 @@ def tests_part(out: str, timeout_s: int) -> dict:
     }
 
 
+WRONG = 1e-2  # relative error of an attention row that is a wrong kernel, not rounding (bf16: ~2.5e-3)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def failures(results: dict) -> list[str]:
+    """What failed, one line each: a part that raised, and every failure the parts recorded."""
+    out = [
+        f"{part}: {_one_line(err.strip().splitlines()[-1] if err else '')}" for part, err in results["errors"].items()
+    ]
+    for r in results.get("attention", []):
+        what = f"attention {r['layout']} {r['implementation']}"
+        worst = max((r[f"err_{p}"] for p in ("out", "dq", "dk", "dv") if f"err_{p}" in r), default=0.0)
+        if "error" in r:
+            out.append(f"{what}: {_one_line(r['error'])}")
+        if r.get("nonfinite"):
+            out.append(f"{what}: {r['nonfinite']} non-finite values")
+        if not worst <= WRONG:
+            out.append(f"{what}: relative error {worst:.1e} > {WRONG:g}")
+    for s in results.get("step", []):
+        if "error" in s:
+            out.append(f"step {s.get('name')}: {_one_line(s['error'].strip().splitlines()[-1])}")
+    for name in ("tests", "train"):
+        if name in results and results[name].get("returncode") != 0:
+            out.append(f"{name}: exit {results[name].get('returncode')}")
+    for r in results.get("pipeline", []):
+        if "returncode" in r and r["returncode"] != 0:
+            out.append(f"pipeline {r['policy']}: exit {r['returncode']}")
+    return out
+
+
 def summary(results: dict) -> str:
     dev = results["device"]
     lines = [f"## GPU check: {dev['kind']} x {dev['count']} (jax {jax.__version__})", ""]
@@ -351,7 +388,9 @@ def summary(results: dict) -> str:
         if r.get("nonfinite"):
             errs += f" ({r['nonfinite']} non-finite)"
         if "fwd_s" not in r:
-            lines.append(f"| {r['layout']} | {r['implementation']} | error: {r.get('error', '')[:80]} | | | | {errs} |")
+            lines.append(
+                f"| {r['layout']} | {r['implementation']} | error: {_one_line(r.get('error', ''))[:80]} | | | | {errs} |"
+            )
         else:
             lines.append(
                 f"| {r['layout']} | {r['implementation']} | {1e3 * r['fwd_s']:.2f} | {r['fwd_tflops']:.0f} | "
@@ -367,7 +406,7 @@ def summary(results: dict) -> str:
         ]
     for s in steps:
         if "step_s_median" not in s:
-            lines.append(f"| {s.get('name')} | error: {s.get('error', '')[-120:]} | | | | | | | | |")
+            lines.append(f"| {s.get('name')} | error: {_one_line(s.get('error', ''))[-120:]} | | | | | | | | |")
             continue
         lo, hi = s["step_s_spread"]
         lines.append(
@@ -392,8 +431,8 @@ def summary(results: dict) -> str:
         lines.append(f"- pipeline: {r}")
     if "profile" in results:
         lines.append(f"- profile: {results['profile'].get('files')}")
-    for part, err in results.get("errors", {}).items():
-        lines.append(f"- {part} failed: {err.splitlines()[-1] if err else ''}")
+    failed = failures(results)
+    lines += ["", f"Failures: {len(failed)}", *(f"- {f}" for f in failed)]
     return "\n".join(lines) + "\n"
 
 
@@ -461,7 +500,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(text)
     print(text)
-    return 1 if results["errors"] else 0
+    return 1 if failures(results) else 0
 
 
 if __name__ == "__main__":

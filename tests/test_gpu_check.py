@@ -35,3 +35,29 @@ def test_attention_part_checks_the_kernel_against_the_float32_reference(monkeypa
         assert 1e-4 < bf16[f"err_{part}"] < 1e-2  # bf16 rounding, not an exact copy of the reference
         assert f32[f"err_{part}"] < 1e-5
     assert "fwd_s" in bf16 and "fwd_bwd_s" in bf16
+
+
+def test_every_recorded_failure_makes_the_check_fail():
+    """A failure recorded inside a part (a step's traceback, a wrong or non-finite attention row, the
+    kernel tests', main job's or a pipeline run's exit status) fails the check, one line each
+    (before: only a part that raised did; a failing step left exit 0)."""
+    good = {"layout": "4 × 4K", "implementation": "varlen", **{f"err_{p}": 2e-3 for p in ("out", "dq", "dk", "dv")}}
+    results = {"device": {"kind": "cpu", "count": 1}, "errors": {}, "attention": [good], "step": []}
+    results["tests"] = {"returncode": 0, "summary": "35 passed", "failures": []}
+    results["train"] = {"returncode": 0, "wall_s": 60.0, "losses": [5.8, 5.1], "median_step_s": 0.2}
+    results["pipeline"] = [{"policy": "epp", "returncode": 0}, {"skipped": "needs >= 2 GPUs for pp = 2"}]
+    assert gpu_check.failures(results) == []
+    results["attention"] += [{**good, "implementation": "cudnn", "err_dq": 0.4}, {**good, "nonfinite": 3}]
+    results["step"] = [
+        {"name": "configs/x.yaml", "error": "Traceback (most recent call last):\n  ...\nOSError: gone\n"}
+    ]
+    results["tests"]["returncode"], results["pipeline"][0]["returncode"] = 1, 2
+    failed = gpu_check.failures(results)
+    assert failed == [
+        "attention 4 × 4K cudnn: relative error 4.0e-01 > 0.01",
+        "attention 4 × 4K varlen: 3 non-finite values",
+        "step configs/x.yaml: OSError: gone",
+        "tests: exit 1",
+        "pipeline epp: exit 2",
+    ]
+    assert "Failures: 5" in gpu_check.summary(results)
