@@ -276,6 +276,16 @@ def oom_table(rows) -> str:
     return "\n".join(lines)
 
 
+def fits_summary(rows) -> str:
+    """Per policy, the batches whose plan fits memory over all contexts of ``rows``."""
+    fits: dict = {}
+    for _, _, per in rows:
+        for p, rs in per.items():
+            ok, n = fits.get(p, (0, 0))
+            fits[p] = (ok + sum(map(_ok, rs)), n + len(rs))
+    return ", ".join(f"{p} {ok}/{n}" for p, (ok, n) in fits.items())
+
+
 def ablation_table(rows) -> str:
     lines = ["| model | context | policy | iteration s | makespan s | bubble | fits |", "|---|---|---|---|---|---|---|"]
     for name, ctx, per in rows:
@@ -356,7 +366,7 @@ def main() -> int:
             ablation_table(abl_rows),
             f"Memory-tight variant: GPT-30B as above (ZeRO-3 over the SP group) on {TIGHT.hbm_bytes / 1e9:.0f} GB of "
             f"HBM per device ({TIGHT.memory_margin:.0%} of it the budget; the model states and a backward's layer "
-            f"gradients take {tight_floor:.1f} GiB of it on the largest stage). This is where the baselines run out of memory. (Until 2026-11-29 the "
+            f"gradients take {tight_floor:.1f} GiB of it on the largest stage). Batches that fit: {fits_summary(oom_rows)}. (Until 2026-11-29 the "
             "variant was GPT-30B without ZeRO-3 on 80 GB; since the memory floor counts a backward's layer "
             "gradients (a43f261) nothing fits there, and every policy refuses it.)",
             oom_table(oom_rows),
