@@ -230,8 +230,10 @@ def timing(iterations: int, cluster: str = "h100", model: str = "llama-7b", work
     runs = []
     for i in range(iterations + 1):
         r = run_plan("hydraulis", token_batch(pool, setting.tokens, 2000 + i), costs, options)
-        if i:  # the first call builds the cached scheme tables
+        if i:  # the first call builds the cached scheme tables: reported apart (first_cpu_s)
             runs.append(r)
+        else:
+            first = r
     cpu = sorted(r["cpu_s"] for r in runs)
     wall = sorted(r["wall_s"] for r in runs)
     return {
@@ -240,6 +242,7 @@ def timing(iterations: int, cluster: str = "h100", model: str = "llama-7b", work
         "workload": workload,
         "candidates": len(options.candidates),
         "proposal_cpu_s": proposal,
+        "first_cpu_s": first["cpu_s"],
         "cpu_median_s": statistics.median(cpu),
         "cpu_max_s": cpu[-1],
         "wall_median_s": statistics.median(wall),
@@ -646,13 +649,14 @@ def section(record, args) -> str:
         rows = [
             "### Planning time (issue bar: ≤ 0.3 s per iteration on one core, 64 devices, 200K tokens)\n",
             "| cluster | model | workload | candidates | proposal (once, 100K docs) CPU s "
-            "| plan CPU s median | max | wall median |",
-            "|---|---|---|---|---|---|---|---|",
+            "| plan CPU s median | max | wall median | first call CPU s (builds the cached scheme tables; not in the median) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for t in record["timing"]:
             rows.append(
                 f"| {t['cluster']} | {t['model']} | {t['workload']} | {t['candidates']} | {t['proposal_cpu_s']:.2f} "
-                f"| {t['cpu_median_s']:.3f} | {t['cpu_max_s']:.3f} | {t['wall_median_s']:.3f} |"
+                f"| {t['cpu_median_s']:.3f} | {t['cpu_max_s']:.3f} | {t['wall_median_s']:.3f} "
+                f"| {t['first_cpu_s']:.3f} |"
             )
         out.append("\n".join(rows))
     if "gap" in record:

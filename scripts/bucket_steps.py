@@ -113,11 +113,12 @@ def main() -> int:
     for n in steps[1:] if times[base] else ():
         cells = []
         for policy in (*AUTO_POLICIES, "auto"):
-            r = [
-                times[n][k][policy] / times[base][k][policy] for k in times[base] if np.isfinite(times[base][k][policy])
-            ]
+            # a batch the policy could not plan at either step count (NaN) is left out, and said so
+            r = [times[n][k][policy] / times[base][k][policy] for k in times[base]]
+            r = [x for x in r if np.isfinite(x)]
+            left_out = f", {len(times[base]) - len(r)} batches not planned" if len(r) < len(times[base]) else ""
             if r:
-                cells.append(f"{policy} {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})")
+                cells.append(f"{policy} {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}{left_out})")
         print(f"  {n} steps: " + ", ".join(cells))
     if programs:
         print(f"\n{args.reuse_policy} on {reuse[0].name} ({args.reuse_batches} batches in order):")

@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_policies import batch_documents  # noqa: E402
 
 
-def check(spec: dict, profile: str) -> list[dict]:
+def check(spec: dict, profile: str) -> tuple[list[dict], list[str]]:
+    """(a row per plan that fits its budget: compiled need against the account; the plans over
+    their budget, which are not compiled)."""
     import jax
 
     from jvarlen.api import Session, as_pieces
@@ -48,12 +50,13 @@ def check(spec: dict, profile: str) -> list[dict]:
     step.strategy.paired = True
     cost = CostModel(ModelShape.from_config(cfg), layout, CostCoefficients.load(profile))
     stored = stored_token_bytes(cfg, spec["residual_policy"])  # what a stored layer keeps under the run's policy
-    rows = []
+    rows, over = [], []
     for b in spec["batches"]:
         pieces = list(as_pieces(batch_documents(b["lengths"], cfg.vocab_size, b["seed"])))
         for policy, plan_json in b["plans"].items():
             plan = Plan.from_json(plan_json)
-            if not plan.stats.get("fits_memory", True):
+            if not plan.stats.get("fits_memory", True):  # planned over budget: not compiled, counted apart
+                over.append(f"{b['seed']} {policy}")
                 continue
             it = Iteration(0, pieces, np.zeros(len(pieces), np.int64), {}, groups=[pieces], plans=[plan])
             prepared = step.strategy.prepare(it, ())  # the plan's own (rounded) signature
@@ -79,7 +82,7 @@ def check(spec: dict, profile: str) -> list[dict]:
                 f"| {r['account'] / 1e6:.2f} ({r['account'] / need - 1:+.1%}) |",
                 flush=True,
             )
-    return rows
+    return rows, over
 
 
 def main():
@@ -90,13 +93,17 @@ def main():
     args = parser.parse_args()
     print("| seed | policy | fused op | bucket | context | compiled need MB | planned account MB | account MB |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = []
+    rows, over = [], []
     for path in args.runs.split(","):
         with open(path) as f:
             spec = json.load(f)
-        rows += [dict(r, run=os.path.basename(path)) for r in check(spec, args.profile or spec["profile"])]
+        checked, skipped = check(spec, args.profile or spec["profile"])
+        rows += [dict(r, run=os.path.basename(path)) for r in checked]
+        over += skipped
     errors = np.array([r["account"] / r["need"] - 1 for r in rows])
     print(f"account / need - 1 over {len(rows)} plans: {errors.min():+.1%} … {errors.max():+.1%}")
+    if over:
+        print(f"not compiled, planned over their budget ({len(over)}): {', '.join(over)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -392,7 +392,7 @@ class CostModel(CollectiveTimes, HeadMemory):
         """Peak activation bytes of one device while ``chunk``'s backward runs with no other chunk in
         flight: Eq. 10 (:meth:`activation_memory`) plus :meth:`working_memory`. This is what XLA's
         ``memory_analysis().temp_size_in_bytes`` of a forward+backward program measures
-        (``scripts/validate_cost_model.py --memory``)."""
+        (``scripts/validate_cost_memory.py``)."""
         return self.activation_memory(chunk, ckpt_layers, stage) + self.working_memory(chunk, ckpt_layers)
 
     def model_state_memory(self, stage: int) -> float:
