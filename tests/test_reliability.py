@@ -142,9 +142,13 @@ def test_resume_checks_the_horizon():
 
 
 def test_a_resume_with_other_optimizer_settings_says_so_and_keeps_the_earlier_config(tmp_path, cache_dir, capsys):
+    """A resume whose settings differ keeps the earlier config.json; one that only sets
+    ``checkpoint.resume`` keeps none (before: every first resume kept a copy)."""
     run_dir = tmp_path / "run"
-    args = ("--train.steps=3", "--checkpoint.every_steps=2")
-    train(_config(run_dir, cache_dir, *args), quiet=True, stop_after=2)
+    args = ("--train.steps=4", "--checkpoint.every_steps=1")
+    train(_config(run_dir, cache_dir, *args), quiet=True, stop_after=1)
+    train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True, stop_after=2)
+    assert sorted(p.name for p in run_dir.glob("config*.json")) == ["config.json"]
     first = json.loads((run_dir / "config.json").read_text())
     changed = ("--optimizer.learning_rate=0.001", "--optimizer.b2=0.99", "--checkpoint.resume=true")
     train(_config(run_dir, cache_dir, *args, *changed))
@@ -155,7 +159,7 @@ def test_a_resume_with_other_optimizer_settings_says_so_and_keeps_the_earlier_co
     ) in out
     assert json.loads((run_dir / "config.until-step-2.json").read_text()) == first
     assert json.loads((run_dir / "config.json").read_text())["optimizer"]["learning_rate"] == 0.001
-    # the same settings again (at step 3, nothing left to train): nothing said, nothing kept
+    # the same settings again (at step 4, nothing left to train): nothing said, nothing kept
     train(_config(run_dir, cache_dir, *args, *changed))
     assert "optimizer settings differ" not in capsys.readouterr().out
     assert sorted(p.name for p in run_dir.glob("config*.json")) == ["config.json", "config.until-step-2.json"]

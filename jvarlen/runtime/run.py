@@ -364,10 +364,22 @@ def _write_config(run_dir: str, config: Config, start: int) -> None:
         with open(path, encoding="utf-8") as f:
             earlier = f.read()
         before = os.path.join(run_dir, f"config.until-step-{start}.json")
-        if earlier != text and not os.path.exists(before):
+        if _run_settings(earlier) != _run_settings(text) and not os.path.exists(before):
             os.replace(path, before)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def _run_settings(config_json: str) -> Optional[dict]:
+    """A ``config.json``'s settings but how the run was started (``checkpoint.resume``,
+    ``logging.overwrite``: every resume sets the first); None where it is not a configuration."""
+    try:
+        d = json.loads(config_json)
+        d["checkpoint"].pop("resume", None)
+        d["logging"].pop("overwrite", None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return d
 
 
 def _check_horizon(start: int, total: int, saved_total: Optional[int], say) -> None:
