@@ -7,6 +7,7 @@ with an abstract train state. Import this before JAX: :func:`context` sets the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -39,6 +40,16 @@ def context(args):
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=args.compute_dtype))
     devices = abstract_devices(args.target, args.devices) if args.target else jax.devices("cpu")[: args.devices]
     return config, abstract_step_context(config, devices)
+
+
+def compiling_for(args):
+    """While tracing, the attention compiled for ``args.target``'s GPU (its Pallas kernels and tiles,
+    as :func:`jvarlen.gpu_aot.lower_train_step` asks); on CPU devices nothing changes."""
+    if not args.target:
+        return contextlib.nullcontext()
+    from jvarlen import gpu_aot, kernels
+
+    return kernels.compile_for(gpu_aot.gpu_target(args.target))
 
 
 def peak(m) -> int:
