@@ -97,7 +97,10 @@ def main():
     for path in args.runs.split(","):
         with open(path) as f:
             spec = json.load(f)
-        checked, skipped = check(spec, args.profile or spec["profile"])
+        profile = args.profile or spec["profile"]
+        if not os.path.exists(profile):  # specs name the profile they were planned with, often a run's temp file
+            parser.error(f"{path} names profile {profile!r}, which does not exist here: pass --profile")
+        checked, skipped = check(spec, profile)
         rows += [dict(r, run=os.path.basename(path)) for r in checked]
         over += skipped
     errors = np.array([r["account"] / r["need"] - 1 for r in rows])
