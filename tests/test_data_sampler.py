@@ -132,6 +132,9 @@ def test_restore_rejects_state_of_another_corpus_or_shape(tmp_path):
         DataPipeline(_config(tmp_path, path, max_doc_tokens=12, tokens_per_batch=32)).restore(state)
     with pytest.raises(SamplerStateError, match="documents"):
         DataPipeline(_config(tmp_path, path, max_doc_tokens=12, max_documents=5)).restore(state)
+    # another seq_len cuts other pieces: named as such (before: "saved for other data ... a data file edited")
+    with pytest.raises(SamplerStateError, match=r"saved with data.seq_len=16, this run has 8"):
+        DataPipeline(_config(tmp_path, path, max_doc_tokens=8, seq_len=8, tokens_per_batch=32)).restore(state)
 
 
 def test_restore_refuses_a_state_saved_for_other_documents_of_the_same_shape(tmp_path):

@@ -89,6 +89,7 @@ class DataPipeline:
             "corpus": self.corpus.directory.name,
             "num_documents": self.corpus.num_documents,
             "fingerprint": self.fingerprint(),
+            "seq_len": self.seq_len,
             "sampler": self.sampler.state(),
         }
 
@@ -100,6 +101,13 @@ class DataPipeline:
             raise SamplerStateError(
                 f"data pipeline state is for {state.get('num_documents')} documents, this corpus has "
                 f"{self.corpus.num_documents} (data.source / data.max_documents changed?)"
+            )
+        seq_len = state.get("seq_len", self.seq_len)  # absent in states written before 2026-12-02
+        if seq_len != self.seq_len:
+            raise SamplerStateError(
+                f"data pipeline state was saved with data.seq_len={seq_len}, this run has {self.seq_len}: "
+                "documents are cut into pieces of at most data.seq_len tokens, so the saved position would point "
+                f"at other pieces; resume with data.seq_len={seq_len} or start a new run"
             )
         saved = state.get("fingerprint")  # absent in states written before 2026-11-28
         if saved is not None and saved != self.fingerprint():
