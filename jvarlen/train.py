@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = wanted
     from jvarlen.data import DataError
     from jvarlen.plan.api import PlanningError
-    from jvarlen.runtime.checkpoint import CheckpointMismatchError, NonFiniteStateError, NoReadableCheckpointError
+    from jvarlen.runtime.checkpoint import (
+        CheckpointMismatchError,
+        CheckpointWriteError,
+        NonFiniteStateError,
+        NoReadableCheckpointError,
+    )
     from jvarlen.runtime.distributed import report_failure
     from jvarlen.runtime.loop import Interrupted, NonFiniteError, train
 
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         report_failure(2, error)
         return 2
-    except (NonFiniteError, NonFiniteStateError, NoReadableCheckpointError) as error:  # the run failed
+    except (NonFiniteError, NonFiniteStateError, NoReadableCheckpointError, CheckpointWriteError) as error:
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         report_failure(1, error)
         return 1

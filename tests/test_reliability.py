@@ -26,6 +26,7 @@ from jvarlen.config import ConfigError, parse_config
 from jvarlen.runtime.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
+    CheckpointWriteError,
     NonFiniteStateError,
     NoReadableCheckpointError,
     abstract_like,
@@ -220,12 +221,49 @@ def test_rotation_keeps_the_newest_good_checkpoint_when_a_save_fails(tmp_path, m
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt.manager, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        CheckpointWriteError, match=r"checkpoint 4 could not be written .*OSError: disk full.*from checkpoint 3"
+    ):
         ckpt.save(4, _state(optimizer, 4), {"pos": 4}, model)
     assert ckpt.all_steps()[-1] == 3  # the newest good checkpoint survived the failed save
     monkeypatch.undo()
     ckpt.close()
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [3]
+
+
+def test_a_checkpoint_the_file_system_refuses_stops_the_run_naming_the_newest_complete_one(tmp_path):
+    """A background save whose files cannot be written (here each file limited to 64 KiB, as a full
+    disk refuses them; TensorStore reports OUT_OF_RANGE with the OS error) is a
+    :class:`CheckpointWriteError` at the next save or wait, naming the step, the OS's reason and the
+    checkpoint to resume from; nothing newer is listed and rotation deleted nothing (before: Orbax's
+    traceback, which named neither)."""
+    import resource
+
+    config = parse_config(["--checkpoint.async_save=true", "--checkpoint.max_to_keep=1"]).checkpoint
+    ckpt = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    optimizer = optax.sgd(1.0)
+
+    def state(seed):  # 1 MiB of random weights (incompressible): files far above the limit
+        params = {"w": jax.random.normal(jax.random.key(seed), (512, 512), jnp.float32)}
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((2,), jnp.uint32))
+
+    model = parse_config([]).model
+    ckpt.save(2, state(2), {"pos": 2}, model)
+    ckpt.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: writes fail EFBIG
+    try:
+        ckpt.save(4, state(4), {"pos": 4}, model)
+        with pytest.raises(CheckpointWriteError) as failed:
+            ckpt.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(failed.value)
+    assert message.startswith(f"checkpoint 4 could not be written in {tmp_path / 'ckpt'} (")
+    assert "File too large" in message and message.endswith("resume from checkpoint 2"), message
+    assert ckpt.all_steps() == [2]
+    ckpt.close()  # the failure was raised once; nothing in flight now
+    assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [2]
 
 
 def _damage(step_dir):

@@ -40,6 +40,11 @@ class NoReadableCheckpointError(RuntimeError):
     """Resume was asked for, checkpoints exist, and none of them can be read."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions, a failed mount): the checkpoints
+    before it are complete and the run can resume from the newest once the cause is fixed."""
+
+
 class NonFiniteStateError(RuntimeError):
     """A checkpoint was about to be written from a state holding NaN or Inf."""
 
@@ -114,6 +119,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._saved = False  # rotation on close only after a save of this run (a refused one deletes nothing)
+        self._pending: Optional[int] = None  # the step of the save in flight
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -134,17 +140,40 @@ class Checkpointer:
                 f"in {self.directory} is {self.latest_step()}"
             )
         data_state = {**data_state, CHECKSUMS: sums}
-        self.manager.wait_until_finished()  # the previous save is finalized: older ones may go now
+        self._finish()  # the previous save is finalized: older ones may go now
         self._rotate(keep=self.cfg.max_to_keep)
         self._saved = True
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
-                model=ocp.args.JsonSave(dataclasses.asdict(model_cfg)),
-            ),
-        )
+        self._pending = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(data_state),
+                    model=ocp.args.JsonSave(dataclasses.asdict(model_cfg)),
+                ),
+            )
+        except Exception as error:  # noqa: BLE001 (a synchronous save fails here, an async one in _finish)
+            self._write_failed(error)
+        if not self.cfg.async_save:
+            self._pending = None
+
+    def _finish(self) -> None:
+        """Waits for the save in flight; its failure is a :class:`CheckpointWriteError`."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 (orbax and tensorstore raise their own types)
+            self._write_failed(error)
+        self._pending = None
+
+    def _write_failed(self, error: Exception) -> None:
+        step, self._pending = self._pending, None
+        newest = self.latest_step()
+        way_on = "no checkpoint is complete: start again" if newest is None else f"resume from checkpoint {newest}"
+        raise CheckpointWriteError(
+            f"checkpoint {step} could not be written in {self.directory} ({read_error_summary(error)}); fix the "
+            f"cause (free space, permissions) and {way_on}"
+        ) from error
 
     def _rotate(self, keep: int) -> None:
         """Deletes finalized checkpoints beyond the newest ``keep`` (called when no save is running)."""
@@ -221,12 +250,19 @@ class Checkpointer:
         return f"step {step}: {reason}"
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self._finish()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        if self._saved:
-            self._rotate(keep=self.cfg.max_to_keep)
+        try:
+            self._finish()
+            if self._saved:
+                self._rotate(keep=self.cfg.max_to_keep)
+        except BaseException:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 (the failed save's error again; the first one is raised)
+                pass
+            raise
         self.manager.close()
 
 
@@ -266,7 +302,9 @@ def read_error_summary(error: Exception) -> str:
     """One line naming a failed read: the type and first message line of the innermost error of its
     chain (TensorStore's status, not the array index Orbax wraps it in)."""
     root = _causes(error)[-1]
-    return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"[:300]
+    text = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
+    # TensorStore puts the cause last ("... File too large [os_error_code='27']"): keep both ends
+    return text if len(text) <= 300 else f"{text[:140]} ... {text[-150:]}"
 
 
 def _out_of_memory(error: Exception) -> bool:

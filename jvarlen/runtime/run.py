@@ -201,14 +201,16 @@ class Run:
         """``refused``: the configuration was refused before :meth:`start_logging`; a run directory
         this run made is removed where it holds nothing (no empty directory left behind)."""
         self.signals.restore()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        if self.logger is not None:
-            self.logger.close()
-        if self.lock is not None:
-            if refused and self.created_dir and self.logger is None:
-                self.lock.remove_directory_if_unused()
-            self.lock.release()
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # raises a failed final save's CheckpointWriteError
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            if self.lock is not None:
+                if refused and self.created_dir and self.logger is None:
+                    self.lock.remove_directory_if_unused()
+                self.lock.release()
 
 
 def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
