@@ -282,6 +282,29 @@ def test_a_gpu_backward_holds_one_layers_gradients(backend, per_layer):
     assert alone.executor_per_layer == per_layer
 
 
+@pytest.mark.parametrize("backend", ["gpu", "analytic"])
+def test_a_group_step_on_a_gpu_holds_two_attention_accumulators_again(backend):
+    """A device group's GPU step that adds each layer's gradients as it descends returns its
+    accumulators, and XLA carries two of them (``wq``- and ``wo``-shaped) in the matmuls' layout and
+    transposes them into the outputs at the end: ``2 · L_s · d · H·D`` more accumulator bytes in the
+    model states than the same group on XLA:CPU (measured in the deviceless H100 compile,
+    docs/benchmarks.md). Not for a pipeline step (it applies its update), nor where the coefficients
+    charge no accumulator per parameter (ZeRO-3 stand-ins: ``stage_bytes_per_param`` below ``e``)."""
+
+    def model_states(backend, group, **changes):
+        c = coeffs(**changes)
+        c = c.replace(meta=dataclasses.replace(c.meta, backend=backend))
+        return CostModel(MHA, Layout(2, 2, 2), c, group=group).model_state_memory(0)
+
+    c = coeffs()
+    relayout = 2 * (MHA.num_layers // 2) * MHA.d_model * MHA.num_heads * MHA.head_dim
+    relayout *= c.stage_bytes_per_param - c.bytes_per_element
+    assert model_states(backend, True) - model_states("cpu", True) == pytest.approx(relayout)
+    assert model_states(backend, False) == pytest.approx(model_states("cpu", False))
+    zero3 = {"stage_bytes_per_param": 6 / 64}
+    assert model_states(backend, True, **zero3) == pytest.approx(model_states("cpu", True, **zero3))
+
+
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_max_tokens_is_the_largest_fitting_chunk(in_flight):
     c = coeffs(memory_budget=5e7, m_head_token=40.0, m_work_token=500.0, m_work_remat_token=700.0)

@@ -412,7 +412,7 @@ class CostModel(CollectiveTimes, HeadMemory):
         (:attr:`holds_rest`), every device holds the embedding and head with their accumulators,
         whatever its stage, in their pulled dtypes (:meth:`_rest_bytes`; docs/design/heterogeneous.md,
         "Bytes and memory"); a fused data-parallel step (``pp == 1``) holds them at
-        ``stage_bytes_per_param``."""
+        ``stage_bytes_per_param``. Plus :meth:`accumulator_relayout_memory` for a group on a GPU."""
         if not 0 <= stage < self.layout.pp:
             raise ValueError(f"stage must be in [0, {self.layout.pp}), got {stage}")
         c, m = self.coeffs, self.model
@@ -431,8 +431,21 @@ class CostModel(CollectiveTimes, HeadMemory):
             in_flight = (2 * c.bytes_per_element + ahead) * m.layer_params
         elif self.holds_rest and self.layers_per_stage > 1:
             in_flight = c.bytes_per_element * m.layer_params
+        if self.executor_per_layer and self.group:
+            in_flight += self.accumulator_relayout_memory()
         local = c.stage_bytes_per_param * params + rest
         return sharded + local + in_flight + c.workspace_bytes
+
+    def accumulator_relayout_memory(self) -> float:
+        """Bytes a group's GPU step holds beside the accumulators it returns where the executor adds
+        each layer's gradients as it descends (:attr:`executor_per_layer`): XLA carries two attention
+        accumulators in the layout the weight-gradient matmuls produce and transposes them into the
+        row-major outputs at the end, two more stacks of the largest projections (``wq``, ``wo``:
+        ``d·H·D``) in the accumulator's dtype. LLaMA-7B, deviceless H100: 134.2 MB per layer at 8-32
+        layers per stage (docs/benchmarks.md); a pipeline step, which applies its update, has none."""
+        c, m = self.coeffs, self.model
+        accumulator = max(c.stage_bytes_per_param - c.bytes_per_element, 0.0)  # none: state charged elsewhere
+        return 2.0 * self.layers_per_stage * m.d_model * m.num_heads * m.head_dim * accumulator
 
     @property
     def holds_rest(self) -> bool:
