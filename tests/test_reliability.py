@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from jvarlen.runtime.checkpoint import (
     NonFiniteStateError,
     NoReadableCheckpointError,
     abstract_like,
+    closed_loop_callback,
     is_storage_error,
     read_error_summary,
     state_checksums,
@@ -231,12 +233,13 @@ def test_rotation_keeps_the_newest_good_checkpoint_when_a_save_fails(tmp_path, m
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [3]
 
 
-def test_a_checkpoint_the_file_system_refuses_stops_the_run_naming_the_newest_complete_one(tmp_path):
+def test_a_checkpoint_the_file_system_refuses_stops_the_run_naming_the_newest_complete_one(tmp_path, caplog):
     """A background save whose files cannot be written (here each file limited to 64 KiB, as a full
     disk refuses them; TensorStore reports OUT_OF_RANGE with the OS error) is a
     :class:`CheckpointWriteError` at the next save or wait, naming the step, the OS's reason and the
     checkpoint to resume from; nothing newer is listed and rotation deleted nothing (before: Orbax's
-    traceback, which named neither)."""
+    traceback, which named neither). Orbax's own records of the failure keep their one-line message
+    and lose their tracebacks (before: four of ~100 lines each)."""
     import resource
 
     config = parse_config(["--checkpoint.async_save=true", "--checkpoint.max_to_keep=1"]).checkpoint
@@ -262,8 +265,32 @@ def test_a_checkpoint_the_file_system_refuses_stops_the_run_naming_the_newest_co
     assert message.startswith(f"checkpoint 4 could not be written in {tmp_path / 'ckpt'} (")
     assert "File too large" in message and message.endswith("resume from checkpoint 2"), message
     assert ckpt.all_steps() == [2]
+    orbax_errors = [r for r in caplog.records if "orbax" in r.pathname and r.levelno >= logging.ERROR]
+    assert any("File too large" in r.getMessage() for r in orbax_errors), [r.getMessage() for r in orbax_errors]
+    assert all(r.exc_info is None for r in orbax_errors)
     ckpt.close()  # the failure was raised once; nothing in flight now
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [2]
+
+
+def test_only_the_closed_loop_callbacks_of_a_failed_write_are_silenced():
+    """The unraisable ``Event loop is closed`` that TensorStore's late callbacks raise after a failed
+    save (dozens per full disk) is recognised from its real traceback; other unraisables are not."""
+    import asyncio
+    import types
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as error:
+        closed = error
+    other = RuntimeError("Event loop is closed")  # the same words raised elsewhere
+    assert closed_loop_callback(types.SimpleNamespace(exc_value=closed, exc_traceback=closed.__traceback__))
+    assert not closed_loop_callback(types.SimpleNamespace(exc_value=other, exc_traceback=None))
+    try:
+        raise ValueError("Event loop is closed")
+    except ValueError as error:
+        assert not closed_loop_callback(types.SimpleNamespace(exc_value=error, exc_traceback=error.__traceback__))
 
 
 def _damage(step_dir):

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import re
+import sys
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 import jax
@@ -118,6 +121,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _quiet_storage_failures()
         self._saved = False  # rotation on close only after a save of this run (a refused one deletes nothing)
         self._pending: Optional[int] = None  # the step of the save in flight
 
@@ -305,6 +309,45 @@ def read_error_summary(error: Exception) -> str:
     text = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
     # TensorStore puts the cause last ("... File too large [os_error_code='27']"): keep both ends
     return text if len(text) <= 300 else f"{text[:140]} ... {text[-150:]}"
+
+
+class _OneLineStorageFailures(logging.Filter):
+    """Drops the tracebacks of Orbax's records of a storage failure: each of its background threads
+    logs the same failed write at ERROR with ~100 lines of traceback, and the run reports it once as a
+    :class:`CheckpointWriteError`. The records keep their message (which holds the OS's reason);
+    any other error keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname and is_storage_error(record.exc_info[1]):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def closed_loop_callback(unraisable) -> bool:
+    """TensorStore completing the other writes of a failed save on the asyncio loop Orbax already
+    closed: ``RuntimeError('Event loop is closed')`` from ``call_soon_threadsafe``, reported as an
+    unraisable exception, dozens of times after one full disk."""
+    error = unraisable.exc_value
+    return (
+        isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and any(frame.name == "call_soon_threadsafe" for frame in traceback.extract_tb(unraisable.exc_traceback))
+    )
+
+
+def _quiet_storage_failures() -> None:
+    """Installs, once per process, the two filters of a failed write's follow-on noise."""
+    absl = logging.getLogger("absl")
+    if any(isinstance(f, _OneLineStorageFailures) for f in absl.filters):
+        return
+    absl.addFilter(_OneLineStorageFailures())
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _out_of_memory(error: Exception) -> bool:
