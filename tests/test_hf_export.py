@@ -177,6 +177,38 @@ def test_max_position_embeddings_follow_a_context_extension():
     assert hf_config_dict(linear, "float32", base)["max_position_embeddings"] == 4 * base["max_position_embeddings"]
 
 
+def test_exported_token_ids_and_length_are_those_the_run_trained_with(tmp_path):
+    """config.json names the special ids of the tokenizer the run's data went through (transformers
+    stops generating at eos_token_id, and assumes 2 without one) and a maximum position of at least
+    the longest document trained on (serving stacks cap the context by it); before: the base's ids or
+    none, and the base's length or 4096."""
+    run, base, _ = _saved_run(tmp_path)  # tiny-llama: bos/eos/pad 1/2/3, 512 positions, vocab 384
+    (run / "config.json").write_text(
+        json.dumps({"data": {"tokenizer": "byte", "seq_len": 2048, "max_doc_tokens": 1024}})
+    )
+    _export(run, tmp_path / "byte")
+    written = json.loads((tmp_path / "byte" / "config.json").read_text())
+    ids = [written[f"{kind}_token_id"] for kind in ("bos", "eos", "pad")]
+    assert ids == [256, 257, 258] and written["max_position_embeddings"] == 1024
+    (run / "config.json").write_text(json.dumps({"data": {"tokenizer": str(base / "tokenizer.json"), "seq_len": 256}}))
+    _export(run, tmp_path / "own")
+    written = json.loads((tmp_path / "own" / "config.json").read_text())
+    ids = [written[f"{kind}_token_id"] for kind in ("bos", "eos", "pad")]
+    assert ids == [1, 2, 3] and written["max_position_embeddings"] == 512  # the base's, longer than 256
+
+
+def test_config_without_a_base_names_the_tokens_and_length_it_is_given():
+    cfg = ModelConfig(vocab_size=320, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64)
+    bare = hf_config_dict(cfg, "float32")
+    assert "eos_token_id" not in bare and bare["max_position_embeddings"] == 4096
+    given = hf_config_dict(cfg, "float32", token_ids={"bos": 256, "eos": 257}, trained_length=128)
+    assert (given["bos_token_id"], given["eos_token_id"], given["max_position_embeddings"]) == (256, 257, 128)
+    # a base listing several end ids keeps its list when the run's EOS is one of them
+    base = {"eos_token_id": [7, 257], "bos_token_id": 5, "max_position_embeddings": 8192}
+    kept = hf_config_dict(cfg, "float32", base, token_ids={"bos": 256, "eos": 257}, trained_length=128)
+    assert (kept["bos_token_id"], kept["eos_token_id"], kept["max_position_embeddings"]) == (256, [7, 257], 8192)
+
+
 def test_unreadable_files_are_named(tmp_path):
     directory = tmp_path / "model"
     shutil.copytree(fixture("tiny-llama"), directory)

@@ -7,7 +7,9 @@ restore: the optimizer moments are not read), and writes ``config.json``
 or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``: ``--tokenizer``,
 else the run's ``data.tokenizer`` file (none for the byte tokenizer), else, for a run directory
 without ``config.json``, the one beside ``model.init_from``; with the ``tokenizer_config.json`` and
-``special_tokens_map.json`` beside it, which name its special tokens. Host memory: the
+``special_tokens_map.json`` beside it, which name its special tokens. ``config.json`` carries that
+tokenizer's BOS/EOS/PAD ids (the byte tokenizer's 256/257/258 too) and a
+``max_position_embeddings`` of at least the longest document trained on. Host memory: the
 parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
 ``OUT_DIR`` and moved in when complete; an ``OUT_DIR`` that already holds a model is refused unless
 ``--overwrite true`` (its earlier weights, index, config and tokenizer files are then replaced), and so
@@ -133,10 +135,14 @@ def write_hf(
     base_config: Optional[dict] = None,
     tokenizer: Optional[str] = None,
     max_shard_bytes: int = 5 << 30,
+    token_ids: Optional[dict[str, int]] = None,
+    trained_length: Optional[int] = None,
 ) -> list[str]:
     """Writes ``params`` (jvarlen's parameter tree, numpy or JAX arrays) of ``model`` as a Hugging
     Face directory; returns the files written. ``out_dir`` must not hold a model already: weight
-    files left from an earlier export would be read instead of, or mixed with, the new ones."""
+    files left from an earlier export would be read instead of, or mixed with, the new ones.
+    ``token_ids`` and ``trained_length`` go to :func:`~jvarlen.hf.hf_config.hf_config_dict`
+    (:func:`special_token_ids` gives a tokenizer's)."""
     os.makedirs(out_dir, exist_ok=True)
     earlier = _model_files(out_dir)
     if earlier:
@@ -156,7 +162,8 @@ def write_hf(
 
     files = write_sharded(out_dir, tensors(), max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config_dict(model, dtype, base_config), f, indent=2)
+        config = hf_config_dict(model, dtype, base_config, token_ids=token_ids, trained_length=trained_length)
+        json.dump(config, f, indent=2)
     files.append("config.json")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
@@ -183,24 +190,41 @@ def _cast(name: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return y
 
 
-def _tokenizer_for(run_dir: str, init_from: Optional[str]) -> Optional[str]:
-    """The tokenizer.json the run's data went through: its ``data.tokenizer`` (None for the byte
-    tokenizer); beside ``init_from`` only when the run directory has no ``config.json`` (a research
-    API run)."""
+def _run_data(run_dir: str) -> Optional[dict]:
+    """The ``data`` settings of the run (its ``config.json``); None for a research API run without one."""
     try:
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-            spec = json.load(f)["data"]["tokenizer"]
-    except (OSError, KeyError, ValueError):
+            return dict(json.load(f)["data"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _tokenizer_for(data: Optional[dict], init_from: Optional[str]) -> Optional[str]:
+    """The tokenizer (``"byte"`` or a tokenizer.json) the run's data went through: its
+    ``data.tokenizer``; beside ``init_from`` only when the run directory has no ``config.json`` (a
+    research API run); None when unknown."""
+    spec = (data or {}).get("tokenizer")
+    if spec is None:
         if init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
             return os.path.join(init_from, "tokenizer.json")
         return None
-    if spec == "byte":
-        return None
-    if not os.path.isfile(spec):  # another tokenizer would claim ids it did not make
+    if spec != "byte" and not os.path.isfile(spec):  # another tokenizer would claim ids it did not make
         raise FileNotFoundError(
             f"the run's data.tokenizer {spec!r} is not a file (from {os.getcwd()}); pass --tokenizer=<that file>"
         )
     return spec
+
+
+def special_token_ids(tokenizer: str, vocab_size: int) -> dict[str, int]:
+    """The ids of ``tokenizer``'s (``"byte"`` or a tokenizer.json) BOS, EOS and PAD that a model of
+    ``vocab_size`` can emit; PAD only when the file has it (one jvarlen appended would name an id no
+    Hugging Face tokenizer of this file makes)."""
+    from jvarlen.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    appended = getattr(tok, "appended", [])
+    return {kind: int(i) for kind, i in ids.items() if i < vocab_size and not (kind == "pad" and kind in appended)}
 
 
 def _model_files(directory: str) -> list[str]:
@@ -268,7 +292,10 @@ def export_run(cfg: ExportConfig, say=print) -> list[str]:
             base = read_hf_config(run.init_from)
         except HFCheckpointError:
             say(f"[jvarlen] {run.init_from} (model.init_from) is gone; config.json gets default token ids")
-    tokenizer = cfg.tokenizer or _tokenizer_for(cfg.run_dir, run.init_from)
+    data = _run_data(cfg.run_dir)
+    spec = cfg.tokenizer or _tokenizer_for(data, run.init_from)
+    token_ids = special_token_ids(spec, run.model.vocab_size) if spec else None
+    tokenizer = None if spec == "byte" else spec
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
@@ -281,12 +308,19 @@ def export_run(cfg: ExportConfig, say=print) -> list[str]:
             base_config=base,
             tokenizer=tokenizer,
             max_shard_bytes=int(cfg.max_shard_gb * 2**30),
+            token_ids=token_ids,
+            trained_length=(data or {}).get("max_doc_tokens") or (data or {}).get("seq_len"),
         )
         _default_modes(staging)
         _install(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     say(f"[jvarlen] step {run.step} of {cfg.run_dir} -> {cfg.out_dir} ({cfg.dtype}): {', '.join(files)}")
-    if tokenizer is None:
+    if spec == "byte":
         say("[jvarlen] no tokenizer.json copied (the run used the byte tokenizer); pass --tokenizer to add one")
+    elif spec is None:
+        say(
+            f"[jvarlen] {cfg.run_dir} names no tokenizer (no config.json) and {run.init_from or 'the run'} has no "
+            "tokenizer.json: config.json's token ids are the base's or none; pass --tokenizer to set them"
+        )
     return files

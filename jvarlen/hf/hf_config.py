@@ -168,13 +168,25 @@ def _max_position(base_max: int, scaling: Optional[dict], base: Optional[dict]) 
     return max(int(base_max), int(base_max * scaling["factor"] / base_factor))
 
 
-def hf_config_dict(model, dtype: str, base: Optional[dict] = None) -> dict:
+def hf_config_dict(
+    model,
+    dtype: str,
+    base: Optional[dict] = None,
+    *,
+    token_ids: Optional[dict[str, int]] = None,
+    trained_length: Optional[int] = None,
+) -> dict:
     """A Hugging Face config.json for jvarlen ModelConfig ``model`` with weights of ``dtype``.
 
     Qwen2ForCausalLM when the model has q/k/v biases, else LlamaForCausalLM. ``base`` (the config.json
     the run started from, when known) supplies what jvarlen does not model (token ids, maximum
     position, ...); every architecture field is written from ``model``. RoPE is written in the older
     top-level spelling (``rope_theta``, ``rope_scaling``), which transformers 4 and 5 both read.
+    ``token_ids`` (``{"bos": id, "eos": id, "pad": id}``, those known) are the special ids of the
+    tokenizer the run's data went through: they replace the base's (transformers stops generating at
+    ``eos_token_id``; without one it assumes 2), except where the base lists several end ids that
+    include the run's. ``trained_length`` (the longest document the run trained on) raises
+    ``max_position_embeddings`` to it; without a base that is the value written (else 4096).
     """
     name = "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
     out = {
@@ -203,7 +215,12 @@ def hf_config_dict(model, dtype: str, base: Optional[dict] = None) -> dict:
         rope_scaling=scaling,
         torch_dtype=dtype,
     )
-    out["max_position_embeddings"] = _max_position(out.get("max_position_embeddings", 4096), scaling, base)
+    base_max = out.get("max_position_embeddings", trained_length or 4096)
+    out["max_position_embeddings"] = max(_max_position(base_max, scaling, base), trained_length or 0)
+    for kind, token in (token_ids or {}).items():
+        earlier = out.get(f"{kind}_token_id")
+        if not (isinstance(earlier, list) and token in earlier):
+            out[f"{kind}_token_id"] = int(token)
     if name == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     else:
