@@ -280,6 +280,9 @@ def test_float16_export_refuses_values_beyond_its_range(tmp_path):
     with pytest.raises(ValueError, match=r"model\.norm\.weight: \d+ value\(s\) beyond float16's range"):
         write_hf(big, cfg, str(tmp_path / "fp16"), "float16")
     write_hf(big, cfg, str(tmp_path / "bf16"), "bfloat16")  # within bfloat16's range
+    big["final_norm"]["scale"] = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params["final_norm"]["scale"])
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: 1 value\(s\) are NaN or Inf"):  # not "beyond range"
+        write_hf(big, cfg, str(tmp_path / "fp32"), "float32")
 
 
 def test_export_refuses_a_checkpoint_whose_bits_changed(tmp_path):

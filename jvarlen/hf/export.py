@@ -179,6 +179,8 @@ def write_hf(
 def _cast(name: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``x`` in the export dtype; a value beyond its range (float16: 65,504) is refused, not
     written as inf."""
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name}: {int(np.sum(~np.isfinite(x)))} value(s) are NaN or Inf; nothing to export")
     with np.errstate(over="ignore"):
         y = x.astype(dtype)
     if not np.all(np.isfinite(y)):
