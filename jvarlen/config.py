@@ -185,7 +185,7 @@ class ModelConfig:
         return dict(getattr(self, "_from_checkpoint", {}))
 
     def _take_from_checkpoint(self) -> None:
-        from jvarlen.hf.hf_config import HFCheckpointError, read_model_fields  # config.json only (no JAX)
+        from jvarlen.hf.hf_config import HFCheckpointError, read_hf_config, read_model_fields  # no JAX
 
         try:
             fields = read_model_fields(self.init_from)
@@ -210,6 +210,17 @@ class ModelConfig:
                 overrides[name] = theirs  # a deliberate override (context extension): kept
             else:
                 conflicts.append(f"model.{name}={mine!r} (the checkpoint has {theirs!r})")
+        if (
+            parts
+            and "original_max_position_embeddings" not in parts
+            and fields["rope_scaling"] is None
+            and getattr(self.rope_scaling, "rope_type", None) == "llama3"
+        ):
+            # a llama3 band placed by this base's own length, not the default's 8192 (Llama 3's)
+            base_max = read_hf_config(self.init_from).get("max_position_embeddings")
+            if isinstance(base_max, int) and base_max > 0:
+                self.rope_scaling = dataclasses.replace(self.rope_scaling, original_max_position_embeddings=base_max)
+                taken["rope_scaling.original_max_position_embeddings"] = base_max
         _require(
             not conflicts,
             f"model.init_from={self.init_from!r} fixes the model's architecture, but the config sets "

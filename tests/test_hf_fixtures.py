@@ -144,6 +144,23 @@ def test_a_field_named_at_its_default_value_is_the_users(tmp_path):
     assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 16.0, 64)
 
 
+def test_a_new_llama3_scaling_is_placed_by_the_bases_own_length(tmp_path):
+    """A llama3 scaling named over a base without one takes the base's max_position_embeddings as
+    its original length unless that is named too (before: the default 8192, Llama 3's, whatever the
+    base was trained on: the band of frequencies it rescales was placed for another model)."""
+    from jvarlen.config import parse_config
+
+    (tmp_path / "config.json").write_text(json.dumps(_config(rope_parameters={"rope_theta": 10_000.0})))
+    flags = [f"--model.init_from={tmp_path}", "--model.rope_scaling.rope_type=llama3", "--model.rope_scaling.factor=4"]
+    model = parse_config(flags).model
+    assert (model.rope_scaling.factor, model.rope_scaling.original_max_position_embeddings) == (4.0, 512)
+    assert "rope_scaling.original_max_position_embeddings=512" in model.describe_checkpoint_fields()
+    named = parse_config([*flags, "--model.rope_scaling.original_max_position_embeddings=256"]).model
+    assert named.rope_scaling.original_max_position_embeddings == 256
+    linear = parse_config([*flags[:1], "--model.rope_scaling.rope_type=linear", "--model.rope_scaling.factor=4"])
+    assert linear.model.rope_scaling.rope_type == "linear"  # the rule has no original length
+
+
 def test_init_from_is_recorded_absolute(monkeypatch):
     """A relative model.init_from is made absolute when parsed: checkpoints record it, and an
     export run from another directory reads the model's config.json (token ids, context length)
