@@ -223,6 +223,19 @@ def test_unreadable_files_are_named(tmp_path):
     (directory / INDEX).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(HFCheckpointError, match="not a safetensors index with a weight_map"):
         SafetensorsDir(directory)
+    # an index that puts a tensor in a shard without it: named (before: the tensor dropped, later
+    # reported as "missing" as if the model lacked it)
+    (directory / "a.safetensors").write_bytes(data)
+    names = hf_tensor_names(model_config(fixture("tiny-llama")))
+    weight_map = {name: "a.safetensors" for name in names}
+    (directory / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    assert SafetensorsDir(directory).names() == sorted(names)
+    (directory / "b.safetensors").write_bytes(data)
+    (directory / INDEX).write_text(json.dumps({"weight_map": {**weight_map, names[0]: "b.safetensors"}}))
+    assert SafetensorsDir(directory).names() == sorted(names)  # the index says which copy: b's
+    (directory / INDEX).write_text(json.dumps({"weight_map": {**weight_map, "lm_head.bias": "a.safetensors"}}))
+    with pytest.raises(HFCheckpointError, match="puts 1 tensor.* in files that do not hold them, e.g. 'lm_head.bias'"):
+        SafetensorsDir(directory)
 
 
 def test_export_copies_the_tokenizer_that_made_the_training_ids(tmp_path):

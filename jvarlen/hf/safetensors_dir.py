@@ -67,6 +67,12 @@ class SafetensorsDir:
                             self._dtypes[name] = piece.get_dtype()
             except (OSError, SafetensorError) as error:
                 raise HFCheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+        absent = sorted(set(self.files) - set(self._shapes))
+        if absent:  # an index out of step with its shards (a re-shard half copied)
+            raise HFCheckpointError(
+                f"{INDEX} in {self.directory!r} puts {len(absent)} tensor(s) in files that do not hold them, e.g. "
+                f"{absent[0]!r} in {os.path.basename(self.files[absent[0]])}"
+            )
 
     def names(self) -> list[str]:
         return sorted(self._shapes)
