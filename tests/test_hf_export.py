@@ -257,9 +257,12 @@ def test_export_copies_the_tokenizer_that_made_the_training_ids(tmp_path):
     # with the file naming its special tokens (read by jvarlen and transformers alike); an export
     # replacing one with a tokenizer that has none leaves no stale copy
     (base / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    assert "tokenizer_config.json" in _export(run, tmp_path / "own", overwrite=True)
-    assert (tmp_path / "own" / "tokenizer_config.json").read_bytes() == (base / "tokenizer_config.json").read_bytes()
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert {"tokenizer_config.json", "chat_template.jinja"} <= set(_export(run, tmp_path / "own", overwrite=True))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "own" / name).read_bytes() == (base / name).read_bytes()
     (base / "tokenizer_config.json").unlink()
+    (base / "chat_template.jinja").unlink()
     _export(run, tmp_path / "own", overwrite=True)
     assert sorted(os.listdir(tmp_path / "own")) == ["config.json", "model.safetensors", "tokenizer.json"]
 

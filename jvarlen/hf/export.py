@@ -6,8 +6,9 @@ restore: the optimizer moments are not read), and writes ``config.json``
 (:func:`jvarlen.hf.hf_config.hf_config_dict`), the weights in ``--dtype`` as ``model.safetensors``
 or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``: ``--tokenizer``,
 else the run's ``data.tokenizer`` file (none for the byte tokenizer), else, for a run directory
-without ``config.json``, the one beside ``model.init_from``; with the ``tokenizer_config.json`` and
-``special_tokens_map.json`` beside it, which name its special tokens. ``config.json`` carries that
+without ``config.json``, the one beside ``model.init_from``; with the ``tokenizer_config.json``,
+``special_tokens_map.json`` and ``chat_template.jinja`` beside it (its special tokens, its chat
+template). ``config.json`` carries that
 tokenizer's BOS/EOS/PAD ids (the byte tokenizer's 256/257/258 too) and a
 ``max_position_embeddings`` of at least the longest document trained on. Host memory: the
 parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
@@ -43,8 +44,8 @@ from jvarlen.runtime.checkpoint import (
     verify_checksums,
 )
 
-# Saved beside a tokenizer.json by Hugging Face: its special tokens, copied with it
-TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
+# Saved beside a tokenizer.json by Hugging Face: its special tokens and chat template, copied with it
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
@@ -168,7 +169,7 @@ def write_hf(
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
         files.append("tokenizer.json")
-        for name in TOKENIZER_SIDECARS:  # what names its special tokens (jvarlen read them from there too)
+        for name in TOKENIZER_SIDECARS:  # its special tokens (jvarlen read them from there too), its chat template
             sidecar = os.path.join(os.path.dirname(tokenizer), name)
             if os.path.isfile(sidecar):
                 shutil.copyfile(sidecar, os.path.join(out_dir, name))
