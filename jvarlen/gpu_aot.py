@@ -288,6 +288,15 @@ def lower_train_step(config, devices, layout=None, *, rows: Optional[int] = None
         return ctx.lower(*strategy.step_inputs(("layout", layout, shape_bucket(batch))))
 
 
+def recomputed_layers(recompute: bool | int, layers_per_stage: int) -> int:
+    """Layers of a stage recomputed per chunk: all for True, none for False, else the count."""
+    if recompute is True or recompute is False:
+        return layers_per_stage if recompute else 0
+    if not 0 <= recompute <= layers_per_stage:
+        raise ValueError(f"recompute must be in [0, {layers_per_stage}] layers of a stage, got {recompute}")
+    return int(recompute)
+
+
 def lower_pipeline_step(
     config,
     devices,
@@ -297,14 +306,15 @@ def lower_pipeline_step(
     bucket: int,
     stage_weights: str = "replicated",
     split: bool = False,
-    recompute: bool = False,
+    recompute: bool | int = False,
 ):
     """The elastic pipeline's train step of ``config`` on ``layout`` lowered for ``devices``
     (abstract GPUs): every pipeline runs ``chunks`` one-document chunks of ``bucket`` tokens in
     1F1B order with no recomputation (the signature of such a plan); ``split``: one document of
     ``chunks × bucket`` tokens cut into ``chunks`` slices instead (Seq1F1B's token-level order;
     each slice attends to the slices before it, so the step has context buffers); ``recompute``:
-    every layer of every chunk recomputed in its backward (no residual slots). Call inside
+    every layer of every chunk recomputed in its backward (no residual slots), or an int: that many
+    of each stage's layers per chunk (the plan's ``ckpt_layers``). Call inside
     ``kernels.compile_for(target)``."""
     import numpy as np
 
@@ -321,7 +331,7 @@ def lower_pipeline_step(
         docs = [np.ones(bucket, np.int32)] * chunks
         pack = pl.pack_chunks([[(i, 0, bucket)] for i in range(chunks)], docs, bucket)
         sched = schedule.one_f_one_b(chunks, layout.pp)
-    ckpt = np.full((chunks, layout.pp), config.model.num_layers // layout.pp if recompute else 0, np.int32)
+    ckpt = np.full((chunks, layout.pp), recomputed_layers(recompute, config.model.num_layers // layout.pp), np.int32)
     sig, _ = pl.prepare_batch(
         [pack] * layout.dp, [sched] * layout.dp, [ckpt] * layout.dp, layout, config.model.num_layers
     )

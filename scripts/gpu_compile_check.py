@@ -10,7 +10,7 @@ data-parallel step of configs/default.yaml, configs/epp-cpu.yaml and configs/lla
 (real shapes: 8 GPUs, 16 rows x 32K tokens) with its remat policy. Pipeline: llama-7b's elastic
 pipeline step on 8 GPUs, (dp, pp, sp) in {(1,2,4), (2,2,2), (4,2,1)} (or ``--layout``, ``--chunks``,
 ``--bucket``, ``--layers``, ``--split``: one document cut into the chunks, ``--recompute``: every
-layer recomputed), stage weights
+layer recomputed, ``--recompute_layers K``: K of each stage's layers), stage weights
 replicated and sharded over dp x sp, with the weight gathers the compiled schedule overlaps with
 compute. Every row either compiles or is refused by the project (``kernels.UnsupportedError``); a
 failure inside XLA/Triton is printed as FAILED and makes the exit status 1. Prints a markdown table:
@@ -185,7 +185,7 @@ def pipeline_rows(
                 f"pipeline llama-7b{f' ({shape.num_layers} layers)' if layers else ''}"
                 f"{f' (vocabulary {shape.vocab_size})' if vocab else ''} (dp, pp, sp) = "
                 f"({dp}, {pp}, {sp}), stage weights {mode} ({chunks} x {bucket / 1024:g}K tokens per pipeline"
-                f"{', one document' if split else ''}{', every layer recomputed' if recompute else ''})"
+                f"{', one document' if split else ''}{_recompute_words(recompute)})"
             )
             row, report = _run(target, what, lower)
             if report is not None:
@@ -224,6 +224,12 @@ def pipeline_rows(
             yield row
 
 
+def _recompute_words(recompute) -> str:
+    if recompute is True:
+        return ", every layer recomputed"
+    return f", {recompute} layers of each stage recomputed" if recompute else ""
+
+
 def pipeline_cost_memory(
     shape, layout, target: str, chunks: int, bucket: int, sharded: bool, split=False, recompute=False, config=None
 ) -> dict:
@@ -253,7 +259,7 @@ def pipeline_cost_memory(
     else:
         shapes = [ChunkShape(0, (bucket,))] * chunks
         sched = schedule.one_f_one_b(chunks, layout.pp)
-    ckpt = cost.layers_per_stage if recompute else 0
+    ckpt = gpu_aot.recomputed_layers(recompute, cost.layers_per_stage)
     table = np.full((chunks, layout.pp), ckpt, np.int32)
     peaks = replay_peaks(shapes, sched, table, cost)
     p = int(np.argmax(peaks))
@@ -398,6 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket", type=int, default=PIPELINE_BUCKET, help="pipeline: tokens per chunk")
     ap.add_argument("--split", action="store_true", help="pipeline: one document cut into the chunks (context buffers)")
     ap.add_argument("--recompute", action="store_true", help="pipeline: every layer of every chunk recomputed")
+    ap.add_argument("--recompute_layers", type=int, help="pipeline: that many of each stage's layers recomputed")
     ap.add_argument("--layers", type=int, help="steps and pipeline: decoder layers (default: the config's)")
     ap.add_argument("--vocab", type=int, help="pipeline: vocabulary size (default: llama-7b's 32,000)")
     ap.add_argument("--json", help="also write the rows (with per-kernel figures) here")
@@ -431,7 +438,7 @@ def main(argv=None) -> int:
                 args.bucket,
                 args.layers,
                 args.split,
-                args.recompute,
+                True if args.recompute else (args.recompute_layers or False),
                 args.vocab,
             ):
                 rows.append(row)
