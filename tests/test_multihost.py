@@ -253,13 +253,16 @@ def test_an_error_the_failure_watch_causes_does_not_end_the_process_first(monkey
     assert exits == [("jvarlen-failure-watch", 2), (threading.current_thread().name, 2)]  # the watch first
 
 
-def _start_two_processes(command) -> list:
-    """Starts ``command(pid)`` for pids 0 and 1, 4 host CPU devices each."""
+def _start_two_processes(command, env_of=lambda pid: {}) -> list:
+    """Starts ``command(pid)`` for pids 0 and 1, 4 host CPU devices each (``env_of(pid)``: more
+    environment variables)."""
     from conftest import cli_env  # here: the workers import this module, and conftest sets 8 devices
 
     env = cli_env(4, JAX_PLATFORMS="cpu")
     return [
-        subprocess.Popen(command(pid), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            command(pid), env={**env, **env_of(pid)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for pid in (0, 1)
     ]
 
@@ -513,6 +516,57 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
     assert f"resumed from step {last}" in logs[0]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-3:] == [last, last + 1, last + 2]
+
+
+@pytest.mark.slow  # the training CLI in two processes: ~1 min on 2 shared cores
+def test_a_signal_during_the_start_up_stops_every_process_after_the_first_step(tmp_path):
+    """SIGTERM while the run starts (here as process 0 reads its corpus; on a large corpus this
+    takes minutes): every process stops after the first step with its checkpoint, exit 143 (before:
+    jax.distributed's preemption notifier took the signal until jvarlen's handlers were installed
+    after the state was built, and the run trained on to the end)."""
+    import signal
+
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    run_dir = tmp_path / "two"
+    args = [a if not a.startswith("--train.steps") else "--train.steps=30" for a in CLI_ARGS]
+    procs = _start_two_processes(_train_command(tmp_path, [*args, "--checkpoint.every_steps=1000"], _free_port()))
+    first = []
+    try:
+        for line in procs[0].stdout:
+            first.append(line)
+            if "[jvarlen] corpus:" in line:
+                procs[0].send_signal(signal.SIGTERM)
+                break
+    finally:
+        logs = _finish(procs, timeout=300)
+    logs[0] = "".join(first) + logs[0]
+    assert [p.returncode for p in procs] == [143, 143], [log[-2000:] for log in logs]
+    assert os.listdir(run_dir / "checkpoints") == ["1"]
+
+
+@pytest.mark.slow  # two JAX processes start and stop before training: ~20-40 s on 2 shared cores
+def test_a_run_directory_that_is_not_one_directory_to_every_process_is_refused(tmp_path):
+    """``logging.run_dir`` on each host's own disk (here ``~/two`` with another home directory per
+    process: the same configuration, two directories) is refused on every process before training
+    (before: both trained, then waited for each other's checkpoint files until Orbax's 20-minute
+    timeout)."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    command = _train_command(tmp_path, CLI_ARGS, _free_port())
+    procs = _start_two_processes(
+        lambda pid: [*command(pid), "--logging.run_dir=~/two"],  # the last flag is taken
+        env_of=lambda pid: {"HOME": str(tmp_path / f"home{pid}")},
+    )
+    logs = _finish(procs, timeout=300)
+    assert [p.returncode for p in procs] == [2, 2], [log[-2000:] for log in logs]
+    assert all("differ in the file process 0 wrote into logging.run_dir" in log for log in logs), logs[0][-2000:]
+    assert all("must be one directory to every process" in log for log in logs)
+    assert not (tmp_path / "home0" / "two").exists()  # made by this run, refused: removed (the probe file too)
 
 
 @pytest.mark.slow  # the training CLI in two processes, one killed: ~1-2 min on 2 shared cores

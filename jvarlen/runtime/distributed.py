@@ -155,7 +155,13 @@ def report_failure(exit_code: int, error: BaseException) -> None:
         pass
 
 
-def check_same(named: dict) -> None:
+SAME_INPUTS = (
+    "every process must see the same config, data, cost profile (train.cost_profile, ~/.cache/jvarlen/profiles) "
+    "and caches (data.cache_dir) or they would train differently"
+)
+
+
+def check_same(named: dict, advice: str = SAME_INPUTS) -> None:
     """Raises :class:`ConfigError` when the processes of a distributed run disagree on any of
     ``named`` (what -> its text): they would plan, sample or compile differently, and hang in a
     collective or train on different data. A no-op with one process."""
@@ -172,8 +178,4 @@ def check_same(named: dict) -> None:
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(names))
     differ = [k for i, k in enumerate(names) if len(set(every[:, i].tolist())) > 1]
     if differ:
-        raise ConfigError(
-            f"the {jax.process_count()} processes of this run differ in {', '.join(differ)}; every process must "
-            "see the same config, data, cost profile (train.cost_profile, ~/.cache/jvarlen/profiles) and caches "
-            "(data.cache_dir) or they would train differently"
-        )
+        raise ConfigError(f"the {jax.process_count()} processes of this run differ in {', '.join(differ)}; {advice}")

@@ -217,6 +217,17 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     """Run directory, data pipeline, canonical FSDP state (resumed if asked), logger."""
     _check_tokenizer(config)
     distributed.initialize(config.parallel)
+    # at once: jax.distributed's preemption notifier takes SIGTERM until then, and a SIGTERM it
+    # takes during the start-up (minutes on a large corpus) would be ignored (the run trained on)
+    signals = StopSignals().install()
+    try:
+        return _open_with_signals(config, quiet, stop_after, signals)
+    except BaseException:
+        signals.restore()
+        raise
+
+
+def _open_with_signals(config: Config, quiet: bool, stop_after: Optional[int], signals: StopSignals) -> Run:
     enable_persistent_cache(config.parallel.compilation_cache_dir)
     main = jax.process_index() == 0
     quiet = quiet or not main
@@ -232,7 +243,8 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     say(f"[jvarlen] run directory: {run_dir}")
     lock = RunDirLock.acquire(run_dir, say) if main else None  # before anything reads or writes the directory
     try:
-        run = _open_locked(config, main, quiet, say, run_dir, stop_after)
+        _check_one_run_dir(run_dir, main)
+        run = _open_locked(config, main, quiet, say, run_dir, stop_after, signals)
     except BaseException:
         if lock is not None:
             if created:  # a run refused at its start leaves no directory it made (its lock file only)
@@ -243,7 +255,43 @@ def open_run(config: Config, quiet: bool, stop_after: Optional[int]) -> Run:
     return run
 
 
-def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, stop_after: Optional[int]) -> Run:
+def _check_one_run_dir(run_dir: str, main: bool) -> None:
+    """With several processes: refuses a ``logging.run_dir`` that is not one directory to all of
+    them (a local disk per host, or a mount that differs): process 0 writes a file there that every
+    process must read back, and all must list the same checkpoints. Checkpoint writes would otherwise
+    wait for each other's files until Orbax's 20-minute timeout, and a resume would read different
+    steps on different processes."""
+    if jax.process_count() == 1:
+        return
+    import secrets
+
+    from jax.experimental import multihost_utils
+
+    probe = os.path.join(run_dir, f".jvarlen-shared-{jax.process_count()}")
+    if main:
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write(secrets.token_hex(16))
+    try:
+        multihost_utils.sync_global_devices("jvarlen: run directory probe written")
+        try:
+            with open(probe, encoding="utf-8") as f:
+                seen = f.read()
+        except OSError:
+            seen = ""
+        ckpt = os.path.join(run_dir, "checkpoints")
+        steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+        distributed.check_same(
+            {f"the file process 0 wrote into logging.run_dir={run_dir}": seen, "the checkpoints they see there": steps},
+            advice="logging.run_dir must be one directory to every process: a file system they all mount at that path",
+        )
+    finally:
+        if main and os.path.exists(probe):
+            os.remove(probe)
+
+
+def _open_locked(
+    config: Config, main: bool, quiet: bool, say, run_dir: str, stop_after: Optional[int], signals: StopSignals
+) -> Run:
     # an earlier run to overwrite is deleted only once the configuration is accepted (start_logging);
     # until then no checkpointer touches its checkpoints (a checkpointer rotates them on close)
     earlier = None if config.checkpoint.resume else _claim_fresh(run_dir, config.logging.overwrite)
@@ -308,7 +356,7 @@ def _open_locked(config: Config, main: bool, quiet: bool, say, run_dir: str, sto
         end,
         lr_at,
         quiet=quiet,
-        signals=StopSignals().install(),
+        signals=signals,
         earlier_run=earlier,
         nonfinite_run=in_a_row,
         nonfinite_total=skipped,
