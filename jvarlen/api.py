@@ -5,8 +5,11 @@ training loop runs (:mod:`jvarlen.runtime.strategy`), without the loop::
     from jvarlen import api
     session = api.Session.from_config(config)                  # model, AdamW, canonical state
     step = session.layout_step(Layout(dp=8), rows=8, seq_len=1024)
-    batch = step.prepare(documents)                            # numpy: packed rows
+    batch = step.prepare(documents)                            # a Prepared: packed rows and their key
     state, metrics = step(session.state, batch)                # compiled once per signature
+
+A step consumes the state it is given (its buffers are donated): pass the state it returned to the
+next step, not ``session.state`` again.
 
 ``session.plan_step(layout)`` does the same for the elastic pipeline: ``step.prepare(plans,
 documents)`` with one :class:`~jvarlen.plan.plan.Plan` and one list of documents per pipeline.
@@ -15,8 +18,10 @@ Documents are token arrays or :class:`~jvarlen.data.packer.Piece` s.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from jvarlen.config import Config, ModelConfig
@@ -35,7 +40,10 @@ def as_pieces(documents: Sequence, vocab_size: Optional[int] = None) -> list[Pie
     """Token arrays (or pieces) as :class:`Piece` s: document i is corpus document i, whole. Ids
     outside ``[0, vocab_size)`` and documents that are not 1-D are refused (an id past the
     vocabulary made the loss NaN and skipped the update; a negative one wrapped around)."""
-    pieces = [d if isinstance(d, Piece) else Piece(np.asarray(d), i, -1) for i, d in enumerate(documents)]
+    pieces = [
+        d._replace(tokens=np.asarray(d.tokens)) if isinstance(d, Piece) else Piece(np.asarray(d), i, -1)
+        for i, d in enumerate(documents)
+    ]
     for i, p in enumerate(pieces):
         tokens = p.tokens
         if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
@@ -73,7 +81,14 @@ class Step:
         return self.compiled(prepared).batch_shardings
 
     def __call__(self, state, prepared: Prepared):
-        """-> (state, metrics): one optimizer update; ``state`` is donated."""
+        """-> (state, metrics): one optimizer update; ``state`` is donated (consumed): the next step
+        takes the state this one returns. A consumed state is refused (before: JAX read the freed
+        buffers; on several CPU devices the process crashed)."""
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+            raise ValueError(
+                "this train state was consumed by an earlier step (its buffers are donated): pass the state "
+                "that step returned"
+            )
         return self.compiled(prepared)(state, prepared.arrays)
 
 
@@ -106,8 +121,29 @@ class LayoutStep(Step):
             raise ValueError(f"from_arrays needs [rows, seq_len] arrays of one shape; got {shapes}")
         if shapes["tokens"][1] % layout.sp:
             raise ValueError(f"seq_len ({shapes['tokens'][1]}) must be divisible by sp ({layout.sp})")
-        batch = pad_rows(dict(arrays), layout.dp)  # as given where dp divides the rows (global arrays too)
+        _check_packed(arrays, self.strategy.ctx.model.vocab_size)
+        arrays = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in arrays.items()}
+        batch = pad_rows(arrays, layout.dp)  # as given where dp divides the rows (global arrays too)
         return Prepared(("layout", layout, shape_bucket(batch)), batch)
+
+
+def _check_packed(arrays: dict, vocab_size: int) -> None:
+    """What :meth:`LayoutStep.prepare` guarantees of the rows it packs, asked of rows packed
+    elsewhere: integer ids, token ids in the vocabulary (and targets where the loss counts them),
+    something to predict (before: an id past the vocabulary made the loss NaN and skipped the
+    update, a negative one wrapped around, an empty batch still moved the parameters)."""
+    host = {k: np.asarray(v) for k, v in arrays.items()}
+    for key in ("tokens", "targets", "positions", "segment_ids"):
+        if not np.issubdtype(host[key].dtype, np.integer):
+            raise ValueError(f"from_arrays: {key} must hold integers, got {host[key].dtype}")
+    counted = host["loss_mask"] != 0
+    if not counted.any():
+        raise ValueError("from_arrays: loss_mask is zero everywhere (an empty batch): nothing to train on")
+    for key, where in (("tokens", host["segment_ids"] > 0), ("targets", counted)):
+        ids = host[key][where]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"from_arrays: {key} holds id {bad}, outside the model's vocabulary [0, {vocab_size})")
 
 
 class PlanStep(Step):
@@ -152,6 +188,18 @@ class _SessionDefault:
 SESSION_DEFAULT = _SessionDefault()  # a step's residual policy: the session's (``Session.residual_policy``)
 
 
+def _check_state_matches(model: ModelConfig, state) -> None:
+    """Refuses a train state whose embedding is not ``[vocab_size, d_model]`` of ``model`` (a
+    vocabulary the config says is larger would let ids past the table through)."""
+    embed = getattr(getattr(state, "params", {}), "get", lambda _: None)("embed")
+    shape = getattr(embed, "shape", None) or getattr(getattr(embed, "value", None), "shape", None)
+    if shape is not None and tuple(shape) != (model.vocab_size, model.d_model):
+        raise ValueError(
+            f"the train state's embedding is {tuple(shape)}, the model config's [vocab_size, d_model] is "
+            f"({model.vocab_size}, {model.d_model}): the state belongs to another model"
+        )
+
+
 class Session:
     """The model, its optimizer and the train state in the canonical sharding over ``devices``."""
 
@@ -171,6 +219,8 @@ class Session:
         ``residual_policy``: what a step's layers that are not rematerialised keep, unless the step
         names its own (:meth:`from_config`: the config's ``parallel.residual_policy``)."""
         self.residual_policy = residual_policy
+        model = copy.deepcopy(model)  # the caller's config may change later; the compiled steps may not
+        _check_state_matches(model, state)
         self.placement = Placement.for_state(state, optimizer, devices)
         self.state = state if placed else place_global(state, self.placement.state_sharding)
         self.context = StepContext(

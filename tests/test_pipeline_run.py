@@ -147,7 +147,11 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
     graphdef, params = tiny_params(cfg)
     optimizer = optax.sgd(0.5)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
-    session = Session(graphdef, cfg, optimizer, state, compiler_options=values_compile())
+    with pytest.raises(ValueError, match=r"embedding is \(64, 32\), the model config's .* is \(128, 32\)"):
+        Session(graphdef, dataclasses.replace(cfg, vocab_size=128), optimizer, state)  # another model's config
+    mine = dataclasses.replace(cfg)
+    session = Session(graphdef, mine, optimizer, state, compiler_options=values_compile())
+    mine.vocab_size = 128  # the caller's config changed later: the session keeps the model it was given
     step = session.plan_step(LAYOUT, bucket=32)
     (pa, da), (pb, db) = _plan(PLAN_A, 10, "gpipe", 0), _plan(PLAN_B, 20, "gpipe", 5)
     longer = list(da)
@@ -182,11 +186,22 @@ def test_research_steps_refuse_inputs_they_would_run_wrongly():
     packed = layout_step.prepare([np.arange(1, 9), np.arange(2, 12)]).arrays
     three = {k: v[:3] for k, v in packed.items()}
     assert layout_step.from_arrays(three).arrays["tokens"].shape == (8, 16)
-    session.state, metrics = layout_step(session.state, layout_step.from_arrays(three))  # the state is donated
+    consumed = session.state
+    session.state, metrics = layout_step(consumed, layout_step.from_arrays(three))  # the state is donated
     assert np.isfinite(float(metrics["loss_sum"])) and float(metrics["target_tokens"]) == 7 + 9
+    # a consumed state again (before: JAX read freed buffers; the process crashed on 8 CPU devices)
+    with pytest.raises(ValueError, match="consumed by an earlier step"):
+        layout_step(consumed, layout_step.from_arrays(three))
+    real = three["segment_ids"] > 0
     for bad, message in (
         ({k: v for k, v in three.items() if k != "loss_mask"}, "needs the arrays"),
         ({**three, "tokens": three["tokens"][:, :8]}, "of one shape"),
+        # what prepare refuses, packed elsewhere (before: a NaN loss and a skipped update, a wrapped
+        # id, an update from an empty batch)
+        ({**three, "tokens": np.where(real, cfg.vocab_size, 0)}, f"tokens holds id {cfg.vocab_size}, outside"),
+        ({**three, "targets": np.where(three["loss_mask"] > 0, -1, 0)}, "targets holds id -1, outside"),
+        ({**three, "loss_mask": np.zeros_like(three["loss_mask"])}, "loss_mask is zero everywhere"),
+        ({**three, "tokens": three["tokens"].astype(np.float32)}, "tokens must hold integers"),
     ):
         with pytest.raises(ValueError, match=message):
             layout_step.from_arrays(bad)
