@@ -16,6 +16,7 @@ import jvarlen.data.corpus as corpus_module
 from jvarlen.config import DataConfig
 from jvarlen.data import (
     ByteTokenizer,
+    CacheWriteError,
     Corpus,
     DataError,
     DataPipeline,
@@ -388,3 +389,22 @@ def test_token_store_dtype_follows_vocab_size(tmp_path):
     assert big.tokens.dtype == np.uint32 and big.document(0).tolist() == [69_997, 1, 66_000, 69_998]
     with pytest.raises(TokenIdError, match=r"ids\.jsonl \(record 1\): token id 66000 is outside the vocabulary"):
         load_corpus(source, ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_cache_the_disk_refuses_is_a_data_error_naming_the_directory(tmp_path):
+    """A corpus cache write that fails (here each file limited to 4 KiB, as a full disk refuses it)
+    is a :class:`CacheWriteError` naming data.cache_dir and the OS's reason, with nothing left
+    behind (before: the OSError's traceback from the middle of the build)."""
+    import resource
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": "word " * 400 + str(i)}) + "\n" for i in range(20)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: writes fail EFBIG
+    try:
+        with pytest.raises(CacheWriteError, match=r"cannot be written in data.cache_dir .*cache.* \(File too large\)"):
+            _load(tmp_path, "jsonl", path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path / "cache") == []  # the partial build removed
+    assert _load(tmp_path, "jsonl", path).num_documents == 20  # and built once the disk allows it

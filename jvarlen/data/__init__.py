@@ -6,6 +6,7 @@ contracts (:mod:`jvarlen.data.packer` documents the packed arrays).
 
 from jvarlen.data.corpus import Corpus, load_corpus
 from jvarlen.data.errors import (
+    CacheWriteError,
     DataError,
     EmptyCorpusError,
     MissingFieldError,
@@ -23,6 +24,7 @@ from jvarlen.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_t
 
 __all__ = [
     "ByteTokenizer",
+    "CacheWriteError",
     "Corpus",
     "DataError",
     "DataPipeline",

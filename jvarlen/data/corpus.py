@@ -16,6 +16,7 @@ into place, so a reader never sees a half-written cache.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from jvarlen.data.errors import EmptyCorpusError, TokenIdError, UnreadableFileError
+from jvarlen.data.errors import CacheWriteError, EmptyCorpusError, TokenIdError, UnreadableFileError
 from jvarlen.data.sources import Source
 from jvarlen.data.tokenizer import Tokenizer
 
@@ -251,6 +252,10 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# what a write into the cache directory fails with, never a read of the data
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
+
+
 def _sync(directory: pathlib.Path) -> None:
     """fsync of the cache files in ``directory`` and of the directory itself."""
     for name in CACHE_FILES:
@@ -294,5 +299,13 @@ def load_corpus(
             raise UnreadableFileError(
                 f"data.cache_dir {str(root)!r} cannot be created ({error.strerror or error}); choose another directory"
             ) from None
-        _build_cache(source, tokenizer, directory)
+        try:
+            _build_cache(source, tokenizer, directory)
+        except OSError as error:
+            if error.errno not in _FULL:  # reading a data file: its own errors
+                raise
+            raise CacheWriteError(
+                f"the corpus cache cannot be written in data.cache_dir {str(root)!r} ({error.strerror or error}); "
+                "free space there or choose another directory"
+            ) from None
     return Corpus(directory, limit=max_documents, cache_hit=hit)

@@ -29,3 +29,7 @@ class TokenizerError(DataError):
 
 class SamplerStateError(DataError):
     """A saved sampler state does not belong to this corpus / batch shape."""
+
+
+class CacheWriteError(DataError):
+    """The corpus cache could not be written (a full disk, a file-size limit, a read-only mount)."""
