@@ -8,10 +8,9 @@ or shards of at most ``--max_shard_gb`` with their index, and ``tokenizer.json``
 else the run's ``data.tokenizer`` file (none for the byte tokenizer), else, for a run directory
 without ``config.json``, the one beside ``model.init_from``; with the ``tokenizer_config.json``,
 ``special_tokens_map.json`` and ``chat_template.jinja`` beside it (its special tokens, its chat
-template). ``config.json`` carries that
-tokenizer's BOS/EOS/PAD ids (the byte tokenizer's 256/257/258 too) and a
-``max_position_embeddings`` of at least the longest document trained on. Host memory: the
-parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
+template). ``config.json`` carries that tokenizer's BOS/EOS/PAD ids (the byte tokenizer's
+256/257/258 too) and a ``max_position_embeddings`` of at least the longest document trained on.
+Host memory: the parameters once (in their checkpoint dtype) plus one output shard. The files are written beside
 ``OUT_DIR`` and moved in when complete; an ``OUT_DIR`` that already holds a model is refused unless
 ``--overwrite true`` (its earlier weights, index, config and tokenizer files are then replaced), and so
 are the run directory and ``model.init_from`` themselves.
