@@ -214,10 +214,13 @@ def _check_one_run_dir(run_dir: str, main: bool) -> None:
 
     from jax.experimental import multihost_utils
 
-    probe = os.path.join(run_dir, f".jvarlen-shared-{jax.process_count()}")
+    # a name no earlier run used (a client's cached lookup of an old one cannot answer for it)
+    token = secrets.randbits(31) if main else 0  # int32: what a device array holds without x64
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    probe = os.path.join(run_dir, f".jvarlen-shared-{token:x}")
     if main:
         with open(probe, "w", encoding="utf-8") as f:
-            f.write(secrets.token_hex(16))
+            f.write(f"{token:x}")
     try:
         multihost_utils.sync_global_devices("jvarlen: run directory probe written")
         try:
