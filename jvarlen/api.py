@@ -191,8 +191,8 @@ SESSION_DEFAULT = _SessionDefault()  # a step's residual policy: the session's (
 def _check_state_matches(model: ModelConfig, state) -> None:
     """Refuses a train state whose embedding is not ``[vocab_size, d_model]`` of ``model`` (a
     vocabulary the config says is larger would let ids past the table through)."""
-    embed = getattr(getattr(state, "params", {}), "get", lambda _: None)("embed")
-    shape = getattr(embed, "shape", None) or getattr(getattr(embed, "value", None), "shape", None)
+    params = getattr(state, "params", None)
+    shape = getattr(params.get("embed") if hasattr(params, "get") else None, "shape", None)
     if shape is not None and tuple(shape) != (model.vocab_size, model.d_model):
         raise ValueError(
             f"the train state's embedding is {tuple(shape)}, the model config's [vocab_size, d_model] is "

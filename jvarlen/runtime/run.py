@@ -228,15 +228,23 @@ def _check_one_run_dir(run_dir: str, main: bool) -> None:
                 seen = f.read()
         except OSError:
             seen = ""
-        ckpt = os.path.join(run_dir, "checkpoints")
-        steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
         distributed.check_same(
-            {f"the file process 0 wrote into logging.run_dir={run_dir}": seen, "the checkpoints they see there": steps},
+            {
+                f"the file process 0 wrote into logging.run_dir={run_dir}": seen,
+                "the checkpoints they see there": _checkpoint_steps(run_dir),
+            },
             advice="logging.run_dir must be one directory to every process: a file system they all mount at that path",
         )
     finally:
         if main and os.path.exists(probe):
             os.remove(probe)
+
+
+def _checkpoint_steps(run_dir: str) -> list[int]:
+    """The finalized checkpoints' steps in ``run_dir`` as its directory lists them (no Orbax
+    manager: read before a run claims the directory)."""
+    ckpt = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
 
 
 def _open_locked(
@@ -412,8 +420,7 @@ def _earlier_run(run_dir: str) -> Optional[str]:
             records = sum(1 for line in f if line.strip())
         if records:
             found.append(f"{records} metric records")
-    ckpt = os.path.join(run_dir, "checkpoints")
-    steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(ckpt) else []
+    steps = _checkpoint_steps(run_dir)
     if steps:
         found.append(f"checkpoints of steps {', '.join(map(str, steps))}")
     return " and ".join(found) or None
