@@ -166,6 +166,30 @@ def test_the_fused_op_rebuilds_no_layer(plans):
     assert fused < cost.backward_memory(shape, ls) + dctx + stack
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_a_forward_holds_its_stack_unless_it_writes_each_layer(plans, backend):
+    """A forward returns its chunk's residuals stacked over the stage's layers, then scattered to
+    their slots: off the per-layer form the account charges at least that stack where it is larger
+    than the backward's transients (here with residuals 4× the CPU model's, DAPPLE's 4K-token chunks
+    each recomputing one of two layers, so nothing is fused). The per-layer form (a GPU step's)
+    writes each layer's residuals into its slot as the pass goes: only the backward is charged (on
+    the H100 the stack was 2.4-2.6 GiB of the llama-7b step with partial recomputation, under the
+    account until the forward wrote per layer; docs/design/executor-memory.md)."""
+    plan, cost = plans["dapple"]
+    coeffs = cost.coeffs.replace(m_stored_token=4 * cost.coeffs.m_stored_token)
+    cost = cost.replace(coeffs=coeffs.replace(meta=dataclasses.replace(coeffs.meta, backend=backend)))
+    assert cost.executor_per_layer == (backend == "gpu")
+    one = dataclasses.replace(plan, ckpt_layers=np.ones_like(plan.ckpt_layers))
+    account = executor_memory(one, cost)
+    sizes = account.sizes
+    assert not sizes["fused"] and sizes["n_res"] > 0 and not sizes["context"] and not sizes["n_ckpt"]
+    ls, t = cost.layers_per_stage, sizes["bucket"]
+    recomputing = cost.backward_memory(ChunkShape(0, (t,), tail=True), ls)
+    stack = ls * t * coeffs.m_stored_token
+    assert stack > recomputing
+    assert account.terms["op"] == pytest.approx(recomputing if backend == "gpu" else stack)
+
+
 def test_residual_and_checkpoint_slots_round_by_quarters_of_at_most_eight():
     """Rounded up to multiples of 2 · L/pp, a 32-layer stage storing 2 layer-chunks held 64
     residual slots; now units of min(2 · L/pp, 8) slots, by quarters (≤ 25 % more above 8 units).

@@ -100,7 +100,8 @@ def test_per_layer_accumulation_matches_reference(layout):
 def test_whole_documents_match_reference(per_layer_grads):
     """A signature without context (whole documents, 1F1B, the last stage fusing each chunk): on
     XLA:CPU the fused op is one ``jax.vjp`` of the stage (``fused_op``); in the per-layer form it
-    runs as passes, adding each layer's gradients as it descends."""
+    runs as passes, adding each layer's gradients as it descends and writing each layer's
+    residuals and (recomputed layers past the first) input to their slots as it ascends."""
     layout = Layout(dp=2, pp=2, sp=1)
     require_devices(layout.num_devices)
     cfg = tiny_config(num_layers=4)
@@ -108,9 +109,10 @@ def test_whole_documents_match_reference(per_layer_grads):
     pipes = pipelines(layout.dp, plans=(PLAN_C,), seed=300)
     n = pipes[0][1].n_chunks
     scheds = [sch.one_f_one_b(pk.n_chunks, layout.pp) for _, pk in pipes]
-    ckpts = [np.zeros((n, layout.pp), np.int32), np.full((n, layout.pp), 1, np.int32)]
+    mixed = np.broadcast_to(1 + np.arange(n)[:, None] % 2, (n, layout.pp)).astype(np.int32)  # 1 or 2 of 2 layers
+    ckpts = [np.zeros((n, layout.pp), np.int32), mixed]
     sig, batch = pl.prepare_batch([pk for _, pk in pipes], scheds, ckpts, layout, cfg.num_layers)
-    assert sig.context == 0 and sig.fused
+    assert sig.context == 0 and sig.fused and sig.n_res > 0 and sig.n_ckpt > 0
     grads_of = PipelineGrads(graphdef, cfg, sig, params, per_layer_grads=per_layer_grads)
     sums, grads, _ = grads_of(params, batch)
     ref_sums, ref_grads = reference(graphdef, params, [d for docs, _ in pipes for d in docs])

@@ -19,7 +19,10 @@ time line's peak. :func:`executor_memory` is that account, term by term:
   of that and the fused op's: a backward that rebuilds no layer, the stacked dK/dV and the stack
   of one chunk's residuals over the stage's layers ``L/pp · T/sp · m_stored``. Where the step's
   descents add each layer's gradients as they go (a GPU step with whole stage weights,
-  ``StageProgram.per_layer``), one layer's gradients and dK/dV instead of the stage's stacks;
+  ``StageProgram.per_layer``), one layer's gradients and dK/dV instead of the stage's stacks.
+  Elsewhere at least a forward's stacks where they are larger: its chunk's residuals (where the
+  program has residual slots) and layer inputs (checkpoint slots) over the stage's layers,
+  ``L/pp · T/sp · (m_stored + d · e)`` (the per-layer form writes each layer's into its slots);
 - ``tick``: what a tick holds beside its op: both lanes' inputs read out of the stash and the
   inbox ``2 · T/sp · d · e`` (a forward clears its rows of the dK/dV pools in place,
   :func:`jvarlen.parallel.pipeline.slots.clear_rows`: no block of zeros);
@@ -146,6 +149,8 @@ class _Account:
         op = self._backward(sc, bool((ckpt > 0).any())) + dctx
         if rounded["fused"]:  # the fused op rebuilds no layer: its stack holds every layer's residuals
             op = max(op, self._backward(sc, False) + dctx + ls * tl * self.stored)
+        if not self.per_layer:  # a forward returns its layers' residuals and inputs stacked (at least)
+            op = max(op, ls * tl * ((self.stored if rounded["n_res"] else 0) + (d * e if rounded["n_ckpt"] else 0)))
         terms = dict(
             states=self.states,
             stash=(rounded["n_stash"] + 1) * tl * d * e,

@@ -31,10 +31,11 @@ from flax import nnx
 from jvarlen.model import AttentionInputs
 from jvarlen.parallel.layouts import DP, PP, SP
 from jvarlen.parallel.pipeline import slots
+from jvarlen.parallel.pipeline.forward import forward_lane, forward_op, per_layer_modes
 from jvarlen.parallel.pipeline.fused import fused_op
 from jvarlen.parallel.pipeline.rest import StageRest, add_part
 from jvarlen.parallel.pipeline.signature import CHUNK_KEYS
-from jvarlen.parallel.pipeline.stage import KEEP, NONE, PLAIN, StageShapes, maybe, residual_shapes
+from jvarlen.parallel.pipeline.stage import KEEP, NONE, StageShapes, maybe, residual_shapes
 from jvarlen.plan.schedule import BWD, FUSED, FWD, LANE_B, LANE_F
 
 DATA = DP  # pipelines (independent data) over the layout's dp axis
@@ -57,8 +58,9 @@ class StageProgram:
     No buffer leaves an op's conditional: what an op reads is gathered before it (or, for the
     context and residual buffers, read one layer at a time inside it) and what it writes is
     scattered after it (to the dummy slot, or dropped, when it writes nothing), so every buffer
-    update is in place in the tick loop's carry. In the per-layer form lane 0's ops run outside
-    any conditional and the buffers they read and add to go through their passes' loop carries."""
+    update is in place in the tick loop's carry. In the per-layer form lane 0's ops, and lane 1's
+    where they store residuals or inputs, run outside any conditional, and the buffers they read,
+    add to and write go through their passes' loop carries."""
 
     def __init__(self, s: StageShapes, layers, rest, b, scale, cpu: bool = True, per_layer: Optional[bool] = None):
         self.s, self.layers, self.scale = s, layers, scale
@@ -158,7 +160,7 @@ class StageProgram:
                 y, _, _, res = fns.ascend(f, mode if m is None else m, lp, x, *slots.context_of(s, r, c, j))
                 return y, res
 
-            y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
+            y, residuals = self.layer_pass(up, x, (jnp.arange(s.ls), per_layer_modes(mode, s.ls)))
             loss, d_head, dy_head = maybe(is_fused, lambda: self.rest.head_vjp(c, y))
             dy = jnp.where(is_fused, dy_head, r["dy"])
         else:
@@ -232,39 +234,7 @@ class StageProgram:
 
     fused_op = fused_op  # lane 0's fused F and B as one ``jax.vjp`` (no context, whole weights)
 
-    def forward_op(self, r, op, k, kind=None):
-        """Lane 1: the forward of chunk k, keeping the residuals of the layers it stores (and, on the
-        last stage, the loss and its cotangent), or nothing (``op`` idle). ``kind``: FWD, static, or
-        None (``op``, data)."""
-        s, fns, c = self.s, self.s.fns, self.chunk(k)
-        is_f = op == FWD if kind is None else True
-        run = jnp.where(c["res_slot"] != s.dummy("res"), KEEP, PLAIN) if s.stores else PLAIN
-        mode = run if kind == FWD else jnp.where(is_f, run, NONE)
-        embedded = maybe(is_f & self.is_first, lambda: self.rest.embed(c, after=r["x"]))
-        x = jnp.where(self.is_first, embedded, r["x"])
-        f = fns.layer(c["inputs"], c["local_positions"])
-
-        def up(x, lp, xs):
-            j, m = xs
-            y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *slots.context_of(s, r, c, j))
-            return y, (k_own, v_own, res, x if s.sig.n_ckpt else None)  # x: the layer's input
-
-        y, (k_own, v_own, residuals, inputs) = self.layer_pass(up, x, (jnp.arange(s.ls), _per_layer(mode, s.ls)))
-
-        loss, d_head, dy = maybe(is_f & self.is_last, lambda: self.rest.head_vjp(c, y))
-        return dict(
-            self.out,
-            send_act=y,
-            x_in=x,
-            dy_last=dy,
-            res=residuals if s.stores else [],
-            layer_inputs=inputs if s.sig.n_ckpt else None,
-            k_own=k_own * c["own"],
-            v_own=v_own * c["own"],
-            d_head=d_head,
-            loss=loss,
-            count=jnp.where(is_f, s.ls, 0).astype(jnp.int32),
-        )
+    forward_op = forward_op  # lane 1's op (:mod:`.forward`)
 
     def idle(self, r, op, k):
         return self.out
@@ -339,44 +309,7 @@ class StageProgram:
         carry["count"] = carry["count"] + o["count"]
         return o["send_grad"], o["count"] >= 0
 
-    def forward_lane(self, carry, t, run, lane0_done):
-        """Lane 1: a forward (or nothing; its pass runs where ``run``). Files its input (first stage)
-        and its loss cotangent (last stage), stores its residuals and K/V; returns the activation it
-        sends on. Its writes wait for ``lane0_done`` (see :meth:`tick`)."""
-        s = self.s
-        op, k, c = self.lane_op(t, LANE_F)
-        is_f = op == FWD
-        sl = c["slots"]
-        reads = self.reads(carry, c, ())
-        kind = None if s.fns.weights.dp_sharded else FWD
-        o = jax.lax.cond(run, partial(self.forward_op, kind=kind), self.idle, reads, op, k)
-        writes = is_f & lane0_done
-        carry["stash"] = slots.put(
-            carry["stash"], jnp.where(writes & self.is_first, sl["stash"], s.dummy("stash")), o["x_in"]
-        )
-        carry["grad_in"] = slots.put(
-            carry["grad_in"], jnp.where(writes & self.is_last, sl["grad"], s.dummy("grad")), o["dy_last"]
-        )
-        if s.sig.n_ckpt:  # recomputed layers' inputs (layer 0's is the stash): slot n_ckpt is dropped
-            ckpt_f = jnp.where(writes, c["ckpt_slot"], s.dummy("ckpt"))
-            carry["ckpt"] = carry["ckpt"].at[ckpt_f].set(o["layer_inputs"].astype(carry["ckpt"].dtype), mode="drop")
-        if s.stores:
-            res_f = jnp.where(writes, c["res_slot"], s.dummy("res"))  # slot n_res: dropped
-            carry["res"] = [
-                buf.at[res_f].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(carry["res"], o["res"])
-            ]
-        if s.Sc:
-            # own K/V into the document's pool rows, and those rows' dK/dV cleared: later slices'
-            # backwards add into them (a region's rows held another document's before)
-            rows = jnp.where(writes, slots.own_rows(s, c), s.R + jnp.arange(s.T, dtype=jnp.int32))
-            carry["ck"] = slots.put_rows(carry["ck"], rows, o["k_own"])
-            carry["cv"] = slots.put_rows(carry["cv"], rows, o["v_own"])
-            carry["dck"] = slots.clear_own_rows(carry["dck"], c, writes)
-            carry["dcv"] = slots.clear_own_rows(carry["dcv"], c, writes)
-        carry["g_rest"] = add_part(carry["g_rest"], o["d_head"])  # the last stage's
-        carry["loss"] = carry["loss"] + o["loss"]
-        carry["count"] = carry["count"] + o["count"]
-        return o["send_act"]
+    forward_lane = forward_lane  # lane 1: its op, then the buffers it writes (:mod:`.forward`)
 
     def tick(self, carry, t):
         s, b = self.s, self.b
@@ -493,8 +426,3 @@ class StageProgram:
 
     def run(self):
         return self.finish(self.accumulate())
-
-
-def _per_layer(mode, layers: int):
-    """A pass's ``xs`` entry for layer modes: None where the mode is static (every layer's)."""
-    return None if isinstance(mode, int) else jnp.broadcast_to(mode, (layers,))

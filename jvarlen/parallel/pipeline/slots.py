@@ -62,6 +62,21 @@ def add_layer(s, acc, j, c, active, dlp, dck, dcv) -> dict:
     return acc
 
 
+def keep_layer(s, acc, j, c, writes, x, res) -> dict:
+    """A forward's layer ``j`` written into the step's buffers ``acc`` in place, where ``writes``:
+    its residuals ``res`` into its residual slot (``acc["res"]``), its input ``x`` into its
+    checkpoint slot (``acc["ckpt"]``). A layer without a slot (one past the last) is dropped. A
+    forward that writes as it goes holds one layer's residuals, not the stage's stack of them."""
+    acc = dict(acc)
+    if "res" in acc:
+        slot = jnp.where(writes, c["res_slot"][j], s.dummy("res"))
+        acc["res"] = [buf.at[slot].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(acc["res"], res)]
+    if "ckpt" in acc:
+        slot = jnp.where(writes, c["ckpt_slot"][j], s.dummy("ckpt"))
+        acc["ckpt"] = acc["ckpt"].at[slot].set(x.astype(acc["ckpt"].dtype), mode="drop")
+    return acc
+
+
 def dctx_rows(s, c, takes):
     """The pool rows ``[Sc]`` an op's context dK/dV go to: chunk ``c``'s context rows where the op
     ``takes`` them, else rows past the pool (dropped)."""
