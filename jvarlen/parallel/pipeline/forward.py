@@ -1,8 +1,8 @@
 """Lane 1 of the pipeline executor's tick: a forward op and the buffers it writes (methods of
 :class:`jvarlen.parallel.pipeline.executor.StageProgram`; device code). In the per-layer form
 (``StageProgram.per_layer``, a GPU step's, stage weights whole) the op runs outside any
-conditional and writes each layer's residuals and input into their slots as its pass goes, so it
-never holds a chunk's stack of them over the stage's layers (an ``L/pp``-layer stack: 2.4-2.6 GiB
+conditional and writes each layer's residuals, input and own K/V into their slots and pool rows
+as its pass goes, so it never holds a chunk's stack of them over the stage's layers (an ``L/pp``-layer stack: 2.4-2.6 GiB
 of the llama-7b H100 step with partial recomputation, docs/design/executor-memory.md)."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ def forward_op(self, r, op, k, kind=None, into=None, writes=None):
     """Lane 1: the forward of chunk k, keeping the residuals of the layers it stores (and, on the
     last stage, the loss and its cotangent), or nothing (``op`` idle). ``kind``: FWD, static, or
     None (``op``, data).
-    ``into``: run outside any conditional, the pass writing each layer's residuals and input
-    into their slots of ``into``'s buffers (``res``, ``ckpt``) as it goes, where ``writes``;
-    returned updated as ``into``. Without it, returned stacked over the stage's layers, which a
-    stored chunk's forward then holds whole (``L/pp`` layers' residuals) before they are
-    scattered to their slots."""
+    ``into``: run outside any conditional, the pass writing each layer's residuals, input and
+    own K/V into their slots and pool rows of ``into``'s buffers (``res``, ``ckpt``, ``ck``,
+    ``cv``) as it goes, where ``writes``; returned updated as ``into``. Without it, returned
+    stacked over the stage's layers, which the forward then holds whole (``L/pp`` layers'
+    residuals) before they are scattered to their slots."""
     s, fns, c = self.s, self.s.fns, self.chunk(k)
     is_f = op == FWD if kind is None else True
     run = jnp.where(c["res_slot"] != s.dummy("res"), KEEP, PLAIN) if s.stores else PLAIN
@@ -38,17 +38,23 @@ def forward_op(self, r, op, k, kind=None, into=None, writes=None):
     def up(carry, lp, xs):
         x, acc = carry if into is not None else (carry, None)
         j, m = xs
-        y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *slots.context_of(s, r, c, j))
+        ctx = slots.context_of(s, r if acc is None else dict(r, **acc), c, j)  # the pools as the loop carries them
+        y, k_own, v_own, res = fns.ascend(f, mode if m is None else m, lp, x, *ctx)
         if acc is None:
             return y, (k_own, v_own, res, x if s.sig.n_ckpt else None)  # x: the layer's input
-        return (y, slots.keep_layer(s, acc, j, c, writes, x, res)), (k_own, v_own)
+        return (y, slots.keep_layer(s, acc, j, c, writes, x, res, k_own, v_own)), None
 
     xs = (jnp.arange(s.ls), per_layer_modes(mode, s.ls))
     if into is None:
         y, (k_own, v_own, residuals, inputs) = self.layer_pass(up, x, xs)
-        stacks = dict(res=residuals if s.stores else [], layer_inputs=inputs if s.sig.n_ckpt else None)
+        stacks = dict(
+            res=residuals if s.stores else [],
+            layer_inputs=inputs if s.sig.n_ckpt else None,
+            k_own=k_own * c["own"],
+            v_own=v_own * c["own"],
+        )
     else:
-        (y, into), (k_own, v_own) = self.layer_pass(up, (x, into), xs)
+        (y, into), _ = self.layer_pass(up, (x, into), xs)
         stacks = dict(into=into)
 
     loss, d_head, dy = maybe(is_f & self.is_last, lambda: self.rest.head_vjp(c, y))
@@ -58,8 +64,6 @@ def forward_op(self, r, op, k, kind=None, into=None, writes=None):
         x_in=x,
         dy_last=dy,
         **stacks,
-        k_own=k_own * c["own"],
-        v_own=v_own * c["own"],
         d_head=d_head,
         loss=loss,
         count=jnp.where(is_f, s.ls, 0).astype(jnp.int32),
@@ -77,12 +81,15 @@ def forward_lane(self, carry, t, run, lane0_done):
     sl = c["slots"]
     reads = self.reads(carry, c, ())
     writes = is_f & lane0_done
-    if self.per_layer and not s.fns.weights.group and (s.stores or s.sig.n_ckpt):
+    if self.per_layer and not s.fns.weights.group and (s.stores or s.sig.n_ckpt or s.Sc):
         # no conditional around the op (its layers skip the work where it is idle): each layer's
-        # residuals and input go to their slots as the pass goes, in place in its loop's carry
+        # residuals, input and own K/V go to their slots and rows as the pass goes, in place in
+        # its loop's carry
         into = dict(res=carry["res"]) if s.stores else {}
         if s.sig.n_ckpt:
             into["ckpt"] = carry["ckpt"]
+        if s.Sc:
+            into["ck"], into["cv"] = carry["ck"], carry["cv"]
         o = self.forward_op(reads, op, k, into=into, writes=writes)
         carry.update(o["into"])
     else:
@@ -103,9 +110,10 @@ def forward_lane(self, carry, t, run, lane0_done):
     if s.Sc:
         # own K/V into the document's pool rows, and those rows' dK/dV cleared: later slices'
         # backwards add into them (a region's rows held another document's before)
-        rows = jnp.where(writes, slots.own_rows(s, c), s.R + jnp.arange(s.T, dtype=jnp.int32))
-        carry["ck"] = slots.put_rows(carry["ck"], rows, o["k_own"])
-        carry["cv"] = slots.put_rows(carry["cv"], rows, o["v_own"])
+        if "into" not in o:
+            rows = slots.written_own_rows(s, c, writes)
+            carry["ck"] = slots.put_rows(carry["ck"], rows, o["k_own"])
+            carry["cv"] = slots.put_rows(carry["cv"], rows, o["v_own"])
         carry["dck"] = slots.clear_own_rows(carry["dck"], c, writes)
         carry["dcv"] = slots.clear_own_rows(carry["dcv"], c, writes)
     carry["g_rest"] = add_part(carry["g_rest"], o["d_head"])  # the last stage's

@@ -62,12 +62,19 @@ def add_layer(s, acc, j, c, active, dlp, dck, dcv) -> dict:
     return acc
 
 
-def keep_layer(s, acc, j, c, writes, x, res) -> dict:
+def keep_layer(s, acc, j, c, writes, x, res, k_own, v_own) -> dict:
     """A forward's layer ``j`` written into the step's buffers ``acc`` in place, where ``writes``:
     its residuals ``res`` into its residual slot (``acc["res"]``), its input ``x`` into its
-    checkpoint slot (``acc["ckpt"]``). A layer without a slot (one past the last) is dropped. A
-    forward that writes as it goes holds one layer's residuals, not the stage's stack of them."""
+    checkpoint slot (``acc["ckpt"]``), the chunk's own K/V ``[T, K, D]`` into its document's rows
+    of the context pools (``acc["ck"]``, ``acc["cv"]``; where a later slice reads them). A layer
+    without a slot (one past the last) is dropped. A forward that writes as it goes holds one
+    layer's residuals and K/V, not the stage's stack of them."""
     acc = dict(acc)
+    if "ck" in acc:
+        rows = written_own_rows(s, c, writes)
+        for name, kv in (("ck", k_own), ("cv", v_own)):
+            own = (kv * c["own"][0]).astype(acc[name].dtype)
+            acc[name] = acc[name].at[j, rows].set(own, mode="drop", unique_indices=True)
     if "res" in acc:
         slot = jnp.where(writes, c["res_slot"][j], s.dummy("res"))
         acc["res"] = [buf.at[slot].set(r.astype(buf.dtype), mode="drop") for buf, r in zip(acc["res"], res)]
@@ -104,6 +111,11 @@ def own_rows(s, c):
     them; past the pool elsewhere."""
     ar = jnp.arange(s.T, dtype=jnp.int32)
     return jnp.where(_owned(c), c["ctx_base"] + c["C"] + ar, s.R + ar)
+
+
+def written_own_rows(s, c, writes):
+    """:func:`own_rows` where a forward ``writes``, else rows past the pool (dropped)."""
+    return jnp.where(writes, own_rows(s, c), s.R + jnp.arange(s.T, dtype=jnp.int32))
 
 
 def clear_own_rows(pool, c, writes):
