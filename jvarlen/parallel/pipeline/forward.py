@@ -2,8 +2,9 @@
 :class:`jvarlen.parallel.pipeline.executor.StageProgram`; device code). In the per-layer form
 (``StageProgram.per_layer``, a GPU step's, stage weights whole) the op runs outside any
 conditional and writes each layer's residuals, input and own K/V into their slots and pool rows
-as its pass goes, so it never holds a chunk's stack of them over the stage's layers (an ``L/pp``-layer stack: 2.4-2.6 GiB
-of the llama-7b H100 step with partial recomputation, docs/design/executor-memory.md)."""
+as its pass goes, so it never holds a chunk's stack of them over the stage's layers (the
+residuals' stack: 2.4-2.6 GiB of the llama-7b H100 step with partial recomputation,
+docs/design/executor-memory.md)."""
 
 from __future__ import annotations
 
