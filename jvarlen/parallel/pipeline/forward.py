@@ -72,10 +72,10 @@ def forward_op(self, r, op, k, kind=None, into=None, writes=None):
 
 
 def forward_lane(self, carry, t, run, lane0_done):
-    """Lane 1: a forward (or nothing; its pass runs where ``run``, in the per-layer form its layers'
-    work where the op is a forward). Files its input (first stage)
-    and its loss cotangent (last stage), stores its residuals and K/V; returns the activation it
-    sends on. Its writes wait for ``lane0_done`` (see :meth:`tick`)."""
+    """Lane 1: a forward (or nothing; its pass runs where ``run``; in the per-layer form its layers
+    work where the op is a forward). Files its input (first stage) and its loss cotangent (last
+    stage), stores its residuals and K/V; returns the activation it sends on. Its writes wait for
+    ``lane0_done`` (see :meth:`tick`)."""
     s = self.s
     op, k, c = self.lane_op(t, LANE_F)
     is_f = op == FWD
