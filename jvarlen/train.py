@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from jvarlen.plan.api import PlanningError
     from jvarlen.runtime.checkpoint import (
         CheckpointMismatchError,
+        CheckpointReadError,
         CheckpointWriteError,
         NonFiniteStateError,
         NoReadableCheckpointError,
@@ -51,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         report_failure(2, error)
         return 2
-    except (NonFiniteError, NonFiniteStateError, NoReadableCheckpointError, CheckpointWriteError) as error:
+    except (
+        NonFiniteError,
+        NonFiniteStateError,
+        NoReadableCheckpointError,
+        CheckpointReadError,
+        CheckpointWriteError,
+    ) as error:
         print(f"jvarlen.train: {type(error).__name__}: {error}", file=sys.stderr)
         report_failure(1, error)
         return 1

@@ -225,7 +225,7 @@ def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_pat
         raise OSError(errno.EIO, "Input/output error")
 
     with monkeypatch.context() as m:
-        m.setattr(ocp.CheckpointManager, "restore", failing_read)
+        m.setattr(ocp.CompositeCheckpointHandler, "restore", failing_read)
         with pytest.raises(OSError, match="Input/output error"):
             train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
@@ -235,7 +235,7 @@ def test_a_train_state_of_another_structure_is_refused_and_not_set_aside(tmp_pat
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
 
     with monkeypatch.context() as m:
-        m.setattr(ocp.CheckpointManager, "restore", out_of_memory)
+        m.setattr(ocp.CompositeCheckpointHandler, "restore", out_of_memory)
         with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
             train(_config(run_dir, cache_dir, *args, "--checkpoint.resume=true"), quiet=True)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]

@@ -600,6 +600,63 @@ def test_a_killed_process_ends_the_others_within_the_heartbeat_timeout(tmp_path)
     assert waited < 10 + 30, waited  # the timeout and a margin for a loaded machine, not JAX's 100 s
 
 
+# process 1 of a resume reads its part of checkpoint 4 as ``FAULT`` (the processes of a run read
+# their own shards: a stale network file system, a host with a bad disk)
+_READ_FAULT = """
+import errno, runpy, sys
+import orbax.checkpoint as ocp
+read = ocp.CompositeCheckpointHandler.restore
+def faulty(self, directory, *a, **k):
+    if directory.name == "4":
+        raise {fault}
+    return read(self, directory, *a, **k)
+ocp.CompositeCheckpointHandler.restore = faulty
+runpy.run_module("jvarlen.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # three two-process runs of the training CLI: ~2-3 min on 2 shared cores
+def test_a_checkpoint_one_process_cannot_read_is_skipped_or_refused_by_every_process(tmp_path):
+    """The processes agree on each checkpoint they read. A checkpoint one process finds damaged is
+    set aside by all, and all resume from the older one (before: that process fell back alone, so
+    the two restored different steps and then waited in different collectives; on the CPU backend
+    both failed 30 s later); a storage error on one process stops both, nothing moved."""
+    import json
+
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    run_dir = tmp_path / "two"
+    steps = [a if not a.startswith("--train.steps") else "--train.steps=4" for a in CLI_ARGS]
+    _run_two_processes(_train_command(tmp_path, [*steps, "--checkpoint.every_steps=2"], _free_port()))
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+
+    def resume_with(fault: str, train_steps: int) -> tuple[list, list[str]]:
+        args = [a if not a.startswith("--train.steps") else f"--train.steps={train_steps}" for a in CLI_ARGS]
+        command = _train_command(
+            tmp_path, [*args, "--checkpoint.every_steps=2", "--checkpoint.resume=true"], _free_port()
+        )
+        wrapped = [sys.executable, "-c", _READ_FAULT.format(fault=fault)]
+        procs = _start_two_processes(lambda pid: wrapped + command(pid)[3:] if pid == 1 else command(pid))
+        return procs, _finish(procs, timeout=300)
+
+    procs, logs = resume_with('OSError(errno.EIO, "Input/output error")', 6)
+    assert [p.returncode for p in procs] == [1, 1], [log[-2000:] for log in logs]
+    assert "Input/output error" in logs[1]
+    assert "CheckpointReadError: process 1 of this run cannot read checkpoint 4" in logs[0], logs[0][-2000:]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+
+    procs, logs = resume_with('ValueError("a shard of it is damaged")', 4)
+    assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
+    told = [line for line in logs[0].splitlines() if "checkpoint 4 cannot be read" in line]  # process 0 speaks
+    assert len(told) == 1 and "(process 1: ValueError: a shard of it is damaged)" in told[0], logs[0][-2000:]
+    assert "resumed from step 2" in logs[0]
+    names = sorted(os.listdir(run_dir / "checkpoints"))
+    assert names[:2] == ["2", "4"] and len(names) == 3 and names[2].startswith("4.unreadable-"), names
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [3, 4]
+
+
 @pytest.mark.slow  # two JAX processes start and stop before training: ~20-40 s on 2 shared cores
 def test_processes_that_differ_in_config_or_data_are_refused_before_training(tmp_path):
     """Processes of one run must sample, plan and compile alike: a process given another config

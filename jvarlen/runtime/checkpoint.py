@@ -31,8 +31,10 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jvarlen.config import CheckpointConfig, ModelConfig
+from jvarlen.runtime import distributed
 
 
 class CheckpointMismatchError(ValueError):
@@ -41,6 +43,11 @@ class CheckpointMismatchError(ValueError):
 
 class NoReadableCheckpointError(RuntimeError):
     """Resume was asked for, checkpoints exist, and none of them can be read."""
+
+
+class CheckpointReadError(RuntimeError):
+    """Another process of a distributed run could not read the checkpoint for a reason that is not
+    damage (a storage error, out of memory): every process stops, nothing is moved."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -199,56 +206,84 @@ class Checkpointer:
         new saves) and the next older one is tried; :class:`NoReadableCheckpointError` when none can
         be read. A checkpoint of another model or train-state structure raises
         :class:`CheckpointMismatchError` and a storage error is raised as it is (no fallback, nothing
-        moved: neither is damage)."""
+        moved: neither is damage). In a distributed run each process reads its part and all agree
+        on every candidate (:func:`jvarlen.runtime.distributed.agree`): one that any process finds
+        damaged is skipped by all, and where one process must raise, the others raise
+        :class:`CheckpointReadError` naming it."""
         steps = self.all_steps() if step is None else [step]
         if not steps:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
         skipped = []
         for candidate in reversed(steps):
-            try:
-                saved_model = self.manager.restore(candidate, args=ocp.args.Composite(model=ocp.args.JsonRestore()))[
-                    "model"
-                ]
-            except Exception as error:  # noqa: BLE001 (a read failure that is not a storage error: damaged)
-                _raise_unless_damage(error, candidate, self.directory)
-                skipped.append(self._set_aside(candidate, error))
-                continue
-            _check_same_model(saved_model, dataclasses.asdict(model_cfg), self.directory)
-            try:
-                restored = self.manager.restore(
-                    candidate,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                    ),
+            outcome, found = self._read(candidate, abstract_state, model_cfg)
+            # every process reads its part of the state: all must agree on each candidate, or one
+            # would fall back alone and train from another step than the others (or wait for ever)
+            verdicts = distributed.agree(f"restore/{candidate}", outcome + "\n" + _verdict_text(found))
+            if outcome == "raise":
+                raise found
+            elsewhere = [(p, *v.split("\n", 1)) for p, v in enumerate(verdicts) if not v.startswith("ok")]
+            stops = [(p, why) for p, kind, why in elsewhere if kind == "raise"]
+            if stops:
+                p, why = stops[0]
+                raise CheckpointReadError(
+                    f"process {p} of this run cannot read checkpoint {candidate} in {self.directory} ({why}); "
+                    "nothing was moved: fix the cause and resume again"
                 )
-            except Exception as error:  # noqa: BLE001
-                _raise_unless_damage(error, candidate, self.directory)
-                skipped.append(self._set_aside(candidate, error))
+            if elsewhere:  # damaged as one of the processes sees it: every process skips it
+                p, _, why = elsewhere[0]
+                skipped.append(self._set_aside(candidate, why if len(verdicts) == 1 else f"process {p}: {why}"))
                 continue
-            finite, sums = inspect_state(restored["state"])
+            # read by every process: the checks run on the whole state (collectives), alike everywhere
+            state, data = found
+            finite, sums = inspect_state(state)
             if not finite:
-                skipped.append(self._set_aside(candidate, ValueError("state holds NaN or Inf")))
+                skipped.append(self._set_aside(candidate, "ValueError: state holds NaN or Inf"))
                 continue
-            data = dict(restored["data"])
             differs = verify_checksums(sums, data.pop(CHECKSUMS, None))
             if differs is not None:
-                error = ValueError(f"{differs} does not hold the bits that were written (checksum)")
-                skipped.append(self._set_aside(candidate, error))
+                reason = f"ValueError: {differs} does not hold the bits that were written (checksum)"
+                skipped.append(self._set_aside(candidate, reason))
                 continue
-            return candidate, restored["state"], data
+            return candidate, state, data
         raise NoReadableCheckpointError(
             f"none of the {len(steps)} checkpoints in {self.directory} can be read: " + "; ".join(skipped) + ". "
             "They were renamed <step>.unreadable-<time> (nothing deleted); rename one back to <step> to retry it"
         )
 
-    def _set_aside(self, step: int, error: Exception) -> str:
-        reason = read_error_summary(error)
+    def _read(self, step: int, abstract_state: Any, model_cfg: ModelConfig) -> tuple[str, Any]:
+        """This process's read of checkpoint ``step`` -> ("ok", (state, data)), ("damaged", the
+        error) or ("raise", the error to raise: another model or state structure, a storage error,
+        out of memory). No collective: a process whose read failed must still reach the agreement.
+        Reads with Orbax's handler, which holds no barrier (Orbax's restore waits for every process
+        at its end, which a process whose read failed never reaches)."""
+        directory = epath.Path(self.directory) / str(step)
+        handler = ocp.CompositeCheckpointHandler()
+        try:
+            saved_model = handler.restore(directory, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+            _check_same_model(saved_model, dataclasses.asdict(model_cfg), self.directory)
+            restored = handler.restore(
+                directory,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
+            )
+        except CheckpointMismatchError as error:
+            return "raise", error
+        except Exception as error:  # noqa: BLE001 (a read failure that is not a storage error: damaged)
+            try:
+                _raise_unless_damage(error, step, self.directory)
+            except Exception as other:  # noqa: BLE001
+                return "raise", other
+            return "damaged", error
+        return "ok", (restored["state"], dict(restored["data"]))
+
+    def _set_aside(self, step: int, reason: str) -> str:
         path = os.path.join(self.directory, str(step))
         aside = f"{path}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
         if os.path.exists(aside):  # the same step set aside twice within a second
             aside = f"{aside}-{len([n for n in os.listdir(self.directory) if n.startswith(os.path.basename(aside))])}"
         if jax.process_index() == 0 and os.path.isdir(path):
             os.rename(path, aside)
+        # renamed before any process lists the steps again; every process names process 0's
+        aside = distributed.agree(f"set-aside/{step}", aside)[0]
         self.manager.reload()
         self.say(f"[jvarlen] checkpoint {step} cannot be read ({reason}); moved to {aside}, trying an older one")
         return f"step {step}: {reason}"
@@ -348,6 +383,13 @@ def _quiet_storage_failures() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+def _verdict_text(found: Any) -> str:
+    """What the other processes are told of this process's read (one line)."""
+    if isinstance(found, BaseException):
+        return " ".join(read_error_summary(found).split())[:1000]
+    return ""
 
 
 def _out_of_memory(error: Exception) -> bool:

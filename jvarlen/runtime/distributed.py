@@ -155,6 +155,27 @@ def report_failure(exit_code: int, error: BaseException) -> None:
         pass
 
 
+_AGREE = "jvarlen/agree/"  # coordination-service key prefix of :func:`agree`
+_agreements = 0  # agreements so far in this process: the same sequence on every process
+AGREE_TIMEOUT_S = 3600.0  # a checkpoint read of a large state on a slow file system may take this long
+
+
+def agree(tag: str, mine: str, timeout_s: float = AGREE_TIMEOUT_S) -> list[str]:
+    """Every process's ``mine`` for ``tag``, in process order (``[mine]`` with one process), through
+    the coordination service's key-value store: neither a device collective nor a barrier, so it
+    cannot be mismatched with one that another library (Orbax) holds. Every process must call it,
+    in the same order; a process that dies first ends the others (:class:`FailureWatch`, the
+    heartbeat) rather than this call's timeout."""
+    global _agreements
+    if jax.process_count() == 1:
+        return [mine]
+    _agreements += 1
+    client = coordination_client()
+    key = f"{_AGREE}{_agreements}/{tag}/"
+    client.key_value_set(key + str(jax.process_index()), mine)
+    return [client.blocking_key_value_get(key + str(p), int(timeout_s * 1000)) for p in range(jax.process_count())]
+
+
 SAME_INPUTS = (
     "every process must see the same config, data, cost profile (train.cost_profile, ~/.cache/jvarlen/profiles) "
     "and caches (data.cache_dir) or they would train differently"
