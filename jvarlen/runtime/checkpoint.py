@@ -6,8 +6,9 @@ Guarantees beyond Orbax's atomic step directories:
 * rotation (``checkpoint.max_to_keep``) is done here, and only once a newer checkpoint has been
   finalized: an older checkpoint is never deleted before its successor is complete, so a crash
   or a failed write never leaves the run without its newest good checkpoint;
-* resume falls back from a checkpoint that cannot be read to the newest one that can, says which
-  it skipped and why, and moves the damaged one aside (renamed, never deleted) so that the run
+* resume falls back from a checkpoint that cannot be read to the newest one that can (every
+  process of a distributed run to the same one), says which it skipped and why, and moves the
+  damaged one aside (renamed, never deleted) so that the run
   can write that step again. Damage includes a state whose bits differ from those written
   (every leaf's checksums are saved beside it, :func:`state_checksums`). What is not damage is
   not moved: a train state of another structure (another optimizer chain, another jvarlen
