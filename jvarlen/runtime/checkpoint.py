@@ -8,9 +8,9 @@ Guarantees beyond Orbax's atomic step directories:
   or a failed write never leaves the run without its newest good checkpoint;
 * resume falls back from a checkpoint that cannot be read to the newest one that can (every
   process of a distributed run to the same one), says which it skipped and why, and moves the
-  damaged one aside (renamed, never deleted) so that the run
-  can write that step again. Damage includes a state whose bits differ from those written
-  (every leaf's checksums are saved beside it, :func:`state_checksums`). What is not damage is
+  damaged one aside (renamed, never deleted) so that the run can write that step again. Damage
+  includes a state whose bits differ from those written (every leaf's checksums are saved beside
+  it, :func:`state_checksums`). What is not damage is
   not moved: a train state of another structure (another optimizer chain, another jvarlen
   version) is a :class:`CheckpointMismatchError`, a storage error (an ``OSError`` other than a
   missing file, or TensorStore's equivalent: :func:`is_storage_error`) or running out of memory is
