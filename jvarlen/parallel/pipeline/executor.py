@@ -66,6 +66,9 @@ class StageProgram:
         self.s, self.layers, self.scale = s, layers, scale
         # lane 0 adds each layer's gradients as it goes (:meth:`backward_lane`); None: off XLA:CPU
         self.per_layer = not cpu if per_layer is None else per_layer
+        # the per-layer form as both lanes run it: stage weights whole, each op outside a conditional
+        # adding and writing into the step's buffers inside its passes
+        self.in_passes = self.per_layer and not s.fns.weights.group
         self.b = jax.tree.map(lambda a: a[0], b)
         self.stage = jax.lax.axis_index(PP)
         self.mine = jax.lax.axis_index(SP) * s.Tl  # first token of this device's part of a chunk
@@ -278,7 +281,7 @@ class StageProgram:
         reads = self.reads(carry, c, ("dy", "dctx", "res") if s.Sc else ("dy", "res"))
         if s.fns.weights.dp_sharded:  # one pass for every op kind: its layers' gathers are matched
             o = jax.lax.cond(run, self.backward_op, self.idle, reads, op, k)
-        elif not self.per_layer or s.fns.weights.group:
+        elif not self.in_passes:
             # a branch per op kind: the layers' gathers only where one runs; the fused op of a
             # signature without context, one ``jax.vjp`` of the stage (:meth:`fused_op`)
             fused = partial(self.backward_op, kind=FUSED) if s.sig.fused else self.idle

@@ -82,7 +82,7 @@ def forward_lane(self, carry, t, run, lane0_done):
     sl = c["slots"]
     reads = self.reads(carry, c, ())
     writes = is_f & lane0_done
-    if self.per_layer and not s.fns.weights.group and (s.stores or s.sig.n_ckpt or s.Sc):
+    if self.in_passes and (s.stores or s.sig.n_ckpt or s.Sc):
         # no conditional around the op (its layers skip the work where it is idle): each layer's
         # residuals, input and own K/V go to their slots and rows as the pass goes, in place in
         # its loop's carry
