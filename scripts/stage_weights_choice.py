@@ -3,9 +3,11 @@ batches (seeds 1000, 1001, ... as ``bench_strategies.py --parts compare``) plann
 stage weights replicated and sharded, which is the choice ``parallel.stage_weights=auto`` makes
 once per run (jvarlen.runtime.strategies.groups.choose_stage_weights), and, per batch, the faster
 of the two (what choosing per iteration could reach; the runtime does not do that). Prints a
-markdown table.
+markdown table; with ``--per_batch``, then a table of every batch (its longest document, both
+predictions and strategies), which shows what decides the choice.
 
     python scripts/stage_weights_choice.py --only '13B' --iterations 6
+    python scripts/stage_weights_choice.py --only 'commoncrawl 32B.*64 dev' --per_batch
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> int:
     ap.add_argument("--only", default="13B", help="settings whose name matches this regex")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--policy", default="auto")
+    ap.add_argument("--per_batch", action="store_true", help="also a table of every batch of every setting")
     args = ap.parse_args()
     _, options_type = strategy_policies()[args.policy]
     print(
@@ -35,16 +38,19 @@ def main() -> int:
         "| per run / per batch | strategies sharded (first batches) |"
     )
     print("|---|---|---|---|---|---|---|")
+    batches = []  # (setting, seed, longest document, documents, replicated run, sharded run)
     for setting in [s for s in bs.settings(False) if re.search(args.only, s.name)]:
         row = {}
         for sharded in (False, True):
             variant = dataclasses.replace(setting, sharded_stage_weights=sharded)
             costs, pool = bs.costs_for(variant), bs.corpus(variant.workload, variant.context)
             options, _ = bs.prepare(options_type, pool, costs, variant.context)
-            runs = [bs.run_plan(args.policy, bs.token_batch(pool, variant.tokens, 1000 + i), costs, options)
-                    for i in range(args.iterations)]  # fmt: skip
+            docs = [bs.token_batch(pool, variant.tokens, 1000 + i) for i in range(args.iterations)]
+            runs = [bs.run_plan(args.policy, d, costs, options) for d in docs]
             times = [r["iter_s"] for r in runs if "error" not in r]
             row[sharded] = (statistics.fmean(times) if len(times) == len(runs) else None, runs)
+        for i, (d, a, b) in enumerate(zip(docs, row[False][1], row[True][1])):
+            batches.append((setting.name, 1000 + i, max(d), len(d), a, b))
         per_batch = zip(*([None if "error" in r else r["iter_s"] for r in row[s][1]] for s in (False, True)))
         best = [min(t for t in ts if t is not None) for ts in per_batch if any(t is not None for t in ts)]
         either = statistics.fmean(best) if len(best) == args.iterations else None
@@ -60,6 +66,13 @@ def main() -> int:
         print(
             f"| {setting.name} | {cell(rep)} | {cell(sha)} | {ratio} | {cell(either)} | {gain} | {shown} |", flush=True
         )
+    if args.per_batch:
+        print("\n| setting | seed | longest document | documents | replicated s | sharded s | replicated | sharded |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, seed, longest, n, a, b in batches:
+            times = [("no plan" if "error" in r else f"{r['iter_s']:.3f}") for r in (a, b)]
+            shown = [r.get("strategy", "no plan") for r in (a, b)]
+            print(f"| {name} | {seed} | {longest:,} | {n} | {times[0]} | {times[1]} | {shown[0]} | {shown[1]} |")
     return 0
 
 
