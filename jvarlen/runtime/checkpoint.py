@@ -274,6 +274,8 @@ class Checkpointer:
             except Exception as other:  # noqa: BLE001
                 return "raise", other
             return "damaged", error
+        finally:
+            handler.close()  # its item handlers' resources, one handler per candidate read
         return "ok", (restored["state"], dict(restored["data"]))
 
     def _set_aside(self, step: int, reason: str) -> str:
