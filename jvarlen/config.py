@@ -110,7 +110,7 @@ ROPE_OVERRIDES = ("rope_theta", "rope_scaling")
 # The model fields a command line or config file names (set by parse_config while it builds the
 # config): such a field is the user's value even where it equals the default.
 _EXPLICIT_MODEL_FIELDS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("explicit", default=frozenset())
-STAGE_WEIGHTS = ("replicated", "sharded", "auto")  # parallel.stage_weights
+STAGE_WEIGHTS = ("replicated", "sharded", "auto", "per_iteration")  # parallel.stage_weights
 
 
 @dataclasses.dataclass
@@ -372,7 +372,9 @@ class ParallelConfig:
     # the stage) or "sharded" (ZeRO-3 over the stage's sp devices and the dp pipelines: 1/(dp·sp)
     # each, a layer gathered whole one layer ahead of its use; the planner's memory model follows);
     # "auto" (strategy policies only): whichever the planner predicts faster on the run's first
-    # sample batches, chosen once at the start.
+    # sample batches, chosen once at the start; "per_iteration" (strategy policies only): every
+    # iteration planned both ways and run as the faster plan (twice the planning, both variants'
+    # programs compiled as they are used).
     stage_weights: str = "replicated"
 
     @property
@@ -570,9 +572,10 @@ class Config:
             "checkpoint.resume=true continues the run in logging.run_dir and logging.overwrite=true deletes "
             "it; set one of them",
         )
+        chosen = self.parallel.stage_weights
         _require(
-            self.parallel.stage_weights != "auto" or self.plan.uses_groups,
-            f"parallel.stage_weights=auto is chosen by planning sample batches with a strategy policy "
+            chosen not in ("auto", "per_iteration") or self.plan.uses_groups,
+            f"parallel.stage_weights={chosen} is chosen by planning batches with a strategy policy "
             f"(plan.policy in {STRATEGY_POLICIES}); with plan.policy={self.plan.policy} set it to replicated or sharded",
         )
 

@@ -62,9 +62,9 @@ def main(argv=None) -> int:
             continue
         rows = layers // pp
         for parts in args.parts:
-            pull = strategy.exchange.compile_pull(("pull", rows, parts)).memory_analysis()
+            pull = strategy.exchange.compile_pull(("pull", rows, parts, sharded == "sharded")).memory_analysis()
             pulled = pull.output_size_in_bytes
-            update = strategy.exchange.compile_update(("update", rows, parts)).memory_analysis()
+            update = strategy.exchange.compile_update(("update", rows, parts, sharded == "sharded")).memory_analysis()
             pushed = update.argument_size_in_bytes - sum(
                 a.size * a.dtype.itemsize // args.devices for a in jax.tree.leaves(ctx.abstract_state)
             )

@@ -2,7 +2,8 @@
 batches (seeds 1000, 1001, ... as ``bench_strategies.py --parts compare``) planned with the
 stage weights replicated and sharded, which is the choice ``parallel.stage_weights=auto`` makes
 once per run (jvarlen.runtime.strategies.groups.choose_stage_weights), and, per batch, the faster
-of the two (what choosing per iteration could reach; the runtime does not do that). Prints a
+of the two (what ``parallel.stage_weights=per_iteration`` plans, jvarlen.plan.stage_weights.plan_each,
+which first ranks a plan that fits memory by the planner's account). Prints a
 markdown table; with ``--per_batch``, then a table of every batch (its longest document, both
 predictions and strategies), which shows what decides the choice.
 

@@ -323,6 +323,37 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
             assert 0 <= held - (2 * stage + 2 * rows) < 512, group.scheme  # and the output tuple's pointers
 
 
+def test_each_plan_runs_with_the_stage_weights_it_names_one_step_after_the_other(setup):
+    """``parallel.stage_weights=per_iteration``: a step runs each plan as its ``stage_weights`` say,
+    whatever the step's own setting. MIXED sharded (its groups' stages split in 4, 2 and 2), then
+    the same groups replicated on the state that step left: each step equals the single-device
+    reference step from the same state; the replicated step's group programs and exchange are
+    compiled anew (keys of their own), not the sharded ones reused."""
+    cfg, graphdef, params, docs = setup
+    optimizer = optax.sgd(0.5)
+    reference = jax.jit(make_train_step(single_program_grads(graphdef), optimizer), compiler_options=values_compile())
+    expected = _state(params, optimizer)
+    session = Session(graphdef, cfg, optimizer, _state(params, optimizer), compiler_options=values_compile())
+    step = session.strategy_step(residual_policy="all")  # replicated where a plan does not say
+    state, keys = session.state, []
+    for mode in ("sharded", "replicated"):
+        plan = dataclasses.replace(strategy_plan(cfg, MIXED), stage_weights=mode)
+        prepared = step.prepare(plan, docs)
+        assert prepared.info["stage_weights"] == mode
+        keys.append({k for k in session.cache.keys() if isinstance(k, tuple)})
+        state, metrics = step(state, prepared)
+        expected, ref_metrics = reference(expected, reference_batch(docs))
+        np.testing.assert_allclose(float(metrics["loss_sum"]), float(ref_metrics["loss_sum"]), rtol=1e-5)
+        np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+        assert_tree_close(state.params, expected.params)
+        assert [k[5] for k in prepared.key[1]] == [mode] * 3  # the group programs' keys
+        assert prepared.key[3] == (2 if mode == "sharded" else 1)  # the exchange's parts
+    new = {k for k in session.cache.keys() if isinstance(k, tuple)} - keys[1]
+    assert {k[0] for k in new} >= {"group", "pull", "update"}
+    assert all(k[5] == "replicated" for k in new if k[0] == "group")
+    assert all(k[3] is False for k in new if k[0] in ("pull", "update"))  # no chunks to read
+
+
 def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(setup, monkeypatch):
     """With a bf16 compute dtype the pull moves the weight matrices in bf16 (half the bytes, as the
     cost model's ``sync_bytes_per_param`` charges) and the group's program takes them back to fp32

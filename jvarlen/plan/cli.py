@@ -301,8 +301,8 @@ STRATEGY_FIELDS = (
 def scheme_costs_from_config(path: str, cluster: str, devices: int, policy: str):
     """(:class:`~jvarlen.plan.strategy.SchemeCosts` of the config's model on ``devices`` devices of
     ``cluster`` (0: the config's dp * pp * sp) with the analytic profile, the config's
-    ``parallel.stage_weights``); ``auto`` plans replicated (:func:`run_strategy` chooses). The
-    config is read as run with ``policy`` (``--policy``), which ``stage_weights: auto`` needs."""
+    ``parallel.stage_weights``); ``auto`` and ``per_iteration`` plan replicated (:func:`run_strategy`
+    chooses). The config is read as run with ``policy`` (``--policy``), which they need."""
     from jvarlen.config import ConfigError, load_config
     from jvarlen.layout import Layout, resolve_layout
     from jvarlen.plan.hardware import CLUSTERS
@@ -343,30 +343,35 @@ def run_strategy(cli: PlanCli) -> int:
     if cli.context > 0:
         corpus = [min(x, cli.context) for x in corpus]
     planned = list(batches(corpus, cli.batch_size, cli.iterations, cli.seed, 0))
-    if stage_weights != "auto":
+    solve = None
+    if stage_weights not in ("auto", "per_iteration"):
         options = strategy_options(cli, corpus, costs)
     else:  # as the run chooses, on the batches planned here
         import functools
 
-        from jvarlen.plan.stage_weights import choose
+        from jvarlen.plan.stage_weights import CHOICES, choose, plan_each
 
         @functools.cache  # the chosen one is used again below (Hydraulis' proposal: once per choice)
         def variant(choice):
             chosen = SchemeCosts(costs.base.with_stage_weights(choice == "sharded"), costs.num_devices)
             return chosen, strategy_options(cli, corpus, chosen)
 
-        choice, why = choose(cli.policy, planned[:4], variant)
-        print(f"parallel.stage_weights=auto: {why}")
-        costs, options = variant(choice)
+        if stage_weights == "auto":
+            choice, why = choose(cli.policy, planned[:4], variant)
+            print(f"parallel.stage_weights=auto: {why}")
+            costs, options = variant(choice)
+        else:  # each batch as the faster of both
+            solve = functools.partial(plan_each, cli.policy, variants={c: variant(c) for c in CHOICES})
     records, last, first = [], None, None
     for i, batch in enumerate(planned):
         try:
-            plan = plan_strategy(cli.policy, batch, costs, options)
+            plan = solve(batch) if solve else plan_strategy(cli.policy, batch, costs, options)
         except PlanningError as e:
             records.append({"iteration": i, "policy": cli.policy, "error": str(e), "tokens_in": sum(batch)})
             continue
         rec = {"iteration": i, **{k: plan.stats.get(k) for k in STRATEGY_FIELDS}}
         rec.update(n_groups=len(plan.groups), devices=costs.num_devices, events=plan.events)
+        rec.update(stage_weights=plan.stage_weights)
         records.append(rec)
         first = first or plan
         last = plan
@@ -377,7 +382,7 @@ def run_strategy(cli: PlanCli) -> int:
     if cli.gantt and first is not None:
         from jvarlen.plan.gantt import draw_strategy_gantt
 
-        draw_strategy_gantt(first, costs, cli.gantt)
+        draw_strategy_gantt(first, variant(first.stage_weights)[0] if solve else costs, cli.gantt)
     return 0 if all("error" not in r for r in records) else 1
 
 
@@ -406,6 +411,7 @@ def format_strategy_table(policy: str, records: list[dict], summary: dict) -> st
         lines.append(
             f"{r['iteration']:>4} {r['solve_seconds']:8.3f} {r['iteration_time_s']:9.3f} {r['propagation_s']:8.3f} "
             f"{r['bubble_ratio']:7.1%} {r['peak_memory_fraction']:5.0%}  {r['strategy']}"
+            + (", stage weights sharded" if r.get("stage_weights") == "sharded" else "")
         )
     if "solve_seconds" in summary:
         lines.append(

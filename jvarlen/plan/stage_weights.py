@@ -8,14 +8,17 @@ reduce-scatters each layer's gradient, a layer ahead of (and behind) the compute
 and the cost model charges what a layer's compute does not hide
 (:meth:`~jvarlen.plan.cost.CostModel.weight_comm_times`): short micro-batches on wide groups wait.
 The run (``jvarlen.runtime.strategies.groups.choose_stage_weights``) and ``python -m jvarlen.plan``
-choose with :func:`choose`.
+choose once with :func:`choose` (``auto``), or every iteration with :func:`plan_each`
+(``per_iteration``): a batch whose longest document needs the room that sharding leaves runs
+sharded, the others replicated (docs/design/heterogeneous.md, "Stage weights chosen per run").
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 from jvarlen.plan import cpsat
 from jvarlen.plan.options import PlanningError
@@ -58,4 +61,37 @@ def choose(policy: str, samples: Sequence[Sequence[int]], variant: Callable) -> 
     return chosen, why + f"{other}: {outcome(other)})"
 
 
-__all__ = ["CHOICES", "choose"]
+def plan_each(policy: str, lengths: Sequence[int], variants: Mapping[str, tuple[Any, Any]]):
+    """One iteration planned under each of :data:`CHOICES` (``variants[choice] -> (SchemeCosts,
+    options)``): the plan that fits memory by the planner's account, then the faster (a tie keeps
+    replicated), its ``stage_weights`` the choice, ``stats["stage_weights_estimates"]`` each
+    choice's predicted iteration (or why it could not plan) and ``stats["solve_seconds"]`` both
+    solves. Raises :class:`PlanningError` naming both reasons when neither plans."""
+    from jvarlen.plan.sp_assemble import fits_memory
+    from jvarlen.plan.strategy import plan_strategy
+
+    start, best, estimates = time.perf_counter(), None, {}
+    for choice in CHOICES:
+        costs, options = variants[choice]
+        try:
+            plan = plan_strategy(policy, list(lengths), costs, options)
+        except PlanningError as error:
+            estimates[choice] = {"error": str(error)[:300]}
+            continue
+        estimates[choice] = {
+            "iteration_time_s": float(plan.stats["iteration_time_s"]),
+            "fits_memory": fits_memory(plan),
+        }
+        rank = (not fits_memory(plan), float(plan.stats["iteration_time_s"]))
+        if best is None or rank < best[0]:
+            best = (rank, plan)
+    if best is None:
+        reasons = "; ".join(f"{c}: {e['error']}" for c, e in estimates.items())
+        raise PlanningError(f"{policy} plans this batch with neither stage weights: {reasons}")
+    plan = best[1]
+    plan.stats["stage_weights_estimates"] = estimates
+    plan.stats["solve_seconds"] = time.perf_counter() - start
+    return plan
+
+
+__all__ = ["CHOICES", "choose", "plan_each"]

@@ -146,6 +146,9 @@ class StrategyPlan:
 
     ``stats`` holds at least ``iteration_time_s`` (predicted: slowest group + pull/push),
     ``solve_seconds`` and ``policy``; ``events`` notable planning events (fallbacks, time limits).
+    ``stage_weights``: how the groups hold their stages' layers, as the plan's cost model assumed
+    (``"replicated"`` or ``"sharded"``, :func:`plan_strategy` sets it; None, a plan built by hand:
+    as the step that runs it is set).
     """
 
     policy: str
@@ -154,7 +157,12 @@ class StrategyPlan:
     groups: tuple[GroupPlan, ...]
     stats: dict = dataclasses.field(default_factory=dict)
     events: list = dataclasses.field(default_factory=list)
+    stage_weights: Optional[str] = None
     version: int = STRATEGY_VERSION
+
+    def __post_init__(self):
+        if self.stage_weights not in (None, "replicated", "sharded"):
+            raise PlanError(f"stage_weights must be replicated, sharded or None, got {self.stage_weights!r}")
 
     @property
     def schemes(self) -> tuple[Scheme, ...]:
@@ -201,6 +209,7 @@ class StrategyPlan:
             "groups": [g.to_json() for g in self.groups],
             "stats": _jsonable(self.stats),
             "events": list(self.events),
+            "stage_weights": self.stage_weights,
         }
 
     @classmethod
@@ -216,6 +225,7 @@ class StrategyPlan:
             groups=tuple(GroupPlan.from_json(g) for g in data["groups"]),
             stats=dict(data.get("stats", {})),
             events=list(data.get("events", [])),
+            stage_weights=data.get("stage_weights"),
         )
 
     def dumps(self) -> str:
@@ -469,6 +479,7 @@ def plan_strategy(policy: str, lengths: Sequence[int], costs: SchemeCosts, optio
     if not len(lengths) or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
     plan = fn([int(x) for x in lengths], costs, options_type() if options is None else options)
+    plan.stage_weights = "sharded" if costs.base.stage_weights_sharded else "replicated"
     for key, value in plan.group_summary().items():  # what a policy leaves out, from its groups
         plan.stats.setdefault(key, value)
     return plan

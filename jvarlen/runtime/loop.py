@@ -14,7 +14,6 @@ import jax
 
 from jvarlen.config import Config, to_dict
 from jvarlen.layout import Layout, resolve_layout
-from jvarlen.plan.strategy import SchemeCosts
 from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
@@ -47,14 +46,18 @@ def make_strategy(
     )
     wait = config.plan.wait
     if config.plan.uses_groups:
-        from jvarlen.runtime.strategies.groups import GroupsStrategy, choose_stage_weights, strategy_options
-        from jvarlen.runtime.strategies.pipeline import cost_model
+        from jvarlen.plan.stage_weights import CHOICES
+        from jvarlen.runtime.strategies.groups import GroupsStrategy, choose_stage_weights, stage_weight_variant
 
         if config.parallel.stage_weights == "auto":
             chosen = choose_stage_weights(config, run.pipeline, layout, run.say)
             config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=chosen))
-        costs = SchemeCosts(cost_model(config, layout, run.say), layout.num_devices)
-        options = strategy_options(config, run.pipeline, costs, run.say)
+        variants = None
+        if config.parallel.stage_weights == "per_iteration":
+            variants = {c: stage_weight_variant(config, run.pipeline, layout, c, run.say) for c in CHOICES}
+            costs, options = variants[CHOICES[0]]
+        else:
+            costs, options = stage_weight_variant(config, run.pipeline, layout, config.parallel.stage_weights, run.say)
         return GroupsStrategy(
             ctx,
             costs,
@@ -65,6 +68,7 @@ def make_strategy(
             wait=wait,
             residual=config.parallel.residual_policy,
             stage_weights=config.parallel.stage_weights,
+            variants=variants,
         )
     if layout.pp > 1:
         from jvarlen.runtime.strategies.pipeline import PipelineStrategy, cost_model, planner_options

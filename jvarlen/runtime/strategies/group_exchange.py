@@ -2,15 +2,17 @@
 resizes and the ``update`` programs (device code: :mod:`jvarlen.parallel.groups`).
 
 Every device's buffers in the pull's output and the update's input have one shape: ``K`` layer
-rows (the iteration's largest stage) and, with ``parallel.stage_weights=sharded``, ``1/parts``
-of each weight axis (``parts``: the smallest number of chunks any group splits its stage into,
-:func:`jvarlen.parallel.groups.stage_shards`), starting at the device's own chunk. A group whose
+rows (the iteration's largest stage) and, where a group shards its stage weights (the plan's
+``stage_weights``), ``1/parts`` of each weight axis (``parts``: the smallest number of chunks any
+group splits its stage into, :func:`jvarlen.parallel.groups.stage_shards`; 1 where some group holds
+its stage whole), starting at the device's own chunk. A group whose
 stage has fewer layers or smaller chunks cuts its pulled buffers and pads its gradient rows in
 small ``rows`` programs on its own devices, so that its compiled step serves any ``K`` and
 ``parts``. A group whose executor splits the embedding table and head by vocabulary keeps each
 device's rows of the pulled copy (``rest_in``, before its program) and returns each device's rows
 of their gradients, made whole in a small ``rest_out`` program on its devices.
-Cache keys: ``("pull", K, parts)``, ``("update", K, parts)``, ``("rest_in" | "rest_out", pp, sp, devices)``,
+Cache keys: ``("pull", K, parts, chunked)``, ``("update", K, parts, chunked)`` (``chunked``: some
+group splits its stage, so the exchange reads each device's chunk from the stage table), ``("rest_in" | "rest_out", pp, sp, devices)``,
 ``("rows", pp, sp, devices, "stage" | "partial", rows in, rows out, chunks in, chunks out)``.
 """
 
@@ -49,13 +51,13 @@ SUM_KEYS = ("loss_sum", "target_tokens", "real_tokens")
 
 
 class Exchange(MethodCaches):
-    """The pull, resize and update programs of one run (``sharded``: stage weights sharded within
-    each group, so the exchange moves chunks; ``vocab_max_sp``: as the groups' executors split the
-    vocabulary, ``Layout.vocab_shards``). What a layout's group holds is asked every step (its
-    views), so it is memoized per layout."""
+    """The pull, resize and update programs of one run (``vocab_max_sp``: as the groups' executors
+    split the vocabulary, ``Layout.vocab_shards``). A group holds its stage's layers whole on every
+    device or, ``sharded`` (its plan's ``stage_weights``), split over them, so the exchange moves
+    chunks. What a group holds is asked every step (its views), so it is memoized per layout."""
 
-    def __init__(self, ctx: StepContext, sharded: bool, vocab_max_sp=None):
-        self.ctx, self.sharded, self.vocab_max_sp = ctx, sharded, vocab_max_sp
+    def __init__(self, ctx: StepContext, vocab_max_sp=None):
+        self.ctx, self.vocab_max_sp = ctx, vocab_max_sp
         layers, _ = split_params(ctx.placement.state_sharding.params)
         self.axes = [fsdp_axis(s) for s in jax.tree.leaves(layers)]  # each layer leaf's canonical axis
 
@@ -79,14 +81,14 @@ class Exchange(MethodCaches):
         return layout.vocab_shards(self.ctx.model.vocab_size, self.vocab_max_sp)
 
     @method_cache()
-    def shards(self, layout: Layout) -> int:
+    def shards(self, layout: Layout, sharded: bool) -> int:
         """Chunks a group of ``layout`` splits its stage into (1: whole)."""
-        return stage_shards(layout, self.pulled[0], self.axes, self.sharded)
+        return stage_shards(layout, self.pulled[0], self.axes, sharded)
 
-    def group_axes(self, layout: Layout):
+    def group_axes(self, layout: Layout, sharded: bool):
         """Per layer leaf, the axis a group of ``layout`` shards its stage on (None: whole), or None
         where the stage is whole (``make_pipeline_grads``' ``group_axes``)."""
-        return [a or None for a in self.axes] if self.shards(layout) > 1 else None
+        return [a or None for a in self.axes] if self.shards(layout, sharded) > 1 else None
 
     def _widths(self, chunks: int) -> list:
         """Per layer leaf, its shape on one device of a stage split into ``chunks`` (whole rows)."""
@@ -96,17 +98,17 @@ class Exchange(MethodCaches):
         ]
 
     @method_cache()
-    def stage_specs(self, layout: Layout) -> tuple:
+    def stage_specs(self, layout: Layout, sharded: bool) -> tuple:
         """Per layer leaf, how a group of ``layout`` holds its stage: its ``P(pp)`` stack, a sharded
         stage's leaves split on their axis over ``(dp, sp)`` too."""
-        chunked = self.shards(layout) > 1
+        chunked = self.shards(layout, sharded) > 1
         return tuple(P(PP, *([None] * (a - 1)), (DP, SP)) if chunked and a else P(PP) for a in self.axes)
 
-    def views(self, layers: list, mesh, layout: Layout) -> list:
+    def views(self, layers: list, mesh, layout: Layout, sharded: bool) -> list:
         """A group's view of the pulled layer leaves (no copy), as :meth:`stage_specs`."""
         return [
             stage_view(x, mesh, len(spec) - 1 if len(spec) > 1 else None)
-            for x, spec in zip(layers, self.stage_specs(layout))
+            for x, spec in zip(layers, self.stage_specs(layout, sharded))
         ]
 
     def partial_shapes(self, rows: int, parts: int) -> dict:
@@ -131,16 +133,15 @@ class Exchange(MethodCaches):
 
     # ---- programs
     def compile_pull(self, key):
-        _, rows, parts = key
+        _, rows, parts, chunked = key
         placement = self.ctx.placement
         mesh, replicated, axes = placement.state_mesh, placement.replicated, self.axes
         moved = self.pulled
-        sharded = self.sharded
 
         def pull(params, table, shards):
             layers, rest = jax.tree.map(lambda x, a: x.astype(a.dtype), split_params(params), moved)
             rest = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), rest)
-            return pull_stages(layers, table, axes, mesh, shards if sharded else None, parts), rest
+            return pull_stages(layers, table, axes, mesh, shards if chunked else None, parts), rest
 
         abstract = self.ctx.abstract_state.params
         layers, rest = split_params(abstract)
@@ -164,7 +165,7 @@ class Exchange(MethodCaches):
         leaves = jax.tree.leaves(layers)
         w_in, w_out = self._widths(chunks_in), self._widths(chunks_out)
         if what == "stage":  # the view's and the group's own specs
-            specs, shapes = list(self.stage_specs(layout)), []
+            specs, shapes = list(self.stage_specs(layout, chunks_out > 1)), []  # chunks_out: the group's
             for spec, w in zip(specs, w_in):  # global: [pp·K, ...], a split axis over (dp, sp)
                 shape = [pp * rows_in, *w]
                 if len(spec) > 1:
@@ -254,10 +255,10 @@ class Exchange(MethodCaches):
         return fn.lower(args).compile(compiler_options=self.ctx.compiler_options)
 
     def compile_update(self, key) -> CompiledStep:
-        _, rows, parts = key
+        _, rows, parts, chunked = key
         ctx = self.ctx
         placement = ctx.placement
-        n, num_layers, axes, sharded = len(placement.devices), ctx.model.num_layers, self.axes, self.sharded
+        n, num_layers, axes = len(placement.devices), ctx.model.num_layers, self.axes
         layers, rest = split_params(ctx.abstract_state.params)
         layer_def, rest_def = jax.tree.structure(layers), jax.tree.structure(rest)
         layers, rest = jax.tree.leaves(layers), jax.tree.leaves(rest)
@@ -265,7 +266,7 @@ class Exchange(MethodCaches):
 
         def sum_partials(params, batch):
             stage_rows = layer_def.unflatten([batch[f"l/{i}"] for i in range(len(layers))])
-            weights, shards = batch["w"], batch["c"] if sharded else None
+            weights, shards = batch["w"], batch["c"] if chunked else None
             mesh = placement.state_mesh
             summed = sum_stage_rows(stage_rows, batch["t"], weights, axes, mesh, num_layers, shards, parts)
             scale = lambda x: x * weights.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731

@@ -6,8 +6,8 @@ update of the canonical state (Hydraulis §5.1-5.2; FlexSP and DCP groups are ``
 One iteration runs these compiled programs, all from the one compile cache:
 
 * ``pull``: all devices; each device's pipeline stage's decoder layers handed to it (weight
-  matrices in the compute dtype, by an all-to-all; whole, or with ``stage_weights=sharded`` the
-  device's chunk of them), the rest of the model all-gathered
+  matrices in the compute dtype, by an all-to-all; whole, or where the plan's ``stage_weights``
+  is ``sharded`` the device's chunk of them), the rest of the model all-gathered
   (:func:`jvarlen.parallel.groups.pull_stages`);
 * one program per group, on the group's devices: the pipeline executor's gradients of the group's
   plan (:func:`jvarlen.parallel.pipeline.make_pipeline_grads` on the stages' own layers; a plan in
@@ -23,9 +23,9 @@ One iteration runs these compiled programs, all from the one compile cache:
 
 The groups' programs are dispatched one after the other without waiting (asynchronous dispatch on
 disjoint devices: they run concurrently); nothing syncs with the host until the loop reads the
-metrics. Executables are cached per (scheme, devices, pipeline signature), so a strategy that
-reuses known groups compiles nothing. The pull and the update are compiled per ``K``, the
-iteration's largest stage (in layers), and chunk count, which every device's buffers share; a
+metrics. Executables are cached per (scheme, devices, pipeline signature, stage weights), so a
+strategy that reuses known groups compiles nothing. The pull and the update are compiled per
+``K``, the iteration's largest stage (in layers), and chunk count, which every device's buffers share; a
 group of shorter stages (or smaller chunks) cuts and pads its rows in small ``rows`` programs, so
 its own program serves any of them; a group that splits the embedding table and head by
 vocabulary over its sp devices keeps each device's rows of the pulled rest in a small ``rest_in``
@@ -90,6 +90,15 @@ def strategy_options(config, pipeline, costs, say=lambda _: None):
     return hydraulis if policy == "hydraulis" else AutoOptions(options=(("hydraulis", hydraulis),))
 
 
+def stage_weight_variant(config, pipeline, layout, choice: str, say=lambda _: None):
+    """(SchemeCosts, the policy's options) of the run with ``parallel.stage_weights=choice``."""
+    from jvarlen.runtime.strategies.pipeline import cost_model
+
+    chosen = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
+    costs = SchemeCosts(cost_model(chosen, layout, say), layout.num_devices)
+    return costs, strategy_options(chosen, pipeline, costs, say)
+
+
 def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: int = 4) -> str:
     """``parallel.stage_weights`` for a run that sets ``auto``: :func:`jvarlen.plan.stage_weights.choose`
     on the sampler's first ``batches`` batches (from its seed, whatever step the run resumes at),
@@ -98,19 +107,13 @@ def choose_stage_weights(config, pipeline, layout, say=lambda _: None, batches: 
 
     from jvarlen.data.sampler import TokenBudgetSampler
     from jvarlen.plan.stage_weights import choose
-    from jvarlen.runtime.strategies.pipeline import cost_model
 
     start = time.perf_counter()
     sampler = TokenBudgetSampler(
         pipeline.pieces.length, config.data.rows_per_batch, config.data.seq_len, seed=config.data.seed
     )
     samples = [[int(pipeline.pieces.length[p]) for p in sampler.next().piece_ids] for _ in range(batches)]
-
-    def variant(choice):
-        chosen = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, stage_weights=choice))
-        costs = SchemeCosts(cost_model(chosen, layout, lambda _: None), layout.num_devices)
-        return costs, strategy_options(chosen, pipeline, costs)
-
+    variant = functools.partial(stage_weight_variant, config, pipeline, layout)
     chosen, why = choose(config.plan.policy, samples, variant)
     say(f"[jvarlen] parallel.stage_weights=auto: {why}; chosen in {time.perf_counter() - start:.1f} s")
     return chosen
@@ -155,12 +158,12 @@ class GroupsStep:
         # every group's views of the pulled buffers first (the same device buffers), then nothing
         # else holds them: a buffer goes once the programs that read it are done, the whole rest of
         # a group that keeps its rows (rest_in) before the group's program runs
-        views = [self.exchange.views(jax.tree.leaves(layers), group[1], group[4]) for _, group in local]
+        views = [self.exchange.views(jax.tree.leaves(layers), group[1], *group[4]) for _, group in local]
         rests = [jax.tree.leaves(jax.tree.map(lambda a, m=group[1]: for_group(a, m), rest)) for _, group in local]
         rest_def = jax.tree.structure(rest)
         del layers, rest
         outs = []
-        for at, (g, (program, _, batch_shardings, resize, layout, rest_io)) in enumerate(local):
+        for at, (g, (program, _, batch_shardings, resize, (layout, _), rest_io)) in enumerate(local):
             g_layers, g_rest = views[at], rests[at]
             views[at] = rests[at] = None  # this group's views: held by the calls below only
             g_layers = layer_def.unflatten(g_layers if resize is None else resize[0](g_layers))
@@ -199,7 +202,12 @@ class GroupsStep:
 
 class GroupsStrategy(ExecutionStrategy):
     """Device groups of different schemes per iteration, chosen by a strategy policy
-    (``hydraulis``, ``flexsp``, ``dcp``, ``homogeneous``, ``auto``; :mod:`jvarlen.plan.strategy`)."""
+    (``hydraulis``, ``flexsp``, ``dcp``, ``homogeneous``, ``auto``; :mod:`jvarlen.plan.strategy`).
+
+    ``stage_weights``: how the groups hold their stages' layers where a plan does not say
+    (``StrategyPlan.stage_weights``; the planner's plans do); ``per_iteration`` plans every
+    iteration under both, ``variants[choice] = (costs, options)``, and runs the one it picks
+    (:func:`jvarlen.plan.stage_weights.plan_each`)."""
 
     name = "groups"
 
@@ -218,27 +226,39 @@ class GroupsStrategy(ExecutionStrategy):
         chunk_multiple: int = 2,
         fallback_policy: str = "homogeneous",
         vocab_max_sp: Optional[int] = None,
+        variants: Optional[dict] = None,
     ):
         self.ctx, self.costs, self.policy, self.options = ctx, costs, policy, options
         self.ahead, self.workers, self.wait, self.chunk_multiple = ahead, workers, wait, chunk_multiple
         self.residual = checked_residual(residual)
-        self.stage_weights = stage_weights
+        if stage_weights not in ("replicated", "sharded", "per_iteration"):
+            raise ValueError(f"stage_weights must be replicated, sharded or per_iteration, got {stage_weights!r}")
+        if (stage_weights == "per_iteration") != (variants is not None):
+            raise ValueError("stage_weights=per_iteration plans with variants (both choices' costs), and only it")
+        self.stage_weights, self.variants = stage_weights, variants
         # the vocabulary is split over a group's sp within a node, as the planner's account assumes
         if vocab_max_sp is None and costs is not None:
             vocab_max_sp = costs.coeffs.gpus_per_node
         self.vocab_max_sp = vocab_max_sp
-        self.exchange = Exchange(ctx, stage_weights == "sharded", self.vocab_max_sp)
+        self.exchange = Exchange(ctx, self.vocab_max_sp)
         self.fallback_policy = fallback_policy
         self._service = None
         self.cache = None
 
     # ---- planning
     def planner(self) -> Planner:
-        solve = functools.partial(plan_strategy, self.policy, costs=self.costs, options=self.options)
+        if self.variants is not None:
+            from jvarlen.plan.stage_weights import plan_each
+
+            solve = functools.partial(plan_each, self.policy, variants=self.variants)
+            costs_only = {choice: (costs, None) for choice, (costs, _) in self.variants.items()}
+            fallback = functools.partial(plan_each, self.fallback_policy, variants=costs_only)
+        else:
+            solve = functools.partial(plan_strategy, self.policy, costs=self.costs, options=self.options)
+            fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
         if self.ahead > 0 and self._service is None:
             from jvarlen.plan.service import PlanningService
 
-            fallback = functools.partial(plan_strategy, self.fallback_policy, costs=self.costs)
             self._service = PlanningService(
                 None,
                 fallback_policy=self.fallback_policy,  # named in its events and log lines
@@ -251,15 +271,26 @@ class GroupsStrategy(ExecutionStrategy):
         return Planner(all_documents, inline, self._service, self.wait)
 
     # ---- host side
+    def plan_stage_weights(self, plan: StrategyPlan) -> str:
+        """How ``plan``'s groups hold their stages: as the plan says, else as this strategy is set."""
+        if plan.stage_weights is not None:
+            return plan.stage_weights
+        if self.stage_weights == "per_iteration":
+            raise ValueError("stage_weights=per_iteration runs plans that say their stage_weights; this one does not")
+        return self.stage_weights
+
     def prepare(self, iteration, known=()) -> Prepared:
         plan: StrategyPlan = iteration.plans[0]
         docs = iteration.groups[0]
         num_layers = self.ctx.model.num_layers
+        mode = self.plan_stage_weights(plan)
         keys, arrays, targets, stages = [], {}, [], []
         known = [k for key in known for k in (key[1] if _is_composite(key) else (key,))]  # a step's group programs
         for g, group in enumerate(plan.groups):
             ids = (group.scheme.pp, group.scheme.sp, tuple(group.devices))
-            same = [k[4] for k in known if isinstance(k, tuple) and k[:1] == ("group",) and k[1:4] == ids]
+            same = [
+                k[4] for k in known if isinstance(k, tuple) and k[:1] == ("group",) and k[1:4] == ids and k[5] == mode
+            ]
             same = [s for k in same for s in (k if isinstance(k, tuple) else (k,))]  # a part may reuse any
             sigs, target = [], 0.0
             for i, part in enumerate(group.plan.part_plans()):  # each part its own bucket and tables
@@ -269,12 +300,12 @@ class GroupsStrategy(ExecutionStrategy):
                 sigs.append(sig)
                 target += float(batch["loss_mask"].sum())
                 arrays.update({f"{g}/{i}/{k}": v for k, v in batch.items()})
-            keys.append(("group", *ids, sigs[0] if len(sigs) == 1 else tuple(sigs)))
+            keys.append(("group", *ids, sigs[0] if len(sigs) == 1 else tuple(sigs), mode))
             targets.append(target)
             stages.append((sigs[0].layout, group.devices))
         table = stage_tables(stages, len(self.ctx.placement.devices), num_layers)
         arrays["stage_layers"] = table
-        chunks = [self.exchange.shards(layout) for layout, _ in stages]
+        chunks = [self.exchange.shards(layout, mode == "sharded") for layout, _ in stages]
         parts = min(chunks, default=1)  # the exchange's buffers: 1/parts of each weight axis
         stages = [(layout, devices, c) for (layout, devices), c in zip(stages, chunks)]
         arrays["stage_shards"] = shard_table(stages, len(self.ctx.placement.devices))
@@ -289,6 +320,7 @@ class GroupsStrategy(ExecutionStrategy):
             "chunks": sum(g.plan.n_chunks for g in plan.groups),
             "group_parts": [max(1, len(g.plan.parts)) for g in plan.groups],  # bucket parts per group's step
             "predicted_iteration_time_s": float(plan.stats.get("iteration_time_s", float("nan"))),
+            "stage_weights": mode,
             "policy_chosen": str(plan.stats.get("policy_chosen", plan.policy)),
         }
         estimates = plan.stats.get("auto_estimates")
@@ -301,11 +333,12 @@ class GroupsStrategy(ExecutionStrategy):
         if self.cache is None:
             raise RuntimeError("GroupsStrategy.attach(cache) first: its programs live in the one compile cache")
         _, group_keys, rows, parts = key
-        exchange, groups = self.exchange, []
+        exchange, groups, chunked = self.exchange, [], False
         for k in group_keys:
             program, mesh, batch_shardings = self.cache.get(k, self._compile_group)
-            layout = k[4][0].layout if isinstance(k[4], tuple) else k[4].layout
-            per_stage, where, chunks = self.ctx.model.num_layers // k[1], k[1:4], exchange.shards(layout)
+            layout, sharded = k[4][0].layout if isinstance(k[4], tuple) else k[4].layout, k[5] == "sharded"
+            per_stage, where, chunks = self.ctx.model.num_layers // k[1], k[1:4], exchange.shards(layout, sharded)
+            chunked = chunked or chunks > 1
             resize = None  # the pulled buffers to the stage's layers and chunks, its partial rows back
             if (per_stage, chunks) != (rows, parts):
                 resize = (
@@ -318,18 +351,19 @@ class GroupsStrategy(ExecutionStrategy):
                     self.cache.get(("rest_in", *where), exchange.compile_rest_in),
                     self.cache.get(("rest_out", *where), exchange.compile_rest_out),
                 )
-            groups.append((program, mesh, batch_shardings, resize, layout, rest_io))
-        pull = self.cache.get(("pull", rows, parts), exchange.compile_pull)
-        update = self.cache.get(("update", rows, parts), exchange.compile_update)
+            groups.append((program, mesh, batch_shardings, resize, (layout, sharded), rest_io))
+        pull = self.cache.get(("pull", rows, parts, chunked), exchange.compile_pull)
+        update = self.cache.get(("update", rows, parts, chunked), exchange.compile_update)
         return GroupsStep(exchange, pull, groups, update, rows, parts)
 
     def _devices(self, indices) -> list:
         return [self.ctx.placement.devices[i] for i in indices]
 
     def _compile_group(self, key):
-        _, pp, sp, devices, sig = key  # sig: one signature, or the step's parts' (a tuple)
+        _, pp, sp, devices, sig, mode = key  # sig: one signature, or the step's parts' (a tuple)
         ctx = self.ctx
         sigs = sig if isinstance(sig, tuple) else (sig,)
+        sharded = mode == "sharded"
         mesh = group_mesh(sigs[0].layout, self._devices(devices))
         grads = make_pipeline_grads(
             ctx.graphdef,
@@ -337,9 +371,9 @@ class GroupsStrategy(ExecutionStrategy):
             sig,
             mesh,
             residual_policy=self.residual,
-            stage_weights=self.stage_weights,
+            stage_weights=mode,
             canonical=False,
-            group_axes=self.exchange.group_axes(sigs[0].layout),
+            group_axes=self.exchange.group_axes(sigs[0].layout, sharded),
             vocab_max_sp=self.vocab_max_sp,
         )
         _, rest_dtype = split_params(ctx.abstract_state.params)
@@ -364,7 +398,7 @@ class GroupsStrategy(ExecutionStrategy):
         batch_sharding = NamedSharding(mesh, P(DATA))
         layers, rest = self.exchange.pulled
         leaves, layer_def = jax.tree.flatten(layers)
-        specs = self.exchange.stage_specs(sigs[0].layout)  # as the pull's views (or resizes) hand them
+        specs = self.exchange.stage_specs(sigs[0].layout, sharded)  # as the pull's views (or resizes) hand them
         layers = layer_def.unflatten(
             [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p)) for a, p in zip(leaves, specs)]
         )
@@ -392,10 +426,17 @@ class GroupsStrategy(ExecutionStrategy):
         return {"layer_forwards": [np.asarray(f).sum(0).tolist() for f in metrics.get("group_layer_forwards", [])]}
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
-        plans, sharded = [g.plan for g in iteration.plans[0].groups], self.stage_weights == "sharded"
+        plans = [g.plan for g in iteration.plans[0].groups]
+        sharded = self.plan_stage_weights(iteration.plans[0]) == "sharded"
         return {"groups_s": run_s, **check.observe_plans(plans, run_s, group=True, sharded=sharded)}
 
     def fingerprint(self) -> dict:
+        if self.variants is not None:  # per_iteration: both choices' cost models and options
+            text = " / ".join(costs.base.fingerprint() for costs, _ in self.variants.values())
+            return {
+                "the planner's cost models": text,
+                "the policy's options": repr([o for _, o in self.variants.values()]),
+            }
         text = self.costs.base.fingerprint() if self.costs is not None else ""
         return {"the planner's cost model": text, "the policy's options (Hydraulis' candidates)": repr(self.options)}
 
