@@ -5,7 +5,8 @@ once per run (jvarlen.runtime.strategies.groups.choose_stage_weights), and, per 
 of the two (what ``parallel.stage_weights=per_iteration`` plans, jvarlen.plan.stage_weights.plan_each,
 which first ranks a plan that fits memory by the planner's account). Prints a
 markdown table; with ``--per_batch``, then a table of every batch (its longest document, both
-predictions and strategies), which shows what decides the choice.
+predictions, strategies and planning CPU seconds, and what ``per_iteration`` plans for it:
+:func:`jvarlen.plan.stage_weights.plan_each`, whose planning is both), which shows what decides the choice.
 
     python scripts/stage_weights_choice.py --only '13B' --iterations 6
     python scripts/stage_weights_choice.py --only 'commoncrawl 32B.*64 dev' --per_batch
@@ -23,7 +24,18 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_strategies as bs  # noqa: E402
 
+from jvarlen.plan.options import PlanningError  # noqa: E402
+from jvarlen.plan.stage_weights import CHOICES, plan_each  # noqa: E402
 from jvarlen.plan.strategy import strategy_policies  # noqa: E402
+
+
+def _plan_each(policy, lengths, variants) -> str:
+    """What ``parallel.stage_weights=per_iteration`` runs for a batch: its choice and prediction."""
+    try:
+        plan = plan_each(policy, lengths, variants)
+    except PlanningError:
+        return "no plan"
+    return f"{plan.stage_weights} {plan.stats['iteration_time_s']:.3f} s"
 
 
 def main() -> int:
@@ -39,19 +51,21 @@ def main() -> int:
         "| per run / per batch | strategies sharded (first batches) |"
     )
     print("|---|---|---|---|---|---|---|")
-    batches = []  # (setting, seed, longest document, documents, replicated run, sharded run)
+    batches = []  # (setting, seed, longest document, documents, replicated run, sharded run, per_iteration)
     for setting in [s for s in bs.settings(False) if re.search(args.only, s.name)]:
-        row = {}
+        row, variants = {}, {}
         for sharded in (False, True):
             variant = dataclasses.replace(setting, sharded_stage_weights=sharded)
             costs, pool = bs.costs_for(variant), bs.corpus(variant.workload, variant.context)
             options, _ = bs.prepare(options_type, pool, costs, variant.context)
+            variants[CHOICES[sharded]] = (costs, options)
             docs = [bs.token_batch(pool, variant.tokens, 1000 + i) for i in range(args.iterations)]
             runs = [bs.run_plan(args.policy, d, costs, options) for d in docs]
             times = [r["iter_s"] for r in runs if "error" not in r]
             row[sharded] = (statistics.fmean(times) if len(times) == len(runs) else None, runs)
         for i, (d, a, b) in enumerate(zip(docs, row[False][1], row[True][1])):
-            batches.append((setting.name, 1000 + i, max(d), len(d), a, b))
+            each = _plan_each(args.policy, d, variants) if args.per_batch else None
+            batches.append((setting.name, 1000 + i, max(d), len(d), a, b, each))
         per_batch = zip(*([None if "error" in r else r["iter_s"] for r in row[s][1]] for s in (False, True)))
         best = [min(t for t in ts if t is not None) for ts in per_batch if any(t is not None for t in ts)]
         either = statistics.fmean(best) if len(best) == args.iterations else None
@@ -68,12 +82,19 @@ def main() -> int:
             f"| {setting.name} | {cell(rep)} | {cell(sha)} | {ratio} | {cell(either)} | {gain} | {shown} |", flush=True
         )
     if args.per_batch:
-        print("\n| setting | seed | longest document | documents | replicated s | sharded s | replicated | sharded |")
-        print("|---|---|---|---|---|---|---|---|")
-        for name, seed, longest, n, a, b in batches:
+        print(
+            "\n| setting | seed | longest document | documents | replicated s | sharded s | replicated | sharded "
+            "| planning CPU s (replicated, sharded) | per_iteration |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, seed, longest, n, a, b, each in batches:
             times = [("no plan" if "error" in r else f"{r['iter_s']:.3f}") for r in (a, b)]
             shown = [r.get("strategy", "no plan") for r in (a, b)]
-            print(f"| {name} | {seed} | {longest:,} | {n} | {times[0]} | {times[1]} | {shown[0]} | {shown[1]} |")
+            cpu = ", ".join("n/a" if "error" in r else f"{r['cpu_s']:.2f}" for r in (a, b))
+            print(
+                f"| {name} | {seed} | {longest:,} | {n} | {times[0]} | {times[1]} | {shown[0]} | {shown[1]} "
+                f"| {cpu} | {each} |"
+            )
     return 0
 
 

@@ -144,11 +144,9 @@ class GroupPlan:
 class StrategyPlan:
     """One iteration's heterogeneous strategy: groups on disjoint devices over disjoint documents.
 
-    ``stats`` holds at least ``iteration_time_s`` (predicted: slowest group + pull/push),
-    ``solve_seconds`` and ``policy``; ``events`` notable planning events (fallbacks, time limits).
-    ``stage_weights``: how the groups hold their stages' layers, as the plan's cost model assumed
-    (``"replicated"`` or ``"sharded"``, :func:`plan_strategy` sets it; None, a plan built by hand:
-    as the step that runs it is set).
+    ``stats`` holds at least ``iteration_time_s`` (predicted: slowest group + pull/push), ``solve_seconds`` and
+    ``policy``; ``events`` notable planning events; ``stage_weights`` how its cost model held the groups' layers,
+    ``"replicated"`` or ``"sharded"`` (:func:`plan_strategy` sets it; None, built by hand: as the step is set).
     """
 
     policy: str
@@ -159,10 +157,6 @@ class StrategyPlan:
     events: list = dataclasses.field(default_factory=list)
     stage_weights: Optional[str] = None
     version: int = STRATEGY_VERSION
-
-    def __post_init__(self):
-        if self.stage_weights not in (None, "replicated", "sharded"):
-            raise PlanError(f"stage_weights must be replicated, sharded or None, got {self.stage_weights!r}")
 
     @property
     def schemes(self) -> tuple[Scheme, ...]:
@@ -218,6 +212,8 @@ class StrategyPlan:
             raise PlanError(
                 f"not a strategy plan of version {STRATEGY_VERSION}: {data.get('kind')!r} v{data.get('version')!r}"
             )
+        if data.get("stage_weights") not in (None, "replicated", "sharded"):
+            raise PlanError(f"stage_weights must be replicated, sharded or absent, got {data['stage_weights']!r}")
         return cls(
             policy=data["policy"],
             num_devices=int(data["num_devices"]),
@@ -431,10 +427,6 @@ def predicted_time(groups: Sequence[GroupPlan], costs: SchemeCosts) -> float:
     return float(max((g.predicted_time_s + pad[g.scheme] for g in groups), default=0.0))
 
 
-def group_lengths(lengths: Sequence[int], documents: Sequence[int]) -> list[int]:
-    return [int(lengths[d]) for d in documents]
-
-
 # ---- policies that return a StrategyPlan ------------------------------------------------------------
 
 StrategyPolicy = Callable[[Sequence[int], SchemeCosts, Any], StrategyPlan]
@@ -499,7 +491,6 @@ __all__ = [
     "SchemeCosts",
     "StrategyPlan",
     "enumerate_schemes",
-    "group_lengths",
     "load_any",
     "place_groups",
     "plan_strategy",
