@@ -142,6 +142,40 @@ def test_a_checkpoint_the_file_system_refuses_stops_the_run_naming_the_newest_co
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [2]
 
 
+def test_a_background_write_failure_is_raised_at_the_next_step_and_nothing_waits_for_orbax_after(tmp_path):
+    """:meth:`Checkpointer.check` (every step) raises a save's background failure as soon as Orbax's
+    thread has logged it, without waiting for the save (in a run of several processes that wait
+    would not end: tests/test_multihost.py); :meth:`close` then waits for nothing and deletes
+    nothing. Before the failure, and with no save in flight, it raises nothing."""
+    import resource
+    import time
+
+    config = parse_config(["--checkpoint.async_save=true", "--checkpoint.max_to_keep=1"]).checkpoint
+    ckpt = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    optimizer = optax.sgd(1.0)
+    params = {"w": jax.random.normal(jax.random.key(0), (512, 512), jnp.float32)}
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((2,), jnp.uint32))
+    model = parse_config([]).model
+    ckpt.check()  # nothing in flight
+    ckpt.save(2, state, {"pos": 2}, model)
+    ckpt.wait()
+    ckpt.check()  # a save that succeeded
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        ckpt.save(4, state, {"pos": 4}, model)
+        deadline = time.time() + 60
+        with pytest.raises(CheckpointWriteError, match="checkpoint 4 could not be written .*File too large"):
+            while time.time() < deadline:
+                ckpt.check()
+                time.sleep(0.05)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    ckpt.wait()  # no second error, no wait
+    ckpt.close()
+    assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [2]
+
+
 def test_only_the_closed_loop_callbacks_of_a_failed_write_are_silenced():
     """The unraisable ``Event loop is closed`` that TensorStore's late callbacks raise after a failed
     save (dozens per full disk) is recognised from its real traceback; other unraisables are not."""

@@ -657,6 +657,45 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_or_refused_by_every_pro
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [3, 4]
 
 
+# process 1 may write files of at most 1 byte from its save of checkpoint 2 on (its own disk full):
+# its shards of the state fail in Orbax's background thread, after the save call has returned
+_WRITE_FAULT = """
+import resource, runpy
+from jvarlen.runtime import checkpoint
+save = checkpoint.Checkpointer.save
+def full_disk(self, step, *args, **kwargs):
+    if step == 2:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return save(self, step, *args, **kwargs)
+checkpoint.Checkpointer.save = full_disk
+runpy.run_module("jvarlen.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # a two-process run of the training CLI: ~1 min on 2 shared cores
+def test_a_checkpoint_write_that_fails_on_one_process_stops_every_process_with_its_reason(tmp_path):
+    """A checkpoint whose background write fails on process 1 only (its disk is full) stops that
+    process at the next step with the write's error, and process 0 with process 1's reason (before:
+    both waited in Orbax's barriers until its 20-minute timeout, process 0 for process 1's write,
+    process 1's finalizing thread for process 0 in the next). Nothing is listed as checkpoint 2."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    args = [a if not a.startswith("--train.steps") else "--train.steps=6" for a in CLI_ARGS]
+    command = _train_command(tmp_path, [*args, "--checkpoint.every_steps=2"], _free_port())
+    wrapped = [sys.executable, "-c", _WRITE_FAULT]
+    procs = _start_two_processes(lambda pid: wrapped + command(pid)[3:] if pid == 1 else command(pid))
+    logs = _finish(procs, timeout=400)  # killed (-9) if still waiting: Orbax's barriers hold for 1,200 s
+    assert [p.returncode for p in procs] == [1, 1], [log[-3000:] for log in logs]
+    assert "CheckpointWriteError: checkpoint 2 could not be written" in logs[1], logs[1][-3000:]
+    assert "File too large" in logs[1]
+    stopped = [line for line in logs[0].splitlines() if "process 1 of this run failed" in line]
+    assert len(stopped) == 1 and "checkpoint 2 could not be written" in stopped[0], logs[0][-3000:]
+    assert "process 0 stops too" in stopped[0]
+    assert "2" not in os.listdir(tmp_path / "two" / "checkpoints")
+
+
 @pytest.mark.slow  # two JAX processes start and stop before training: ~20-40 s on 2 shared cores
 def test_processes_that_differ_in_config_or_data_are_refused_before_training(tmp_path):
     """Processes of one run must sample, plan and compile alike: a process given another config

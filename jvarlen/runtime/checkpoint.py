@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -132,6 +133,8 @@ class Checkpointer:
         _quiet_storage_failures()
         self._saved = False  # rotation on close only after a save of this run (a refused one deletes nothing)
         self._pending: Optional[int] = None  # the step of the save in flight
+        self._failures_before = 0  # background write failures logged before the save in flight
+        self._abandoned = False  # a background failure raised by check(): Orbax's threads are not waited for
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -156,6 +159,7 @@ class Checkpointer:
         self._rotate(keep=self.cfg.max_to_keep)
         self._saved = True
         self._pending = step
+        self._failures_before = len(_background_failures)
         try:
             self.manager.save(
                 step,
@@ -170,8 +174,21 @@ class Checkpointer:
         if not self.cfg.async_save:
             self._pending = None
 
+    def check(self) -> None:
+        """(Every step; no wait.) Raises the :class:`CheckpointWriteError` of a save in flight whose
+        background write has already failed on this process. In a run of several processes the
+        others wait for this one in Orbax's barriers (20 minutes, then Orbax's timeout), and this
+        process's own finalizing thread waits in the next: it must stop now and say why, so that the
+        others stop too (:func:`jvarlen.runtime.distributed.report_failure`), and nothing may wait
+        for Orbax's threads after that (:meth:`close` does not)."""
+        if self._pending is not None and len(_background_failures) > self._failures_before:
+            self._abandoned = True
+            self._write_failed(_background_failures[-1])
+
     def _finish(self) -> None:
         """Waits for the save in flight; its failure is a :class:`CheckpointWriteError`."""
+        if self._abandoned:  # raised by check(); Orbax's threads may wait in a barrier for good
+            return
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 (orbax and tensorstore raise their own types)
@@ -295,6 +312,8 @@ class Checkpointer:
         self._finish()
 
     def close(self) -> None:
+        if self._abandoned:  # see check(): the failed save's threads are left to the process's end
+            return
         try:
             self._finish()
             if self._saved:
@@ -349,14 +368,25 @@ def read_error_summary(error: Exception) -> str:
     return text if len(text) <= 300 else f"{text[:140]} ... {text[-150:]}"
 
 
+# Errors Orbax's background threads logged (a write that failed): the failure is known there at
+# once, while Orbax raises it in the main thread only when the next save or close waits for them
+_background_failures: list[BaseException] = []
+
+
 class _OneLineStorageFailures(logging.Filter):
-    """Drops the tracebacks of Orbax's records of a storage failure: each of its background threads
-    logs the same failed write at ERROR with ~100 lines of traceback, and the run reports it once as a
+    """Notes the errors of Orbax's background save threads (:meth:`Checkpointer.check`) and drops
+    the tracebacks of its records of a storage failure: each of its background threads logs the
+    same failed write at ERROR with ~100 lines of traceback, and the run reports it once as a
     :class:`CheckpointWriteError`. The records keep their message (which holds the OS's reason);
     any other error keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname and is_storage_error(record.exc_info[1]):
+        if not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname):
+            return True
+        background = record.threadName != threading.main_thread().name
+        if record.levelno >= logging.ERROR and background and record.exc_info[1] is not None:
+            _background_failures.append(record.exc_info[1])
+        if is_storage_error(record.exc_info[1]):
             record.exc_info = record.exc_text = None
         return True
 

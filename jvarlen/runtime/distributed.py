@@ -142,7 +142,12 @@ def report_failure(exit_code: int, error: BaseException) -> None:
     because of ``error``, so that they stop too (:class:`FailureWatch`). A no-op with one
     process. Where the watch is already stopping this process because another one failed,
     ``error`` is what its shutdown did to this thread: nothing is reported, and this does not
-    return (the process ends with the failed process's code)."""
+    return (the process ends with the failed process's code).
+
+    Then this process leaves the coordination service, as JAX's exit hook would, but before the
+    interpreter waits for the process's threads: a save thread of Orbax's may wait in a barrier
+    that the others, stopping, never reach (a checkpoint write that failed here only), and
+    leaving ends that wait. The shutdown returns once the others' watches have shut down too."""
     if _watch is None:
         return
     if _watch.stopping is not None:
@@ -152,6 +157,10 @@ def report_failure(exit_code: int, error: BaseException) -> None:
     try:
         _watch.client.key_value_set(f"{_FAILED}{_watch.me}", f"{exit_code}\n{reason[:1000]}")
     except Exception:  # the coordination service is gone (its host failed first): nothing to tell
+        pass
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # the service is gone already: so are the barriers
         pass
 
 

@@ -108,7 +108,10 @@ class Run:
         the data position after this step when the sampler has run ahead of training.
 
         A step with a non-finite loss or gradient (its update was skipped in the step) is
-        reported; ``train.max_nonfinite_steps`` of them in a row raise :class:`NonFiniteError`."""
+        reported; ``train.max_nonfinite_steps`` of them in a row raise :class:`NonFiniteError`. A
+        checkpoint whose background write failed on this process is raised here, a step later
+        (:meth:`Checkpointer.check`), not at the next save."""
+        self.checkpointer.check()
         if record.get("nonfinite"):
             self.nonfinite_run += 1
             self.nonfinite_total += 1
