@@ -452,9 +452,11 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow  # a strategy policy's groups from the training CLI in two processes: ~2-3 min on 2 shared cores
-def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path):
+@pytest.mark.parametrize("stage_weights", ["replicated", "per_iteration"])
+def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path, stage_weights):
     """One plan a step (the strategy's groups): process 0 solves step 1's, process 1 step 2's, and
-    each reads the other's from the coordination service (plan_exchange)."""
+    each reads the other's from the coordination service (plan_exchange), with the stage weights
+    it chose (``per_iteration``)."""
     import json
 
     import jax
@@ -466,6 +468,7 @@ def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path):
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     args = [a for a in CLI_ARGS if not a.startswith("--parallel.sp_cycle")]
     args += ["--parallel.dp=8", "--parallel.pp=1", "--parallel.sp=1", "--plan.policy=flexsp", "--plan.wait=true"]
+    args += [f"--parallel.stage_weights={stage_weights}"]
     records = _train_on_two_processes(tmp_path, args)
     assert [r["step"] for r in records] == [1, 2] and [r["plans_fetched"] for r in records] == [0, 1]
     one = train(
@@ -480,6 +483,7 @@ def test_strategy_policy_cli_on_two_processes_matches_one_process(tmp_path):
     )
     alone = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert [r["strategy"] for r in records] == [r["strategy"] for r in alone]
+    assert [r["stage_weights"] for r in records] == [r["stage_weights"] for r in alone]
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
 
 
