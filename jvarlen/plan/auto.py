@@ -221,10 +221,14 @@ class AutoOptions:
     name, the options to plan with (``(name, options)`` pairs; the policy's defaults otherwise).
     A policy whose options have a ``ceiling`` (``epp-pipelines``) is planned after the others with
     their best time as its ceiling: it then searches only for a faster plan, and its estimate
-    records ``not_faster_than_s`` when it has none."""
+    records ``not_faster_than_s`` when it has none. ``ceiling``: a time the caller already has for
+    the batch (:func:`jvarlen.plan.stage_weights.plan_each`'s other variant), a ceiling of those
+    policies too; where no policy plans at all and one was not faster than it,
+    :class:`SlowerThanCeiling`."""
 
     policies: tuple[str, ...] = AUTO_POLICIES
     options: tuple = ()
+    ceiling: Optional[float] = None
 
 
 def _why(estimate: dict) -> str:
@@ -253,9 +257,12 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
     for name in [n for n in options.policies if n not in bounded] + bounded:
         start = time.perf_counter()
         opts = given.get(name)
-        if name in bounded and best is not None and fits_memory(best):  # a plan that does not fit bounds nothing
+        bounds = [] if options.ceiling is None else [float(options.ceiling)]
+        if best is not None and fits_memory(best):  # a plan that does not fit bounds nothing
+            bounds.append(float(best.stats["iteration_time_s"]))
+        if name in bounded and bounds:
             opts = opts or registry[name][1]()
-            ceiling = float(best.stats["iteration_time_s"])
+            ceiling = min(bounds)
             opts = dataclasses.replace(opts, ceiling=ceiling if opts.ceiling is None else min(opts.ceiling, ceiling))
         try:
             plan = plan_strategy(name, lengths, costs, opts)
@@ -275,9 +282,10 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
         if best is None or _rank(plan) < _rank(best):
             best = plan
     if best is None:
-        raise PlanningError(
-            "auto: no policy can plan this batch: " + "; ".join(f"{k}: {_why(v)}" for k, v in estimates.items())
-        )
+        why = "; ".join(f"{k}: {_why(v)}" for k, v in estimates.items())
+        if options.ceiling is not None and any("not_faster_than_s" in v for v in estimates.values()):
+            raise SlowerThanCeiling(f"auto: no policy plans this batch faster than {options.ceiling:.4g} s: {why}")
+        raise PlanningError("auto: no policy can plan this batch: " + why)
     if not fits_memory(best):
         best.events.append("auto: no policy's plan fits memory by the planner's account; kept the fastest")
     best.stats["policy_chosen"] = best.policy

@@ -61,20 +61,42 @@ def choose(policy: str, samples: Sequence[Sequence[int]], variant: Callable) -> 
     return chosen, why + f"{other}: {outcome(other)})"
 
 
+def _bounded(policy: str, options, ceiling):
+    """``options`` of ``policy`` with ``ceiling`` as its own (a policy whose options take one: ``auto``,
+    ``epp-pipelines``), else as given."""
+    import dataclasses
+
+    from jvarlen.plan.strategy import strategy_policies
+
+    _, options_type = strategy_policies()[policy]
+    if ceiling is None or "ceiling" not in {f.name for f in dataclasses.fields(options_type)}:
+        return options
+    options = options or options_type()
+    return dataclasses.replace(options, ceiling=ceiling if options.ceiling is None else min(options.ceiling, ceiling))
+
+
 def plan_each(policy: str, lengths: Sequence[int], variants: Mapping[str, tuple[Any, Any]]):
     """One iteration planned under each of :data:`CHOICES` (``variants[choice] -> (SchemeCosts,
     options)``): the plan that fits memory by the planner's account, then the faster (a tie keeps
     replicated), its ``stage_weights`` the choice, ``stats["stage_weights_estimates"]`` each
     choice's predicted iteration (or why it could not plan) and ``stats["solve_seconds"]`` both
-    solves. Raises :class:`PlanningError` naming both reasons when neither plans."""
+    solves. The second is planned with the first's time as a ceiling where the policy takes one
+    (``auto``'s EPP pipelines search only for a faster plan; ``not_faster_than_s`` otherwise): the
+    same choice as planning both in full. Raises :class:`PlanningError` naming both reasons when
+    neither plans."""
+    from jvarlen.plan.options import SlowerThanCeiling
     from jvarlen.plan.sp_assemble import fits_memory
     from jvarlen.plan.strategy import plan_strategy
 
     start, best, estimates = time.perf_counter(), None, {}
     for choice in CHOICES:
         costs, options = variants[choice]
+        ceiling = None if best is None or best[0][0] else best[0][1]  # a plan that does not fit bounds nothing
         try:
-            plan = plan_strategy(policy, list(lengths), costs, options)
+            plan = plan_strategy(policy, list(lengths), costs, _bounded(policy, options, ceiling))
+        except SlowerThanCeiling:
+            estimates[choice] = {"not_faster_than_s": ceiling}
+            continue
         except PlanningError as error:
             estimates[choice] = {"error": str(error)[:300]}
             continue
