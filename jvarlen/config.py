@@ -373,8 +373,8 @@ class ParallelConfig:
     # each, a layer gathered whole one layer ahead of its use; the planner's memory model follows);
     # "auto" (strategy policies only): whichever the planner predicts faster on the run's first
     # sample batches, chosen once at the start; "per_iteration" (strategy policies only): every
-    # iteration planned both ways and run as the faster plan (twice the planning, both variants'
-    # programs compiled as they are used).
+    # iteration planned both ways and run as the faster plan (a second plan, searched below the
+    # first's time where the policy can; both variants' programs compiled as they are used).
     stage_weights: str = "replicated"
 
     @property
