@@ -129,6 +129,9 @@ def test_a_per_iteration_run_trains_as_the_stage_weights_it_plans(tmp_path, corp
         losses[choice] = train(_config(tmp_path, corpus_cache, budget=1.2 * floor, **extra), quiet=True).losses
         records[choice] = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["stage_weights"] for r in records["per_iteration"]] == ["sharded", "sharded"]
+    for r in records["per_iteration"]:  # both choices' estimates: replicated could not plan
+        estimates = r["stage_weights_estimates_s"]
+        assert "flexsp" in estimates["replicated"] and estimates["sharded"] == r["predicted_iteration_time_s"]
     assert [r["strategy"] for r in records["per_iteration"]] == [r["strategy"] for r in records["sharded"]]
     assert losses["per_iteration"] == losses["sharded"]
 

@@ -326,6 +326,10 @@ class GroupsStrategy(ExecutionStrategy):
         estimates = plan.stats.get("auto_estimates")
         if estimates:  # auto: every policy's estimate of this iteration (or why it could not plan it)
             info["policy_estimates_s"] = {k: _estimate(v) for k, v in estimates.items()}
+        if "stage_weights_estimates" in plan.stats:  # per_iteration: both choices', as auto's
+            info["stage_weights_estimates_s"] = {
+                k: _estimate(v) for k, v in plan.stats["stage_weights_estimates"].items()
+            }
         return Prepared(("groups", tuple(keys), table.shape[1], parts), arrays, info)  # size pull and update
 
     # ---- compiled programs
