@@ -241,6 +241,15 @@ def _takes_ceiling(options_type: type) -> bool:
     return dataclasses.is_dataclass(options_type) and "ceiling" in {f.name for f in dataclasses.fields(options_type)}
 
 
+def with_ceiling(options_type: type, options, ceiling: Optional[float]):
+    """``options`` (None: ``options_type``'s defaults) bounded by ``ceiling`` where the policy takes
+    one (its own ceiling kept where lower); else ``options`` as given."""
+    if ceiling is None or not _takes_ceiling(options_type):
+        return options
+    options = options or options_type()
+    return dataclasses.replace(options, ceiling=ceiling if options.ceiling is None else min(options.ceiling, ceiling))
+
+
 def _rank(plan: StrategyPlan) -> tuple:
     """Plans that fit memory first, then the fastest."""
     return (not fits_memory(plan), float(plan.stats["iteration_time_s"]))
@@ -257,13 +266,11 @@ def plan_auto(lengths: list[int], costs: SchemeCosts, options: AutoOptions) -> S
     for name in [n for n in options.policies if n not in bounded] + bounded:
         start = time.perf_counter()
         opts = given.get(name)
-        bounds = [] if options.ceiling is None else [float(options.ceiling)]
-        if best is not None and fits_memory(best):  # a plan that does not fit bounds nothing
-            bounds.append(float(best.stats["iteration_time_s"]))
-        if name in bounded and bounds:
-            opts = opts or registry[name][1]()
-            ceiling = min(bounds)
-            opts = dataclasses.replace(opts, ceiling=ceiling if opts.ceiling is None else min(opts.ceiling, ceiling))
+        if name in bounded:
+            bounds = [] if options.ceiling is None else [float(options.ceiling)]
+            if best is not None and fits_memory(best):  # a plan that does not fit bounds nothing
+                bounds.append(float(best.stats["iteration_time_s"]))
+            opts = with_ceiling(registry[name][1], opts, min(bounds, default=None))
         try:
             plan = plan_strategy(name, lengths, costs, opts)
         except SlowerThanCeiling:
@@ -302,4 +309,5 @@ __all__ = [
     "dispatch_longest_first",
     "plan_auto",
     "plan_epp_pipelines",
+    "with_ceiling",
 ]

@@ -64,15 +64,10 @@ def choose(policy: str, samples: Sequence[Sequence[int]], variant: Callable) -> 
 def _bounded(policy: str, options, ceiling):
     """``options`` of ``policy`` with ``ceiling`` as its own (a policy whose options take one: ``auto``,
     ``epp-pipelines``), else as given."""
-    import dataclasses
-
+    from jvarlen.plan.auto import with_ceiling
     from jvarlen.plan.strategy import strategy_policies
 
-    _, options_type = strategy_policies()[policy]
-    if ceiling is None or "ceiling" not in {f.name for f in dataclasses.fields(options_type)}:
-        return options
-    options = options or options_type()
-    return dataclasses.replace(options, ceiling=ceiling if options.ceiling is None else min(options.ceiling, ceiling))
+    return with_ceiling(strategy_policies()[policy][1], options, ceiling)
 
 
 def plan_each(policy: str, lengths: Sequence[int], variants: Mapping[str, tuple[Any, Any]]):
