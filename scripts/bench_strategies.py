@@ -16,7 +16,9 @@ Parts: ``compare`` (the table), ``timing`` (planning time at 64 devices and 200K
 iteration, the issue's bar ≤ 0.3 s on one core), ``gap`` (App. D.3: Alg. 1 against the exact
 Eq. 3 optimum on small random instances); also ``auto`` (against each policy it chooses from),
 ``service`` (``auto`` in the planning service), ``bounds`` and ``bounds_epp`` (EPP's bounded search
-against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), run separately.
+against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), ``auto_cpu`` (``auto``'s
+CPU, choice and plan per batch: run it at two commits, each with its own ``--json``, and pass the
+first file as ``--auto_cpu_before`` to the second run to print both), run separately.
 Writes the "## Strategies" section of docs/benchmarks.md and a JSON file with every record.
 Parts run in parallel processes write their own JSON files; ``--merge`` combines them into
 ``--json`` (the ``compare`` records in the settings' order, every other part from the file that has
@@ -425,6 +427,59 @@ def bounds_part(iterations: int, quick: bool, policy: str = "auto") -> list[dict
     return out
 
 
+def auto_cpu_part(iterations: int, quick: bool, repeats: int = 2) -> list[dict]:
+    """``auto`` alone on the batches of :func:`auto_part`: per batch its CPU seconds (the least of
+    ``repeats`` calls), the policy chosen, the predicted iteration, each policy's wall seconds inside
+    the call and a digest of the plan. Run at two commits to compare what a change to the search
+    costs and whether it plans the same (``--json`` per commit, then :func:`auto_cpu_table`)."""
+    import hashlib
+
+    from jvarlen.plan.auto import AutoOptions
+
+    out = []
+    for setting in auto_settings()[: 2 if quick else None]:
+        costs, pool, given = auto_setup(setting)
+        options = AutoOptions(options=tuple(given.items()))
+        plan_strategy("auto", token_batch(pool, setting.tokens, 2999), costs, options)  # warm memos
+        rows = []
+        for i in range(iterations):
+            batch = token_batch(pool, setting.tokens, 3000 + i)
+            cpu = []
+            for _ in range(repeats):
+                c0 = time.process_time()
+                plan = plan_strategy("auto", batch, costs, options)
+                cpu.append(time.process_time() - c0)
+            estimates = plan.stats["auto_estimates"]
+            rows.append({
+                "cpu_s": min(cpu),
+                "chosen": plan.stats["policy_chosen"],
+                "iteration_time_s": plan.stats["iteration_time_s"],
+                "policy_s": {k: v["solve_seconds"] for k, v in estimates.items()},
+                "plan": hashlib.sha256(plan_record(plan).encode()).hexdigest()[:16],
+            })  # fmt: skip
+        out.append({"setting": setting.name, "batches": rows})
+        print(setting.name, [(round(r["cpu_s"], 2), r["chosen"]) for r in rows], flush=True)
+    return out
+
+
+def auto_cpu_table(before: list[dict], after: list[dict]) -> str:
+    """Two :func:`auto_cpu_part` records of the same batches: CPU per batch and whether the plans match."""
+    lines = [
+        "| setting | before CPU s (median / max) | after CPU s (median / max) | median speedup | same plan | chosen after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b, a in zip(before, after):
+        assert b["setting"] == a["setting"], (b["setting"], a["setting"])
+        cb, ca = [r["cpu_s"] for r in b["batches"]], [r["cpu_s"] for r in a["batches"]]
+        same = sum(x["plan"] == y["plan"] for x, y in zip(b["batches"], a["batches"]))
+        chosen = ", ".join(sorted({r["chosen"] for r in a["batches"]}))
+        lines.append(
+            f"| {a['setting']} | {statistics.median(cb):.2f} / {max(cb):.2f} | {statistics.median(ca):.2f} / "
+            f"{max(ca):.2f} | {statistics.median(x / y for x, y in zip(cb, ca)):.2f}× | {same} of {len(ca)} | {chosen} |"
+        )
+    return "\n".join(lines)
+
+
 def bounds_table(records) -> str:
     lines = [
         "| setting | exhaustive CPU s (median / max) | bounded CPU s (median / max) | median speedup | same plan |",
@@ -579,6 +634,9 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench_strategies.json"))
     ap.add_argument("--no_write", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     ap.add_argument("--only", default="", help="--parts compare: only the settings whose name matches this regex")
+    ap.add_argument(
+        "--auto_cpu_before", default="", help="a JSON file with an earlier commit's --parts auto_cpu: print both"
+    )
     ap.add_argument("--merge", nargs="+", default=(), help="JSON files of parts run separately, merged into --json")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]  # --parts "": rewrite the section from the JSON file
@@ -599,6 +657,11 @@ def main() -> int:
         record["service"] = service_part(args.auto_iterations)
     if "bounds" in parts:
         record["bounds"] = bounds_part(args.auto_iterations, args.quick)
+    if "auto_cpu" in parts:
+        record["auto_cpu"] = auto_cpu_part(args.auto_iterations, args.quick)
+    if args.auto_cpu_before:
+        before = json.loads(pathlib.Path(args.auto_cpu_before).read_text())["auto_cpu"]
+        print(auto_cpu_table(before, record["auto_cpu"]))
     if "bounds_epp" in parts:
         record["bounds_epp"] = bounds_part(args.auto_iterations, args.quick, "epp-pipelines")
     if "gap" in parts:

@@ -181,14 +181,24 @@ def test_auto_runs_the_fastest_estimate_and_logs_every_policy(costs):
     ],
 )
 def test_auto_bounds_epp_pipelines_by_the_other_policies_and_chooses_as_without(costs, budget, lengths, epp_wins):
-    """EPP pipelines run last with the others' best as their ceiling: ``auto`` chooses the same
-    policy and plan as with an exhaustive EPP search; where EPP's estimate says it is not faster,
-    its exhaustive time indeed is not, and where it wins its time is the exhaustive one."""
+    """EPP pipelines, then Hydraulis, run last with the best of the policies before as their
+    ceiling: ``auto`` chooses the same policy and plan as with both searched exhaustively; where a
+    bounded policy says it is not faster, its exhaustive time indeed is not, and where it plans, its
+    time is the exhaustive one."""
+    from jvarlen.plan.hydraulis import HydraulisOptions
+
     if budget is not None:
         base = costs.base
         costs = SchemeCosts(CostModel(base.model, base.layout, base.coeffs.replace(memory_budget=budget)), 8)
-    full = plan_strategy("auto", lengths, costs, AutoOptions(options=(("epp-pipelines", exhaustive()),)))
+    every = (("epp-pipelines", exhaustive()), ("hydraulis", HydraulisOptions(prune=False)))
+    full = plan_strategy("auto", lengths, costs, AutoOptions(options=every))
     bounded = plan_strategy("auto", lengths, costs, AutoOptions())
+    hydraulis, hydraulis_full = (p.stats["auto_estimates"]["hydraulis"] for p in (bounded, full))
+    assert list(bounded.stats["auto_estimates"])[-2:] == ["epp-pipelines", "hydraulis"]  # planned last
+    if "not_faster_than_s" in hydraulis:
+        assert hydraulis_full["iteration_time_s"] >= hydraulis["not_faster_than_s"]
+    else:
+        assert hydraulis["iteration_time_s"] == hydraulis_full["iteration_time_s"]
     assert bounded.stats["policy_chosen"] == full.stats["policy_chosen"]
     assert bounded.stats["iteration_time_s"] == full.stats["iteration_time_s"]
     assert _without_search_records(bounded) == _without_search_records(full)

@@ -368,3 +368,39 @@ def test_the_prunings_keep_the_plan_on_random_batches(lengths, devices, tokens, 
     assert plan.describe() == every.describe()
     assert plan.stats["iteration_time_s"] == every.stats["iteration_time_s"]
     assert [g.plan.chunks for g in plan.groups] == [g.plan.chunks for g in every.groups]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.integers(64, 6000), min_size=4, max_size=40),
+    st.sampled_from([4, 8]),
+    st.sampled_from([2500, 4096, 8192]),
+)
+def test_a_ceiling_keeps_the_plan_that_beats_it_and_refuses_the_batch_otherwise(lengths, devices, tokens):
+    """Under a ceiling just above its plan's time Hydraulis plans what it plans without one; under
+    that time itself (or below) no plan is faster and it raises :class:`SlowerThanCeiling`."""
+    from conftest import group_budget, small_cost
+
+    from jvarlen.plan.options import SlowerThanCeiling
+
+    costs = SchemeCosts(small_cost(pp=1, sp=1, budget=group_budget(small_cost(pp=2, sp=1), tokens)), devices)
+    try:
+        free = plan_strategy("hydraulis", lengths, costs, HydraulisOptions())
+    except PlanningError:
+        return  # a document no scheme holds: nothing to compare
+    t = free.stats["iteration_time_s"]
+    above = plan_strategy("hydraulis", lengths, costs, HydraulisOptions(ceiling=t * (1 + 1e-9)))
+    assert above.describe() == free.describe() and above.stats["iteration_time_s"] == t
+    assert [g.plan.chunks for g in above.groups] == [g.plan.chunks for g in free.groups]
+    for ceiling in (t, 0.9 * t):
+        with pytest.raises(SlowerThanCeiling, match=f"no candidate of .* is faster than {ceiling:.4g} s"):
+            plan_strategy("hydraulis", lengths, costs, HydraulisOptions(ceiling=ceiling))
+
+
+def test_a_ceiling_bounds_only_the_pruned_search(costs):
+    """``prune=False`` builds every candidate (the reference of the bounded search): a ceiling does
+    not stop it, and the plan is the one planned without a ceiling."""
+    lengths = batch(3)
+    free = plan_strategy("hydraulis", lengths, costs, HydraulisOptions(prune=False))
+    low = plan_strategy("hydraulis", lengths, costs, HydraulisOptions(prune=False, ceiling=1e-9))
+    assert low.describe() == free.describe() and low.stats["iteration_time_s"] == free.stats["iteration_time_s"]

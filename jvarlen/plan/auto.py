@@ -13,9 +13,10 @@
   ``iteration_time_s``, simulated in the executor's model: paired ticks, padded buckets) and returns the fastest, with
   every estimate in ``stats["auto_estimates"]`` and the winner in ``stats["policy_chosen"]``. A
   policy that cannot plan the batch (no layout fits, say) is skipped and its reason recorded.
-  EPP pipelines are planned last, with the others' best time as their ceiling: their search
-  then skips every candidate that cannot beat it, and records ``not_faster_than_s`` when none does
-  (the same choice as planning every policy in full, unless two policies tie exactly).
+  The policies that take a ceiling, EPP pipelines and then Hydraulis, are planned last, each with
+  the best time of those before as its ceiling: their search then skips every candidate that cannot
+  beat it, and records ``not_faster_than_s`` when none does (the same choice as planning every
+  policy in full, unless two policies tie exactly: a tie goes to the policy planned first).
 
 Pure Python: nothing here imports JAX.
 """
@@ -219,8 +220,8 @@ def plan_epp_pipelines(lengths: list[int], costs: SchemeCosts, options: EPPPipel
 class AutoOptions:
     """``policies``: the strategy policies ``auto`` plans with every iteration; ``options``: per policy
     name, the options to plan with (``(name, options)`` pairs; the policy's defaults otherwise).
-    A policy whose options have a ``ceiling`` (``epp-pipelines``) is planned after the others with
-    their best time as its ceiling: it then searches only for a faster plan, and its estimate
+    A policy whose options have a ``ceiling`` (``hydraulis``, ``epp-pipelines``) is planned after the
+    others with their best time as its ceiling: it then searches only for a faster plan, and its estimate
     records ``not_faster_than_s`` when it has none. ``ceiling``: a time the caller already has for
     the batch (:func:`jvarlen.plan.stage_weights.plan_each`'s other variant), a ceiling of those
     policies too; where no policy plans at all and one was not faster than it,

@@ -32,6 +32,8 @@ Per iteration (Hydraulis §4 steps 1-4), for the ``lengths`` of one batch:
    (:func:`~jvarlen.plan.hydraulis_build.exceeds`), and given up as soon as one of its groups,
    slowest estimate first, simulates above it (``build_plan(above=...)``): the same plan, a third
    to two thirds less planning CPU on the 7B-32B a800-ib200 strategies-benchmark settings.
+   ``HydraulisOptions(ceiling=...)`` (``auto``: the best of the policies planned before) bounds
+   the same way from the start, and the planner raises ``SlowerThanCeiling`` when nothing beats it.
    ``stats["candidates"]`` keeps every candidate's estimate (and the simulated times), an event
    names the choice.
 
@@ -49,6 +51,7 @@ recorded in ``plan.events``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import zlib
 from typing import Optional, Sequence
@@ -62,6 +65,7 @@ from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_man
 from jvarlen.plan.hydraulis_options import RECOMPUTE, SIMULATIONS, AssignmentOptions, scheme_space  # noqa: F401
 from jvarlen.plan.hydraulis_pack import PackOptions, PackResult, pack, pipeline_time
 from jvarlen.plan.hydraulis_proposal import ProposalOptions, canonical, propose_strategies
+from jvarlen.plan.options import SlowerThanCeiling
 from jvarlen.plan.sp_assemble import fastest_fitting, fits_memory
 from jvarlen.plan.strategy import (
     Scheme,
@@ -77,11 +81,15 @@ Strategy = tuple[Scheme, ...]
 class HydraulisOptions(AssignmentOptions):
     """``candidates``: the candidate strategies Ŝ (each a tuple of schemes, one per pipeline); None
     proposes them from the batch (Eq. 4 on its lengths; slower: propose once per corpus with
-    :func:`~jvarlen.plan.hydraulis_proposal.cached_proposal` and pass them here)."""
+    :func:`~jvarlen.plan.hydraulis_proposal.cached_proposal` and pass them here). ``ceiling``: only a
+    plan faster than that many seconds is wanted (``auto`` passes the best of the policies it
+    planned before): with ``prune`` it bounds the candidates built as a fitting plan already built
+    does, and :class:`~jvarlen.plan.options.SlowerThanCeiling` is raised when no candidate beats it."""
 
     candidates: Optional[tuple[Strategy, ...]] = None
     proposal: ProposalOptions = ProposalOptions()
     include_homogeneous: bool = True  # the d × P strategies are candidates too
+    ceiling: Optional[float] = None
 
     def for_corpus(self, corpus_lengths: Sequence[int], costs: SchemeCosts, max_len: Optional[int] = None):
         """These options with ``candidates`` proposed from the corpus (Eq. 4, §7; once at the start of
@@ -256,10 +264,13 @@ def two_stage_plan(
     options: AssignmentOptions,
     t0: float,
     events: list,
+    ceiling: Optional[float] = None,
 ) -> StrategyPlan:
     """Steps 2-4 (:func:`select`, :func:`build_plan`): the finalist whose simulated plan is fastest;
     ``stats["candidates"]`` holds every candidate's estimate (and the finalists' simulated times), an
-    event names the choice."""
+    event names the choice. With ``ceiling`` (and ``options.prune``) a candidate must beat the lower
+    of it and the fastest plan built (its estimate to be packed and built, its groups to be kept building), and
+    :class:`SlowerThanCeiling` is raised when no plan does."""
     fixed = isinstance(options, HomogeneousOptions) and options.packing == "fixed"
     if fixed:
         evals = [fixed_packing(lengths, c, [table_of[s] for s in c], costs, options) for c in candidates]
@@ -267,10 +278,11 @@ def two_stage_plan(
     else:
         chosen, evals = select(lengths, candidates, table_of, costs, options)
     finalists, plans, bounded = [], [], set()
+    limit = [float(ceiling)] if ceiling is not None and options.prune else []
 
-    def build(k: int) -> None:  # unless a group is shown slower than a fitting plan built: it cannot win
+    def build(k: int) -> None:  # unless a group is shown slower than a fitting plan built or the ceiling
         fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
-        above = min(fitting) if fitting and options.prune else None
+        above = min((fitting if options.prune else []) + limit, default=None)
         if above is None or not exceeds(evals[k], above, lengths, costs, options):
             plan = build_plan(policy, lengths, evals[k], costs, options, above)
             if plan is not None:
@@ -287,7 +299,7 @@ def two_stage_plan(
         # whose estimate is below the best simulated time may be faster: packed as the top ones
         # were, and simulated where its packed estimate is still below
         fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
-        fastest = min(fitting or [p.stats["iteration_time_s"] for p in plans])
+        fastest = min((fitting or [p.stats["iteration_time_s"] for p in plans]) + limit, default=math.inf)
         waiting = [k for k, e in enumerate(evals) if k not in finalists and k not in bounded and e.estimate_s < fastest]
         if not waiting:
             break
@@ -299,7 +311,9 @@ def two_stage_plan(
         if options.pack.ilp:
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
         build(k)
-    best = fastest_fitting(plans, policy)
+    best = fastest_fitting(plans, policy) if plans else None
+    if limit and (best is None or plans[best].stats["iteration_time_s"] >= limit[0]):
+        raise SlowerThanCeiling(f"{policy}: no candidate of {len(evals)} is faster than {limit[0]:.4g} s")
     plan = plans[best]
     simulated = {finalists[i]: p.stats["iteration_time_s"] for i, p in enumerate(plans)}
     plan.events[:0] = events
@@ -389,7 +403,7 @@ def plan(lengths: list[int], costs: SchemeCosts, options: HydraulisOptions) -> S
     candidates = [c for c in dict.fromkeys(candidates) if max(table_of[s].max_len for s in c) >= longest]
     if not candidates:
         raise PlanningError(f"hydraulis: no strategy of {costs.num_devices} devices holds a {longest}-token document")
-    return two_stage_plan("hydraulis", arr, candidates, table_of, costs, options, t0, events)
+    return two_stage_plan("hydraulis", arr, candidates, table_of, costs, options, t0, events, options.ceiling)
 
 
 def homogeneous_strategies(costs: SchemeCosts, schemes: Sequence[Scheme]) -> list[Strategy]:

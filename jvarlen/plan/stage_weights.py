@@ -63,7 +63,7 @@ def choose(policy: str, samples: Sequence[Sequence[int]], variant: Callable) -> 
 
 def _bounded(policy: str, options, ceiling):
     """``options`` of ``policy`` with ``ceiling`` as its own (a policy whose options take one: ``auto``,
-    ``epp-pipelines``), else as given."""
+    ``hydraulis``, ``epp-pipelines``), else as given."""
     from jvarlen.plan.auto import with_ceiling
     from jvarlen.plan.strategy import strategy_policies
 
@@ -76,7 +76,8 @@ def plan_each(policy: str, lengths: Sequence[int], variants: Mapping[str, tuple[
     replicated), its ``stage_weights`` the choice, ``stats["stage_weights_estimates"]`` each
     choice's predicted iteration (or why it could not plan) and ``stats["solve_seconds"]`` both
     solves. The second is planned with the first's time as a ceiling where the policy takes one
-    (``auto``'s EPP pipelines search only for a faster plan; ``not_faster_than_s`` otherwise): the
+    (``auto``'s Hydraulis and EPP pipelines search only for a faster plan; ``not_faster_than_s``
+    otherwise): the
     same choice as planning both in full. Raises :class:`PlanningError` naming both reasons when
     neither plans."""
     from jvarlen.plan.options import SlowerThanCeiling
