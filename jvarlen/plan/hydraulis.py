@@ -278,7 +278,8 @@ def two_stage_plan(
     else:
         chosen, evals = select(lengths, candidates, table_of, costs, options)
     finalists, plans, bounded = [], [], set()
-    limit = [float(ceiling)] if ceiling is not None and options.prune else []
+    # a plan must be faster than the ceiling: one as slow is given up as one slower than a plan built is
+    limit = [math.nextafter(float(ceiling), 0.0)] if ceiling is not None and options.prune else []
 
     def build(k: int) -> None:  # unless a group is shown slower than a fitting plan built or the ceiling
         fitting = [p.stats["iteration_time_s"] for p in plans if fits_memory(p)]
@@ -312,8 +313,8 @@ def two_stage_plan(
             evals[k] = pack_all(evals[k], lengths, costs, options.pack)
         build(k)
     best = fastest_fitting(plans, policy) if plans else None
-    if limit and (best is None or plans[best].stats["iteration_time_s"] >= limit[0]):
-        raise SlowerThanCeiling(f"{policy}: no candidate of {len(evals)} is faster than {limit[0]:.4g} s")
+    if limit and (best is None or plans[best].stats["iteration_time_s"] >= ceiling):
+        raise SlowerThanCeiling(f"{policy}: no candidate of {len(evals)} is faster than {ceiling:.4g} s")
     plan = plans[best]
     simulated = {finalists[i]: p.stats["iteration_time_s"] for i, p in enumerate(plans)}
     plan.events[:0] = events
