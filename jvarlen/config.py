@@ -450,7 +450,10 @@ class PlanConfig:
         "epp-pipelines",
         "auto",
     ] = "epp"
-    min_slice_tokens: int = 512  # the finest average slice of a split document
+    # The finest average slice of a split document; the planner's API defaults to 4096 (finer chunks
+    # lose GPU efficiency, InfiniPipe App. B), this default suits the short contexts of CPU runs:
+    # raise it for GPU runs with long contexts (fewer slice counts to search, none too small).
+    min_slice_tokens: int = 512
     # Run a 1F1B unit in GPipe order (all forwards, then all backwards) when the lock-step
     # simulator says it is faster and it fits memory (more chunks in flight).
     gpipe_units: bool = True

@@ -27,7 +27,10 @@ class PlannerOptions:
     """Knobs of :func:`jvarlen.plan.api.plan_iteration`.
 
     ``n_slices``: fix Alg. 1's N (None: tune over at most ``n_candidates`` values
-    of :func:`jvarlen.plan.epp.slice_candidates`). ``solver``: limits of each checkpointing MILP. ``chunk_tokens``: candidate
+    of :func:`jvarlen.plan.epp.slice_candidates`). ``min_slice_tokens``: the finest average slice a split
+    document is cut into (4096 here, the paper-scale default: finer chunks lose GPU efficiency,
+    InfiniPipe App. B; the training config's ``plan.min_slice_tokens`` passes its own, 512 by default,
+    for the short documents of its CPU-sized runs). ``solver``: limits of each checkpointing MILP. ``chunk_tokens``: candidate
     fixed chunk sizes for seq1f1b-tuned / wo-wbc (the best simulated one is used).
     ``seq1f1b_chunk_tokens`` / ``seq1f1b_reference_context``: the paper-protocol
     Seq1F1B baseline's fixed chunk size and the context its uniform recomputation is
