@@ -10,6 +10,10 @@ predictions, strategies and planning CPU seconds, and what ``per_iteration`` pla
 
     python scripts/stage_weights_choice.py --only '13B' --iterations 6
     python scripts/stage_weights_choice.py --only 'commoncrawl 32B.*64 dev' --per_batch
+    python scripts/stage_weights_choice.py --only '32B.*64 dev' --per_batch --per_group
+
+``--per_group`` adds what a choice per group could gain with ``per_iteration``'s dispatch kept
+(:func:`_per_group`).
 """
 
 from __future__ import annotations
@@ -30,15 +34,43 @@ from jvarlen.plan.stage_weights import CHOICES, plan_each  # noqa: E402
 from jvarlen.plan.strategy import strategy_policies  # noqa: E402
 
 
-def _plan_each(policy, lengths, variants) -> str:
+def _plan_each(policy, lengths, variants, per_group: bool = False) -> str:
     """What ``parallel.stage_weights=per_iteration`` runs for a batch: its choice, prediction and
-    planning CPU seconds (both variants, the second bounded by the first)."""
+    planning CPU seconds (both variants, the second bounded by the first); with ``per_group``, then
+    :func:`_per_group`."""
     start = time.process_time()
     try:
         plan = plan_each(policy, lengths, variants)
     except PlanningError:
         return "no plan"
-    return f"{plan.stage_weights} {plan.stats['iteration_time_s']:.3f} s ({time.process_time() - start:.2f} s CPU)"
+    cpu = time.process_time() - start
+    text = f"{plan.stage_weights} {plan.stats['iteration_time_s']:.3f} s ({cpu:.2f} s CPU)"
+    return text + (f"; per group: {_per_group(plan, lengths, variants)}" if per_group else "")
+
+
+def _per_group(plan, lengths, variants) -> str:
+    """What choosing the stage weights per group could gain on ``per_iteration``'s plan, its dispatch
+    kept: every group re-planned under the other choice (EPP pipelines' groups: an EPP plan of the
+    group's documents on its scheme), the slowest group's time taking each group's faster plan that
+    fits, against the plan's own slowest group."""
+    from jvarlen.plan.api import plan_iteration
+    from jvarlen.plan.auto import EPPPipelinesOptions
+
+    if plan.stats.get("policy_chosen", plan.policy) != "epp-pipelines":
+        return f"n/a ({plan.stats.get('policy_chosen', plan.policy)})"
+    other = variants[CHOICES[1 - CHOICES.index(plan.stage_weights)]][0]
+    own, best = [], []
+    for g in plan.groups:
+        t = g.plan.stats["iteration_time_s"]
+        try:
+            docs = [lengths[j] for j in g.documents]
+            alt = plan_iteration(docs, cost=other.cost(g.scheme), policy="epp", options=EPPPipelinesOptions().planner)
+            t_alt = alt.stats["iteration_time_s"] if alt.stats.get("fits_memory", True) else float("inf")
+        except PlanningError:
+            t_alt = float("inf")
+        own.append(t)
+        best.append(min(t, t_alt))
+    return f"{max(own) / max(best):.3f}× ({sum(b < o for o, b in zip(own, best))} of {len(own)} groups faster)"
 
 
 def main() -> int:
@@ -47,6 +79,9 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--per_batch", action="store_true", help="also a table of every batch of every setting")
+    ap.add_argument(
+        "--per_group", action="store_true", help="with --per_batch: what choosing per group could gain (_per_group)"
+    )
     args = ap.parse_args()
     _, options_type = strategy_policies()[args.policy]
     print(
@@ -67,7 +102,7 @@ def main() -> int:
             times = [r["iter_s"] for r in runs if "error" not in r]
             row[sharded] = (statistics.fmean(times) if len(times) == len(runs) else None, runs)
         for i, (d, a, b) in enumerate(zip(docs, row[False][1], row[True][1])):
-            each = _plan_each(args.policy, d, variants) if args.per_batch else None
+            each = _plan_each(args.policy, d, variants, args.per_group) if args.per_batch else None
             batches.append((setting.name, 1000 + i, max(d), len(d), a, b, each))
         per_batch = zip(*([None if "error" in r else r["iter_s"] for r in row[s][1]] for s in (False, True)))
         best = [min(t for t in ts if t is not None) for ts in per_batch if any(t is not None for t in ts)]
