@@ -176,6 +176,27 @@ def test_a_background_write_failure_is_raised_at_the_next_step_and_nothing_waits
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [2]
 
 
+def test_absl_logging_above_error_is_said_to_hide_background_write_failures(tmp_path):
+    """:meth:`Checkpointer.check` learns of a background write failure from Orbax's ERROR record: a
+    run whose absl logging drops it is told so when the checkpointer starts (not otherwise, and not
+    with synchronous saves, whose failures raise in the save itself)."""
+    import absl.logging
+
+    said = []
+    config = parse_config(["--checkpoint.async_save=true"]).checkpoint
+    Checkpointer(tmp_path / "a", config, say=said.append).close()
+    assert said == []
+    level = logging.getLogger("absl").level
+    absl.logging.set_verbosity(absl.logging.FATAL)
+    try:
+        Checkpointer(tmp_path / "b", config, say=said.append).close()
+        sync = parse_config(["--checkpoint.async_save=false"]).checkpoint
+        Checkpointer(tmp_path / "c", sync, say=said.append).close()
+    finally:
+        logging.getLogger("absl").setLevel(level)
+    assert len(said) == 1 and said[0].startswith("note: absl logging is set above ERROR")
+
+
 def test_only_the_closed_loop_callbacks_of_a_failed_write_are_silenced():
     """The unraisable ``Event loop is closed`` that TensorStore's late callbacks raise after a failed
     save (dozens per full disk) is recognised from its real traceback; other unraisables are not."""

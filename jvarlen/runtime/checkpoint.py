@@ -131,6 +131,12 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         _quiet_storage_failures()
+        if cfg.async_save and not logging.getLogger("absl").isEnabledFor(logging.ERROR):
+            say(
+                "note: absl logging is set above ERROR, so a checkpoint write that fails in the background is "
+                "seen only when the next save or the run's end waits for it (with several processes the others "
+                "wait in Orbax's barriers until its timeout); keep absl's verbosity at ERROR or below"
+            )
         self._saved = False  # rotation on close only after a save of this run (a refused one deletes nothing)
         self._pending: Optional[int] = None  # the step of the save in flight
         self._failures_before = 0  # background write failures logged before the save in flight
