@@ -76,10 +76,9 @@ def plan_each(policy: str, lengths: Sequence[int], variants: Mapping[str, tuple[
     replicated), its ``stage_weights`` the choice, ``stats["stage_weights_estimates"]`` each
     choice's predicted iteration (or why it could not plan) and ``stats["solve_seconds"]`` both
     solves. The second is planned with the first's time as a ceiling where the policy takes one
-    (``auto``'s Hydraulis and EPP pipelines search only for a faster plan; ``not_faster_than_s``
-    otherwise): the
-    same choice as planning both in full. Raises :class:`PlanningError` naming both reasons when
-    neither plans."""
+    (``hydraulis``, ``epp-pipelines``, and ``auto`` for those two: they search only for a faster
+    plan; ``not_faster_than_s`` otherwise): the same choice as planning both in full. Raises
+    :class:`PlanningError` naming both reasons when neither plans."""
     from jvarlen.plan.options import SlowerThanCeiling
     from jvarlen.plan.sp_assemble import fits_memory
     from jvarlen.plan.strategy import plan_strategy
