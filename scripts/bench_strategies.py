@@ -17,8 +17,9 @@ iteration, the issue's bar ≤ 0.3 s on one core), ``gap`` (App. D.3: Alg. 1 aga
 Eq. 3 optimum on small random instances); also ``auto`` (against each policy it chooses from),
 ``service`` (``auto`` in the planning service), ``bounds`` and ``bounds_epp`` (EPP's bounded search
 against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), ``auto_cpu`` (``auto``'s
-CPU, choice and plan per batch: run it at two commits, each with its own ``--json``, and pass the
-first file as ``--auto_cpu_before`` to the second run to print both), run separately.
+CPU, choice and plan per batch: run it at two commits, each with its own ``--json``, then
+``--parts "" --auto_cpu_compare BEFORE AFTER [BEFORE AFTER ...] --no_write`` prints the comparison),
+run separately.
 Writes the "## Strategies" section of docs/benchmarks.md and a JSON file with every record.
 Parts run in parallel processes write their own JSON files; ``--merge`` combines them into
 ``--json`` (the ``compare`` records in the settings' order, every other part from the file that has
@@ -462,20 +463,34 @@ def auto_cpu_part(iterations: int, quick: bool, repeats: int = 2) -> list[dict]:
     return out
 
 
-def auto_cpu_table(before: list[dict], after: list[dict]) -> str:
-    """Two :func:`auto_cpu_part` records of the same batches: CPU per batch and whether the plans match."""
+def _run_medians(runs, side: int) -> str:
+    return " / ".join(f"{statistics.median(r['cpu_s'] for r in run[side]):.2f}" for run in runs)
+
+
+def auto_cpu_table(pairs: list[tuple[list[dict], list[dict]]], policy: str = "hydraulis") -> str:
+    """:func:`auto_cpu_part` records of the same batches at two commits, one ``(before, after)`` pair
+    per run (e.g. the two commits at once on separate cores, then swapped): per setting each run's
+    median CPU, the median speedup over every batch of every run, ``policy``'s median seconds inside
+    the call, and how many batch-runs plan the same and predict the same iteration."""
     lines = [
-        "| setting | before CPU s (median / max) | after CPU s (median / max) | median speedup | same plan | chosen after |",
-        "|---|---|---|---|---|---|",
+        "| setting | before: `auto` CPU s, median (per run) | after | median speedup (all batch-runs) "
+        f"| {policy} inside `auto`, median s before → after | same plan | same iteration time |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for b, a in zip(before, after):
-        assert b["setting"] == a["setting"], (b["setting"], a["setting"])
-        cb, ca = [r["cpu_s"] for r in b["batches"]], [r["cpu_s"] for r in a["batches"]]
-        same = sum(x["plan"] == y["plan"] for x, y in zip(b["batches"], a["batches"]))
-        chosen = ", ".join(sorted({r["chosen"] for r in a["batches"]}))
+    for per_setting in zip(*(zip(b, a) for b, a in pairs)):
+        runs = [(b["batches"], a["batches"]) for b, a in per_setting]
+        assert all(b["setting"] == a["setting"] == per_setting[0][0]["setting"] for b, a in per_setting)
+        both = [(x, y) for b, a in runs for x, y in zip(b, a)]
+
+        inside = [
+            statistics.median(r["policy_s"].get(policy, 0.0) for r, _ in both),
+            statistics.median(r["policy_s"].get(policy, 0.0) for _, r in both),
+        ]
         lines.append(
-            f"| {a['setting']} | {statistics.median(cb):.2f} / {max(cb):.2f} | {statistics.median(ca):.2f} / "
-            f"{max(ca):.2f} | {statistics.median(x / y for x, y in zip(cb, ca)):.2f}× | {same} of {len(ca)} | {chosen} |"
+            f"| {per_setting[0][0]['setting']} | {_run_medians(runs, 0)} | {_run_medians(runs, 1)} "
+            f"| {statistics.median(x['cpu_s'] / y['cpu_s'] for x, y in both):.2f}× "
+            f"| {inside[0]:.3f} → {inside[1]:.3f} | {sum(x['plan'] == y['plan'] for x, y in both)} of {len(both)} "
+            f"| {sum(x['iteration_time_s'] == y['iteration_time_s'] for x, y in both)} of {len(both)} |"
         )
     return "\n".join(lines)
 
@@ -635,7 +650,10 @@ def main() -> int:
     ap.add_argument("--no_write", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     ap.add_argument("--only", default="", help="--parts compare: only the settings whose name matches this regex")
     ap.add_argument(
-        "--auto_cpu_before", default="", help="a JSON file with an earlier commit's --parts auto_cpu: print both"
+        "--auto_cpu_compare",
+        nargs="+",
+        default=(),
+        help="JSON files of --parts auto_cpu as BEFORE AFTER [BEFORE AFTER ...] (a pair per run): print the comparison",
     )
     ap.add_argument("--merge", nargs="+", default=(), help="JSON files of parts run separately, merged into --json")
     args = ap.parse_args()
@@ -659,9 +677,11 @@ def main() -> int:
         record["bounds"] = bounds_part(args.auto_iterations, args.quick)
     if "auto_cpu" in parts:
         record["auto_cpu"] = auto_cpu_part(args.auto_iterations, args.quick)
-    if args.auto_cpu_before:
-        before = json.loads(pathlib.Path(args.auto_cpu_before).read_text())["auto_cpu"]
-        print(auto_cpu_table(before, record["auto_cpu"]))
+    if args.auto_cpu_compare:
+        files = [json.loads(pathlib.Path(f).read_text())["auto_cpu"] for f in args.auto_cpu_compare]
+        if len(files) % 2:
+            ap.error("--auto_cpu_compare takes BEFORE AFTER pairs")
+        print(auto_cpu_table(list(zip(files[::2], files[1::2]))))
     if "bounds_epp" in parts:
         record["bounds_epp"] = bounds_part(args.auto_iterations, args.quick, "epp-pipelines")
     if "gap" in parts:
