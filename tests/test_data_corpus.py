@@ -1,6 +1,7 @@
 """Corpus sources, the on-disk cache, tokenizers and bad-input errors."""
 
 import bz2
+import dataclasses
 import gzip
 import json
 import lzma
@@ -408,3 +409,18 @@ def test_a_cache_the_disk_refuses_is_a_data_error_naming_the_directory(tmp_path)
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert os.listdir(tmp_path / "cache") == []  # the partial build removed
     assert _load(tmp_path, "jsonl", path).num_documents == 20  # and built once the disk allows it
+
+
+def test_the_summary_says_how_many_batches_an_epoch_is(tmp_path):
+    _jsonl(tmp_path / "big.jsonl", [{"text": "x" * 98}] * 5)  # 5 documents of 100 tokens
+    config = DataConfig(source="jsonl", path=str(tmp_path / "big.jsonl"), cache_dir=str(tmp_path / "c"), seq_len=64)
+    pipeline = DataPipeline(dataclasses.replace(config, tokens_per_batch=128))
+    assert "an epoch is at least 4 batches" in pipeline.summary()  # 500 piece tokens, 128 a batch
+    epochs = [pipeline.next_batch() and pipeline.epoch for _ in range(4)]
+    assert epochs[:3] == [0, 0, 0]  # the first three batches cannot hold the epoch
+    # a corpus smaller than a batch: every step holds all of it, and only it
+    small = DataPipeline(dataclasses.replace(config, tokens_per_batch=1024))
+    assert "the corpus' 500 tokens are 48.8% of a batch's 1,024: an epoch is one step" in small.summary()
+    for epoch in range(1, 3):
+        batch = small.next_batch()
+        assert small.epoch == epoch and int((batch.segment_ids > 0).sum()) == 500

@@ -142,6 +142,7 @@ class DataPipeline:
             f"{_not_utf8(c)}{_skipped_files(self.skipped_files)}), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
             f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
+            f"{_epoch_length(int(self.pieces.length.sum()), self.rows * self.seq_len)}; "
             f"{cache} in {self.load_seconds:.2f}s"
         )
 
@@ -149,6 +150,17 @@ class DataPipeline:
 def make_batches(config: DataConfig, model_vocab_size: Optional[int] = None) -> Iterator[PackedBatch]:
     """Endless iterator of packed batches (a :class:`DataPipeline` without checkpointing)."""
     return iter(DataPipeline(config, vocab_size=model_vocab_size))
+
+
+def _epoch_length(tokens: int, batch_tokens: int) -> str:
+    """The summary's epoch length in batches: at least the pieces' tokens over a batch's (the packing
+    leaves room in some rows; a batch never takes pieces of the next epoch)."""
+    if tokens < batch_tokens:
+        return (
+            f"the corpus' {tokens:,} tokens are {tokens / batch_tokens:.1%} of a batch's {batch_tokens:,}: "
+            "an epoch is one step (two where its pieces do not pack into one batch)"
+        )
+    return f"an epoch is at least {-(-tokens // batch_tokens):,} batches"
 
 
 def _skipped_files(paths: list[str]) -> str:
