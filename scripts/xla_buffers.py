@@ -23,9 +23,10 @@ MIB = 2**20
 
 def temp_values(assignment: str) -> tuple[int, list[tuple[str, int, int, str]]]:
     """(size of the temporary allocation, its values as (name, size, offset, shape))."""
-    m = re.search(r"allocation \d+: size (\d+), preallocated-temp:\n((?: value:.*\n)+)", assignment)
+    # "size N, page P, preallocated-temp" since JAX 0.12's XLA; a program without temporaries has none
+    m = re.search(r"allocation \d+: size (\d+),(?: page \d+,)? preallocated-temp:\n((?: value:.*\n)+)", assignment)
     if m is None:
-        raise SystemExit("no preallocated-temp allocation in the buffer assignment")
+        return 0, []
     values = re.findall(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", m.group(2))
     return int(m.group(1)), [(n, int(s), int(o), sh) for n, s, o, sh in values]
 
