@@ -314,10 +314,10 @@ def test_groups_with_sharded_stage_weights_are_handed_their_chunks_and_equal_the
 
         def inspect(prepared, step, programs=programs):
             strategy = step.strategy
-            programs.append((strategy.compile(prepared.key), prepared, strategy.ctx.placement.state_sharding))
+            programs.append((strategy.compile(prepared.key), strategy.ctx.placement.state_sharding))
 
         _step_equals_reference(setup, plan, inspect, stage_weights="sharded")
-        ((program, prepared, sharding),) = programs
+        ((program, sharding),) = programs
         # leaves split on a weight axis in the canonical state: chunked; the rest whole
         specs = [s.spec for s in jax.tree.leaves(sharding.params["layers"])]
         chunked = [any(e is not None for e in spec[1:]) for spec in specs]
@@ -384,9 +384,9 @@ def test_weight_matrices_travel_in_the_compute_dtype_and_the_update_is_the_same(
         state, metrics = step(session.state, prepared)
         program = step.strategy.compile(prepared.key)
         partial_dtypes = {np.dtype(d) for _, d in program.partial_shapes.values()}
-        return state, program.pull.memory_analysis().output_size_in_bytes, partial_dtypes, (program, prepared)
+        return state, program.pull.memory_analysis().output_size_in_bytes, partial_dtypes, program
 
-    state, pulled, partial_dtypes, (program, prepared) = step_and_pulled_bytes()
+    state, pulled, partial_dtypes, program = step_and_pulled_bytes()
     assert partial_dtypes == {np.dtype(np.float32)}
     # what a group's compiled step holds beyond its batch (arguments and outputs): its stage's
     # layers as handed (bf16 matrices, fp32 vectors: the stage's compute copy itself), the embedding
