@@ -19,7 +19,8 @@ Eq. 3 optimum on small random instances); also ``auto`` (against each policy it 
 against the exhaustive one inside ``auto`` and in ``epp-pipelines`` alone), ``auto_cpu`` (``auto``'s
 CPU, choice and plan per batch: run it at two commits, each with its own ``--json``, then
 ``--parts "" --auto_cpu_compare BEFORE AFTER [BEFORE AFTER ...] --no_write`` prints the comparison),
-run separately.
+run separately. The settings and batches are ``scripts/strategy_settings.py``'s, the ``auto`` parts
+``scripts/bench_auto.py``'s.
 Writes the "## Strategies" section of docs/benchmarks.md and a JSON file with every record.
 Parts run in parallel processes write their own JSON files; ``--merge`` combines them into
 ``--json`` (the ``compare`` records in the settings' order, every other part from the file that has
@@ -44,105 +45,31 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_auto import (  # noqa: E402
+    auto_cpu_part,
+    auto_cpu_table,
+    auto_part,
+    auto_table,
+    bounds_part,
+    bounds_table,
+    service_part,
+)
+from strategy_settings import (  # noqa: E402
+    ROOT,
+    K,
+    Setting,
+    corpus,
+    costs_for,
+    prepare,
+    run_plan,
+    settings,
+    token_batch,
+)
 
-from jvarlen.config import load_config  # noqa: E402
-from jvarlen.layout import Layout  # noqa: E402
-from jvarlen.plan.api import PlanningError, make_cost  # noqa: E402
-from jvarlen.plan.cost import CostModel, ModelShape  # noqa: E402
-from jvarlen.plan.hardware import CLUSTERS  # noqa: E402
 from jvarlen.plan.hydraulis import HomogeneousOptions, homogeneous_strategies, scheme_space  # noqa: E402
-from jvarlen.plan.strategy import SchemeCosts, plan_strategy, strategy_policies  # noqa: E402
-from jvarlen.plan.workloads import MIXTURES, stdlib_lengths  # noqa: E402
-
-K = 1024
-# LLaMA-33B-like shape for Hydraulis' 32B runs (the paper does not give its shape): 60 layers, 52 heads
-LLAMA_32B = ModelShape(60, 6656, 52, 52, 128, 17920, 32000, tie_embeddings=False)
-# Hydraulis §8.1: 8 x A800 per node, NVLink 400 GB/s, InfiniBand 200 GB/s per node
-A800_HYDRAULIS = dataclasses.replace(CLUSTERS["a800"], name="a800-ib200", network_bandwidth_per_node=200e9)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    name: str
-    workload: str
-    model: str
-    cluster: str
-    devices: int
-    tokens: int
-    context: int
-    half_rows: float = 0.0
-    overlap: bool = False  # pull/push hidden behind propagation (Hydraulis §5.3 subgraph scheduling): no sync cost
-    # decoder layers sharded over each stage's devices (parallel.stage_weights="sharded"); replicated,
-    # a 32B stage of 64 A800s (pp <= 4: 60 layers) needs 68.5 GiB before any token, over the 67 GiB budget
-    sharded_stage_weights: bool = False
-
-
-def shape(model: str) -> ModelShape:
-    if model == "llama-32b":
-        return LLAMA_32B
-    return ModelShape.from_config(load_config(ROOT / "configs" / f"{model}.yaml").model)
-
-
-def costs_for(s: Setting) -> SchemeCosts:
-    spec = A800_HYDRAULIS if s.cluster == "a800-ib200" else CLUSTERS[s.cluster]
-    spec = dataclasses.replace(spec, gemm_half_rows=s.half_rows)
-    base = make_cost(shape(s.model), spec, Layout(s.devices, 1, 1))
-    coeffs = base.coeffs.replace(sync_bytes_per_param=0.0) if s.overlap else base.coeffs
-    base = CostModel(base.model, base.layout, coeffs, stage_weights_sharded=s.sharded_stage_weights)
-    return SchemeCosts(base, s.devices)
-
-
-def corpus(workload: str, context: int, n: int = 100_000, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if workload == "stdlib":
-        pool = np.asarray(stdlib_lengths())
-        x = pool[rng.integers(0, pool.size, n)]
-    else:
-        x = MIXTURES[workload].sample(n, rng)
-    return np.minimum(x, context).astype(np.int64)
-
-
-def token_batch(pool: np.ndarray, tokens: int, seed: int) -> list[int]:
-    """Documents drawn from ``pool`` until the batch holds ``tokens`` tokens (Hydraulis §2.1)."""
-    rng = np.random.default_rng(seed)
-    out, total = [], 0
-    while total < tokens:
-        x = int(pool[rng.integers(pool.size)])
-        out.append(x)
-        total += x
-    return out
-
-
-def run_plan(policy: str, lengths, costs, options) -> dict:
-    """Plans one batch; the metrics come from the groups, so that every strategy policy reports alike."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    try:
-        plan = plan_strategy(policy, lengths, costs, options)
-    except PlanningError as e:
-        return {"error": str(e)}
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    summary = plan.group_summary()
-    return {
-        "iter_s": plan.stats["iteration_time_s"],
-        "prop_s": summary["propagation_s"],
-        "imbalance": summary["imbalance"],
-        "bubble": summary["bubble_ratio"],
-        "headroom": 1 - summary["peak_memory_fraction"],
-        "fits": summary["fits_memory"],
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "strategy": plan.describe(),
-    }
-
-
-def prepare(options_type, pool, costs, context):
-    options = options_type()
-    t0 = time.process_time()
-    if hasattr(options, "for_corpus"):
-        options = options.for_corpus(pool, costs, context)
-    return options, time.process_time() - t0
+from jvarlen.plan.strategy import strategy_policies  # noqa: E402
+from jvarlen.plan.workloads import MIXTURES  # noqa: E402
 
 
 def compare(setting: Setting, iterations: int, quiet: bool) -> dict:
@@ -338,296 +265,6 @@ def gap_table(g) -> str:
         v = g[key]
         lines.append(f"| {key} | {v['n']} | {v['optimal']:.0%} | {v['median']:.4f} | {v['p90']:.4f} | {v['max']:.4f} |")
     return "\n".join(lines)
-
-
-def auto_settings() -> list[Setting]:
-    """The 64-device settings with pull/push overlapped, where ``auto`` is measured."""
-    return [s for s in settings(False) if s.overlap and s.devices == 64]
-
-
-def auto_setup(setting: Setting):
-    """(costs, corpus, per-policy options) of ``setting``: Hydraulis with its corpus proposal."""
-    from jvarlen.plan.hydraulis import HydraulisOptions
-
-    costs = costs_for(setting)
-    pool = corpus(setting.workload, setting.context)
-    return costs, pool, {"hydraulis": HydraulisOptions().for_corpus(pool, costs, setting.context)}
-
-
-def auto_part(iterations: int, quick: bool) -> list[dict]:
-    """``auto`` against every policy it plans with, per batch, on the 64-device settings with
-    pull/push overlapped: its estimate must be the best of theirs, and its planning time (all of
-    them, one after another) is the planning service's per-iteration cost."""
-    from jvarlen.plan.auto import AUTO_POLICIES, AutoOptions
-
-    out = []
-    for setting in auto_settings()[: 2 if quick else None]:
-        costs, pool, given = auto_setup(setting)
-        auto = AutoOptions(options=tuple(given.items()))
-        rows = []
-        for i in range(iterations):
-            batch = token_batch(pool, setting.tokens, 3000 + i)
-            planned = run_plan("auto", batch, costs, auto)  # first: what the cost models keep is of earlier batches
-            singles = {p: run_plan(p, batch, costs, given.get(p)) for p in AUTO_POLICIES}
-            rows.append({"auto": planned, "singles": singles})
-        out.append({"setting": setting.name, "batches": rows})
-        print(setting.name, [(r["auto"].get("iter_s"), r["auto"].get("cpu_s")) for r in rows], flush=True)
-    return out
-
-
-def plan_record(plan) -> str:
-    """The plan as JSON without what the searches record about themselves (candidates simulated or
-    skipped, solve times, events): equal records are the same plan."""
-    data = plan.to_json()
-    for g in data["groups"]:
-        g["plan"]["stats"] = {k: v for k, v in g["plan"]["stats"].items() if k == "iteration_time_s"}
-        g["plan"]["events"] = []
-    return json.dumps(data["groups"], sort_keys=True, default=str)
-
-
-def bounds_part(iterations: int, quick: bool, policy: str = "auto") -> list[dict]:
-    """``policy`` (``auto`` or ``epp-pipelines``) with EPP's bounded search (the default: lower bounds
-    per candidate chunking; each later pipeline scheme, and under ``auto`` ``epp-pipelines`` itself,
-    under a ceiling) against the exhaustive search (``PlannerOptions.prune=False``), on the batches
-    of :func:`auto_part`: CPU seconds of each call (the two interleaved, alternating which runs
-    first) and whether they chose the same plan."""
-    import dataclasses
-
-    from jvarlen.plan.auto import AutoOptions, EPPPipelinesOptions
-
-    out = []
-    for setting in auto_settings()[: 2 if quick else None]:
-        costs, pool, given = auto_setup(setting)
-        epp = EPPPipelinesOptions()
-        exhaustive = dataclasses.replace(epp, planner=dataclasses.replace(epp.planner, prune=False))
-        if policy == "auto":
-            variants = {
-                "bounded": AutoOptions(options=tuple(given.items())),
-                "exhaustive": AutoOptions(options=tuple(given.items()) + (("epp-pipelines", exhaustive),)),
-            }
-        else:
-            variants = {"bounded": epp, "exhaustive": exhaustive}
-        plan_strategy(policy, token_batch(pool, setting.tokens, 2999), costs, variants["bounded"])  # warm memos
-        rows = []
-        for i in range(iterations):
-            batch = token_batch(pool, setting.tokens, 3000 + i)
-            row = {}
-            for name in sorted(variants, reverse=i % 2 == 1):
-                c0 = time.process_time()
-                plan = plan_strategy(policy, batch, costs, variants[name])
-                row[name] = {"cpu_s": time.process_time() - c0, "plan": plan_record(plan)}
-                row[name]["chosen"] = plan.stats.get("policy_chosen", plan.describe())
-            row["same_plan"] = row["bounded"]["plan"] == row["exhaustive"]["plan"]
-            for name in variants:
-                del row[name]["plan"]
-            rows.append(row)
-        out.append({"setting": setting.name, "batches": rows})
-        print(
-            setting.name, [(r["bounded"]["cpu_s"], r["exhaustive"]["cpu_s"], r["same_plan"]) for r in rows], flush=True
-        )
-    return out
-
-
-def auto_cpu_part(iterations: int, quick: bool, repeats: int = 2) -> list[dict]:
-    """``auto`` alone on the batches of :func:`auto_part`: per batch its CPU seconds (the least of
-    ``repeats`` calls), the policy chosen, the predicted iteration, each policy's wall seconds inside
-    the call and a digest of the plan. Run at two commits to compare what a change to the search
-    costs and whether it plans the same (``--json`` per commit, then :func:`auto_cpu_table`)."""
-    import hashlib
-
-    from jvarlen.plan.auto import AutoOptions
-
-    out = []
-    for setting in auto_settings()[: 2 if quick else None]:
-        costs, pool, given = auto_setup(setting)
-        options = AutoOptions(options=tuple(given.items()))
-        plan_strategy("auto", token_batch(pool, setting.tokens, 2999), costs, options)  # warm memos
-        rows = []
-        for i in range(iterations):
-            batch = token_batch(pool, setting.tokens, 3000 + i)
-            cpu = []
-            for _ in range(repeats):
-                c0 = time.process_time()
-                plan = plan_strategy("auto", batch, costs, options)
-                cpu.append(time.process_time() - c0)
-            estimates = plan.stats["auto_estimates"]
-            rows.append({
-                "cpu_s": min(cpu),
-                "chosen": plan.stats["policy_chosen"],
-                "iteration_time_s": plan.stats["iteration_time_s"],
-                "policy_s": {k: v["solve_seconds"] for k, v in estimates.items()},
-                "plan": hashlib.sha256(plan_record(plan).encode()).hexdigest()[:16],
-            })  # fmt: skip
-        out.append({"setting": setting.name, "batches": rows})
-        print(setting.name, [(round(r["cpu_s"], 2), r["chosen"]) for r in rows], flush=True)
-    return out
-
-
-def _run_medians(runs, side: int) -> str:
-    return " / ".join(f"{statistics.median(r['cpu_s'] for r in run[side]):.2f}" for run in runs)
-
-
-def auto_cpu_table(pairs: list[tuple[list[dict], list[dict]]], policy: str = "hydraulis") -> str:
-    """:func:`auto_cpu_part` records of the same batches at two commits, one ``(before, after)`` pair
-    per run (e.g. the two commits at once on separate cores, then swapped): per setting each run's
-    median CPU, the median speedup over every batch of every run, ``policy``'s median seconds inside
-    the call, and how many batch-runs plan the same and predict the same iteration."""
-    lines = [
-        "| setting | before: `auto` CPU s, median (per run) | after | median speedup (all batch-runs) "
-        f"| {policy} inside `auto`, median s before → after | same plan | same iteration time |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for per_setting in zip(*(zip(b, a) for b, a in pairs)):
-        runs = [(b["batches"], a["batches"]) for b, a in per_setting]
-        assert all(b["setting"] == a["setting"] == per_setting[0][0]["setting"] for b, a in per_setting)
-        both = [(x, y) for b, a in runs for x, y in zip(b, a)]
-
-        inside = [
-            statistics.median(r["policy_s"].get(policy, 0.0) for r, _ in both),
-            statistics.median(r["policy_s"].get(policy, 0.0) for _, r in both),
-        ]
-        lines.append(
-            f"| {per_setting[0][0]['setting']} | {_run_medians(runs, 0)} | {_run_medians(runs, 1)} "
-            f"| {statistics.median(x['cpu_s'] / y['cpu_s'] for x, y in both):.2f}× "
-            f"| {inside[0]:.3f} → {inside[1]:.3f} | {sum(x['plan'] == y['plan'] for x, y in both)} of {len(both)} "
-            f"| {sum(x['iteration_time_s'] == y['iteration_time_s'] for x, y in both)} of {len(both)} |"
-        )
-    return "\n".join(lines)
-
-
-def bounds_table(records) -> str:
-    lines = [
-        "| setting | exhaustive CPU s (median / max) | bounded CPU s (median / max) | median speedup | same plan |",
-        "|---|---|---|---|---|",
-    ]
-    for rec in records:
-        ex = [b["exhaustive"]["cpu_s"] for b in rec["batches"]]
-        bo = [b["bounded"]["cpu_s"] for b in rec["batches"]]
-        ratio = statistics.median(e / b for e, b in zip(ex, bo))
-        same = sum(b["same_plan"] for b in rec["batches"])
-        lines.append(
-            f"| {rec['setting']} | {statistics.median(ex):.2f} / {max(ex):.2f} | {statistics.median(bo):.2f} / "
-            f"{max(bo):.2f} | {ratio:.2f}× | {same} of {len(rec['batches'])} |"
-        )
-    return "\n".join(lines)
-
-
-def service_part(iterations: int, workers: tuple[int, ...] = (1, 2)) -> list[dict]:
-    """``auto`` in the planning service (``plan.workers``): wall seconds per planned iteration when
-    ``iterations`` batches are queued at once (the loop keeps ``plan.ahead + 1`` queued), on the
-    first 64-device overlapped setting. Run it on an otherwise idle machine: throughput scales with
-    free cores, at most ``workers``."""
-    import functools
-
-    from jvarlen.plan.auto import AutoOptions
-    from jvarlen.plan.service import PlanningService
-
-    setting = auto_settings()[0]
-    costs, pool, given = auto_setup(setting)
-    options = AutoOptions(options=tuple(given.items()))
-    solve = functools.partial(plan_strategy, "auto", costs=costs, options=options)
-    batches = [token_batch(pool, setting.tokens, 4000 + i) for i in range(iterations)]
-    out = []
-    for w in workers:
-        with PlanningService(None, workers=w, solve=solve, fallback=solve) as service:
-            service.submit(-1, batches[0])  # start the workers (spawn + imports) before timing
-            service.get(-1, wait=True)
-            t0 = time.perf_counter()
-            for i, batch in enumerate(batches):
-                service.submit(i, batch)
-            plans = [service.get(i, wait=True) for i in range(iterations)]
-            wall = time.perf_counter() - t0
-        out.append(
-            {
-                "setting": setting.name,
-                "workers": w,
-                "iterations": iterations,
-                "wall_per_iteration_s": wall / iterations,
-                "chosen": [p.stats["policy_chosen"] for p in plans],
-            }
-        )
-        print(out[-1], flush=True)
-    return out
-
-
-def auto_table(records) -> str:
-    lines = [
-        "| setting | auto iter s | best single policy iter s | auto / best single, worst batch "
-        "| fastest policies per batch (ties joined by /) | distinct strategies | auto plan CPU s (median / max) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for rec in records:
-        autos, bests, ratios, chosen, policies = [], [], [], [], []
-        for b in rec["batches"]:
-            ok = {p: r["iter_s"] for p, r in b["singles"].items() if "error" not in r}
-            best = min(ok.values())
-            autos.append(b["auto"]["iter_s"])
-            bests.append(best)
-            ratios.append(b["auto"]["iter_s"] / best)
-            chosen.append(b["auto"]["strategy"])
-            policies.append("/".join(p for p, t in ok.items() if t == best))
-        cpu = [b["auto"]["cpu_s"] for b in rec["batches"]]
-        lines.append(
-            f"| {rec['setting']} | {statistics.mean(autos):.3f} | {statistics.mean(bests):.3f} | {max(ratios):.4f} "
-            f"| {', '.join(policies)} | {len(set(chosen))} | {statistics.median(cpu):.2f} / {max(cpu):.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def settings(quick: bool) -> list[Setting]:
-    out = []
-    for overlap in (False, True):  # the issue's 64 devices / 200K tokens on the shipped workloads
-        for wl in ("github", "commoncrawl", "stdlib"):
-            for cl in ("h100", "a800"):
-                tag = ", pull/push overlapped" if overlap else ""
-                out.append(
-                    Setting(
-                        f"{wl} 7B {cl} 64 dev 200K tok 32K ctx{tag}",
-                        wl,
-                        "llama-7b",
-                        cl,
-                        64,
-                        200_000,
-                        32 * K,
-                        0.0,
-                        overlap,
-                    )
-                )
-    for wl in ("commoncrawl", "github"):  # Hydraulis §8.2 (F2/F3: 32K context, 100K tokens per iteration)
-        for model, devs in (("llama-7b", (8, 16)), ("llama-13b", (16, 32)), ("llama-32b", (32, 64))):
-            for n in devs:
-                sharded = model == "llama-32b"
-                name = f"{wl} {model[6:].upper()} a800-ib200 {n} dev 100K tok 32K ctx, overlapped"
-                name += ", sharded stage weights" if sharded else ""
-                out.append(Setting(name, wl, model, "a800-ib200", n, 100_000, 32 * K, 0.0, True, sharded))
-    # sensitivity: small GEMMs slower (jvarlen.plan.hardware, Hockney m_half); a longer context
-    out.append(
-        Setting(
-            "commoncrawl 7B h100 64 dev 200K tok, m_half 256, overlapped",
-            "commoncrawl",
-            "llama-7b",
-            "h100",
-            64,
-            200_000,
-            32 * K,
-            256.0,
-            True,
-        )
-    )
-    out.append(
-        Setting(
-            "github 7B h100 64 dev 400K tok 128K ctx, overlapped",
-            "github",
-            "llama-7b",
-            "h100",
-            64,
-            400_000,
-            128 * K,
-            0.0,
-            True,
-        )
-    )
-    return out[:2] if quick else out
 
 
 def write_section(text: str, path: pathlib.Path = ROOT / "docs" / "benchmarks.md") -> None:

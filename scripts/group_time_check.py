@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_strategies as bench  # noqa: E402
+import strategy_settings as bench  # noqa: E402
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError  # noqa: E402
 from jvarlen.plan.assemble import simulate  # noqa: E402

@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_strategies as bs  # noqa: E402
+import strategy_settings as bs  # noqa: E402
 
 from jvarlen.plan.chunking import packed_group  # noqa: E402
 from jvarlen.plan.hydraulis_costs import scheme_tables  # noqa: E402

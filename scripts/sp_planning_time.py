@@ -3,7 +3,7 @@
 Plans the same seeded batches as scripts/bench_flexsp_dcp.py's settings (GPT-7B on 64 analytic
 A800s, github and commoncrawl with ZeRO-3; Transformer-1D on 32 H200s limited to 80 GB) with
 FlexSP's heuristic, DCP, DCP-inter and the dynamic homogeneous reference, and records each call's
-process CPU seconds and its plan (``bench_strategies.plan_record``: without the searches' own records). Pin it to a core (``taskset -c 1``):
+process CPU seconds and its plan (``strategy_settings.plan_record``: without the searches' own records). Pin it to a core (``taskset -c 1``):
 the numbers are one core's. ``--against`` compares with a file another checkout wrote (run
 this script from each, e.g. a ``git worktree`` of the older commit) and reports plans that
 differ and the CPU time ratio per case.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_flexsp_dcp import Setting, sample_tokens  # noqa: E402
-from bench_strategies import plan_record  # noqa: E402
+from strategy_settings import plan_record  # noqa: E402
 
 from jvarlen.plan.flexsp import FlexSPOptions  # noqa: E402
 from jvarlen.plan.homogeneous import HomogeneousOptions, plan_homogeneous  # noqa: E402

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_strategies as bs  # noqa: E402
+import strategy_settings as bs  # noqa: E402
 
 from jvarlen.plan.options import PlanningError  # noqa: E402
 from jvarlen.plan.stage_weights import CHOICES, plan_each  # noqa: E402
