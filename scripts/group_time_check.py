@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import strategy_settings as bench  # noqa: E402
+import strategy_settings  # noqa: E402
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError  # noqa: E402
 from jvarlen.plan.assemble import simulate  # noqa: E402
@@ -51,13 +51,13 @@ def main() -> int:
     ap.add_argument("--only", default="", help="settings whose name matches this regex")
     args = ap.parse_args()
     ratios: dict[str, list[float]] = {p: [] for p in AUTO_POLICIES}
-    for setting in bench.auto_settings():
+    for setting in strategy_settings.auto_settings():
         if not re.search(args.only, setting.name):
             continue
-        costs, pool = bench.costs_for(setting), bench.corpus(setting.workload, setting.context)
+        costs, pool = strategy_settings.costs_for(setting), strategy_settings.corpus(setting.workload, setting.context)
         options = {p: options_in(p, args.plan_in, pool, costs, setting.context) for p in AUTO_POLICIES}
         for seed in (int(s) for s in args.seeds.split(",")):
-            batch = bench.token_batch(pool, setting.tokens, seed)
+            batch = strategy_settings.token_batch(pool, setting.tokens, seed)
             cells = []
             for policy in AUTO_POLICIES:
                 try:

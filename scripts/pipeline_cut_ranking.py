@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import strategy_settings as bs  # noqa: E402
+import strategy_settings  # noqa: E402
 
 from jvarlen.plan.chunking import packed_group  # noqa: E402
 from jvarlen.plan.hydraulis_costs import scheme_tables  # noqa: E402
@@ -52,12 +52,12 @@ def main() -> int:
     tops = [int(k) for k in args.top.split(",")]
     _, options_type = strategy_policies()["homogeneous"]
     rows = []  # per group: fastest of every cut, the packing's cut, {k: the first k}, {k: and the packing's}, bucket_cut's
-    for setting in [s for s in bs.settings(False) if re.search(args.only, s.name)]:
-        costs = bs.costs_for(setting)
-        pool = bs.corpus(setting.workload, setting.context)
-        options, _ = bs.prepare(options_type, pool, costs, setting.context)
+    for setting in [s for s in strategy_settings.settings(False) if re.search(args.only, s.name)]:
+        costs = strategy_settings.costs_for(setting)
+        pool = strategy_settings.corpus(setting.workload, setting.context)
+        options, _ = strategy_settings.prepare(options_type, pool, costs, setting.context)
         for i in range(args.iterations):
-            lengths = bs.token_batch(pool, setting.tokens, 1000 + i)
+            lengths = strategy_settings.token_batch(pool, setting.tokens, 1000 + i)
             for g in plan_strategy("homogeneous", lengths, costs, options).groups:
                 if g.scheme.pp == 1:
                     continue

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import strategy_settings as bs  # noqa: E402
+import strategy_settings  # noqa: E402
 
 from jvarlen.plan.options import PlanningError  # noqa: E402
 from jvarlen.plan.stage_weights import CHOICES, plan_each  # noqa: E402
@@ -90,15 +90,18 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|---|")
     batches = []  # (setting, seed, longest document, documents, replicated run, sharded run, per_iteration)
-    for setting in [s for s in bs.settings(False) if re.search(args.only, s.name)]:
+    for setting in [s for s in strategy_settings.settings(False) if re.search(args.only, s.name)]:
         row, variants = {}, {}
         for sharded in (False, True):
             variant = dataclasses.replace(setting, sharded_stage_weights=sharded)
-            costs, pool = bs.costs_for(variant), bs.corpus(variant.workload, variant.context)
-            options, _ = bs.prepare(options_type, pool, costs, variant.context)
+            costs, pool = (
+                strategy_settings.costs_for(variant),
+                strategy_settings.corpus(variant.workload, variant.context),
+            )
+            options, _ = strategy_settings.prepare(options_type, pool, costs, variant.context)
             variants[CHOICES[sharded]] = (costs, options)
-            docs = [bs.token_batch(pool, variant.tokens, 1000 + i) for i in range(args.iterations)]
-            runs = [bs.run_plan(args.policy, d, costs, options) for d in docs]
+            docs = [strategy_settings.token_batch(pool, variant.tokens, 1000 + i) for i in range(args.iterations)]
+            runs = [strategy_settings.run_plan(args.policy, d, costs, options) for d in docs]
             times = [r["iter_s"] for r in runs if "error" not in r]
             row[sharded] = (statistics.fmean(times) if len(times) == len(runs) else None, runs)
         for i, (d, a, b) in enumerate(zip(docs, row[False][1], row[True][1])):
