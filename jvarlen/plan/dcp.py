@@ -48,7 +48,7 @@ from jvarlen.plan.api import SIMULATIONS, PlanningError
 from jvarlen.plan.chunking import chunk_group, sorted_order
 from jvarlen.plan.dcp_alg1 import ProfileEntry, Setting, alg1, batch_grid, profile_entry
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents, too_long_message
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, group_costs_for, infeasible_documents, too_long_message
 from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan, register_policy
 
@@ -390,14 +390,7 @@ def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPO
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = GroupCosts(
-        costs,
-        max_sp=options.max_sp,
-        micro_batch_tokens=options.micro_batch_tokens,
-        padded=options.simulation == "paired",
-        max_parts=options.bucket_parts,
-        executor_fit=options.simulation != "async",  # (the executor's fit runs in "ticks" and "paired")
-    )
+    gc = group_costs_for(costs, options)
     bad = infeasible_documents(lengths, gc)
     if bad:
         raise PlanningError(too_long_message(policy, lengths, gc, bad))

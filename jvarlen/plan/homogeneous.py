@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
 from jvarlen.plan.sp_assemble import assemble_strategy
-from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, infeasible_documents
+from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, group_costs_for, infeasible_documents
 from jvarlen.plan.sp_refine import refine_groups
 from jvarlen.plan.strategy import Scheme, SchemeCosts, StrategyPlan
 from jvarlen.plan.work_table import WorkTable
@@ -50,18 +50,6 @@ class HomogeneousOptions:
     local_search: bool = True
     simulation: str = "paired"
     bucket_parts: int = 2
-
-
-def group_costs(costs: SchemeCosts, options: HomogeneousOptions) -> GroupCosts:
-    """The group model of ``options`` (padded as the executor pads where it simulates ``"paired"``)."""
-    return GroupCosts(
-        costs,
-        micro_batch_tokens=options.micro_batch_tokens,
-        max_recompute=options.max_recompute,
-        padded=options.simulation == "paired",
-        max_parts=options.bucket_parts,
-        executor_fit=options.simulation != "async",  # (the executor's fit runs in "ticks" and "paired")
-    )
 
 
 def homogeneous_groups(
@@ -100,7 +88,7 @@ def best_static_sp(
     the whole run must hold every batch), and every degree's per-batch times (``inf``: a document
     does not fit). Returns ``(None, times)`` when no degree holds every batch."""
     options = options or HomogeneousOptions()
-    gc = group_costs(costs, options)
+    gc = group_costs_for(costs, options)
     times = {
         s.sp: [homogeneous_time(b, gc, s.sp, options.local_search, options.full_recompute) for b in batches]
         for s in gc.schemes
@@ -116,7 +104,7 @@ def plan_homogeneous(lengths: Sequence[int], costs: SchemeCosts, options: Homoge
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of positive document lengths")
-    gc = group_costs(costs, options)
+    gc = group_costs_for(costs, options)
     degrees = [s.sp for s in gc.schemes] if options.sp is None else [int(options.sp)]
     candidates, best = [], None
     for sp in degrees:

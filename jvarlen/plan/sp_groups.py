@@ -101,6 +101,7 @@ class GroupCosts(GroupCuts, MethodCaches):
             out[r] = cost.fitting_tokens(free, cost.chunk_memory_lines(0, r, in_flight=1, tail=True))
         if self.micro_batch_tokens is not None:
             out = np.minimum(out, int(self.micro_batch_tokens))
+        out.setflags(write=False)  # memoized: the callers share it
         return out
 
     def cap_none(self, scheme: Scheme) -> int:
@@ -114,7 +115,9 @@ class GroupCosts(GroupCuts, MethodCaches):
         :attr:`executor_fit`, the executor's account of a step padded to the micro-batch's bucket
         (:meth:`executor_caps`, same ``r``): a micro-batch within ``caps[r]`` whose bucket exceeds
         ``executor_caps[r]`` at every ``r`` makes a plan that does not fit."""
-        return admitted_caps(self.costs, scheme, self.caps(scheme)) if self.executor_fit else self.caps(scheme)
+        out = admitted_caps(self.costs, scheme, self.caps(scheme)) if self.executor_fit else self.caps(scheme)
+        out.setflags(write=False)
+        return out
 
     @method_cache()
     def cap_full(self, scheme: Scheme) -> int:
@@ -268,6 +271,22 @@ class GroupCosts(GroupCuts, MethodCaches):
         return executor_recompute(self.costs, scheme, bucket, ckpt, self.layers)
 
 
+def group_costs_for(costs: SchemeCosts, options) -> GroupCosts:
+    """The group model of a one-stage policy's options (homogeneous, FlexSP, DCP): their
+    ``max_sp``, ``micro_batch_tokens`` and ``max_recompute`` where they have one, padded as the
+    executor pads where they simulate ``"paired"``, fitted to the executor's memory account where
+    they simulate it (``"ticks"``, ``"paired"``), a step in up to ``bucket_parts`` parts."""
+    return GroupCosts(
+        costs,
+        max_sp=getattr(options, "max_sp", None),
+        micro_batch_tokens=options.micro_batch_tokens,
+        max_recompute=getattr(options, "max_recompute", None),
+        padded=options.simulation == "paired",
+        max_parts=options.bucket_parts,
+        executor_fit=options.simulation != "async",
+    )
+
+
 def infeasible_documents(lengths: Sequence[int], gc: GroupCosts) -> list[int]:
     """Documents no scheme can hold even with full recomputation (in both memory accounts:
     :meth:`GroupCosts.cap_full`)."""
@@ -317,6 +336,7 @@ def states_message(cost, scheme) -> str:
 __all__ = [
     "GroupChoice",
     "GroupCosts",
+    "group_costs_for",
     "infeasible_documents",
     "states_message",
     "too_long_message",
