@@ -7,10 +7,10 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any, Mapping, Optional
+
+from jvarlen.plan.json_file import JsonFile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class ProfileMeta:
 
 
 @dataclasses.dataclass(frozen=True)
-class CostCoefficients:
+class CostCoefficients(JsonFile):
     """All coefficients of Eq. 1-11. Times in seconds, sizes in bytes.
 
     * ``fwd`` / ``bwd``: per-layer forward / backward compute (Eq. 1). ``bwd=None`` means
@@ -257,6 +257,8 @@ class CostCoefficients:
     forward and backward as one op, which the whole-model calibration prices (measured at the
     data-parallel step's cost, docs/benchmarks.md, "pp = 1 against the data-parallel step").
     """
+
+    json_indent = 2  # (not a field: unannotated)
 
     fwd: LayerTime
     bwd: Optional[LayerTime] = None
@@ -424,17 +426,6 @@ class CostCoefficients:
         }
         kwargs["meta"] = ProfileMeta(**data.get("meta", {}))
         return cls(**kwargs)
-
-    def save(self, path: str | os.PathLike) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=2, sort_keys=True)
-            f.write("\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "CostCoefficients":
-        with open(path) as f:
-            return cls.from_json(json.load(f))
 
 
 def _num_out(x: float):

@@ -60,13 +60,13 @@ import itertools
 import json
 import math
 import os
-import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
 
 from jvarlen.plan.hydraulis_costs import SchemeTable, scheme_tables
 from jvarlen.plan.hydraulis_options import AssignmentOptions, scheme_space
+from jvarlen.plan.json_file import write_json
 from jvarlen.plan.strategy import Scheme, SchemeCosts
 
 Strategy = tuple[Scheme, ...]
@@ -412,12 +412,7 @@ def cached_proposal(
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: propose again
         pass
     out = propose_strategies(corpus_lengths, costs, max_len, options)
-    os.makedirs(cache_dir, exist_ok=True)
-    # a unique temporary name: hosts sharing cache_dir over a network file system may have equal pids
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"key": key, "strategies": [[[s.pp, s.sp] for s in st] for st in out]}, f)
-    os.replace(tmp, path)
+    write_json(path, {"key": key, "strategies": [[[s.pp, s.sp] for s in st] for st in out]}, indent=None)
     return out
 
 

@@ -11,14 +11,13 @@ Pure Python/numpy: nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.json_file import JsonFile
 from jvarlen.plan.schedule import Op, Schedule, ScheduleError
 from jvarlen.plan.units import Piece, PlannedChunk
 
@@ -60,7 +59,7 @@ def chunk_prev_of(chunks: Sequence[PlannedChunk], lengths: Sequence[int]) -> lis
 
 
 @dataclasses.dataclass
-class Plan:
+class Plan(JsonFile):
     """One iteration's plan.
 
     * ``lengths [n_docs]``: the document lengths (tokens) the plan was made for.
@@ -179,19 +178,6 @@ class Plan:
             version=int(data["version"]),
             parts=tuple(int(x) for x in data.get("parts", ())),
         )
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True)
-
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1, sort_keys=True)
-            f.write("\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(json.load(f))
 
     # ---- validation
     def validate(self, lengths: Sequence[int], cost: Optional[Any] = None) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 from jvarlen.layout import Layout
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostModel
+from jvarlen.plan.json_file import JsonFile
 from jvarlen.plan.memo import MethodCaches, method_cache
 from jvarlen.plan.plan import Plan, PlanError, _jsonable, replay_peaks
 
@@ -141,7 +142,7 @@ class GroupPlan:
 
 
 @dataclasses.dataclass
-class StrategyPlan:
+class StrategyPlan(JsonFile):
     """One iteration's heterogeneous strategy: groups on disjoint devices over disjoint documents.
 
     ``stats`` holds at least ``iteration_time_s`` (predicted: slowest group + pull/push), ``solve_seconds`` and
@@ -223,19 +224,6 @@ class StrategyPlan:
             events=list(data.get("events", [])),
             stage_weights=data.get("stage_weights"),
         )
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True)
-
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1, sort_keys=True)
-            f.write("\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "StrategyPlan":
-        with open(path) as f:
-            return cls.from_json(json.load(f))
 
     # ---- validation
     def validate(self, lengths: Sequence[int], costs: Optional["SchemeCosts"] = None) -> None:
