@@ -437,7 +437,7 @@ def test_the_planner_answers_an_impossible_budget_at_once():
 def test_planner_options_and_strategy_inputs_are_checked_up_front():
     from conftest import small_cost
 
-    from jvarlen.plan.api import PlannerOptions
+    from jvarlen.plan.api import PlannerOptions, plan_iteration
     from jvarlen.plan.auto import EPPPipelinesOptions
     from jvarlen.plan.hydraulis import HydraulisOptions
     from jvarlen.plan.strategy import Scheme, SchemeCosts, plan_strategy
@@ -451,6 +451,21 @@ def test_planner_options_and_strategy_inputs_are_checked_up_front():
     for lengths in ([], [3000, 0]):
         with pytest.raises(ValueError, match="non-empty list of positive document lengths"):
             plan_strategy("epp-pipelines", lengths, costs)
+    # a fractional, boolean, NaN or text length is refused with its entry, never truncated by int()
+    for lengths, entry in (([3000, 1000.7], "entry 1 is 1000.7"), ([True, 300], "entry 0 is True")):
+        for policy in ("homogeneous", "flexsp", "dcp", "hydraulis"):
+            with pytest.raises(ValueError, match=re.escape(entry)):
+                plan_strategy(policy, lengths, costs)
+    for lengths in ([float("nan")], ["12"], [np.int64(-3)]):
+        with pytest.raises(ValueError, match="entry 0 is"):
+            plan_strategy("flexsp", lengths, costs)
+    with pytest.raises(ValueError, match="entry 1 is 2.5"):
+        plan_iteration([3000, 2.5], cost=small_cost(pp=2, sp=1))
+    whole = plan_strategy("homogeneous", np.array([3000.0, 2000.0]), costs)  # whole floats are lengths
+    ints = plan_strategy("homogeneous", [3000, 2000], costs)
+    assert [(g.devices, g.documents, g.plan.chunks) for g in whole.groups] == [
+        (g.devices, g.documents, g.plan.chunks) for g in ints.groups
+    ]
     with pytest.raises(ValueError, match=r"candidate .* needs more than the run's 8 devices"):
         plan_strategy("hydraulis", [3000, 2000], costs, HydraulisOptions(candidates=((Scheme(8, 2),),)))
     # 5 devices: no pipeline scheme divides them; one pipeline of 4 runs and a device idles

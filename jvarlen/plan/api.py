@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 from jvarlen.layout import Layout
 from jvarlen.plan.assemble import assemble, simulate, uniform_unit
 from jvarlen.plan.baselines import dapple_chunks, fixed_size_chunks
+from jvarlen.plan.chunk import document_lengths
 from jvarlen.plan.cost import CostModel, ModelShape
 from jvarlen.plan.epp import group_chunks, plan_epp, refuse_states_over_budget, smallest_slices
 from jvarlen.plan.grouping import order_families
@@ -95,9 +96,7 @@ def plan_iteration(
         if model is None:
             raise ValueError("plan_iteration needs either cost or model (+ cluster)")
         cost = make_cost(model, cluster or "a800", layout)
-    lengths = [int(x) for x in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    lengths = document_lengths(lengths)
     if ceiling is not None and policy not in EPP_POLICIES:
         raise ValueError(f"ceiling is an EPP search bound; policy {policy!r} has no search to bound")
     t0 = time.perf_counter()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
+import operator
 from typing import Optional, Sequence
 
 import numpy as np
@@ -45,6 +47,31 @@ class ChunkShape:
         """Σ of squared terms in Eq. 1: (C+s0)² − C² for the first slice, s² for the rest."""
         s0, *rest = self.slices
         return (self.context + s0) ** 2 - self.context**2 + sum(s * s for s in rest)
+
+
+def document_lengths(lengths) -> list[int]:
+    """``lengths`` (token counts of one batch's documents) as a list of ints, or a ValueError naming
+    the first entry that is not a positive whole number: a fractional, boolean or non-numeric entry
+    would otherwise be truncated by ``int`` or fail deep inside a planner. Whole floats (1000.0)
+    and numpy integers pass."""
+    out = []
+    for i, x in enumerate(lengths):
+        n = None
+        if not isinstance(x, (bool, np.bool_)):
+            try:
+                n = operator.index(x)
+            except TypeError:
+                if isinstance(x, numbers.Real) and float(x).is_integer():
+                    n = int(x)
+        if n is None or n < 1:
+            raise ValueError(
+                f"lengths must be a non-empty list of positive document lengths (whole token counts); "
+                f"entry {i} is {x!r}"
+            )
+        out.append(n)
+    if not out:
+        raise ValueError("lengths must be a non-empty list of positive document lengths, got none")
+    return out
 
 
 BUCKET_STEPS = 8

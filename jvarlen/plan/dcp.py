@@ -45,6 +45,7 @@ import time
 from typing import Optional, Sequence
 
 from jvarlen.plan.api import SIMULATIONS, PlanningError
+from jvarlen.plan.chunk import document_lengths
 from jvarlen.plan.chunking import chunk_group, sorted_order
 from jvarlen.plan.dcp_alg1 import ProfileEntry, Setting, alg1, batch_grid, profile_entry
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
@@ -387,9 +388,7 @@ def eq3(times: Sequence[float], sizes: Sequence[int], num_devices: int) -> tuple
 
 def _plan(policy: str, lengths: Sequence[int], costs: SchemeCosts, options: DCPOptions) -> StrategyPlan:
     t0 = time.perf_counter()
-    lengths = [int(x) for x in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    lengths = document_lengths(lengths)
     gc = group_costs_for(costs, options)
     bad = infeasible_documents(lengths, gc)
     if bad:

@@ -44,6 +44,7 @@ from ortools.sat.python import cp_model
 
 from jvarlen.plan import cpsat
 from jvarlen.plan.api import SIMULATIONS, PlanningError
+from jvarlen.plan.chunk import document_lengths
 from jvarlen.plan.chunking import balanced_split
 from jvarlen.plan.flexsp_heuristic import heuristic, homogeneous_finalists
 from jvarlen.plan.sp_assemble import assemble_fastest, candidate_record
@@ -390,9 +391,7 @@ def plan(lengths: Sequence[int], costs: SchemeCosts, options: Optional[FlexSPOpt
     """FlexSP's strategy for one iteration of ``lengths`` (see the module docstring)."""
     t0 = time.perf_counter()
     options = options or FlexSPOptions()
-    lengths = [int(x) for x in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    lengths = document_lengths(lengths)
     gc = group_costs_for(costs, options)
     bad = infeasible_documents(lengths, gc)
     if bad:

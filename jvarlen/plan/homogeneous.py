@@ -26,6 +26,7 @@ import time
 from typing import Optional, Sequence
 
 from jvarlen.plan.api import PlanningError
+from jvarlen.plan.chunk import document_lengths
 from jvarlen.plan.sp_assemble import assemble_strategy
 from jvarlen.plan.sp_groups import GroupChoice, GroupCosts, group_costs_for, infeasible_documents
 from jvarlen.plan.sp_refine import refine_groups
@@ -101,9 +102,7 @@ def best_static_sp(
 def plan_homogeneous(lengths: Sequence[int], costs: SchemeCosts, options: HomogeneousOptions) -> StrategyPlan:
     """The homogeneous layout ``options.sp`` (or the best one for this batch) as a StrategyPlan."""
     t0 = time.perf_counter()
-    lengths = [int(x) for x in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    lengths = document_lengths(lengths)
     gc = group_costs_for(costs, options)
     degrees = [s.sp for s in gc.schemes] if options.sp is None else [int(options.sp)]
     candidates, best = [], None

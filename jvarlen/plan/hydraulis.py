@@ -59,6 +59,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jvarlen.plan.api import PlanningError
+from jvarlen.plan.chunk import document_lengths
 from jvarlen.plan.hydraulis_build import Evaluation, build_plan, exceeds
 from jvarlen.plan.hydraulis_costs import SchemeTable, scheme_tables
 from jvarlen.plan.hydraulis_dispatch import DispatchProblem, greedy_dispatch_many, local_search, trial_orders
@@ -365,10 +366,7 @@ def _check_fits(lengths: np.ndarray, table_of: dict[Scheme, SchemeTable], policy
 
 
 def _lengths(lengths: Sequence[int]) -> np.ndarray:
-    arr = np.asarray([int(x) for x in lengths], dtype=np.int64)
-    if arr.size == 0 or arr.min() < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
-    return arr
+    return np.asarray(document_lengths(lengths), dtype=np.int64)
 
 
 @register_policy("hydraulis", HydraulisOptions)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, document_lengths
 from jvarlen.plan.units import Piece, PlannedChunk
 
 
@@ -254,9 +254,7 @@ def chunk_batch(
     line 1's N equal-time slices (``n_slices`` is then unused).
     Returns split chunks (in document and slice order) followed by the buckets.
     """
-    lengths = [int(x) for x in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
+    lengths = document_lengths(lengths)
     if slice_tokens is None:
         mesh = split_mesh(cost, max(lengths), n_slices)
     else:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from jvarlen.layout import Layout
-from jvarlen.plan.chunk import ChunkShape
+from jvarlen.plan.chunk import ChunkShape, document_lengths
 from jvarlen.plan.cost import CostModel
 from jvarlen.plan.json_file import JsonFile
 from jvarlen.plan.memo import MethodCaches, method_cache
@@ -456,9 +456,7 @@ def plan_strategy(policy: str, lengths: Sequence[int], costs: SchemeCosts, optio
     if policy not in policies:
         raise ValueError(f"unknown strategy policy {policy!r}; choose one of {', '.join(sorted(policies))}")
     fn, options_type = policies[policy]
-    if not len(lengths) or min(lengths) < 1:
-        raise ValueError("lengths must be a non-empty list of positive document lengths")
-    plan = fn([int(x) for x in lengths], costs, options_type() if options is None else options)
+    plan = fn(document_lengths(lengths), costs, options_type() if options is None else options)
     plan.stage_weights = "sharded" if costs.base.stage_weights_sharded else "replicated"
     for key, value in plan.group_summary().items():  # what a policy leaves out, from its groups
         plan.stats.setdefault(key, value)
