@@ -61,6 +61,34 @@ def _positive(owner: str, **values: int | float) -> None:
         _require(value > 0 and math.isfinite(value), f"{owner}.{name} must be > 0 and finite, got {value}")
 
 
+# The choice fields' types, named: draccus finds a field's help comment only on a line whose
+# annotation has no quotes (``x: Literal["a"]`` is not recognised, and the comment above it then
+# becomes the next field's help).
+RopeType = Literal["linear", "llama3"]
+ParamDtype = Literal["float32", "bfloat16"]
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
+AttentionImpl = Literal["auto", "xla", "pallas", "reference"]
+DataSource = Literal["stdlib", "jsonl", "text_dir", "parquet"]
+LongDocPolicy = Literal["split", "truncate"]
+PlanPolicy = Literal[
+    "epp",
+    "epp-fast",
+    "wo-wbc",
+    "wo-ckpt",
+    "full-ckpt",
+    "seq1f1b",
+    "seq1f1b-tuned",
+    "dapple",
+    "hydraulis",
+    "flexsp",
+    "dcp",
+    "dcp-inter",
+    "homogeneous",
+    "epp-pipelines",
+    "auto",
+]
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
     """A rule that rescales the rotary frequencies for a longer context (Hugging Face's
@@ -69,11 +97,13 @@ class RopeScalingConfig:
     and blends in between (``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings`` place the band; see docs/design/hf-interop.md)."""
 
-    rope_type: Literal["linear", "llama3"] = "llama3"
-    factor: float = 8.0
+    rope_type: RopeType = "llama3"  # "linear": every frequency rescaled; "llama3": the low ones, blended between
+    factor: float = 8.0  # how many times longer the context gets: the rescaled frequencies are divided by it
+    # llama3: wavelengths longer than original_max_position_embeddings / low_freq_factor are rescaled
     low_freq_factor: float = 1.0
+    # llama3: wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # llama3: the context length the model was trained for
 
     def __post_init__(self):
         _positive(
@@ -127,24 +157,25 @@ class ModelConfig:
     """
 
     vocab_size: int = 320  # byte tokenizer (256 + specials), rounded up to a multiple of 64
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    d_model: int = 128  # width of the residual stream
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention); divides num_heads
     head_dim: Optional[int] = None  # default d_model // num_heads
-    mlp_dim: int = 384
-    rope_theta: float = 10_000.0
+    mlp_dim: int = 384  # hidden width of the SwiGLU MLP
+    rope_theta: float = 10_000.0  # base of the rotary embedding's frequencies
     rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # the output head reuses the embedding table
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     init_from: Optional[str] = None  # a Hugging Face model directory to start from
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # "auto": bfloat16 on GPU/TPU, float32 on CPU (no bf16 matmul units; emulated bf16 is slower).
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    param_dtype: ParamDtype = "float32"  # dtype the parameters are stored in
+    # Dtype of the matmuls and activations. "auto": bfloat16 on GPU/TPU, float32 on CPU (no bf16
+    # matmul units; emulated bf16 is slower).
+    compute_dtype: ComputeDtype = "auto"
     # Attention implementation behind jvarlen.model.attention: "auto" picks Pallas on
     # GPU and the blockwise XLA path elsewhere.
-    attention: Literal["auto", "xla", "pallas", "reference"] = "auto"
+    attention: AttentionImpl = "auto"
     # Layers whose forward is recomputed in the backward pass (jax.checkpoint per layer).
     remat: bool = False
 
@@ -244,8 +275,9 @@ class ModelConfig:
 class DataConfig:
     """Where documents come from and how they become packed batches."""
 
-    # "stdlib": the running Python's standard library sources (always present).
-    source: Literal["stdlib", "jsonl", "text_dir", "parquet"] = "stdlib"
+    # "stdlib": the running Python's standard library sources (always present); "jsonl" (plain or
+    # .gz/.bz2/.xz) and "parquet": a record per document; "text_dir": a file per document.
+    source: DataSource = "stdlib"
     path: Optional[str] = None  # file or directory for jsonl / text_dir / parquet
     text_field: str = "text"  # jsonl/parquet column holding text
     tokens_field: Optional[str] = None  # jsonl/parquet column holding token ids instead of text
@@ -254,9 +286,11 @@ class DataConfig:
     seq_len: int = 1024  # tokens per packed row
     tokens_per_batch: int = 8192  # global token budget of one step
     max_doc_tokens: Optional[int] = None  # longer documents are split/truncated; default seq_len
-    long_doc_policy: Literal["split", "truncate"] = "split"
+    # A document longer than max_doc_tokens: "split" into pieces (none dropped), or "truncate"d
+    # to its first max_doc_tokens tokens (the drop is counted in the corpus summary).
+    long_doc_policy: LongDocPolicy = "split"
     max_documents: Optional[int] = None  # use only the first N documents of the corpus
-    seed: int = 0
+    seed: int = 0  # the order in which documents are drawn into batches, per epoch
 
     def __post_init__(self):
         _positive("data", seq_len=self.seq_len, tokens_per_batch=self.tokens_per_batch)
@@ -308,14 +342,14 @@ class DataConfig:
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay and global-norm clipping."""
 
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
+    learning_rate: float = 3e-3  # the peak, reached at the end of the warmup
+    warmup_steps: int = 10  # updates rising linearly to the peak
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip_norm: float = 1.0
+    b1: float = 0.9  # AdamW's decay of the gradient average
+    b2: float = 0.95  # AdamW's decay of the squared-gradient average
+    eps: float = 1e-8  # AdamW's denominator epsilon
+    weight_decay: float = 0.1  # decoupled, on matrices only (not norm scales or biases)
+    grad_clip_norm: float = 1.0  # the global gradient norm is clipped to this (inf: no clipping)
 
     def __post_init__(self):
         _positive("optimizer", learning_rate=self.learning_rate)
@@ -339,29 +373,29 @@ class OptimizerConfig:
 class ParallelConfig:
     """Device arrangement. dp defaults to all devices not used by pp and sp."""
 
-    dp: Optional[int] = None
+    dp: Optional[int] = None  # data-parallel replicas; default: every device that pp and sp leave
     # Pipeline stages. None (default) = auto: 2 — the elastic pipeline path — when the
     # devices and layers split in two and no data-parallel layout policy is set, else 1
     # (see resolve_pipeline_stages). On a CPU-only host `python -m jvarlen.train` gives the
     # host platform the devices a pipeline needs.
     pp: Optional[int] = None
-    sp: int = 1
+    sp: int = 1  # sequence-parallel (Ulysses) devices per sequence: attention heads split over them
     # Multi-host: jax.distributed.initialize is called when enabled; with no address
     # it auto-detects the cluster (SLURM and friends).
     distributed: bool = False
-    coordinator_address: Optional[str] = None
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
+    coordinator_address: Optional[str] = None  # host:port of process 0; default auto-detected
+    num_processes: Optional[int] = None  # processes of the run; default auto-detected
+    process_id: Optional[int] = None  # this process's index in [0, num_processes); default auto-detected
     # Seconds without a heartbeat after which the coordination service declares a process dead and
     # ends every other one (JAX's default, 100): what a run loses when a host dies without a word
     # (SIGKILL, power, the OOM killer). Lower fails faster; too low ends healthy runs on a stall.
     heartbeat_timeout_s: int = 100
     compilation_cache_dir: Optional[str] = None  # persistent XLA compilation cache
-    # Layout per iteration (jvarlen.runtime.layout_policy). With tokens_per_device set,
-    # each step uses the smallest sp whose per-device tokens fit it (dp and sp above are
-    # then ignored); sp_cycle instead cycles through the given sp degrees step by step
-    # (for tests and benchmarks). Neither: the fixed layout (dp, pp, sp).
+    # Layout per iteration (jvarlen.runtime.layout_policy): each step uses the smallest sp whose
+    # per-device tokens fit this (dp and sp above are then ignored). Unset, and sp_cycle unset: the
+    # fixed layout (dp, pp, sp).
     tokens_per_device: Optional[int] = None
+    # Layout per iteration, for tests and benchmarks: the steps cycle through these sp degrees.
     sp_cycle: Optional[list[int]] = None
     # What a layer that is not recomputed keeps for its backward, in every execution strategy (the
     # data-parallel step's layers when model.remat is off, a pipeline's or a group's stored layers):
@@ -433,23 +467,7 @@ class PlanConfig:
     # heterogeneous device groups over all dp * pp * sp devices of the config (docs/design/
     # heterogeneous.md): hydraulis, flexsp, dcp, dcp-inter, homogeneous (the best d x P per
     # iteration), epp-pipelines, and auto (the fastest of them, per iteration).
-    policy: Literal[
-        "epp",
-        "epp-fast",
-        "wo-wbc",
-        "wo-ckpt",
-        "full-ckpt",
-        "seq1f1b",
-        "seq1f1b-tuned",
-        "dapple",
-        "hydraulis",
-        "flexsp",
-        "dcp",
-        "dcp-inter",
-        "homogeneous",
-        "epp-pipelines",
-        "auto",
-    ] = "epp"
+    policy: PlanPolicy = "epp"
     # The finest average slice of a split document; the planner's API defaults to 4096 (finer chunks
     # lose GPU efficiency, InfiniPipe App. B), this default suits the short contexts of CPU runs:
     # raise it for GPU runs with long contexts (fewer slice counts to search, none too small).
@@ -468,14 +486,15 @@ class PlanConfig:
     # a resumed run) are then reproducible whatever the machine load. With several processes each
     # plan is solved by one of them and read by the others, fallback or not (runtime/plan_exchange.py).
     wait: bool = False
-    # Limits of each checkpointing MILP (CP-SAT). The deterministic-time limit binds first, so a
-    # resumed run plans the same chunks; the wall-clock limit is a safety net. With plan.wait every
-    # planner solve runs on one worker with the wall-clock limit raised to at least 120 s, so that
-    # machine load cannot change a plan (jvarlen/plan/cpsat.py).
+    # Deterministic-time limit of each checkpointing MILP (CP-SAT). It binds before the wall-clock
+    # limit, so a resumed run plans the same chunks.
     solver_deterministic_time: float = 0.5
+    # Wall-clock limit of each checkpointing MILP, a safety net. With plan.wait every planner
+    # solve runs on one worker with this raised to at least 120 s, so that machine load cannot
+    # change a plan (jvarlen/plan/cpsat.py).
     solver_time_limit_s: float = 30.0
-    solver_workers: int = 1
-    solver_seed: int = 0
+    solver_workers: int = 1  # CP-SAT search workers per MILP
+    solver_seed: int = 0  # CP-SAT's random seed
 
     @property
     def uses_groups(self) -> bool:
@@ -514,8 +533,10 @@ class PlanConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 100
-    seed: int = 0
+    """The run: how long, from which initialization, and what it checks as it goes."""
+
+    steps: int = 100  # optimizer updates of the run (a resumed run continues up to this)
+    seed: int = 0  # parameter initialization and the step's random key
     # Cost model used to log predicted vs measured step time: "auto" finds the profile of
     # this model on this backend (python -m jvarlen.profile), "none" disables, or a path.
     cost_profile: Optional[str] = "auto"
@@ -535,9 +556,11 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    """Orbax checkpoints of the whole training state, in the run directory."""
+
     every_steps: int = 50  # also saved at the last step
-    max_to_keep: int = 2
-    async_save: bool = True
+    max_to_keep: int = 2  # the newest checkpoints kept; older ones are deleted
+    async_save: bool = True  # write in the background while the next steps train
     resume: bool = False  # continue from the newest checkpoint in the run directory
 
     def __post_init__(self):
@@ -546,9 +569,11 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    run_dir: str = "runs/default"
-    tensorboard: bool = True
-    progress_bar: bool = True
+    """Where the run writes and what it shows."""
+
+    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events and checkpoints
+    tensorboard: bool = True  # also write the metrics as TensorBoard events
+    progress_bar: bool = True  # a progress bar with loss, tokens/s and ETA on the terminal
     # A run that does not resume refuses a run_dir holding an earlier run's metrics or
     # checkpoints; overwrite=true deletes them (metrics, TensorBoard events, checkpoints) once the
     # configuration has been accepted, before the first step.

@@ -176,3 +176,26 @@ def test_the_readme_training_commands_parse_and_fit_their_layouts():
         for placeholder, value in fill.items():
             args = [a.replace(placeholder, value) for a in args]
         resolve_layout(parse_config(args))
+
+
+def test_every_flag_of_the_training_command_has_its_own_help():
+    """``python -m jvarlen.train --help`` (and ``jvarlen.export``'s) describes each flag with the comment beside its field:
+    none is blank, and a choice field's comment is its own (a ``Literal[...]`` written in place
+    hid the field from draccus, which gave its comment to the next field: ``--model.remat`` read
+    as the attention implementation)."""
+    from draccus import argparsing
+
+    from jvarlen.hf.export import ExportConfig
+
+    def helps(config_class):
+        parser = argparsing.ArgumentParser(config_class=config_class).parser
+        return {a.option_strings[-1]: (a.help or "").strip() for a in parser._actions if a.option_strings}
+
+    export = helps(ExportConfig)
+    assert len(export) == 9 and not [flag for flag, text in export.items() if not text]
+    helps = helps(Config)
+    assert len(helps) > 60 and not [flag for flag, text in helps.items() if not text]
+    assert helps["--model.remat"].startswith("Layers whose forward is recomputed")
+    assert helps["--model.attention"].startswith("Attention implementation")
+    assert helps["--plan.min_slice_tokens"].startswith("The finest average slice")
+    assert helps["--plan.solver_seed"] == "CP-SAT's random seed"

@@ -48,11 +48,15 @@ TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json", "chat_
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
+# named: draccus reads no help comment beside an annotation with quotes (jvarlen/config.py)
+ExportDtype = Literal["float32", "bfloat16", "float16"]
+
+
 @dataclasses.dataclass
 class ExportConfig:
     run_dir: Optional[str] = None  # a jvarlen run directory (holds checkpoints/ and config.json)
     out_dir: Optional[str] = None  # the Hugging Face directory to write (created; must be empty unless overwrite)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: ExportDtype = "bfloat16"  # of the written weights (cast from the checkpoint's)
     step: Optional[int] = None  # checkpoint step; default the newest
     tokenizer: Optional[str] = None  # tokenizer.json to copy; default the run's data.tokenizer or init_from's
     max_shard_gb: float = 5.0  # larger weights are split into several safetensors files plus an index
