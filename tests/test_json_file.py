@@ -31,6 +31,9 @@ def test_a_written_file_has_the_umasks_permissions_and_its_folder_is_made(tmp_pa
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644  # readable by the cluster's other users
     assert path.read_text() == '{\n  "x": 1.5\n}\n'
+    # a profile's measurement report keeps its keys' order, and keys of mixed types
+    write_json(path, {"b": 1, "a": {2: "x", "1": "y"}}, indent=None, sort_keys=False)
+    assert path.read_text() == '{"b": 1, "a": {"2": "x", "1": "y"}}\n'
 
 
 def test_a_cost_profile_saved_over_another_loads_as_the_new_one(tmp_path):

@@ -53,7 +53,7 @@ class PlanCli:
     gantt: Optional[str] = None  # PNG Gantt chart of the first iteration planned
     batch_size: Optional[int] = None  # sample batches of this many documents from the file
     iterations: int = 1  # number of sampled batches (with --batch_size)
-    seed: int = 0
+    seed: int = 0  # the batches sampled (with --batch_size) and the seed of a strategy policy that has one
     context: int = 0  # truncate documents to this many tokens (0: no truncation)
     cluster: str = "a800"  # analytic hardware profile (jvarlen.plan.hardware.CLUSTERS)
     zero3_sp: bool = True  # shard stage parameters/gradients over the SP group (InfiniPipe's ZeRO-3)

@@ -1,4 +1,4 @@
-"""Plans, strategy plans and cost profiles as JSON files, written so that an interrupted write never
+"""Plans, strategy plans, cost profiles and their measurement reports as JSON files, written so that an interrupted write never
 leaves a truncated file in place of the previous one.
 
 Pure Python: nothing here imports JAX.
@@ -12,10 +12,10 @@ import uuid
 from typing import Any, Optional
 
 
-def write_json(path: str | os.PathLike, data: Any, indent: Optional[int] = 1) -> None:
-    """``data`` as JSON (sorted keys, a final newline) to ``path``, its folder made where missing:
-    written to a temporary file beside it and renamed over it, so a reader sees the old file or the
-    new one, whole (the rename is atomic on one file system). The temporary name is unique across
+def write_json(path: str | os.PathLike, data: Any, indent: Optional[int] = 1, sort_keys: bool = True) -> None:
+    """``data`` as JSON (keys sorted unless ``sort_keys`` is False, a final newline) to ``path``, its
+    folder made where missing: written to a temporary file beside it and renamed over it, so a
+    reader sees the old file or the new one, whole (the rename is atomic on one file system). The temporary name is unique across
     hosts (processes on hosts sharing a network file system may have equal pids) and the file gets
     the permissions the umask gives any new file."""
     path = os.fspath(path)
@@ -23,7 +23,7 @@ def write_json(path: str | os.PathLike, data: Any, indent: Optional[int] = 1) ->
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     try:
         with open(tmp, "x") as f:
-            json.dump(data, f, indent=indent, sort_keys=True)
+            json.dump(data, f, indent=indent, sort_keys=sort_keys)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:

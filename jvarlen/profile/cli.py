@@ -25,17 +25,21 @@ from jvarlen.profile import SINGLE_THREAD_XLA_FLAGS
 @dataclasses.dataclass
 class ProfileConfig:
     config: Optional[str] = None  # run YAML whose model section is profiled (default: ModelConfig())
-    out_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "profiles")
+    out_dir: str = os.path.join(  # where the profile (JSON) and its measurement report are written
+        os.path.expanduser("~"), ".cache", "jvarlen", "profiles"
+    )
     repeats: int = 5  # timings per measurement; the minimum is kept
     # rounds of the whole-model calibration steps (the profile's scale and reference reading)
     calibration_rounds: int = 20
     force: bool = False  # re-profile even if a profile for this key exists
-    compilation_cache: Optional[str] = os.path.join(os.path.expanduser("~"), ".cache", "jvarlen", "xla")
+    compilation_cache: Optional[str] = os.path.join(  # persistent XLA compilation cache (None: off)
+        os.path.expanduser("~"), ".cache", "jvarlen", "xla"
+    )
     refit_from: Optional[str] = None  # a saved *.report.json: fit again without measuring
     # CPU clock (jvarlen.profile.clock): the process pinned to one core (``cpu_core``, default the first
     # allowed one) and timed by process CPU time; XLA's own single-thread flag does not give one core
     cpu_pin: bool = True
-    cpu_core: Optional[int] = None
+    cpu_core: Optional[int] = None  # the core cpu_pin pins to (default: the first the process may use)
     cpu_single_thread: bool = False  # also pass --xla_cpu_multi_thread_eigen=false (old profiles did)
     # Ulysses degrees to profile; degrees > 1 use the reduced grid measure.SP_GRID and need that
     # many devices (on CPU, fake devices are added before JAX starts).

@@ -15,6 +15,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.plan.chunk import ChunkShape
 from jvarlen.plan.cost import CostCoefficients, LayerTime, ModelShape, ProfileMeta
 from jvarlen.plan.cost_fit import fit_time_terms
+from jvarlen.plan.json_file import write_json
 from jvarlen.profile.harness import REFERENCE_CHUNKS, REFERENCE_PROBE, ChunkHarness
 from jvarlen.profile.measure import SP_GRID, ProfileGrid, fit_memory, measure_calibration, measure_profile
 
@@ -238,9 +239,7 @@ def run_profiler(cfg) -> str:
             )
     report.update(model_key=shape.key(), backend=jax.default_backend())
     # the measurements first: a fit that fails loses nothing (``--refit_from`` fits them again)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(path.replace(".json", ".report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(path.replace(".json", ".report.json"), report, sort_keys=False)  # whole or not replaced
     _fit_and_save(report, model_cfg, path)
     return path
 
