@@ -1,5 +1,7 @@
 """Configuration: YAML + dotted overrides, and errors that name the field."""
 
+import dataclasses
+
 import pytest
 
 from jvarlen.config import CONFIG_DIR, Config, ConfigError, load_config, parse_config
@@ -179,20 +181,23 @@ def test_the_readme_training_commands_parse_and_fit_their_layouts():
 
 
 def test_every_flag_of_the_training_command_has_its_own_help():
-    """``python -m jvarlen.train --help`` (and ``jvarlen.export``'s) describes each flag with the comment beside its field:
+    """``python -m jvarlen.train --help`` (and the export, planner and profiler commands') describes each flag with the comment beside its field:
     none is blank, and a choice field's comment is its own (a ``Literal[...]`` written in place
     hid the field from draccus, which gave its comment to the next field: ``--model.remat`` read
     as the attention implementation)."""
     from draccus import argparsing
 
     from jvarlen.hf.export import ExportConfig
+    from jvarlen.plan.cli import PlanCli
+    from jvarlen.profile.cli import ProfileConfig
 
     def helps(config_class):
         parser = argparsing.ArgumentParser(config_class=config_class).parser
         return {a.option_strings[-1]: (a.help or "").strip() for a in parser._actions if a.option_strings}
 
-    export = helps(ExportConfig)
-    assert len(export) == 9 and not [flag for flag, text in export.items() if not text]
+    for tool in (ExportConfig, PlanCli, ProfileConfig):
+        got = helps(tool)  # its fields, --help and --config_path
+        assert len(got) == len(dataclasses.fields(tool)) + 2 and not [f for f, text in got.items() if not text], tool
     helps = helps(Config)
     assert len(helps) > 60 and not [flag for flag, text in helps.items() if not text]
     assert helps["--model.remat"].startswith("Layers whose forward is recomputed")
