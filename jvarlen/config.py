@@ -290,7 +290,7 @@ class DataConfig:
     # to its first max_doc_tokens tokens (the drop is counted in the corpus summary).
     long_doc_policy: LongDocPolicy = "split"
     max_documents: Optional[int] = None  # use only the first N documents of the corpus
-    seed: int = 0  # the order in which documents are drawn into batches, per epoch
+    seed: int = 0  # seeds the order in which document pieces are drawn into batches (a new one each epoch)
 
     def __post_init__(self):
         _positive("data", seq_len=self.seq_len, tokens_per_batch=self.tokens_per_batch)
