@@ -424,3 +424,22 @@ def test_the_summary_says_how_many_batches_an_epoch_is(tmp_path):
     for epoch in range(1, 3):
         batch = small.next_batch()
         assert small.epoch == epoch and int((batch.segment_ids > 0).sum()) == 500
+
+
+def test_a_linked_in_directory_is_read_once_and_hidden_files_are_not(tmp_path):
+    """A data directory that links its shards in (``more -> ../shards``) reads them (before: left
+    out without a word), a link back to a directory already read adds nothing, and hidden files
+    and directories stay unread."""
+    from jvarlen.data.sources import Source
+
+    shards, data = tmp_path / "shards", tmp_path / "data"
+    shards.mkdir()
+    data.mkdir()
+    (shards / "b.jsonl").write_text(json.dumps({"text": "linked"}) + "\n")
+    (data / "a.jsonl").write_text(json.dumps({"text": "local"}) + "\n")
+    (data / ".hidden.jsonl").write_text(json.dumps({"text": "hidden"}) + "\n")
+    os.symlink(shards, data / "more")
+    os.symlink(data, shards / "loop")  # data/more/loop -> data: a cycle, walked once
+    source = Source.create("jsonl", str(data))
+    assert [p.relative_to(data).as_posix() for p in source.files] == ["a.jsonl", "more/b.jsonl"]
+    assert source.skipped_other == []

@@ -82,7 +82,7 @@ class Corpus:
         """SHA-256 (hex) of the documents' tokens, then their offsets as little-endian int64: the
         cache's recorded digest, or, for the first ``limit`` documents, computed on first use."""
         if self._digest is None:
-            h = hashlib.sha256(np.ascontiguousarray(self.tokens).tobytes())
+            h = hashlib.sha256(memoryview(np.ascontiguousarray(self.tokens)))  # the memory map, not a copy
             h.update(self.offsets.astype("<i8").tobytes())
             self._digest = h.hexdigest()
         return self._digest

@@ -58,9 +58,17 @@ def _files_under(path: pathlib.Path, suffixes: tuple[str, ...] | None) -> tuple[
         raise UnreadableFileError(f"data path {str(path)!r} does not exist")
     if path.is_file():
         return [path], []
-    visible = sorted(
-        p for p in path.rglob("*") if p.is_file() and not any(q.startswith(".") for q in p.relative_to(path).parts)
-    )
+    visible, seen = [], set()
+    # linked-in directories are read too (rglob does not enter them), each real directory once
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        visible.extend(pathlib.Path(dirpath, f) for f in filenames if not f.startswith("."))
+    visible = sorted(p for p in visible if p.is_file())
     files = [p for p in visible if suffixes is None or p.name.endswith(suffixes)]
     if not files:
         wanted = f" matching {', '.join(suffixes)}" if suffixes else ""
