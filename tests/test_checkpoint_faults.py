@@ -348,3 +348,35 @@ def test_storage_errors_are_told_from_damage_through_the_error_chain():
     assert not is_storage_error(wrapped(missing)) and not is_storage_error(wrapped(corrupt))
     assert not is_storage_error(FileNotFoundError(2, "gone"))
     assert read_error_summary(wrapped(denied)).startswith("ValueError: PERMISSION_DENIED: Error reading")
+
+
+def test_a_step_orbax_declines_is_a_write_error_not_a_silent_skip(tmp_path):
+    """Orbax returns False, without an error, for a step at or below the newest it holds (before,
+    the run went on as if step 1 were written; a resume then took up the other run's step 3)."""
+    config = parse_config(["--checkpoint.async_save=false"]).checkpoint
+    model, optimizer = parse_config([]).model, optax.sgd(1.0)
+    earlier = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    earlier.save(3, _state(optimizer), {"pos": 3}, model)
+    earlier.close()
+    later = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint 1 was not written: .* already holds checkpoint 3"):
+        later.save(1, _state(optimizer), {"pos": 1}, model)
+    later.close()
+    assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [3]
+
+
+def test_overwrite_empties_a_checkpoint_directory_linked_to_another_disk(tmp_path, cache_dir):
+    """``checkpoints/`` a link to another disk: ``logging.overwrite`` empties the link's target and
+    keeps the link (before, rmtree refused the link without a word, so the earlier run's steps 1-2
+    stayed and Orbax declined the new run's saves)."""
+    run_dir, store = tmp_path / "r", tmp_path / "store"
+    run_dir.mkdir()
+    store.mkdir()
+    os.symlink(store, run_dir / "checkpoints")
+    train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=1"), quiet=True)
+    assert sorted(os.listdir(store)) == ["1", "2"]
+    train(_config(run_dir, cache_dir, "--train.steps=1", "--logging.overwrite=true"), quiet=True)
+    assert os.path.islink(run_dir / "checkpoints")
+    assert os.listdir(store) == ["1"]
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == [1]

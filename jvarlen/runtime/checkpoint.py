@@ -167,7 +167,7 @@ class Checkpointer:
         self._pending = step
         self._failures_before = len(_background_failures)
         try:
-            self.manager.save(
+            accepted = self.manager.save(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
@@ -177,6 +177,13 @@ class Checkpointer:
             )
         except Exception as error:  # noqa: BLE001 (a synchronous save fails here, an async one in _finish)
             self._write_failed(error)
+        if not accepted:  # Orbax declines, without an error, a step at or below the newest it holds
+            self._pending = None
+            raise CheckpointWriteError(
+                f"checkpoint {step} was not written: {self.directory} already holds checkpoint "
+                f"{self.latest_step()} (Orbax writes only steps after its newest), which this run did not "
+                "write; move the checkpoints from another run away, or start over with logging.overwrite=true"
+            )
         if not self.cfg.async_save:
             self._pending = None
 

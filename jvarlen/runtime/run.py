@@ -22,7 +22,7 @@ from jvarlen.config import Config, ConfigError, to_dict
 from jvarlen.data import DataPipeline
 from jvarlen.parallel.sharding import Placement, place_global
 from jvarlen.runtime import distributed
-from jvarlen.runtime.checkpoint import Checkpointer, abstract_like
+from jvarlen.runtime.checkpoint import Checkpointer, CheckpointWriteError, abstract_like
 from jvarlen.runtime.compile_cache import enable_persistent_cache
 from jvarlen.runtime.metrics import MetricsLogger
 from jvarlen.runtime.run_lock import RunDirLock
@@ -444,12 +444,27 @@ def _claim_fresh(run_dir: str, overwrite: bool) -> Optional[str]:
 
 
 def _delete_earlier_run(run_dir: str) -> None:
+    """Deletes what :func:`_earlier_run` found. A ``checkpoints/`` or ``tensorboard/`` that links
+    to another disk is emptied and the link kept (rmtree refuses a link; before, that was
+    swallowed and the earlier run's newer steps made Orbax decline every save of the new run).
+    Raises where anything of the earlier run is left."""
     earlier_configs = [n for n in os.listdir(run_dir) if n.startswith("config.until-step-")]
     for name in ("metrics.jsonl", "config.json", *earlier_configs):
-        if os.path.exists(os.path.join(run_dir, name)):
+        if os.path.lexists(os.path.join(run_dir, name)):
             os.remove(os.path.join(run_dir, name))
     for name in ("checkpoints", "tensorboard"):
-        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path) and os.path.isdir(path):
+            for entry in os.scandir(path):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.remove(entry.path)
+        elif os.path.lexists(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    left = _earlier_run(run_dir)
+    if left is not None:
+        raise CheckpointWriteError(f"logging.overwrite could not delete the earlier run in {run_dir}: {left} remain")
 
 
 def _state_from_hf(config: Config, resuming: bool, say):
