@@ -113,6 +113,35 @@ def test_compressed_jsonl_is_read_and_other_files_are_named_as_skipped(tmp_path)
         _load(tmp_path, "jsonl", _directory_holding(tmp_path / "other", "e.json"))
 
 
+def test_zstd_shards_are_read_and_a_codec_not_read_is_named(tmp_path):
+    """``.jsonl.zst`` (many public corpora) is read, of several frames; a truncated one is an error
+    (zstandard's stream reader returned the lines before the cut without one). The codec comes from
+    the file's first bytes: a file given as data.path in a codec jvarlen does not read was reported
+    as a corrupt JSON line."""
+    import zstandard
+
+    lines = b"".join((json.dumps({"text": chr(97 + i)}) + "\n").encode() for i in range(6))
+    frames = zstandard.ZstdCompressor().compress(lines[:40]) + zstandard.ZstdCompressor().compress(lines[40:])
+    root = tmp_path / "shards"
+    root.mkdir()
+    (root / "a.jsonl.zst").write_bytes(frames)
+    (root / "b.jsonl").write_bytes(gzip.compress(lines[:14]))  # gzip under a plain name
+    corpus = _load(tmp_path, "jsonl", root)
+    assert [corpus.document(i).tolist()[1] for i in range(corpus.num_documents)] == [97, 98, 99, 100, 101, 102, 97]
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(frames[:-9])
+    with pytest.raises(
+        UnreadableFileError, match=r"cut\.jsonl\.zst' after line \d: the zstd stream ends inside a frame"
+    ):
+        _load(tmp_path, "jsonl", cut)
+    lz4 = tmp_path / "d.jsonl.lz4"
+    lz4.write_bytes(b"\x04\x22\x4d\x18" + bytes(20))
+    with pytest.raises(
+        UnreadableFileError, match=r"d\.jsonl\.lz4' is compressed with lz4, which jvarlen does not read"
+    ):
+        _load(tmp_path, "jsonl", lz4)
+
+
 def _directory_holding(directory, name):
     directory.mkdir()
     (directory / name).write_text("{}")

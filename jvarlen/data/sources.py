@@ -1,4 +1,4 @@
-"""Where raw documents come from: the stdlib sources, JSONL (plain or gzip/bz2/xz), a text directory, Parquet.
+"""Where raw documents come from: the stdlib sources, JSONL (plain or gzip/bzip2/xz/zstd), a text directory, Parquet.
 
 A :class:`Source` lists its files (sorted, for determinism), gives a fingerprint of
 them (paths, sizes, mtimes, ctimes, inodes: part of the corpus cache key) and yields
@@ -9,29 +9,25 @@ the file, line/row and field.
 
 from __future__ import annotations
 
-import bz2
 import dataclasses
-import gzip
 import json
-import lzma
 import os
 import pathlib
 import sysconfig
-import zlib
 from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 
+from jvarlen.data.compression import DAMAGED, open_data_file
 from jvarlen.data.errors import EmptyCorpusError, MissingFieldError, TokenIdError, UnreadableFileError
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # what a directory source reads; other files in it are listed as skipped (Source.skipped_other)
 SUFFIXES = {
-    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz"),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst"),
     "parquet": (".parquet",),
     "text_dir": None,
 }
-_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
 
 class RawDocument(NamedTuple):
@@ -205,10 +201,9 @@ class Source:
         return (value, None)
 
     def _jsonl(self, index: int, path: pathlib.Path) -> Iterator[RawDocument]:
-        opener = _OPENERS.get(path.suffix, open)
         line_no = 0
         try:
-            with opener(path, "rb") as f:
+            with open_data_file(path) as f:
                 for line_no, line in enumerate(f, start=1):
                     if not line.strip():
                         continue
@@ -227,7 +222,7 @@ class Source:
                                 f"surrogate, which is not Unicode text: {error})"
                             ) from error
                     yield RawDocument(index, line_no, text, ids)
-        except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # unreadable, or a damaged/truncated archive
+        except (OSError, *DAMAGED) as error:  # unreadable, or a damaged/truncated archive
             after = f" after line {line_no}" if line_no else ""
             raise UnreadableFileError(f"cannot read data file {str(path)!r}{after}: {error}") from error
 
