@@ -259,13 +259,20 @@ def test_cache_is_invalidated_when_the_source_or_tokenizer_changes(tmp_path, bui
     assert len(build_counter) == 4 and fourth.directory != third.directory
 
 
-@pytest.mark.parametrize("damage", ["truncated tokens", "offsets.npy", "doc_source.npy"])
+@pytest.mark.parametrize(
+    "damage", ["truncated tokens", "offsets.npy", "doc_source.npy", "cut offsets.npy", "cut doc_source.npy", "empty"]
+)
 def test_damaged_cache_is_rebuilt(tmp_path, build_counter, damage):
     path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}])
     first = _load(tmp_path, "jsonl", path)
     if damage == "truncated tokens":
         with open(first.directory / "tokens.bin", "r+b") as f:
             f.truncate(2)
+    elif damage.startswith("cut"):  # before: a bare numpy ValueError at every start, never rebuilt
+        with open(first.directory / damage.split()[1], "r+b") as f:
+            f.truncate(f.seek(0, os.SEEK_END) - 8)
+    elif damage == "empty":
+        (first.directory / "offsets.npy").write_bytes(b"")
     else:  # a file deleted (before: the load failed with a bare FileNotFoundError)
         (first.directory / damage).unlink()
     again = _load(tmp_path, "jsonl", path)
@@ -472,3 +479,33 @@ def test_a_linked_in_directory_is_read_once_and_hidden_files_are_not(tmp_path):
     source = Source.create("jsonl", str(data))
     assert [p.relative_to(data).as_posix() for p in source.files] == ["a.jsonl", "more/b.jsonl"]
     assert source.skipped_other == []
+
+
+def test_the_temporary_directory_of_a_killed_build_is_removed_by_the_next_load(tmp_path):
+    """A build killed without a ``finally`` (SIGKILL, out of memory) left its ``.tmp-*`` directory,
+    as large as the corpus, for ever. The next load removes one whose process on this host is gone
+    and that nobody wrote to for 10 minutes; a live builder's, a fresh one's and another host's stay."""
+    import socket
+    import subprocess
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process
+    host = socket.gethostname()
+    names = {
+        "killed": f".tmp-jsonl-k1+{child.pid}@{host}+0123abcd",
+        "recent": f".tmp-jsonl-k2+{child.pid}@{host}+0123abce",
+        "live": f".tmp-jsonl-k3+{os.getpid()}@{host}+0123abcf",
+        "elsewhere": f".tmp-jsonl-k4+{child.pid}@another-{host}+0123abc0",
+    }
+    hour_ago = time.time() - 3600
+    for key, name in names.items():
+        (cache / name).mkdir()
+        (cache / name / "tokens.bin").write_bytes(b"\0" * 64)
+        if key != "recent":
+            for path in (cache / name / "tokens.bin", cache / name):
+                os.utime(path, (hour_ago, hour_ago))
+    corpus = _load(tmp_path, "jsonl", _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}]))
+    left = {p.name for p in cache.iterdir()}
+    assert left == {corpus.directory.name, names["recent"], names["live"], names["elsewhere"]}

@@ -11,7 +11,8 @@ under ``<cache_dir>/<kind>-<key>/``::
 
 Each stored document is ``[BOS] + tokens + [EOS]``; documents with no tokens are
 skipped and counted. The directory is written under a temporary name and renamed
-into place, so a reader never sees a half-written cache.
+into place, so a reader never sees a half-written cache; the temporary directory of a build
+that was killed is removed by the next load (its name holds the builder's host and pid).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
+import socket
 import time
 import uuid
 from typing import Optional
@@ -158,7 +161,7 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
     """Tokenizes ``source`` into ``directory`` (written under a temporary name, then renamed)."""
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     limit = np.iinfo(dtype).max
-    tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = directory.parent / f".tmp-{directory.name}+{os.getpid()}@{socket.gethostname()}+{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     lengths: list[int] = []
     origins: list[tuple[int, int]] = []
@@ -252,6 +255,45 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_TEMPORARY = re.compile(r"\.tmp-.+\+(\d+)@(.+)\+[0-9a-f]{8}")  # the name _build_cache writes under
+
+
+def _remove_killed_builds(root: pathlib.Path) -> None:
+    """Removes the temporary directories that builds on this host left when they were killed
+    (SIGKILL, out of memory, a lost node: no ``finally`` ran), each as large as its corpus.
+    Another host's are left alone (its pids are not this host's), and so is one written to in the
+    last ``_KILLED_AFTER_S`` (a container of the same host name in another pid namespace)."""
+    if not root.is_dir():
+        return
+    host = socket.gethostname()
+    for entry in root.iterdir():
+        found = _TEMPORARY.fullmatch(entry.name)
+        if found and found.group(2) == host and not _alive(int(found.group(1))) and _idle_s(entry) > _KILLED_AFTER_S:
+            shutil.rmtree(entry, ignore_errors=True)  # garbage: another load may be removing it too
+
+
+_KILLED_AFTER_S = 600
+
+
+def _idle_s(directory: pathlib.Path) -> float:
+    """Seconds since anything in ``directory`` (flat: the cache files) was last written."""
+    try:
+        newest = max([directory.stat().st_mtime] + [f.stat().st_mtime for f in directory.iterdir()])
+    except OSError:  # removed meanwhile
+        return 0.0
+    return time.time() - newest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 # what a write into the cache directory fails with, never a read of the data
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
 
@@ -272,14 +314,25 @@ def _sync(directory: pathlib.Path) -> None:
 
 
 def _valid_cache(directory: pathlib.Path) -> bool:
+    """Every file of a complete cache, of the sizes its meta.json gives (a damaged one is rebuilt:
+    before, a truncated offsets.npy was a bare numpy error at every start)."""
     try:
         with open(directory / "meta.json") as f:
             meta = json.load(f)
         size = (directory / "tokens.bin").stat().st_size
         expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
-        complete = all((directory / name).is_file() for name in CACHE_FILES)
-        return meta.get("version") == FORMAT_VERSION and size == expected and complete
-    except (OSError, ValueError, KeyError):
+        documents = meta["num_documents"]
+        offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        origins = np.load(directory / "doc_source.npy", mmap_mode="r")
+        return (
+            meta.get("version") == FORMAT_VERSION
+            and size == expected
+            and offsets.shape == (documents + 1,)
+            and int(offsets[0]) == 0
+            and int(offsets[-1]) == meta["num_tokens"]
+            and origins.shape == (documents, 2)
+        )
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
         return False
 
 
@@ -289,6 +342,7 @@ def load_corpus(
     """Returns the cached corpus for ``source`` + ``tokenizer``, tokenizing it first if needed."""
     root = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     directory = root / f"{source.kind}-{cache_key(source, tokenizer)}"
+    _remove_killed_builds(root)
     hit = _valid_cache(directory)
     if not hit:
         if directory.exists():  # damaged (e.g. partially deleted): rebuild
