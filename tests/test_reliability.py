@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -194,6 +195,27 @@ def test_a_run_that_starts_over_purges_the_earlier_tensorboard_steps(tmp_path):
     second = sorted((tmp_path / "tensorboard").iterdir())[-1]
     starts = [e.step for e in _tensorboard_events(second) if e.session_log.status == SessionLog.START]
     assert starts == [1]
+
+
+def test_non_finite_metrics_are_written_as_json_null(tmp_path):
+    """A step with a NaN loss wrote ``NaN`` into metrics.jsonl, which is not JSON: jq and other
+    strict readers refused the whole file."""
+    from jvarlen.config import LoggingConfig
+    from jvarlen.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), LoggingConfig(run_dir=str(tmp_path), progress_bar=False), total_steps=2)
+    logger.log(1, {"loss": float("nan"), "nonfinite": True, "estimates": [1.5, float("inf")], "g": {"x": -math.inf}})
+    logger.log(2, {"loss": 2.5, "nonfinite": False})
+    logger.close()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    records = [json.loads(line, parse_constant=refuse) for line in open(tmp_path / "metrics.jsonl")]
+    assert records == [
+        {"step": 1, "loss": None, "nonfinite": True, "estimates": [1.5, None], "g": {"x": None}},
+        {"step": 2, "loss": 2.5, "nonfinite": False},
+    ]
 
 
 def test_truncate_records_drops_later_steps_and_a_torn_line(tmp_path):

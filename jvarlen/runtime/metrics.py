@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -45,7 +46,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict, postfix: Optional[dict] = None) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._file.write(json.dumps(_strict({"step": step, **metrics}), allow_nan=False) + "\n")
             self._file.flush()
         if self._writer is not None:
             for key, value in metrics.items():
@@ -70,6 +71,19 @@ class MetricsLogger:
             self._writer.close()
         if self._file is not None:
             self._file.close()
+
+
+def _strict(value):
+    """``value`` with every non-finite float as None: JSON has no NaN or Infinity, and strict
+    readers (jq, JavaScript, Go) reject a whole file holding one (Python's json writes them
+    unless told not to). The step of a NaN loss says so in its ``nonfinite`` field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def truncate_records(path: str, last_step: int) -> int:
