@@ -361,6 +361,9 @@ def test_a_step_orbax_declines_is_a_write_error_not_a_silent_skip(tmp_path):
     later = Checkpointer(tmp_path / "ckpt", config, say=lambda _: None)
     with pytest.raises(CheckpointWriteError, match=r"checkpoint 1 was not written: .* already holds checkpoint 3"):
         later.save(1, _state(optimizer), {"pos": 1}, model)
+    later.manager.save = lambda *args, **kwargs: False  # declined for a reason the check before it cannot see
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint 4 was not written"):
+        later.save(4, _state(optimizer), {"pos": 4}, model)
     later.close()
     assert Checkpointer(tmp_path / "ckpt", config).all_steps() == [3]
 

@@ -162,6 +162,9 @@ class Checkpointer:
             )
         data_state = {**data_state, CHECKSUMS: sums}
         self._finish()  # the previous save is finalized: older ones may go now
+        newest = self.latest_step()
+        if newest is not None and step <= newest:  # before the rotation: nothing of theirs is deleted
+            raise CheckpointWriteError(self._not_after(step, newest))
         self._rotate(keep=self.cfg.max_to_keep)
         self._saved = True
         self._pending = step
@@ -179,13 +182,16 @@ class Checkpointer:
             self._write_failed(error)
         if not accepted:  # Orbax declines, without an error, a step at or below the newest it holds
             self._pending = None
-            raise CheckpointWriteError(
-                f"checkpoint {step} was not written: {self.directory} already holds checkpoint "
-                f"{self.latest_step()} (Orbax writes only steps after its newest), which this run did not "
-                "write; move the checkpoints from another run away, or start over with logging.overwrite=true"
-            )
+            raise CheckpointWriteError(self._not_after(step, self.latest_step()))
         if not self.cfg.async_save:
             self._pending = None
+
+    def _not_after(self, step: int, newest: Optional[int]) -> str:
+        return (
+            f"checkpoint {step} was not written: {self.directory} already holds checkpoint {newest} (Orbax "
+            "writes only steps after its newest), which this run did not write; move the checkpoints of "
+            "the other run away, or start over with logging.overwrite=true"
+        )
 
     def check(self) -> None:
         """(Every step; no wait.) Raises the :class:`CheckpointWriteError` of a save in flight whose

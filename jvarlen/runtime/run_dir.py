@@ -63,8 +63,10 @@ def delete_earlier_run(run_dir: str) -> None:
                     shutil.rmtree(entry.path)
                 else:
                     os.remove(entry.path)
-        elif os.path.lexists(path):
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):  # a file, or a link to nothing
+            os.remove(path)
     left = earlier_run(run_dir)
     if left is not None:
         raise CheckpointWriteError(f"logging.overwrite could not delete the earlier run in {run_dir}: {left} remain")
