@@ -114,14 +114,17 @@ def test_compressed_jsonl_is_read_and_other_files_are_named_as_skipped(tmp_path)
 
 
 def test_zstd_shards_are_read_and_a_codec_not_read_is_named(tmp_path):
-    """``.jsonl.zst`` (many public corpora) is read, of several frames; a truncated one is an error
+    """``.jsonl.zst`` (many public corpora) is read, of several frames and a skippable one; a truncated one is an error
     (zstandard's stream reader returned the lines before the cut without one). The codec comes from
     the file's first bytes: a file given as data.path in a codec jvarlen does not read was reported
     as a corrupt JSON line."""
     import zstandard
 
     lines = b"".join((json.dumps({"text": chr(97 + i)}) + "\n").encode() for i in range(6))
-    frames = zstandard.ZstdCompressor().compress(lines[:40]) + zstandard.ZstdCompressor().compress(lines[40:])
+    skippable = b"\x50\x2a\x4d\x18" + (4).to_bytes(4, "little") + bytes(4)  # as pzstd writes before each frame
+    frames = (
+        skippable + zstandard.ZstdCompressor().compress(lines[:40]) + zstandard.ZstdCompressor().compress(lines[40:])
+    )
     root = tmp_path / "shards"
     root.mkdir()
     (root / "a.jsonl.zst").write_bytes(frames)

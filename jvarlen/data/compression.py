@@ -39,6 +39,8 @@ DAMAGED = (EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
 
 def codec_of(head: bytes) -> str | None:
     """The compression codec whose magic number ``head`` starts with; None for plain bytes."""
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":
+        return "zstd"  # a skippable frame first (pzstd writes one before each of its frames)
     return next((codec for magic, codec in _MAGIC if head.startswith(magic)), None)
 
 
