@@ -15,7 +15,7 @@ from jvarlen.data import DataPipeline
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(sys.argv[1:] if argv is None else argv)
-    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size)
+    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size, say=print)
     print(pipeline.summary())
     print(f"cache: {pipeline.corpus.directory}")
 

@@ -244,6 +244,20 @@ def test_cache_is_reused_without_retokenizing(tmp_path, build_counter):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.directory.name]
 
 
+def test_a_tokenization_says_what_it_does_and_how_far_it_is(tmp_path, monkeypatch):
+    """Tokenizing a large corpus takes hours, which a run spent without a word: it says where the
+    cache goes and, every 30 s (here every batch), how far it is; a cached corpus says nothing."""
+    monkeypatch.setattr(corpus_module, "_PROGRESS_EVERY_S", 0.0)
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}, {"text": ""}, {"text": "de"}])
+    source, said = Source.create("jsonl", str(path)), []
+    corpus = load_corpus(source, load_tokenizer("byte"), cache_dir=str(tmp_path / "cache"), say=said.append)
+    assert said[0].startswith(f"[jvarlen] tokenizing 1 file (0.0 MiB) into {corpus.directory} (once: ")
+    assert said[1].startswith("[jvarlen] tokenizing: file 1 of 1, 2 documents, 9 tokens, ") and len(said) == 2
+    said.clear()
+    load_corpus(source, load_tokenizer("byte"), cache_dir=str(tmp_path / "cache"), say=said.append)
+    assert said == []
+
+
 def test_cache_is_invalidated_when_the_source_or_tokenizer_changes(tmp_path, build_counter):
     path = _jsonl(tmp_path / "a.jsonl", [{"text": "abc"}])
     first = _load(tmp_path, "jsonl", path)

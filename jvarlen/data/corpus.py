@@ -27,7 +27,7 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -157,22 +157,54 @@ class Corpus:
         return f"Corpus({self.meta['kind']}, documents={self.num_documents}, tokens={self.num_tokens})"
 
 
-def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) -> None:
-    """Tokenizes ``source`` into ``directory`` (written under a temporary name, then renamed)."""
+_PROGRESS_EVERY_S = 30.0
+
+
+class _BuildProgress:
+    """What a tokenization has done so far, one line every ``_PROGRESS_EVERY_S`` seconds: a large
+    corpus takes hours, which a run would otherwise spend without a word."""
+
+    def __init__(self, say: Optional[Callable[[str], None]], source: Source, directory: pathlib.Path):
+        self.say, self.files = say, len(source.files)
+        self.start = self.last = time.monotonic()
+        if say is not None:
+            size = sum(os.path.getsize(f) for f in source.files) / 2**20
+            say(
+                f"[jvarlen] tokenizing {self.files} file{'s' * (self.files != 1)} ({size:,.1f} MiB) into {directory} "
+                "(once: later runs with the same data and tokenizer reuse it)"
+            )
+
+    def update(self, file_index: int, documents: int, tokens: int) -> None:
+        now = time.monotonic()
+        if self.say is None or now - self.last < _PROGRESS_EVERY_S:
+            return
+        self.last, seconds = now, now - self.start
+        self.say(
+            f"[jvarlen] tokenizing: file {file_index + 1} of {self.files}, {documents:,} documents, "
+            f"{tokens:,} tokens, {tokens / seconds:,.0f} tokens/s, {seconds:,.0f} s"
+        )
+
+
+def _build_cache(
+    source: Source, tokenizer: Tokenizer, directory: pathlib.Path, say: Optional[Callable[[str], None]] = None
+) -> None:
+    """Tokenizes ``source`` into ``directory`` (written under a temporary name, then renamed);
+    ``say``: where progress lines go (none without it)."""
+    progress = _BuildProgress(say, source, directory)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     limit = np.iinfo(dtype).max
     tmp = directory.parent / f".tmp-{directory.name}+{os.getpid()}@{socket.gethostname()}+{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     lengths: list[int] = []
     origins: list[tuple[int, int]] = []
-    skipped = 0
+    skipped = written = 0
     max_id = -1
     digest = hashlib.sha256()  # of the stored tokens as written, then the document offsets
     try:
         with open(tmp / "tokens.bin", "wb") as out:
 
             def flush(batch):
-                nonlocal skipped, max_id
+                nonlocal skipped, max_id, written
                 texts = [d.text for d in batch if d.token_ids is None]
                 encoded = iter(tokenizer.encode_batch(texts) if texts else [])
                 for doc in batch:
@@ -205,6 +237,9 @@ def _build_cache(source: Source, tokenizer: Tokenizer, directory: pathlib.Path) 
                     digest.update(data)
                     lengths.append(row.size)
                     origins.append((doc.file_index, doc.record))
+                    written += row.size
+                if batch:
+                    progress.update(batch[-1].file_index, len(lengths), written)
 
             batch = []
             for doc in source.documents():
@@ -337,9 +372,14 @@ def _valid_cache(directory: pathlib.Path) -> bool:
 
 
 def load_corpus(
-    source: Source, tokenizer: Tokenizer, cache_dir: Optional[str] = None, max_documents: Optional[int] = None
+    source: Source,
+    tokenizer: Tokenizer,
+    cache_dir: Optional[str] = None,
+    max_documents: Optional[int] = None,
+    say: Optional[Callable[[str], None]] = None,
 ) -> Corpus:
-    """Returns the cached corpus for ``source`` + ``tokenizer``, tokenizing it first if needed."""
+    """Returns the cached corpus for ``source`` + ``tokenizer``, tokenizing it first if needed
+    (``say``: where that tokenization's progress lines go)."""
     root = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     directory = root / f"{source.kind}-{cache_key(source, tokenizer)}"
     _remove_killed_builds(root)
@@ -354,7 +394,7 @@ def load_corpus(
                 f"data.cache_dir {str(root)!r} cannot be created ({error.strerror or error}); choose another directory"
             ) from None
         try:
-            _build_cache(source, tokenizer, directory)
+            _build_cache(source, tokenizer, directory, say)
         except OSError as error:
             if error.errno not in _FULL:  # reading a data file: its own errors
                 raise

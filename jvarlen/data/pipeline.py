@@ -12,7 +12,7 @@ Used by the training loop as::
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -39,15 +39,18 @@ class DataPipeline:
     """Builds the corpus (cached), splits long documents, samples and packs batches.
 
     ``vocab_size``: the model's vocabulary; every corpus token id must be below it
-    (checked once here, :class:`TokenIdError` otherwise). ``None`` skips the check.
+    (checked once here, :class:`TokenIdError` otherwise). ``None`` skips the check. ``say``: where
+    the progress of a tokenization goes (a corpus not cached yet; nothing without it).
     """
 
-    def __init__(self, config: DataConfig, vocab_size: Optional[int] = None):
+    def __init__(
+        self, config: DataConfig, vocab_size: Optional[int] = None, say: Optional[Callable[[str], None]] = None
+    ):
         self.config = config
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(config.tokenizer)
         source = Source.create(config.source, config.path, config.text_field, config.tokens_field)
-        self.corpus: Corpus = load_corpus(source, self.tokenizer, config.cache_dir, config.max_documents)
+        self.corpus: Corpus = load_corpus(source, self.tokenizer, config.cache_dir, config.max_documents, say)
         self.skipped_files = source.skipped_other  # listed anew each start: not part of the cached corpus
         self.load_seconds = time.perf_counter() - start
         if vocab_size is not None:
