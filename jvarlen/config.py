@@ -578,9 +578,16 @@ class LoggingConfig:
     # checkpoints; overwrite=true deletes them (metrics, TensorBoard events, checkpoints) once the
     # configuration has been accepted, before the first step.
     overwrite: bool = False
+    # Dense bf16 TFLOP/s of one device, for the logged mfu (model FLOPs utilization); 0: the
+    # datasheet figure of a known GPU (H100, H200, H800, A100, A800), and no mfu on other devices.
+    peak_tflops: float = 0.0
 
     def __post_init__(self):
         _require(bool(self.run_dir and self.run_dir.strip()), "logging.run_dir must name a directory")
+        _require(
+            self.peak_tflops >= 0 and math.isfinite(self.peak_tflops),
+            f"logging.peak_tflops must be >= 0 and finite, got {self.peak_tflops}",
+        )
 
 
 @dataclasses.dataclass

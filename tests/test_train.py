@@ -86,6 +86,11 @@ def test_cli_runs_three_steps_and_writes_metrics_and_checkpoint(tmp_path, cache_
     assert all(np.isfinite(r["loss"]) and r["real_tokens"] > 0 for r in records)
     assert all((r["dp"], r["sp"]) == (2, 1) for r in records), records[0]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
+    # model FLOP/s over the step's own seconds and both devices; no mfu on a CPU (no peak known)
+    for r in records:
+        assert r["model_tflops"] > 0 and "mfu" not in r
+        assert r["tflops_per_device"] == pytest.approx(r["model_tflops"] / r["step_seconds"] / 2)
+    assert "model TFLOP/s per device), " in proc.stdout
 
 
 def test_the_entry_point_gives_a_cpu_host_the_devices_of_the_layout():

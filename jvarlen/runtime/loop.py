@@ -19,6 +19,7 @@ from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
 from jvarlen.runtime.cost_check import StepTimeCheck
 from jvarlen.runtime.feed import IterationFeed
+from jvarlen.runtime.model_flops import StepFlops, peak_tflops
 from jvarlen.runtime.plan_exchange import PlanExchange
 from jvarlen.runtime.run import (  # noqa: F401 (the errors are part of this module's interface)
     Interrupted,
@@ -167,7 +168,8 @@ def train(
 
 
 def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -> tuple:
-    """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps)."""
+    """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps,
+    model FLOP/s in words)."""
     state, run.state = run.state, None
     losses: list[float] = []
     # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.
@@ -179,6 +181,9 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -
     # steps of this process that found their program compiled / waited for a compile (the cache's own
     # counters count programs: a group strategy's step is several)
     step_hits = step_misses = 0
+    flops = StepFlops(
+        run.config.model, jax.device_count(), peak_tflops(jax.devices()[0].device_kind, run.config.logging.peak_tflops)
+    )
     for step in range(run.start, run.end):
         t0 = time.perf_counter()
         it = feed.next()
@@ -200,8 +205,10 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -
         run_s = t_done - t_step  # the step itself: no plan wait, no compile
         beside_compile = cache.compiled_during(t_step, t_done)  # the next signature's, in the background
         dt = time.perf_counter() - t0
-        real = sum(len(p.tokens) for p in it.pieces)
+        lengths = [len(p.tokens) for p in it.pieces]
+        real = sum(lengths)
         record = step_record(metrics, dt, run_s, run.learning_rate(step), real)
+        record.update(flops.record(lengths, run_s))
         losses.append(record["loss"])
         tokens_seen += real
         seconds_in_steps += run_s
@@ -226,7 +233,7 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
         run.end_step(step, record, state, postfix, data_state=it.data_state)
     run.checkpointer.wait()
-    return losses, tokens_seen, t_start, state, seconds_in_steps
+    return losses, tokens_seen, t_start, state, seconds_in_steps, flops.summary()
 
 
 def _config_text(config: Config) -> str:

@@ -378,15 +378,23 @@ def _state_from_hf(config: Config, resuming: bool, say):
 
 
 def close_run(
-    run: Run, losses: list[float], tokens_seen: float, t_start: float, state, step_seconds: float = 0.0
+    run: Run,
+    losses: list[float],
+    tokens_seen: float,
+    t_start: float,
+    state,
+    step_seconds: float = 0.0,
+    flops: str = "",
 ) -> TrainResult:
     """The closing summary line and the result (call after the loop's ``finally``): the tokens per
-    second of the steps themselves (``step_seconds``, their sum) and of the wall clock since the
-    loop started (compiles, plan waits, data and checkpoints included)."""
+    second of the steps themselves (``step_seconds``, their sum; with ``flops``, their model FLOP/s
+    in words) and of the wall clock since the loop started (compiles, plan waits, data and
+    checkpoints included)."""
     if losses:
         k = max(1, min(10, len(losses) // 4))
         elapsed = time.perf_counter() - t_start
         steps = f"{tokens_seen / step_seconds:.0f} tokens/s in steps, " if step_seconds > 0 else ""
+        steps = f"{steps[:-2]} ({flops}), " if steps and flops else steps
         run.say(
             f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
             f"last {k} avg {np.mean(losses[-k:]):.4f}; {steps}{tokens_seen / elapsed:.0f} tokens/s wall-clock"
