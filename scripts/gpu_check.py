@@ -273,6 +273,8 @@ def train_part(out: str, steps: int, timeout_s: int = 600) -> dict:
         row["losses"] = [r["loss"] for r in recs]
         warm = [r["step_time_s"] for r in recs[2:] if "step_time_s" in r]
         row["median_step_s"] = statistics.median(warm) if warm else None
+        mfu = [r["mfu"] for r in recs[2:] if r.get("mfu") is not None]
+        row["median_mfu"] = statistics.median(mfu) if mfu else None
     return row
 
 
@@ -296,6 +298,7 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
             # the executor's step, not the plan wait (plan.wait) or a compile
             row["median_step_s"] = statistics.median(r.get("step_seconds", float("nan")) for r in warm)
             row["tokens_per_s"] = statistics.median(r.get("tokens_per_s", float("nan")) for r in warm)
+            row["mfu"] = statistics.median(r.get("mfu") or float("nan") for r in warm)
         else:
             row["stderr_tail"] = proc.stderr[-2000:]
         rows.append(row)
