@@ -393,8 +393,8 @@ def close_run(
     if losses:
         k = max(1, min(10, len(losses) // 4))
         elapsed = time.perf_counter() - t_start
-        steps = f"{tokens_seen / step_seconds:.0f} tokens/s in steps, " if step_seconds > 0 else ""
-        steps = f"{steps[:-2]} ({flops}), " if steps and flops else steps
+        rate = f" ({flops})" if flops else ""
+        steps = f"{tokens_seen / step_seconds:.0f} tokens/s in steps{rate}, " if step_seconds > 0 else ""
         run.say(
             f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
             f"last {k} avg {np.mean(losses[-k:]):.4f}; {steps}{tokens_seen / elapsed:.0f} tokens/s wall-clock"
