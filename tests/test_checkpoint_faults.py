@@ -371,15 +371,21 @@ def test_a_step_orbax_declines_is_a_write_error_not_a_silent_skip(tmp_path):
 def test_overwrite_empties_a_checkpoint_directory_linked_to_another_disk(tmp_path, cache_dir):
     """``checkpoints/`` a link to another disk: ``logging.overwrite`` empties the link's target and
     keeps the link (before, rmtree refused the link without a word, so the earlier run's steps 1-2
-    stayed and Orbax declined the new run's saves)."""
-    run_dir, store = tmp_path / "r", tmp_path / "store"
+    stayed and Orbax declined the new run's saves); a linked ``metrics.jsonl`` is kept as well."""
+    run_dir, store, records = tmp_path / "r", tmp_path / "store", tmp_path / "records.jsonl"
     run_dir.mkdir()
     store.mkdir()
     os.symlink(store, run_dir / "checkpoints")
+    records.touch()
+    os.symlink(records, run_dir / "metrics.jsonl")  # kept too: emptied there by the overwrite, kept by a resume
     train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.every_steps=1"), quiet=True)
     assert sorted(os.listdir(store)) == ["1", "2"]
     train(_config(run_dir, cache_dir, "--train.steps=1", "--logging.overwrite=true"), quiet=True)
-    assert os.path.islink(run_dir / "checkpoints")
+    assert os.path.islink(run_dir / "checkpoints") and os.path.islink(run_dir / "metrics.jsonl")
     assert os.listdir(store) == ["1"]
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        assert [json.loads(line)["step"] for line in f] == [1]
+    assert [json.loads(line)["step"] for line in records.read_text().splitlines()] == [1]
+    # a resume that drops records after its checkpoint rewrites the link's target (before: replaced the link)
+    records.write_text(records.read_text() + json.dumps({"step": 2}) + "\n")
+    train(_config(run_dir, cache_dir, "--train.steps=2", "--checkpoint.resume=true"), quiet=True)
+    assert os.path.islink(run_dir / "metrics.jsonl")
+    assert [json.loads(line)["step"] for line in records.read_text().splitlines()] == [1, 2]

@@ -104,6 +104,7 @@ def truncate_records(path: str, last_step: int) -> int:
             else:
                 dropped += 1
     if dropped:
+        path = os.path.realpath(path)  # a link's target is rewritten and the link kept (os.replace would replace it)
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)

@@ -48,13 +48,16 @@ def earlier_run(run_dir: str) -> Optional[str]:
 
 def delete_earlier_run(run_dir: str) -> None:
     """Deletes what :func:`earlier_run` found. A ``checkpoints/`` or ``tensorboard/`` that links
-    to another disk is emptied and the link kept (rmtree refuses a link; before, that was
+    to another disk is emptied and the link kept, as is a linked ``metrics.jsonl`` (rmtree refuses a link; before, that was
     swallowed and the earlier run's newer steps made Orbax decline every save of the new run).
     Raises where anything of the earlier run is left."""
     earlier_configs = [n for n in os.listdir(run_dir) if n.startswith("config.until-step-")]
     for name in ("metrics.jsonl", "config.json", *earlier_configs):
-        if os.path.lexists(os.path.join(run_dir, name)):
-            os.remove(os.path.join(run_dir, name))
+        path = os.path.join(run_dir, name)
+        if name == "metrics.jsonl" and os.path.islink(path) and os.path.isfile(path):
+            open(path, "w").close()  # records linked to elsewhere: emptied there, and the new run's go there too
+        elif os.path.lexists(path):
+            os.remove(path)
     for name in ("checkpoints", "tensorboard"):
         path = os.path.join(run_dir, name)
         if os.path.islink(path) and os.path.isdir(path):
