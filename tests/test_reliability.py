@@ -343,8 +343,16 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
 
 def test_run_dir_under_a_file_is_a_config_error(tmp_path, cache_dir):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="cannot be created"):
+    with pytest.raises(ConfigError, match=r"cannot be created \(Not a directory\)"):
         train(_config(tmp_path / "file" / "run", cache_dir, "--train.steps=1"), quiet=True)
+    # the file itself: said so (before: "File exists")
+    with pytest.raises(ConfigError, match=r"logging.run_dir '.*file' cannot be created \(it is a file\)"):
+        train(_config(tmp_path / "file", cache_dir, "--train.steps=1"), quiet=True)
+    from jvarlen.config import DataConfig
+    from jvarlen.data import DataPipeline, UnreadableFileError
+
+    with pytest.raises(UnreadableFileError, match=r"data.cache_dir '.*file' cannot be created \(it is a file\)"):
+        DataPipeline(DataConfig(cache_dir=str(tmp_path / "file"), max_documents=4))
 
 
 def test_token_fields_refuse_floats_booleans_and_strings(tmp_path):

@@ -390,8 +390,9 @@ def load_corpus(
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # a file where the directory should be, no permission, ...
+            why = "it is a file" if root.is_file() else error.strerror or error
             raise UnreadableFileError(
-                f"data.cache_dir {str(root)!r} cannot be created ({error.strerror or error}); choose another directory"
+                f"data.cache_dir {str(root)!r} cannot be created ({why}); choose another directory"
             ) from None
         try:
             _build_cache(source, tokenizer, directory, say)

@@ -186,9 +186,8 @@ def _open_with_signals(config: Config, quiet: bool, stop_after: Optional[int], s
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as error:  # a file where a directory should be, no permission, ...
-        raise ConfigError(
-            f"logging.run_dir {run_dir!r} cannot be created ({error.strerror or error}); choose another directory"
-        ) from None
+        why = "it is a file" if os.path.isfile(run_dir) else error.strerror or error
+        raise ConfigError(f"logging.run_dir {run_dir!r} cannot be created ({why}); choose another directory") from None
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
     say(f"[jvarlen] run directory: {run_dir}")
     lock = RunDirLock.acquire(run_dir, say) if main else None  # before anything reads or writes the directory
