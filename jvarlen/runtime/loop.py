@@ -231,6 +231,8 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -
         if check is not None and compile_s == 0 and not beside_compile:  # the step's own time only
             record.update(strategy.observe(check, it, prepared, dt, run_s))
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+        if "mfu" in record:
+            postfix["mfu"] = f"{record['mfu']:.1%}"
         run.end_step(step, record, state, postfix, data_state=it.data_state)
     run.checkpointer.wait()
     return losses, tokens_seen, t_start, state, seconds_in_steps, flops.summary()
