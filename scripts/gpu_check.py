@@ -169,26 +169,18 @@ def _packed_rows(rng, rows: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, 
     return seg, pos, pairs
 
 
-def _matmul_flops_per_token(model) -> float:
-    """Forward + backward FLOPs per token of the weight matmuls (6 per weight); the input
-    embedding is a gather, the output head a matmul."""
-    d, hd = model.d_model, model.head_dim
-    attn = d * hd * (2 * model.num_heads + 2 * model.num_kv_heads)
-    mlp = 3 * d * model.mlp_dim
-    return 6.0 * (model.num_layers * (attn + mlp) + d * model.vocab_size)
-
-
 def step_part(config_path: str, overrides: list[str], steps: int) -> dict:
     """Compiles the data-parallel step of ``config_path`` (+ ``key=value`` overrides) on this
     node's GPUs for one batch of packed long-tailed documents, runs it, and compares XLA's
     memory_analysis() with the allocator's peak; times ``steps`` steps after two warm-ups
-    (tokens/s and model TFLOP/s: weight matmuls 6 per weight per token, attention 12·L·H·D per
-    visible pair, recomputation not counted)."""
+    (tokens/s and model TFLOP/s per device: :class:`jvarlen.runtime.model_flops.StepFlops`, what
+    the training loop logs, so recomputation not counted)."""
     from jvarlen.api import Session
     from jvarlen.config import load_config
     from jvarlen.layout import Layout
     from jvarlen.parallel.sharding import place_global
     from jvarlen.runtime.memory_fit import check_fit
+    from jvarlen.runtime.model_flops import StepFlops
     from jvarlen.runtime.step import BATCH_KEYS
 
     config = load_config(config_path, **{"parallel.pp": "1", **dict(o.split("=", 1) for o in overrides)})
@@ -197,7 +189,7 @@ def step_part(config_path: str, overrides: list[str], steps: int) -> dict:
     seq_len, model = config.data.seq_len, config.model
     rows = max(jax.device_count(), config.data.tokens_per_batch // seq_len)
     rng = np.random.default_rng(0)
-    seg, pos, pairs = _packed_rows(rng, rows, seq_len)
+    seg, pos, _ = _packed_rows(rng, rows, seq_len)
     tokens = rng.integers(0, model.vocab_size, (rows, seq_len), dtype=np.int32)
     batch = {"tokens": tokens, "segment_ids": seg, "positions": pos, "targets": np.roll(tokens, -1, axis=1)}
     batch["loss_mask"] = (np.roll(seg, -1, axis=1) == seg).astype(np.float32)
@@ -219,10 +211,8 @@ def step_part(config_path: str, overrides: list[str], steps: int) -> dict:
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     step_s = statistics.median(times)
-    flops = (
-        _matmul_flops_per_token(model) * rows * seq_len
-        + 12.0 * model.num_layers * model.num_heads * model.head_dim * pairs
-    )
+    lengths = [int(n) for row in seg for n in np.bincount(row)[1:] if n]  # the documents: ids from 1 in each row
+    flops = StepFlops(model, jax.device_count(), peak=None).model_flops(lengths)
     return {
         "config": config_path,
         "overrides": overrides,
