@@ -43,12 +43,13 @@ DEFAULT_CACHE_DIR = "~/.cache/jvarlen"
 _ENCODE_BATCH = 256
 
 
-def cache_key(source: Source, tokenizer: Tokenizer) -> str:
-    """Hex digest over the source fingerprint (paths, sizes, mtimes, ctimes, inodes) and the tokenizer identity."""
+def cache_key(fingerprint: dict, tokenizer: Tokenizer) -> str:
+    """Hex digest over a source's fingerprint (:meth:`Source.fingerprint`: paths, sizes, mtimes,
+    ctimes, inodes) and the tokenizer identity."""
     blob = json.dumps(
         {
             "version": FORMAT_VERSION,
-            "source": source.fingerprint(),
+            "source": fingerprint,
             "tokenizer": tokenizer.identity,
             "specials": [tokenizer.bos_id, tokenizer.eos_id],
         },
@@ -164,11 +165,11 @@ class _BuildProgress:
     """What a tokenization has done so far, one line every ``_PROGRESS_EVERY_S`` seconds: a large
     corpus takes hours, which a run would otherwise spend without a word."""
 
-    def __init__(self, say: Optional[Callable[[str], None]], source: Source, directory: pathlib.Path):
-        self.say, self.files = say, len(source.files)
+    def __init__(self, say: Optional[Callable[[str], None]], fingerprint: dict, directory: pathlib.Path):
+        self.say, self.files = say, len(fingerprint["files"])
         self.start = self.last = time.monotonic()
         if say is not None:
-            size = sum(os.path.getsize(f) for f in source.files) / 2**20
+            size = sum(entry[1] for entry in fingerprint["files"]) / 2**20  # sizes as the cache key saw them
             say(
                 f"[jvarlen] tokenizing {self.files} file{'s' * (self.files != 1)} ({size:,.1f} MiB) into {directory} "
                 "(once: later runs with the same data and tokenizer reuse it)"
@@ -186,14 +187,18 @@ class _BuildProgress:
 
 
 def _build_cache(
-    source: Source, tokenizer: Tokenizer, directory: pathlib.Path, say: Optional[Callable[[str], None]] = None
+    source: Source,
+    tokenizer: Tokenizer,
+    directory: pathlib.Path,
+    fingerprint: dict,
+    say: Optional[Callable[[str], None]] = None,
 ) -> None:
-    """Tokenizes ``source`` into ``directory`` (written under a temporary name, then renamed);
-    ``say``: where progress lines go (none without it)."""
-    progress = _BuildProgress(say, source, directory)
+    """Tokenizes ``source`` (of this ``fingerprint``) into ``directory`` (written under a temporary
+    name, then renamed); ``say``: where progress lines go (none without it)."""
+    progress = _BuildProgress(say, fingerprint, directory)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     limit = np.iinfo(dtype).max
-    tmp = directory.parent / f".tmp-{directory.name}+{os.getpid()}@{socket.gethostname()}+{uuid.uuid4().hex[:8]}"
+    tmp = _temporary(directory)
     tmp.mkdir(parents=True)
     lengths: list[int] = []
     origins: list[tuple[int, int]] = []
@@ -290,7 +295,13 @@ def _build_cache(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-_TEMPORARY = re.compile(r"\.tmp-.+\+(\d+)@(.+)\+[0-9a-f]{8}")  # the name _build_cache writes under
+_TEMPORARY = re.compile(r"\.tmp-.+\+(\d+)@(.+)\+[0-9a-f]{8}")  # what _temporary names: (pid, host)
+
+
+def _temporary(directory: pathlib.Path) -> pathlib.Path:
+    """Where a build of ``directory`` writes before its rename: named by its pid and host, so that
+    :func:`_remove_killed_builds` knows a killed one."""
+    return directory.parent / f".tmp-{directory.name}+{os.getpid()}@{socket.gethostname()}+{uuid.uuid4().hex[:8]}"
 
 
 def _remove_killed_builds(root: pathlib.Path) -> None:
@@ -381,7 +392,8 @@ def load_corpus(
     """Returns the cached corpus for ``source`` + ``tokenizer``, tokenizing it first if needed
     (``say``: where that tokenization's progress lines go)."""
     root = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
-    directory = root / f"{source.kind}-{cache_key(source, tokenizer)}"
+    fingerprint = source.fingerprint()  # one stat per file, for the key and the progress line
+    directory = root / f"{source.kind}-{cache_key(fingerprint, tokenizer)}"
     _remove_killed_builds(root)
     hit = _valid_cache(directory)
     if not hit:
@@ -395,7 +407,7 @@ def load_corpus(
                 f"data.cache_dir {str(root)!r} cannot be created ({why}); choose another directory"
             ) from None
         try:
-            _build_cache(source, tokenizer, directory, say)
+            _build_cache(source, tokenizer, directory, fingerprint, say)
         except OSError as error:
             if error.errno not in _FULL:  # reading a data file: its own errors
                 raise
