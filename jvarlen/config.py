@@ -591,6 +591,20 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
+class EvalConfig:
+    """Held-out evaluation (docs/design/evaluation.md): documents kept out of training, whose mean loss
+    is logged as eval_loss."""
+
+    # Documents held out of training (whole documents, the same set whatever data.seed); 0: no evaluation.
+    documents: int = 0
+    every_steps: int = 50  # evaluate after every this many steps, and after the run's last step
+
+    def __post_init__(self):
+        _require(self.documents >= 0, f"eval.documents must be >= 0 (0: no evaluation), got {self.documents}")
+        _positive("eval", every_steps=self.every_steps)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -600,6 +614,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self):
         _require(

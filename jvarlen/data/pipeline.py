@@ -7,6 +7,9 @@ Used by the training loop as::
     saved = pipeline.state()           # JSON-serialisable; store it in the checkpoint
     pipeline.restore(saved)            # continues with exactly the same batches
     print(pipeline.summary())          # one line for the logs
+
+With ``held_out=N`` (``eval.documents``), N whole documents are kept out of the batches;
+``pipeline.eval_batches()`` packs them (:mod:`jvarlen.data.held_out`).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from jvarlen.config import DataConfig
+from jvarlen.config import ConfigError, DataConfig
 from jvarlen.data.corpus import Corpus, load_corpus
 from jvarlen.data.errors import SamplerStateError
+from jvarlen.data.held_out import held_out_documents, pack_all, split_held_out
 from jvarlen.data.packer import PackedBatch, Piece, pack
 from jvarlen.data.sampler import SampledBatch, TokenBudgetSampler
 from jvarlen.data.sources import Source
-from jvarlen.data.split import split_documents
+from jvarlen.data.split import Pieces, split_documents
 from jvarlen.data.tokenizer import ByteTokenizer, load_tokenizer
 
 STATE_VERSION = 1
@@ -40,11 +44,16 @@ class DataPipeline:
 
     ``vocab_size``: the model's vocabulary; every corpus token id must be below it
     (checked once here, :class:`TokenIdError` otherwise). ``None`` skips the check. ``say``: where
-    the progress of a tokenization goes (a corpus not cached yet; nothing without it).
+    the progress of a tokenization goes (a corpus not cached yet; nothing without it). ``held_out``:
+    documents kept out of training for evaluation (``eval.documents``, :meth:`eval_batches`).
     """
 
     def __init__(
-        self, config: DataConfig, vocab_size: Optional[int] = None, say: Optional[Callable[[str], None]] = None
+        self,
+        config: DataConfig,
+        vocab_size: Optional[int] = None,
+        say: Optional[Callable[[str], None]] = None,
+        held_out: int = 0,
     ):
         self.config = config
         start = time.perf_counter()
@@ -58,6 +67,11 @@ class DataPipeline:
         self.pieces, self.split_report = split_documents(
             self.corpus.lengths, config.max_doc_tokens, config.long_doc_policy
         )
+        try:
+            self.held_out = held_out_documents(self.corpus.num_documents, held_out)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.pieces, self.eval_pieces = split_held_out(self.pieces, self.held_out)
         self.rows, self.seq_len = config.rows_per_batch, config.seq_len
         self.sampler = TokenBudgetSampler(self.pieces.length, self.rows, self.seq_len, seed=config.seed)
         self.last_sample: Optional[SampledBatch] = None
@@ -68,12 +82,20 @@ class DataPipeline:
         """Epoch of the next batch."""
         return self.sampler.epoch
 
-    def piece(self, p: int) -> Piece:
-        """Piece ``p`` of the piece table: its tokens, corpus document and the token that follows it."""
-        doc, start, n = int(self.pieces.doc[p]), int(self.pieces.start[p]), int(self.pieces.length[p])
+    def piece(self, p: int, table: Optional[Pieces] = None) -> Piece:
+        """Piece ``p`` of the training piece table (or of ``table``): its tokens, corpus document and
+        the token that follows it."""
+        table = self.pieces if table is None else table
+        doc, start, n = int(table.doc[p]), int(table.start[p]), int(table.length[p])
         tokens = self.corpus.document(doc)
-        next_token = int(tokens[start + n]) if self.pieces.has_next[p] else -1
+        next_token = int(tokens[start + n]) if table.has_next[p] else -1
         return Piece(np.asarray(tokens[start : start + n]), doc, next_token)
+
+    def eval_batches(self) -> list[tuple[list[Piece], np.ndarray]]:
+        """The held-out documents' pieces in batches of ``rows_per_batch x seq_len``: one ``(pieces,
+        row of each)`` pair per batch, the same on every call and process; [] without held-out documents."""
+        batches = pack_all(self.eval_pieces.length, self.rows, self.seq_len)
+        return [([self.piece(int(p), self.eval_pieces) for p in items], rows) for items, rows in batches]
 
     def next_batch(self) -> PackedBatch:
         """The next global batch, arrays ``[rows_per_batch, seq_len]``."""
@@ -93,6 +115,7 @@ class DataPipeline:
             "num_documents": self.corpus.num_documents,
             "fingerprint": self.fingerprint(),
             "seq_len": self.seq_len,
+            "held_out": len(self.held_out),
             "sampler": self.sampler.state(),
         }
 
@@ -111,6 +134,13 @@ class DataPipeline:
                 f"data pipeline state was saved with data.seq_len={seq_len}, this run has {self.seq_len}: "
                 "documents are cut into pieces of at most data.seq_len tokens, so the saved position would point "
                 f"at other pieces; resume with data.seq_len={seq_len} or start a new run"
+            )
+        held_out = state.get("held_out", 0)  # absent in states written before 2026-12-04: none held out
+        if held_out != len(self.held_out):
+            raise SamplerStateError(
+                f"data pipeline state was saved with eval.documents={held_out}, this run has {len(self.held_out)}: "
+                "the held-out documents are not trained on, so another count changes the training data under "
+                f"the run; resume with eval.documents={held_out} or start a new run"
             )
         saved = state.get("fingerprint")  # absent in states written before 2026-11-28
         if saved is not None and saved != self.fingerprint():
@@ -144,7 +174,7 @@ class DataPipeline:
             f"{f', {len(c.skipped_binary)} binary files skipped' if c.skipped_binary else ''}"
             f"{_not_utf8(c)}{_skipped_files(self.skipped_files)}), "
             f"{_human(c.num_tokens)} tokens; length median {_human(median)} / p99 {_human(p99)} / "
-            f"max {_human(lengths.max())}; {self.split_report}; batch {self.rows}x{self.seq_len}; "
+            f"max {_human(lengths.max())}; {self.split_report}; {_held_out(self)}batch {self.rows}x{self.seq_len}; "
             f"{_epoch_length(int(self.pieces.length.sum()), self.rows * self.seq_len)}; "
             f"{cache} in {self.load_seconds:.2f}s"
         )
@@ -164,6 +194,15 @@ def _epoch_length(tokens: int, batch_tokens: int) -> str:
             "an epoch is one step (two where its pieces do not pack into one batch)"
         )
     return f"an epoch is at least {-(-tokens // batch_tokens):,} batches"
+
+
+def _held_out(pipeline: DataPipeline) -> str:
+    """The summary's note on the documents held out for evaluation (empty when there are none)."""
+    n = len(pipeline.held_out)
+    if not n:
+        return ""
+    tokens = int(pipeline.eval_pieces.length.sum())
+    return f"{n:,} document{'s' if n > 1 else ''} ({_human(tokens)} tokens) held out for evaluation; "
 
 
 def _skipped_files(paths: list[str]) -> str:
