@@ -97,6 +97,13 @@ class LayoutStep(Step):
         super().__init__(strategy, cache)
         self.rows, self.seq_len = rows, seq_len
 
+    def evaluate(self, state, prepared: Prepared) -> dict:
+        """The loss sums (``loss_sum``, ``target_tokens``, ``real_tokens``) of ``prepared`` under
+        ``state``: the step's forward pass without the update (held-out evaluation). ``state`` is
+        read, not consumed."""
+        compiled = self.cache.get(self.strategy.eval_key(prepared), self.strategy.compile_eval)
+        return compiled(state, prepared.arrays)
+
     def prepare(self, documents: Sequence) -> Prepared:
         """Packs whole documents into ``rows x seq_len`` (best fit; raises if they do not fit)."""
         pieces = as_pieces(documents, self.strategy.ctx.model.vocab_size)

@@ -44,6 +44,17 @@ def loss_and_grads(graphdef, params, batch: dict, attention_fn=None, spmd=None, 
 
 
 GradsFn = Callable[[object, dict], tuple]  # (params, batch) -> (loss sums, grads, extra metrics)
+SumsFn = Callable[[object, dict], dict]  # (params, batch) -> loss sums: the forward pass only
+
+
+def single_program_sums(graphdef, attention_fn: Optional[Callable] = None, *, pull=None, spmd=None) -> SumsFn:
+    """The loss sums of one packed batch in one program, forward only (evaluation): ``pull`` and
+    ``spmd`` as in :func:`single_program_grads`."""
+
+    def sums_fn(params, batch):
+        return loss_sums(graphdef, params if pull is None else pull(params), batch, attention_fn, spmd)
+
+    return sums_fn
 
 
 def single_program_grads(
@@ -82,12 +93,27 @@ def make_train_step(grads_fn: GradsFn, optimizer: optax.GradientTransformation) 
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         sums, grads, extra = grads_fn(state.params, batch)
-        if "real_tokens" not in sums:
-            sums = {**sums, "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
-        state, metrics = apply_gradients(optimizer, state, grads, sums)
+        state, metrics = apply_gradients(optimizer, state, grads, _with_real_tokens(sums, batch))
         return state, {**metrics, **extra}
 
     return train_step
+
+
+def make_eval_step(sums_fn: SumsFn) -> Callable:
+    """The train step without its backward pass and update: ``eval_step(state, batch) -> loss sums``
+    (``loss_sum``, ``target_tokens``, ``real_tokens``). The state is read, not changed (and not
+    donated: :func:`lower_train_step` with ``forward_only``)."""
+
+    def eval_step(state: TrainState, batch: dict) -> dict:
+        return _with_real_tokens(sums_fn(state.params, batch), batch)
+
+    return eval_step
+
+
+def _with_real_tokens(sums: dict, batch: dict) -> dict:
+    if "real_tokens" in sums:
+        return sums
+    return {**sums, "real_tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
 
 
 class CompiledStep:
@@ -116,15 +142,17 @@ def lower_train_step(
     batch_shapes: dict,
     batch_shardings: dict,
     metrics_sharding,
+    forward_only: bool = False,
 ):
     """``train_step`` jitted with canonical state in and out (donated), the batch
     (``{key: ShapeDtypeStruct}``) placed with ``batch_shardings`` and metrics replicated, lowered
-    for those inputs (``jax.stages.Lowered``)."""
+    for those inputs (``jax.stages.Lowered``). ``forward_only``: an evaluation step
+    (:func:`make_eval_step`), which returns the metrics only and leaves the state to the run."""
     jitted = jax.jit(
         train_step,
         in_shardings=(state_sharding, batch_shardings),
-        out_shardings=(state_sharding, metrics_sharding),
-        donate_argnums=0,
+        out_shardings=metrics_sharding if forward_only else (state_sharding, metrics_sharding),
+        donate_argnums=() if forward_only else 0,
     )
     abstract_batch = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch_shapes.items()

@@ -23,7 +23,15 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 from jvarlen.config import ConfigError, ModelConfig
 from jvarlen.parallel.sharding import Placement
-from jvarlen.runtime.step import CompiledStep, GradsFn, compile_train_step, lower_train_step, make_train_step
+from jvarlen.runtime.step import (
+    CompiledStep,
+    GradsFn,
+    SumsFn,
+    compile_train_step,
+    lower_train_step,
+    make_eval_step,
+    make_train_step,
+)
 
 
 def checked_residual(name: Optional[str]) -> Optional[str]:
@@ -53,21 +61,26 @@ class StepContext:
     abstract_state: Any
     compiler_options: Optional[dict] = None  # e.g. {"xla_backend_optimization_level": 0} in tests
 
-    def _args(self, grads_fn: GradsFn, batch_shapes: dict, batch_shardings: dict) -> tuple:
-        train_step = make_train_step(grads_fn, self.optimizer)
+    def _args(self, step_fn, batch_shapes: dict, batch_shardings: dict) -> tuple:
         state = (self.abstract_state, self.placement.state_sharding)
-        return (train_step, *state, batch_shapes, batch_shardings, self.placement.replicated)
+        return (step_fn, *state, batch_shapes, batch_shardings, self.placement.replicated)
 
     def compile(self, grads_fn: GradsFn, batch_shapes: dict, batch_shardings: dict) -> CompiledStep:
         """The one train step (:func:`jvarlen.runtime.step.make_train_step`) with these gradients,
         compiled ahead of time for these inputs: state in and out canonical, metrics replicated."""
-        return compile_train_step(
-            *self._args(grads_fn, batch_shapes, batch_shardings), compiler_options=self.compiler_options
-        )
+        train_step = make_train_step(grads_fn, self.optimizer)
+        args = self._args(train_step, batch_shapes, batch_shardings)
+        return compile_train_step(*args, compiler_options=self.compiler_options)
+
+    def compile_eval(self, sums_fn: SumsFn, batch_shapes: dict, batch_shardings: dict) -> CompiledStep:
+        """The evaluation step (:func:`jvarlen.runtime.step.make_eval_step`: the train step's forward
+        pass, no update) with these loss sums, compiled the same way; it returns the sums only."""
+        args = (*self._args(make_eval_step(sums_fn), batch_shapes, batch_shardings), True)
+        return compile_train_step(*args, compiler_options=self.compiler_options)
 
     def lower(self, grads_fn: GradsFn, batch_shapes: dict, batch_shardings: dict):
         """The same step lowered, not compiled (deviceless GPU checks read its compilation)."""
-        return lower_train_step(*self._args(grads_fn, batch_shapes, batch_shardings))
+        return lower_train_step(*self._args(make_train_step(grads_fn, self.optimizer), batch_shapes, batch_shardings))
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from jvarlen.model.transformer import DOTS_AND_ATTENTION, resolve_compute_dtype
 from jvarlen.parallel.layouts import batch_sharding
 from jvarlen.parallel.sharding import TokenShards, pull, push
 from jvarlen.parallel.ulysses import ulysses_attention_fn
-from jvarlen.runtime.step import BATCH_KEYS, CompiledStep, single_program_grads
+from jvarlen.runtime.step import BATCH_KEYS, CompiledStep, single_program_grads, single_program_sums
 from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext, checked_residual
 
 
@@ -163,11 +163,30 @@ class LayoutStrategy(ExecutionStrategy):
             spmd=TokenShards(mesh),
             residual=self.residual,
         )
-        shapes = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype_)) for name, shape, dtype_ in bucket}
-        return grads_fn, shapes, {name: batch_sharding(mesh) for name in shapes}
+        return (grads_fn, *_batch_specs(mesh, bucket))
 
     def compile(self, key) -> CompiledStep:
         return self.ctx.compile(*self.step_inputs(key))
+
+    @staticmethod
+    def eval_key(prepared: Prepared) -> tuple:
+        """The signature of ``prepared``'s evaluation step in a compile cache (beside its train step's)."""
+        return ("eval", *prepared.key)
+
+    def compile_eval(self, key) -> CompiledStep:
+        """The evaluation step of signature ``key`` (:meth:`eval_key`): the forward pass with the
+        training step's layout, pull and token shards, no update (docs/design/evaluation.md)."""
+        _, _, layout, bucket = key
+        ctx = self.ctx
+        mesh = ctx.placement.mesh(layout)
+        dtype = resolve_compute_dtype(ctx.model.compute_dtype)
+        sums_fn = single_program_sums(
+            ctx.graphdef,
+            ulysses_attention_fn(mesh, ctx.model.attention),
+            pull=lambda params: pull(params, mesh, dtype),
+            spmd=TokenShards(mesh),
+        )
+        return ctx.compile_eval(sums_fn, *_batch_specs(mesh, bucket))
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
         # the step itself, as the pipeline and groups paths are checked (not the host's sampling and packing)
@@ -218,6 +237,12 @@ def layout_loss_and_grads(
     b_sharding = {key: batch_sharding(mesh) for key in batch}
     shardings = dict(in_shardings=(params_sharding, b_sharding), out_shardings=(None, params_sharding))
     return jax.jit(run, **shardings, compiler_options=compiler_options)(params, batch)
+
+
+def _batch_specs(mesh, bucket: tuple) -> tuple[dict, dict]:
+    """(shapes, shardings) of a batch of ``bucket`` (:func:`shape_bucket`): rows over dp, tokens over sp."""
+    shapes = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype_)) for name, shape, dtype_ in bucket}
+    return shapes, {name: batch_sharding(mesh) for name in shapes}
 
 
 def shape_bucket(batch: dict) -> tuple:
