@@ -18,6 +18,7 @@ from jvarlen.runtime import distributed
 from jvarlen.runtime.checkpoint import abstract_like
 from jvarlen.runtime.compile_cache import CompileCache
 from jvarlen.runtime.cost_check import StepTimeCheck
+from jvarlen.runtime.evaluate import Evaluator
 from jvarlen.runtime.feed import IterationFeed
 from jvarlen.runtime.model_flops import StepFlops, peak_tflops
 from jvarlen.runtime.plan_exchange import PlanExchange
@@ -42,9 +43,7 @@ def make_strategy(
 ) -> ExecutionStrategy:
     """The execution strategy of ``config``: device groups under a strategy policy, the elastic
     pipeline when ``pp > 1``, else data-parallel layouts."""
-    ctx = StepContext(
-        run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state), compiler_options
-    )
+    ctx = step_context(config, run, compiler_options)
     wait = config.plan.wait
     if config.plan.uses_groups:
         from jvarlen.plan.stage_weights import CHOICES
@@ -102,6 +101,13 @@ def make_strategy(
     )
 
 
+def step_context(config: Config, run: Run, compiler_options: Optional[dict] = None) -> StepContext:
+    """What every step of ``run`` compiles against (model, optimizer, canonical state placement)."""
+    return StepContext(
+        run.graphdef, config.model, run.optimizer, run.placement, abstract_like(run.state), compiler_options
+    )
+
+
 def train(
     config: Config,
     *,
@@ -123,6 +129,9 @@ def train(
     strategy = None
     try:
         strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
+        evaluator = Evaluator.from_config(
+            config, run.pipeline, step_context(config, run, compiler_options), strategy, run.note
+        )
         distributed.check_same(
             {
                 "the configuration": _config_text(config),
@@ -156,7 +165,7 @@ def train(
             say=run.note,
             exchange=exchange,
         )
-        outcome = _run_steps(run, strategy, cache, feed, check)
+        outcome = _run_steps(run, strategy, cache, feed, check, evaluator)
     finally:
         strategy.close()
         if cache is not None:
@@ -167,9 +176,10 @@ def train(
     return close_run(run, *outcome)
 
 
-def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -> tuple:
+def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check, evaluator=None) -> tuple:
     """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps,
-    model FLOP/s in words)."""
+    model FLOP/s in words). ``evaluator``: the held-out evaluation (:mod:`jvarlen.runtime.evaluate`)."""
+    last_eval = None  # the latest held-out loss, shown on the progress bar
     state, run.state = run.state, None
     losses: list[float] = []
     # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.
@@ -230,9 +240,17 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check) -
         )
         if check is not None and compile_s == 0 and not beside_compile:  # the step's own time only
             record.update(strategy.observe(check, it, prepared, dt, run_s))
+        if evaluator is not None:
+            if step == run.start:  # in the background, while the next steps train
+                evaluator.precompile(cache)
+            if evaluator.due(step + 1, run.end):  # after the step's own time was taken
+                record.update(evaluator.evaluate(state, cache, step + 1))
+                last_eval = record["eval_loss"]
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
         if "mfu" in record:
             postfix["mfu"] = f"{record['mfu']:.1%}"
+        if last_eval is not None:
+            postfix["eval"] = f"{last_eval:.3f}"
         run.end_step(step, record, state, postfix, data_state=it.data_state)
     run.checkpointer.wait()
     return losses, tokens_seen, t_start, state, seconds_in_steps, flops.summary()

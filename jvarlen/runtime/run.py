@@ -210,7 +210,7 @@ def _open_locked(
     # an earlier run to overwrite is deleted only once the configuration is accepted (start_logging);
     # until then no checkpointer touches its checkpoints (a checkpointer rotates them on close)
     earlier = None if config.checkpoint.resume else claim_fresh(run_dir, config.logging.overwrite)
-    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size, say=say)
+    pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size, say=say, held_out=config.eval.documents)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
 
     checkpointer = None if earlier else Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)

@@ -1,0 +1,111 @@
+"""Held-out evaluation in the run loop: every ``eval.every_steps`` steps and after the run's last
+step, the loss of the documents ``eval.documents`` kept out of training (docs/design/evaluation.md).
+
+The batches are the held-out pieces, packed once and the same at every evaluation
+(:meth:`jvarlen.data.DataPipeline.eval_batches`). Each one runs as the data-parallel layouts
+strategy's forward pass (:meth:`LayoutStrategy.compile_eval`), one program for all of them,
+kept in the run's compile cache. The loss is the sum over all batches divided by their targets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from jvarlen.config import Config, ConfigError
+from jvarlen.layout import Layout
+from jvarlen.runtime.feed import Iteration
+from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
+from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
+
+
+class Evaluator:
+    """Runs the held-out batches through ``strategy``'s forward pass (:meth:`evaluate`) when
+    :meth:`due`."""
+
+    def __init__(self, strategy: LayoutStrategy, batches: list, every_steps: int, documents: int, say: Callable):
+        self.strategy, self.batches, self.every, self.documents, self.say = (
+            strategy,
+            batches,
+            every_steps,
+            documents,
+            say,
+        )
+        self.key = strategy.eval_key(self._prepare(0))  # every batch has the one shape: one program
+
+    @classmethod
+    def from_config(
+        cls, config: Config, pipeline, ctx: StepContext, strategy: ExecutionStrategy, say: Callable
+    ) -> Optional["Evaluator"]:
+        """The run's evaluator, or None without held-out documents. A layouts run evaluates with its
+        own layout policy; a pipeline or device-group run on ``Layout(devices / sp, 1, parallel.sp)``."""
+        if not config.eval.documents:
+            return None
+        batches = pipeline.eval_batches()
+        if not isinstance(strategy, LayoutStrategy):
+            strategy = LayoutStrategy(
+                ctx,
+                _eval_policy(config, len(ctx.placement.devices)),
+                config.data.rows_per_batch,
+                config.data.seq_len,
+                residual=config.parallel.residual_policy,
+            )
+        return cls(strategy, batches, config.eval.every_steps, config.eval.documents, say)
+
+    def due(self, step: int, end: int) -> bool:
+        """Whether the run evaluates after step ``step`` (1-based) of a call that ends at ``end``."""
+        return step % self.every == 0 or step == end
+
+    def _prepare(self, b: int) -> Prepared:
+        pieces, rows = self.batches[b]
+        return self.strategy.prepare(Iteration(0, pieces, rows, {}))
+
+    def precompile(self, cache) -> None:
+        """Compiles the evaluation program in the cache's background thread."""
+        cache.precompile(self.key, self.strategy.compile_eval)
+
+    def evaluate(self, state, cache, step: int) -> dict:
+        """The held-out loss of ``state`` after step ``step``: the record's ``eval_*`` fields."""
+        start = time.perf_counter()
+        compiled = cache.get(self.key, self.strategy.compile_eval)
+        totals = {"loss_sum": 0.0, "target_tokens": 0.0}
+        for b in range(len(self.batches)):
+            prepared = self._prepare(b)
+            assert self.strategy.eval_key(prepared) == self.key, "the held-out batches have one shape"
+            sums = jax.device_get(compiled(state, prepared.arrays))
+            for name in totals:  # summed on the host in float64: many batches, no rounding drift
+                totals[name] += float(np.asarray(sums[name], np.float64))
+        seconds = time.perf_counter() - start
+        loss = totals["loss_sum"] / max(totals["target_tokens"], 1.0)
+        self.say(
+            f"[jvarlen] step {step}: eval loss {loss:.4f} on {self.documents:,} held-out documents "
+            f"({totals['target_tokens']:,.0f} targets, {len(self.batches)} batches, {seconds:.1f} s)"
+        )
+        return {
+            "eval_loss": loss,
+            "eval_tokens": totals["target_tokens"],
+            "eval_batches": len(self.batches),
+            "eval_s": seconds,
+        }
+
+
+def _eval_policy(config: Config, num_devices: int) -> LayoutPolicy:
+    """The fixed layout a pipeline or device-group run evaluates on: ``parallel.sp`` over every device."""
+    sp = config.parallel.sp
+    layout = Layout(dp=max(num_devices // sp, 1), pp=1, sp=sp)
+    problems = []
+    try:
+        layout.validate(num_devices, num_heads=config.model.num_heads)
+    except ValueError as error:
+        problems.append(str(error))
+    if config.data.seq_len % sp:
+        problems.append(f"data.seq_len ({config.data.seq_len}) is not divisible by sp={sp}")
+    if problems:
+        raise ConfigError(
+            f"eval.documents: the held-out loss runs on the data-parallel layout {layout} (parallel.sp over every "
+            f"device), which does not fit: {'; '.join(problems)}"
+        )
+    return LayoutPolicy(num_devices, config.model.num_heads, fixed=layout)

@@ -1,0 +1,169 @@
+"""Held-out evaluation (eval.documents): which documents, their batches, and the logged eval_loss
+against the single-device model's loss on the same batches."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import values_compile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jvarlen.config import ConfigError, parse_config
+from jvarlen.data import DataPipeline, SamplerStateError
+from jvarlen.data.held_out import held_out_documents, pack_all
+from jvarlen.data.packer import pack
+from jvarlen.runtime.loop import train
+from jvarlen.runtime.state import create_train_state
+from jvarlen.runtime.step import BATCH_KEYS, loss_sums
+
+TINY_ARGS = [
+    "--model.vocab_size=320",
+    "--model.d_model=32",
+    "--model.num_layers=2",
+    "--model.num_heads=4",
+    "--model.num_kv_heads=2",
+    "--model.mlp_dim=64",
+    "--model.compute_dtype=float32",
+    "--model.attention=reference",
+    "--data.seq_len=128",
+    "--data.tokens_per_batch=512",
+    "--data.max_documents=40",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--train.cost_profile=none",
+    "--checkpoint.every_steps=10",
+]
+
+
+def _config(tmp_path, cache, *extra):
+    return parse_config([*TINY_ARGS, f"--data.cache_dir={cache}", f"--logging.run_dir={tmp_path / 'run'}", *extra])
+
+
+def test_held_out_documents_are_whole_fixed_by_count_and_never_trained(tmp_path):
+    cache = tmp_path / "corpus"
+    data = _config(tmp_path, cache).data
+    plain = DataPipeline(data)
+    held = DataPipeline(data, held_out=5)
+    other_seed = DataPipeline(_config(tmp_path, cache, "--data.seed=7").data, held_out=5)
+
+    docs = held.held_out
+    assert len(set(docs.tolist())) == 5 and list(docs) == sorted(docs)
+    np.testing.assert_array_equal(docs, other_seed.held_out)  # not data.seed's
+    assert not np.isin(held.pieces.doc, docs).any()  # training never draws a held-out piece
+    assert set(held.eval_pieces.doc.tolist()) == set(docs.tolist())
+    # whole documents: every held-out token is in the pieces, and no training document lost one
+    assert held.eval_pieces.length.sum() == held.corpus.lengths[docs].sum()
+    assert held.pieces.length.sum() + held.eval_pieces.length.sum() == plain.pieces.length.sum()
+    # eval batches: every held-out piece once, rows within seq_len
+    seen = []
+    for pieces, rows in held.eval_batches():
+        batch = pack(pieces, data.rows_per_batch, data.seq_len, rows)
+        assert batch.tokens.shape == (data.rows_per_batch, data.seq_len)
+        seen += [(p.doc_id, len(p.tokens)) for p in pieces]
+    expected = [(int(d), int(n)) for d, n in zip(held.eval_pieces.doc, held.eval_pieces.length)]
+    assert sorted(seen) == sorted(expected)
+    # none held out: the training data (and so a checkpoint's fingerprint) is the run's without eval
+    assert DataPipeline(data, held_out=0).fingerprint() == plain.fingerprint()
+    assert held.fingerprint() != plain.fingerprint()
+    assert "5 documents" in held.summary() and "held out for evaluation" in held.summary()
+
+
+def test_a_resume_with_another_held_out_count_is_refused_by_name(tmp_path):
+    data = _config(tmp_path, tmp_path / "corpus").data
+    saved = DataPipeline(data, held_out=3)
+    saved.next_batch()
+    with pytest.raises(SamplerStateError, match="eval.documents=3, this run has 4"):
+        DataPipeline(data, held_out=4).restore(saved.state())
+    resumed = DataPipeline(data, held_out=3)
+    resumed.restore(saved.state())
+    np.testing.assert_array_equal(resumed.next_batch().tokens, saved.next_batch().tokens)
+
+
+def test_bad_held_out_settings_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="eval.documents must be >= 0"):
+        _config(tmp_path, tmp_path / "corpus", "--eval.documents=-1")
+    with pytest.raises(ConfigError, match="eval.every_steps must be > 0"):
+        _config(tmp_path, tmp_path / "corpus", "--eval.every_steps=0")
+    with pytest.raises(ConfigError, match="eval.documents=40 must be below the corpus' 40 documents"):
+        DataPipeline(_config(tmp_path, tmp_path / "corpus").data, held_out=40)
+    with pytest.raises(ValueError, match="at least one is needed for training"):
+        held_out_documents(1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=0, max_size=40),
+    rows=st.integers(1, 4),
+    seq_len=st.integers(64, 100),
+)
+def test_pack_all_places_every_item_once_within_its_rows(lengths, rows, seq_len):
+    batches = pack_all(np.asarray(lengths, np.int64), rows, seq_len)
+    items = np.concatenate([b[0] for b in batches]) if batches else np.zeros(0, np.int64)
+    assert sorted(items.tolist()) == list(range(len(lengths)))
+    for index, row_of in batches:
+        assert len(index) > 0 and row_of.min() >= 0 and row_of.max() < rows
+        fill = np.bincount(row_of, weights=np.asarray(lengths)[index], minlength=rows)
+        assert fill.max() <= seq_len
+
+
+def _reference_eval_loss(config, params) -> tuple[float, float]:
+    """Σ loss / Σ targets of the held-out batches by the single-device model (no layout, no pull)."""
+    graphdef, _, _ = create_train_state(config)
+    params = jax.device_get(params)
+    pipeline = DataPipeline(config.data, held_out=config.eval.documents)
+    sums = jax.jit(lambda p, b: loss_sums(graphdef, p, b))
+    loss = targets = 0.0
+    for pieces, rows in pipeline.eval_batches():
+        batch = pack(pieces, config.data.rows_per_batch, config.data.seq_len, rows)
+        out = jax.device_get(sums(params, {k: getattr(batch, k) for k in BATCH_KEYS}))
+        loss, targets = loss + float(out["loss_sum"]), targets + float(out["target_tokens"])
+    return loss / targets, targets
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # the layouts strategy: its own (dp=4, sp=2) layout, Ulysses attention
+        ["--parallel.pp=1", "--parallel.sp=2"],
+        # the elastic pipeline: evaluated on (dp=8, sp=1), not on the pipeline executor
+        ["--parallel.pp=2", "--plan.wait=true"],
+    ],
+    ids=["layouts-sp2", "pipeline-pp2"],
+)
+def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(tmp_path, layout):
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    config = _config(
+        tmp_path, tmp_path / "corpus", *layout, "--train.steps=3", "--eval.documents=4", "--eval.every_steps=2"
+    )
+    result = train(config, quiet=True, compiler_options=values_compile())
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # after step 2 (every_steps) and after the last step, 3
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
+    first, last = (r for r in records if "eval_loss" in r)
+    expected, targets = _reference_eval_loss(config, result.final_state.params)
+    assert last["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert last["eval_tokens"] == targets > 0 and last["eval_batches"] >= 1 and last["eval_s"] > 0
+    assert first["eval_tokens"] == targets  # the same batches every time
+    assert first["eval_loss"] != last["eval_loss"]  # of the state after that step
+
+
+def test_a_layout_steps_evaluate_is_its_forward_pass_and_leaves_the_state(tmp_path):
+    """The research API's evaluation: the loss sums the train step reports for the state it starts
+    from, with the state still usable (not donated)."""
+    from jvarlen.api import Session
+    from jvarlen.layout import Layout
+
+    config = _config(tmp_path, tmp_path / "corpus")
+    session = Session.from_config(config, devices=jax.devices()[:4], compiler_options=values_compile())
+    step = session.layout_step(Layout(dp=2, sp=2), rows=2, seq_len=128)
+    rng = np.random.default_rng(0)
+    prepared = step.prepare([rng.integers(0, 256, n) for n in (100, 20, 90)])
+    sums = jax.device_get(step.evaluate(session.state, prepared))
+    assert sums["target_tokens"] == 100 + 20 + 90 - 3 and sums["real_tokens"] == 210
+    state, metrics = step(session.state, prepared)  # the state evaluate read is still whole
+    assert float(sums["loss_sum"]) == pytest.approx(float(metrics["loss_sum"]), rel=1e-6)
+    after = jax.device_get(step.evaluate(state, prepared))
+    assert float(after["loss_sum"]) != float(sums["loss_sum"])
