@@ -132,13 +132,16 @@ def _reference_eval_loss(config, params) -> tuple[float, float]:
     ],
     ids=["layouts-sp2", "pipeline-pp2"],
 )
-def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(tmp_path, layout):
+def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(tmp_path, layout, monkeypatch, capsys):
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     config = _config(
         tmp_path, tmp_path / "corpus", *layout, "--train.steps=3", "--eval.documents=4", "--eval.every_steps=2"
     )
-    result = train(config, quiet=True, compiler_options=values_compile())
+    monkeypatch.setattr("jvarlen.runtime.evaluate.PROGRESS_EVERY_S", -1.0)  # a progress line per batch
+    result = train(config, compiler_options=values_compile())
+    out = capsys.readouterr().out
+    assert "step 2: evaluating, batch 1 of" in out and "step 3: eval loss" in out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # after step 2 (every_steps) and after the last step, 3
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]

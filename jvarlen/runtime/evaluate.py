@@ -21,6 +21,8 @@ from jvarlen.runtime.feed import Iteration
 from jvarlen.runtime.strategies.layouts import LayoutPolicy, LayoutStrategy
 from jvarlen.runtime.strategy import ExecutionStrategy, Prepared, StepContext
 
+PROGRESS_EVERY_S = 30.0  # a long evaluation says how far it is this often
+
 
 class Evaluator:
     """Runs the held-out batches through ``strategy``'s forward pass (:meth:`evaluate`) when
@@ -71,13 +73,22 @@ class Evaluator:
         """The held-out loss of ``state`` after step ``step``: the record's ``eval_*`` fields."""
         start = time.perf_counter()
         compiled = cache.get(self.key, self.strategy.compile_eval)
-        totals = {"loss_sum": 0.0, "target_tokens": 0.0}
+        outputs, said, running = [], start, None
         for b in range(len(self.batches)):
-            prepared = self._prepare(b)
+            prepared = self._prepare(b)  # packed while the device runs the batch before
             assert self.strategy.eval_key(prepared) == self.key, "the held-out batches have one shape"
-            sums = jax.device_get(compiled(state, prepared.arrays))
-            for name in totals:  # summed on the host in float64: many batches, no rounding drift
-                totals[name] += float(np.asarray(sums[name], np.float64))
+            if running is not None:
+                # one program in flight: XLA:CPU deadlocks in the collectives of several queued ones
+                outputs.append(jax.device_get(running))
+            running = compiled(state, prepared.arrays)
+            if time.perf_counter() - said > PROGRESS_EVERY_S:
+                said = time.perf_counter()
+                self.say(
+                    f"[jvarlen] step {step}: evaluating, batch {b + 1} of {len(self.batches)} ({said - start:.0f} s)"
+                )
+        outputs.append(jax.device_get(running))
+        # summed on the host in float64: many batches, no rounding drift
+        totals = {name: float(sum(np.float64(o[name]) for o in outputs)) for name in ("loss_sum", "target_tokens")}
         seconds = time.perf_counter() - start
         loss = totals["loss_sum"] / max(totals["target_tokens"], 1.0)
         self.say(
