@@ -4,6 +4,7 @@ Run as a script, this file is one worker process: ``python test_multihost.py PID
 """
 
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -433,6 +434,9 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         "--plan.min_slice_tokens=32",
         "--data.seq_len=256",
         "--plan.wait=true",  # the solver's plans, as the one-process run below (no fallback when late)
+        # held-out evaluation after each step, on a (dp=4, sp=2) layout whose devices span both processes
+        "--eval.documents=3",
+        "--eval.every_steps=1",
     ]
     records = _train_on_two_processes(tmp_path, args)
     assert [(r["step"], r["dp"], r["pp"], r["sp"]) for r in records] == [(1, 2, 2, 2), (2, 2, 2, 2)]
@@ -449,6 +453,8 @@ def test_pipeline_cli_on_two_processes_matches_one_process(tmp_path):
         quiet=True,
     )
     np.testing.assert_allclose([r["loss"] for r in records], one.losses, rtol=1e-5)
+    one_records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["eval_loss"] for r in records], [r["eval_loss"] for r in one_records], rtol=1e-5)
 
 
 @pytest.mark.slow  # a strategy policy's groups from the training CLI in two processes: ~2-3 min on 2 shared cores
