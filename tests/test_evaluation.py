@@ -109,7 +109,8 @@ def test_pack_all_places_every_item_once_within_its_rows(lengths, rows, seq_len)
 
 
 def _reference_eval_loss(config, params) -> tuple[float, float]:
-    """Σ loss / Σ targets of the held-out batches by the single-device model (no layout, no pull)."""
+    """Σ loss / Σ targets of the held-out documents by the single-device model (no layout, no pull),
+    packed into ``data.rows_per_batch`` rows: the loss of a document does not depend on its row."""
     graphdef, _, _ = create_train_state(config)
     params = jax.device_get(params)
     pipeline = DataPipeline(config.data, held_out=config.eval.documents)
@@ -123,16 +124,19 @@ def _reference_eval_loss(config, params) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, eval_rows",
     [
-        # the layouts strategy: its own (dp=4, sp=2) layout, Ulysses attention
-        ["--parallel.pp=1", "--parallel.sp=2"],
-        # the elastic pipeline: evaluated on (dp=8, sp=1), not on the pipeline executor
-        ["--parallel.pp=2", "--plan.wait=true"],
+        # the layouts strategy: its own (dp=4, sp=2) layout, Ulysses attention; the batch's 4 rows
+        (["--parallel.pp=1", "--parallel.sp=2"], 4),
+        # the elastic pipeline: evaluated on (dp=8, sp=1), not on the pipeline executor; 8 rows, one
+        # per device, where a batch of 4 would leave 4 devices with padding
+        (["--parallel.pp=2", "--plan.wait=true"], 8),
     ],
     ids=["layouts-sp2", "pipeline-pp2"],
 )
-def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(tmp_path, layout, monkeypatch, capsys):
+def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(
+    tmp_path, layout, eval_rows, monkeypatch, capsys
+):
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     config = _config(
@@ -148,7 +152,8 @@ def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(tmp_path,
     first, last = (r for r in records if "eval_loss" in r)
     expected, targets = _reference_eval_loss(config, result.final_state.params)
     assert last["eval_loss"] == pytest.approx(expected, rel=1e-5)
-    assert last["eval_tokens"] == targets > 0 and last["eval_batches"] >= 1 and last["eval_s"] > 0
+    assert last["eval_tokens"] == targets > 0 and last["eval_s"] > 0
+    assert last["eval_batches"] == len(DataPipeline(config.data, held_out=4).eval_batches(eval_rows))
     assert first["eval_tokens"] == targets  # the same batches every time
     assert first["eval_loss"] != last["eval_loss"]  # of the state after that step
 

@@ -43,19 +43,22 @@ class Evaluator:
         cls, config: Config, pipeline, ctx: StepContext, strategy: ExecutionStrategy, say: Callable
     ) -> Optional["Evaluator"]:
         """The run's evaluator, or None without held-out documents. A layouts run evaluates with its
-        own layout policy; a pipeline or device-group run on ``Layout(devices / sp, 1, parallel.sp)``."""
+        own layout policy; a pipeline or device-group run on ``Layout(devices / sp, 1, parallel.sp)``.
+        A batch has ``data.rows_per_batch`` rows rounded up to a multiple of the layout's dp: the rows
+        that would be padding hold held-out pieces instead (a pipeline run's one row on 8 devices:
+        8 rows, an eighth of the batches)."""
         if not config.eval.documents:
             return None
-        batches = pipeline.eval_batches()
-        if not isinstance(strategy, LayoutStrategy):
-            strategy = LayoutStrategy(
-                ctx,
-                _eval_policy(config, len(ctx.placement.devices)),
-                config.data.rows_per_batch,
-                config.data.seq_len,
-                residual=config.parallel.residual_policy,
-            )
-        return cls(strategy, batches, config.eval.every_steps, config.eval.documents, say)
+        if isinstance(strategy, LayoutStrategy):
+            policy, choose = strategy.policy, strategy.layout_for_step
+        else:
+            policy = _eval_policy(config, len(ctx.placement.devices))
+            choose = policy.choose
+        seq_len = config.data.seq_len
+        dp = choose(0, config.data.rows_per_batch, seq_len).dp
+        rows = -(-config.data.rows_per_batch // dp) * dp
+        strategy = LayoutStrategy(ctx, policy, rows, seq_len, choose, residual=config.parallel.residual_policy)
+        return cls(strategy, pipeline.eval_batches(rows), config.eval.every_steps, config.eval.documents, say)
 
     def due(self, step: int, end: int) -> bool:
         """Whether the run evaluates after step ``step`` (1-based) of a call that ends at ``end``."""
