@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import values_compile
+from conftest import TINY_MODEL_ARGS, values_compile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,14 +19,7 @@ from jvarlen.runtime.state import create_train_state
 from jvarlen.runtime.step import BATCH_KEYS, loss_sums
 
 TINY_ARGS = [
-    "--model.vocab_size=320",
-    "--model.d_model=32",
-    "--model.num_layers=2",
-    "--model.num_heads=4",
-    "--model.num_kv_heads=2",
-    "--model.mlp_dim=64",
-    "--model.compute_dtype=float32",
-    "--model.attention=reference",
+    *TINY_MODEL_ARGS,
     "--data.seq_len=128",
     "--data.tokens_per_batch=512",
     "--data.max_documents=40",

@@ -147,17 +147,23 @@ class LayoutStrategy(ExecutionStrategy):
         info = {"padding_ratio": padding, "dp": layout.dp, "pp": 1, "sp": layout.sp}
         return Prepared(("layout", layout, shape_bucket(arrays)), arrays, info)
 
+    def _program(self, layout: Layout) -> tuple:
+        """(mesh, attention, pull) of a step on ``layout``: Ulysses attention over its sp devices and
+        the parameters pulled (cast + gathered) from the canonical state inside the step."""
+        mesh = self.ctx.placement.mesh(layout)
+        dtype = resolve_compute_dtype(self.ctx.model.compute_dtype)
+        return mesh, ulysses_attention_fn(mesh, self.ctx.model.attention), lambda params: pull(params, mesh, dtype)
+
     def step_inputs(self, key) -> tuple:
         """(grads_fn, batch shapes, batch shardings) of signature ``key``: the rows over dp, tokens
         over sp; parameters pulled (cast + gathered) inside the step, gradients pushed back."""
         _, layout, bucket = key
         ctx = self.ctx
-        mesh = ctx.placement.mesh(layout)
-        dtype = resolve_compute_dtype(ctx.model.compute_dtype)
+        mesh, attention, pulled = self._program(layout)
         grads_fn = single_program_grads(
             ctx.graphdef,
-            ulysses_attention_fn(mesh, ctx.model.attention),
-            pull=lambda params: pull(params, mesh, dtype),
+            attention,
+            pull=pulled,
             push=lambda grads, params: push(grads, ctx.placement.state_sharding.params, params, mesh),
             fp32_weight_sums=True,
             spmd=TokenShards(mesh),
@@ -177,16 +183,9 @@ class LayoutStrategy(ExecutionStrategy):
         """The evaluation step of signature ``key`` (:meth:`eval_key`): the forward pass with the
         training step's layout, pull and token shards, no update (docs/design/evaluation.md)."""
         _, _, layout, bucket = key
-        ctx = self.ctx
-        mesh = ctx.placement.mesh(layout)
-        dtype = resolve_compute_dtype(ctx.model.compute_dtype)
-        sums_fn = single_program_sums(
-            ctx.graphdef,
-            ulysses_attention_fn(mesh, ctx.model.attention),
-            pull=lambda params: pull(params, mesh, dtype),
-            spmd=TokenShards(mesh),
-        )
-        return ctx.compile_eval(sums_fn, *_batch_specs(mesh, bucket))
+        mesh, attention, pulled = self._program(layout)
+        sums_fn = single_program_sums(self.ctx.graphdef, attention, pull=pulled, spmd=TokenShards(mesh))
+        return self.ctx.compile_eval(sums_fn, *_batch_specs(mesh, bucket))
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
         # the step itself, as the pipeline and groups paths are checked (not the host's sampling and packing)
