@@ -592,16 +592,43 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Held-out evaluation (docs/design/evaluation.md): documents kept out of training, whose mean loss
-    is logged as eval_loss."""
+    """Evaluation (docs/design/evaluation.md): the mean loss of documents no step trains on, logged as
+    eval_loss. They are held out of the training corpus (``documents``) or come from a corpus of
+    their own (``path``); with neither, the run does not evaluate."""
 
-    # Documents held out of training (whole documents, the same set whatever data.seed); 0: no evaluation.
+    # Documents held out of the training corpus (whole documents, the same set whatever data.seed).
     documents: int = 0
+    # A validation corpus of its own instead: every document of it, read with data's fields and tokenizer.
+    path: Optional[str] = None
+    source: Optional[DataSource] = None  # the format of eval.path; default data.source
+    max_documents: Optional[int] = None  # of eval.path, only the first N documents
     every_steps: int = 50  # evaluate after every this many steps, and after the run's last step
 
+    @property
+    def enabled(self) -> bool:
+        return self.documents > 0 or self.path is not None
+
     def __post_init__(self):
-        _require(self.documents >= 0, f"eval.documents must be >= 0 (0: no evaluation), got {self.documents}")
+        _require(self.documents >= 0, f"eval.documents must be >= 0 (0: none held out), got {self.documents}")
         _positive("eval", every_steps=self.every_steps)
+        _require(
+            not (self.documents and self.path is not None),
+            f"eval.documents={self.documents} and eval.path={self.path!r} both choose what the run evaluates on "
+            "(documents held out of the training corpus, or a corpus of its own); set one",
+        )
+        unread = [name for name in ("source", "max_documents") if getattr(self, name) is not None]
+        _require(
+            self.path is not None or not unread,
+            f"{', '.join('eval.' + n for n in unread)} describe eval.path, which is not set: set eval.path (or drop them)",
+        )
+        if self.max_documents is not None:
+            _positive("eval", max_documents=self.max_documents)
+
+    def data(self, data: DataConfig) -> DataConfig:
+        """The data settings that read ``path``: data's fields, tokenizer, cache and row shape."""
+        return dataclasses.replace(
+            data, source=self.source or data.source, path=self.path, max_documents=self.max_documents
+        )
 
 
 @dataclasses.dataclass
@@ -622,6 +649,13 @@ class Config:
             "checkpoint.resume=true continues the run in logging.run_dir and logging.overwrite=true deletes "
             "it; set one of them",
         )
+        if self.eval.path is not None:
+            _require(
+                (self.eval.source or self.data.source) != "stdlib",
+                f"eval.path={self.eval.path!r} is read as data.source, which is 'stdlib'; set eval.source to jsonl, "
+                "text_dir or parquet",
+            )
+            self.eval.data(self.data)  # the data settings that read it, checked now
         chosen = self.parallel.stage_weights
         _require(
             chosen not in ("auto", "per_iteration") or self.plan.uses_groups,

@@ -74,7 +74,19 @@ def test_a_resume_with_another_held_out_count_is_refused_by_name(tmp_path):
     np.testing.assert_array_equal(resumed.next_batch().tokens, saved.next_batch().tokens)
 
 
-def test_bad_held_out_settings_are_config_errors(tmp_path):
+def test_bad_evaluation_settings_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="eval.documents=2 and eval.path='v.jsonl' both choose"):
+        _config(tmp_path, tmp_path / "corpus", "--eval.documents=2", "--eval.path=v.jsonl", "--eval.source=jsonl")
+    with pytest.raises(ConfigError, match="eval.source describe eval.path, which is not set"):
+        _config(tmp_path, tmp_path / "corpus", "--eval.source=jsonl")
+    with pytest.raises(ConfigError, match="set eval.source to jsonl, text_dir or parquet"):
+        _config(tmp_path, tmp_path / "corpus", "--eval.path=v.jsonl")
+    from jvarlen.data import DataError
+    from jvarlen.runtime.run import _eval_corpus
+
+    missing = _config(tmp_path, tmp_path / "corpus", f"--eval.path={tmp_path / 'none.jsonl'}", "--eval.source=jsonl")
+    with pytest.raises(DataError, match=r"^eval.path '.*none.jsonl': "):  # its corpus named, not data.path's
+        _eval_corpus(missing, print)
     with pytest.raises(ConfigError, match="eval.documents must be >= 0"):
         _config(tmp_path, tmp_path / "corpus", "--eval.documents=-1")
     with pytest.raises(ConfigError, match="eval.every_steps must be > 0"):
@@ -102,14 +114,18 @@ def test_pack_all_places_every_item_once_within_its_rows(lengths, rows, seq_len)
 
 
 def _reference_eval_loss(config, params) -> tuple[float, float]:
-    """Σ loss / Σ targets of the held-out documents by the single-device model (no layout, no pull),
-    packed into ``data.rows_per_batch`` rows: the loss of a document does not depend on its row."""
+    """Σ loss / Σ targets of the evaluated documents (held out, or eval.path's) by the single-device
+    model (no layout, no pull), packed into ``data.rows_per_batch`` rows: the loss of a document does
+    not depend on its row."""
     graphdef, _, _ = create_train_state(config)
     params = jax.device_get(params)
-    pipeline = DataPipeline(config.data, held_out=config.eval.documents)
+    if config.eval.path is None:
+        batches = DataPipeline(config.data, held_out=config.eval.documents).eval_batches()
+    else:
+        batches = DataPipeline(config.eval.data(config.data)).eval_batches(every=True)
     sums = jax.jit(lambda p, b: loss_sums(graphdef, p, b))
     loss = targets = 0.0
-    for pieces, rows in pipeline.eval_batches():
+    for pieces, rows in batches:
         batch = pack(pieces, config.data.rows_per_batch, config.data.seq_len, rows)
         out = jax.device_get(sums(params, {k: getattr(batch, k) for k in BATCH_KEYS}))
         loss, targets = loss + float(out["loss_sum"]), targets + float(out["target_tokens"])
@@ -168,3 +184,28 @@ def test_a_layout_steps_evaluate_is_its_forward_pass_and_leaves_the_state(tmp_pa
     assert float(sums["loss_sum"]) == pytest.approx(float(metrics["loss_sum"]), rel=1e-6)
     after = jax.device_get(step.evaluate(state, prepared))
     assert float(after["loss_sum"]) != float(sums["loss_sum"])
+
+
+def test_a_validation_corpus_of_its_own_is_evaluated_whole(tmp_path):
+    """eval.path: every document of another corpus (here JSONL beside a stdlib training corpus)."""
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    rng = np.random.default_rng(3)
+    texts = ["".join(chr(c) for c in rng.integers(97, 123, n)) for n in (40, 300, 90, 700, 15)]
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    config = _config(
+        tmp_path,
+        tmp_path / "corpus",
+        "--parallel.pp=1",
+        "--train.steps=2",
+        f"--eval.path={path}",
+        "--eval.source=jsonl",
+    )
+    result = train(config, quiet=True, compiler_options=values_compile())
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]  # the last step only (every_steps 50)
+    expected, targets = _reference_eval_loss(config, result.final_state.params)
+    assert records[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    # every byte of every document, with BOS and EOS, predicted: its tokens + 1 targets each
+    assert records[-1]["eval_tokens"] == targets == sum(len(t) + 1 for t in texts)

@@ -91,12 +91,13 @@ class DataPipeline:
         next_token = int(tokens[start + n]) if table.has_next[p] else -1
         return Piece(np.asarray(tokens[start : start + n]), doc, next_token)
 
-    def eval_batches(self, rows: Optional[int] = None) -> list[tuple[list[Piece], np.ndarray]]:
-        """The held-out documents' pieces in batches of ``rows`` (default ``rows_per_batch``) x
-        ``seq_len``: one ``(pieces, row of each)`` pair per batch, the same on every call and process;
-        [] without held-out documents."""
-        batches = pack_all(self.eval_pieces.length, rows or self.rows, self.seq_len)
-        return [([self.piece(int(p), self.eval_pieces) for p in items], rows) for items, rows in batches]
+    def eval_batches(self, rows: Optional[int] = None, every: bool = False) -> list[tuple[list[Piece], np.ndarray]]:
+        """The held-out documents' pieces (``every``: all the corpus' pieces, a validation corpus's) in
+        batches of ``rows`` (default ``rows_per_batch``) x ``seq_len``: one ``(pieces, row of each)``
+        pair per batch, the same on every call and process; [] without held-out documents."""
+        table = self.pieces if every else self.eval_pieces
+        batches = pack_all(table.length, rows or self.rows, self.seq_len)
+        return [([self.piece(int(p), table) for p in items], rows) for items, rows in batches]
 
     def next_batch(self) -> PackedBatch:
         """The next global batch, arrays ``[rows_per_batch, seq_len]``."""

@@ -1,7 +1,8 @@
-"""Held-out evaluation in the run loop: every ``eval.every_steps`` steps and after the run's last
-step, the loss of the documents ``eval.documents`` kept out of training (docs/design/evaluation.md).
+"""Evaluation in the run loop: every ``eval.every_steps`` steps and after the run's last step, the
+loss of documents no step trains on: ``eval.documents`` held out of the training corpus, or the
+validation corpus ``eval.path`` (docs/design/evaluation.md).
 
-The batches are the held-out pieces, packed once and the same at every evaluation
+The batches are those documents' pieces, packed once and the same at every evaluation
 (:meth:`jvarlen.data.DataPipeline.eval_batches`). Each one runs as the data-parallel layouts
 strategy's forward pass (:meth:`LayoutStrategy.compile_eval`), one program for all of them,
 kept in the run's compile cache. The loss is the sum over all batches divided by their targets.
@@ -28,26 +29,22 @@ class Evaluator:
     """Runs the held-out batches through ``strategy``'s forward pass (:meth:`evaluate`) when
     :meth:`due`."""
 
-    def __init__(self, strategy: LayoutStrategy, batches: list, every_steps: int, documents: int, say: Callable):
-        self.strategy, self.batches, self.every, self.documents, self.say = (
-            strategy,
-            batches,
-            every_steps,
-            documents,
-            say,
-        )
+    def __init__(self, strategy: LayoutStrategy, batches: list, every_steps: int, what: str, say: Callable):
+        """``what``: the documents, in words, for the log line."""
+        self.strategy, self.batches, self.every, self.what, self.say = strategy, batches, every_steps, what, say
         self.key = strategy.eval_key(self._prepare(0))  # every batch has the one shape: one program
 
     @classmethod
     def from_config(
-        cls, config: Config, pipeline, ctx: StepContext, strategy: ExecutionStrategy, say: Callable
+        cls, config: Config, pipeline, eval_pipeline, ctx: StepContext, strategy: ExecutionStrategy, say: Callable
     ) -> Optional["Evaluator"]:
-        """The run's evaluator, or None without held-out documents. A layouts run evaluates with its
+        """The run's evaluator, or None when it does not evaluate: the documents ``pipeline`` holds out
+        (``eval.documents``) or every document of ``eval_pipeline`` (``eval.path``). A layouts run evaluates with its
         own layout policy; a pipeline or device-group run on ``Layout(devices / sp, 1, parallel.sp)``.
         A batch has ``data.rows_per_batch`` rows rounded up to a multiple of the layout's dp: the rows
         that would be padding hold held-out pieces instead (a pipeline run's one row on 8 devices:
         8 rows, an eighth of the batches)."""
-        if not config.eval.documents:
+        if not config.eval.enabled:
             return None
         if isinstance(strategy, LayoutStrategy):
             policy, choose = strategy.policy, strategy.layout_for_step
@@ -58,7 +55,12 @@ class Evaluator:
         dp = choose(0, config.data.rows_per_batch, seq_len).dp
         rows = -(-config.data.rows_per_batch // dp) * dp
         strategy = LayoutStrategy(ctx, policy, rows, seq_len, choose, residual=config.parallel.residual_policy)
-        return cls(strategy, pipeline.eval_batches(rows), config.eval.every_steps, config.eval.documents, say)
+        if eval_pipeline is not None:
+            n = eval_pipeline.corpus.num_documents
+            batches, what = eval_pipeline.eval_batches(rows, every=True), f"{n:,} documents of eval.path"
+        else:
+            batches, what = pipeline.eval_batches(rows), f"{config.eval.documents:,} held-out documents"
+        return cls(strategy, batches, config.eval.every_steps, what, say)
 
     def due(self, step: int, end: int) -> bool:
         """Whether the run evaluates after step ``step`` (1-based) of a call that ends at ``end``."""
@@ -95,7 +97,7 @@ class Evaluator:
         seconds = time.perf_counter() - start
         loss = totals["loss_sum"] / max(totals["target_tokens"], 1.0)
         self.say(
-            f"[jvarlen] step {step}: eval loss {loss:.4f} on {self.documents:,} held-out documents "
+            f"[jvarlen] step {step}: eval loss {loss:.4f} on {self.what} "
             f"({totals['target_tokens']:,.0f} targets, {len(self.batches)} batches, {seconds:.1f} s)"
         )
         return {
@@ -119,7 +121,7 @@ def _eval_policy(config: Config, num_devices: int) -> LayoutPolicy:
         problems.append(f"data.seq_len ({config.data.seq_len}) is not divisible by sp={sp}")
     if problems:
         raise ConfigError(
-            f"eval.documents: the held-out loss runs on the data-parallel layout {layout} (parallel.sp over every "
+            f"eval: the evaluation runs on the data-parallel layout {layout} (parallel.sp over every "
             f"device), which does not fit: {'; '.join(problems)}"
         )
     return LayoutPolicy(num_devices, config.model.num_heads, fixed=layout)

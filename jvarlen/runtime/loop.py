@@ -130,7 +130,7 @@ def train(
     try:
         strategy = make_strategy(config, run, layout, layout_for_step, compiler_options)
         evaluator = Evaluator.from_config(
-            config, run.pipeline, step_context(config, run, compiler_options), strategy, run.note
+            config, run.pipeline, run.eval_pipeline, step_context(config, run, compiler_options), strategy, run.note
         )
         distributed.check_same(
             {

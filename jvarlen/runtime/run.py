@@ -70,6 +70,7 @@ class Run:
     created_dir: bool = False  # this run made run_dir: a refusal at its start removes it again
     cost_check: Optional[object] = None  # the loop's StepTimeCheck: its refit is saved with each checkpoint
     resumed_refit: Optional[dict] = None  # the refit state of the checkpoint resumed from
+    eval_pipeline: Optional[DataPipeline] = None  # eval.path's corpus (held-out documents are in pipeline)
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
@@ -212,6 +213,7 @@ def _open_locked(
     earlier = None if config.checkpoint.resume else claim_fresh(run_dir, config.logging.overwrite)
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size, say=say, held_out=config.eval.documents)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
+    eval_pipeline = _eval_corpus(config, say)
 
     checkpointer = None if earlier else Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
     resuming = config.checkpoint.resume and checkpointer.latest_step() is not None
@@ -276,7 +278,22 @@ def _open_locked(
         nonfinite_run=in_a_row,
         nonfinite_total=skipped,
         resumed_refit=resumed_refit,
+        eval_pipeline=eval_pipeline,
     )
+
+
+def _eval_corpus(config: Config, say) -> Optional[DataPipeline]:
+    """The validation corpus ``eval.path`` (None without one), read with the training data's settings."""
+    if config.eval.path is None:
+        return None
+    from jvarlen.data import DataError
+
+    try:
+        pipeline = DataPipeline(config.eval.data(config.data), vocab_size=config.model.vocab_size, say=say)
+    except DataError as error:  # its messages name data.path: say which corpus it is
+        raise type(error)(f"eval.path {config.eval.path!r}: {error}") from None
+    say(f"[jvarlen] eval corpus: {pipeline.summary()}")
+    return pipeline
 
 
 def _check_tokenizer(config: Config) -> None:
