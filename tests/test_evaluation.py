@@ -209,3 +209,20 @@ def test_a_validation_corpus_of_its_own_is_evaluated_whole(tmp_path):
     assert records[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
     # every byte of every document, with BOS and EOS, predicted: its tokens + 1 targets each
     assert records[-1]["eval_tokens"] == targets == sum(len(t) + 1 for t in texts)
+
+
+def test_an_evaluation_program_that_does_not_fit_stops_the_run_at_its_start(tmp_path, monkeypatch):
+    """The evaluation compiles in the background after the first step; a refusal (here a stand-in
+    for a program larger than the device) stops the run a step later, not at the first evaluation."""
+    from jvarlen.runtime.memory_fit import DeviceMemoryError
+    from jvarlen.runtime.strategies.layouts import LayoutStrategy
+
+    def refuse(self, key):
+        raise DeviceMemoryError("the evaluation step needs 90 GiB")
+
+    monkeypatch.setattr(LayoutStrategy, "compile_eval", refuse)
+    config = _config(tmp_path, tmp_path / "corpus", "--parallel.pp=1", "--train.steps=30", "--eval.documents=2")
+    with pytest.raises(DeviceMemoryError, match="90 GiB"):
+        train(config, quiet=True, compiler_options=values_compile())
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) <= 2  # eval.every_steps is 50: before, step 30's evaluation raised it

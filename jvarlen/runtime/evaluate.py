@@ -32,6 +32,7 @@ class Evaluator:
     def __init__(self, strategy: LayoutStrategy, batches: list, every_steps: int, what: str, say: Callable):
         """``what``: the documents, in words, for the log line."""
         self.strategy, self.batches, self.every, self.what, self.say = strategy, batches, every_steps, what, say
+        self._compiling = None  # the background compile's future, until it is known to have succeeded
         self.key = strategy.eval_key(self._prepare(0))  # every batch has the one shape: one program
 
     @classmethod
@@ -71,8 +72,17 @@ class Evaluator:
         return self.strategy.prepare(Iteration(0, pieces, rows, {}))
 
     def precompile(self, cache) -> None:
-        """Compiles the evaluation program in the cache's background thread."""
-        cache.precompile(self.key, self.strategy.compile_eval)
+        """Compiles the evaluation program in the cache's background thread (:meth:`check` raises
+        its failure as soon as it is known)."""
+        self._compiling = cache.precompile(self.key, self.strategy.compile_eval)
+
+    def check(self) -> None:
+        """Raises the background compile's error once it has failed: a program refused (one that
+        does not fit the device, :mod:`jvarlen.runtime.memory_fit`) stops the run within a few
+        steps of its start, not at the first evaluation ``eval.every_steps`` steps later."""
+        if self._compiling is not None and self._compiling.done():
+            compiling, self._compiling = self._compiling, None
+            compiling.result()  # raises what the compile raised
 
     def evaluate(self, state, cache, step: int) -> dict:
         """The held-out loss of ``state`` after step ``step``: the record's ``eval_*`` fields."""

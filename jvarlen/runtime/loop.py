@@ -243,6 +243,7 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check, e
         if evaluator is not None:
             if step == run.start:  # in the background, while the next steps train
                 evaluator.precompile(cache)
+            evaluator.check()
             if evaluator.due(step + 1, run.end):  # after the step's own time was taken
                 record.update(evaluator.evaluate(state, cache, step + 1))
                 last_eval = record["eval_loss"]
