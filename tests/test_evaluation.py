@@ -1,5 +1,5 @@
-"""Held-out evaluation (eval.documents): which documents, their batches, and the logged eval_loss
-against the single-device model's loss on the same batches."""
+"""Evaluation (eval.documents held out, or eval.path's corpus): which documents, their batches, and
+the logged eval_loss against the single-device model's loss on the same documents."""
 
 import json
 
