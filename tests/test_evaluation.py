@@ -226,3 +226,38 @@ def test_an_evaluation_program_that_does_not_fit_stops_the_run_at_its_start(tmp_
         train(config, quiet=True, compiler_options=values_compile())
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) <= 2  # eval.every_steps is 50: before, step 30's evaluation raised it
+
+
+def test_a_stop_signal_abandons_the_evaluation_for_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """SIGTERM during an evaluation (a preemption notice, with a grace period): the evaluation stops
+    before its next batch, and the step's checkpoint is written and the run stopped as on any step."""
+    import os
+    import signal
+
+    from jvarlen.runtime.evaluate import Evaluator
+    from jvarlen.runtime.stop import Interrupted
+
+    prepare = Evaluator._prepare
+
+    def prepare_then_signal(self, b):
+        if b == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return prepare(self, b)
+
+    monkeypatch.setattr(Evaluator, "_prepare", prepare_then_signal)
+    config = _config(
+        tmp_path,
+        tmp_path / "corpus",
+        "--parallel.pp=1",
+        "--train.steps=4",
+        "--eval.documents=4",
+        "--eval.every_steps=2",
+    )
+    with pytest.raises(Interrupted) as stopped:
+        train(config, compiler_options=values_compile())
+    assert stopped.value.step == 2
+    out = capsys.readouterr().out
+    assert "step 2: evaluation abandoned before batch 2 of" in out and "(SIGTERM)" in out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and "eval_loss" not in records[-1]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]

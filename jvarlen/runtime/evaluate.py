@@ -10,6 +10,7 @@ kept in the run's compile cache. The loss is the sum over all batches divided by
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Callable, Optional
 
@@ -84,8 +85,11 @@ class Evaluator:
             compiling, self._compiling = self._compiling, None
             compiling.result()  # raises what the compile raised
 
-    def evaluate(self, state, cache, step: int) -> dict:
-        """The held-out loss of ``state`` after step ``step``: the record's ``eval_*`` fields."""
+    def evaluate(self, state, cache, step: int, stop: Callable[[], Optional[int]] = lambda: None) -> dict:
+        """The loss of ``state`` after step ``step``: the record's ``eval_*`` fields. ``stop``: the
+        signal the run stops on, if any (:meth:`jvarlen.runtime.stop.StopSignals.agreed`, the same
+        answer on every process); asked before each batch, a signal abandons the evaluation ({} is
+        returned), so that the step's checkpoint is written before a preemption's grace period ends."""
         start = time.perf_counter()
         compiled = cache.get(self.key, self.strategy.compile_eval)
         outputs, said, running = [], start, None
@@ -95,6 +99,13 @@ class Evaluator:
             if running is not None:
                 # one program in flight: XLA:CPU deadlocks in the collectives of several queued ones
                 outputs.append(jax.device_get(running))
+            signum = stop()  # asked with nothing in flight: on several processes it is a collective
+            if signum is not None:
+                self.say(
+                    f"[jvarlen] step {step}: evaluation abandoned before batch {b + 1} of {len(self.batches)} "
+                    f"({signal.Signals(signum).name}): the checkpoint comes first"
+                )
+                return {}
             running = compiled(state, prepared.arrays)
             if time.perf_counter() - said > PROGRESS_EVERY_S:
                 said = time.perf_counter()
