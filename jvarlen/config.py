@@ -581,9 +581,18 @@ class LoggingConfig:
     # Dense bf16 TFLOP/s of one device, for the logged mfu (model FLOPs utilization); 0: the
     # datasheet figure of a known GPU (H100, H200, H800, A100, A800), and no mfu on other devices.
     peak_tflops: float = 0.0
+    # [first, last]: a profiler trace of these steps (1-based, inclusive) under run_dir/tensorboard,
+    # for TensorBoard's profile tab or Perfetto. Tracing slows the steps it covers.
+    trace_steps: Optional[list[int]] = None
 
     def __post_init__(self):
         _require(bool(self.run_dir and self.run_dir.strip()), "logging.run_dir must name a directory")
+        if self.trace_steps is not None:
+            steps = self.trace_steps
+            _require(
+                len(steps) == 2 and all(isinstance(s, int) for s in steps) and 1 <= steps[0] <= steps[1],
+                f"logging.trace_steps must be [first, last] with 1 <= first <= last, got {steps}",
+            )
         _require(
             self.peak_tflops >= 0 and math.isfinite(self.peak_tflops),
             f"logging.peak_tflops must be >= 0 and finite, got {self.peak_tflops}",

@@ -32,6 +32,7 @@ from jvarlen.runtime.run import (  # noqa: F401 (the errors are part of this mod
     step_record,
 )
 from jvarlen.runtime.strategy import ExecutionStrategy, StepContext
+from jvarlen.runtime.trace import StepTrace
 
 
 def make_strategy(
@@ -149,7 +150,7 @@ def train(
         run.close(refused=True)
         raise
     run.cost_check = check
-    cache = exchange = None
+    cache = exchange = trace = None
     try:
         run.start_logging()  # config.json and metrics change only once the configuration is accepted
         cache = CompileCache(say=run.note)
@@ -165,8 +166,11 @@ def train(
             say=run.note,
             exchange=exchange,
         )
-        outcome = _run_steps(run, strategy, cache, feed, check, evaluator)
+        trace = StepTrace(run.run_dir, config.logging.trace_steps, run.start, run.end, run.note)
+        outcome = _run_steps(run, strategy, cache, feed, check, evaluator, trace)
     finally:
+        if trace is not None:
+            trace.close()
         strategy.close()
         if cache is not None:
             cache.close()
@@ -176,9 +180,12 @@ def train(
     return close_run(run, *outcome)
 
 
-def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check, evaluator=None) -> tuple:
+def _run_steps(
+    run, strategy, cache: CompileCache, feed: IterationFeed, check, evaluator: Optional[Evaluator], trace: StepTrace
+) -> tuple:
     """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps,
-    model FLOP/s in words). ``evaluator``: the held-out evaluation (:mod:`jvarlen.runtime.evaluate`)."""
+    model FLOP/s in words). ``evaluator``: the held-out evaluation (:mod:`jvarlen.runtime.evaluate`);
+    ``trace``: the profiler trace of ``logging.trace_steps`` (:mod:`jvarlen.runtime.trace`)."""
     last_eval = None  # the latest held-out loss, shown on the progress bar
     state, run.state = run.state, None
     losses: list[float] = []
@@ -195,6 +202,7 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check, e
         run.config.model, jax.device_count(), peak_tflops(jax.devices()[0].device_kind, run.config.logging.peak_tflops)
     )
     for step in range(run.start, run.end):
+        trace.before(step)
         t0 = time.perf_counter()
         it = feed.next()
         prepared = strategy.prepare(it, list(signatures))
@@ -253,6 +261,7 @@ def _run_steps(run, strategy, cache: CompileCache, feed: IterationFeed, check, e
         if last_eval is not None:
             postfix["eval"] = f"{last_eval:.3f}"
         run.end_step(step, record, state, postfix, data_state=it.data_state)
+        trace.after(step)
     run.checkpointer.wait()
     return losses, tokens_seen, t_start, state, seconds_in_steps, flops.summary()
 
