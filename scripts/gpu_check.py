@@ -269,7 +269,10 @@ def train_part(out: str, steps: int, timeout_s: int = 600) -> dict:
 
 
 def pipeline_part(out: str, steps: int) -> list[dict]:
-    """One EPP and one Seq1F1B run of the real executor (python -m jvarlen.train, pp = 2)."""
+    """One EPP and one Seq1F1B run of the real executor (python -m jvarlen.train, pp = 2). The last
+    step of each is traced (``logging.trace_steps``: the tick programs, the stages' idle time and
+    the collectives on the GPU's timeline, under ``pipeline/<policy>/tensorboard``) and left out
+    of the medians, since tracing slows it."""
     if jax.device_count() < 2:
         return [{"skipped": "needs >= 2 GPUs for pp = 2"}]
     rows = []
@@ -277,14 +280,14 @@ def pipeline_part(out: str, steps: int) -> list[dict]:
         run_dir = os.path.join(out, "pipeline", policy)
         cmd = [sys.executable, "-m", "jvarlen.train", "--config", "configs/default.yaml", "--parallel.pp=2"]
         cmd += [f"--plan.policy={policy}", f"--train.steps={steps}", f"--logging.run_dir={run_dir}"]
-        cmd += ["--plan.wait=true"]
+        cmd += ["--plan.wait=true", f"--logging.trace_steps=[{steps},{steps}]"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), check=False)
         row = {"policy": policy, "returncode": proc.returncode}
         path = os.path.join(run_dir, "metrics.jsonl")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 recs = [json.loads(line) for line in f if line.strip()]
-            warm = [r for r in recs[2:] if "step_seconds" in r] or recs
+            warm = [r for r in recs[2:-1] if "step_seconds" in r] or recs
             # the executor's step, not the plan wait (plan.wait) or a compile
             row["median_step_s"] = statistics.median(r.get("step_seconds", float("nan")) for r in warm)
             row["tokens_per_s"] = statistics.median(r.get("tokens_per_s", float("nan")) for r in warm)
