@@ -165,6 +165,8 @@ def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(
     assert last["eval_batches"] == len(DataPipeline(config.data, held_out=4).eval_batches(eval_rows))
     assert first["eval_tokens"] == targets  # the same batches every time
     assert first["eval_loss"] != last["eval_loss"]  # of the state after that step
+    closing = out.split("steps 1-3: loss first")[1].splitlines()[0]
+    assert f", eval loss {last['eval_loss']:.4f} after step 3;" in closing
 
 
 def test_a_layout_steps_evaluate_is_its_forward_pass_and_leaves_the_state(tmp_path):

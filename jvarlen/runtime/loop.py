@@ -254,7 +254,9 @@ def _run_steps(
             evaluator.check()
             if evaluator.due(step + 1, run.end):  # after the step's own time was taken
                 record.update(evaluator.evaluate(state, cache, step + 1, run.signals.agreed))
-                last_eval = record.get("eval_loss", last_eval)
+                if "eval_loss" in record:
+                    last_eval = record["eval_loss"]
+                    run.last_eval = (step + 1, last_eval)
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
         if "mfu" in record:
             postfix["mfu"] = f"{record['mfu']:.1%}"

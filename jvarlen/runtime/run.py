@@ -71,6 +71,7 @@ class Run:
     cost_check: Optional[object] = None  # the loop's StepTimeCheck: its refit is saved with each checkpoint
     resumed_refit: Optional[dict] = None  # the refit state of the checkpoint resumed from
     eval_pipeline: Optional[DataPipeline] = None  # eval.path's corpus (held-out documents are in pipeline)
+    last_eval: Optional[tuple] = None  # (step, eval loss) of the latest evaluation, for the closing line
 
     def start_logging(self) -> None:
         """Claims the run directory's logs (after everything that may refuse the configuration):
@@ -411,9 +412,10 @@ def close_run(
         elapsed = time.perf_counter() - t_start
         rate = f" ({flops})" if flops else ""
         steps = f"{tokens_seen / step_seconds:.0f} tokens/s in steps{rate}, " if step_seconds > 0 else ""
+        evaluated = "" if run.last_eval is None else f", eval loss {run.last_eval[1]:.4f} after step {run.last_eval[0]}"
         run.say(
             f"[jvarlen] steps {run.start + 1}-{run.end}: loss first {k} avg {np.mean(losses[:k]):.4f}, "
-            f"last {k} avg {np.mean(losses[-k:]):.4f}; {steps}{tokens_seen / elapsed:.0f} tokens/s wall-clock"
+            f"last {k} avg {np.mean(losses[-k:]):.4f}{evaluated}; {steps}{tokens_seen / elapsed:.0f} tokens/s wall-clock"
         )
     run.say(f"[jvarlen] done; run directory: {run.run_dir}")
     return TrainResult(run_dir=run.run_dir, first_step=run.start, losses=losses, final_state=state)
