@@ -263,3 +263,35 @@ def test_a_stop_signal_abandons_the_evaluation_for_the_checkpoint(tmp_path, monk
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and "eval_loss" not in records[-1]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+
+
+def test_a_checkpoint_is_evaluated_later_as_the_run_evaluated_it(tmp_path, capsys):
+    """python -m jvarlen.evaluate: the run's own held-out documents give the loss the run logged for
+    that step; a validation corpus may replace them; other held-out documents, or a corpus changed
+    since, would take in trained documents and are refused."""
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, have {jax.device_count()}")
+    from jvarlen.evaluate import main
+
+    config = _config(
+        tmp_path, tmp_path / "corpus", "--parallel.pp=1", "--parallel.sp=2", "--train.steps=2", "--eval.documents=4"
+    )
+    train(config, quiet=True, compiler_options=values_compile())
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    run = f"--run_dir={tmp_path / 'run'}"
+    assert main([run]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["step"] == 2 and result["eval_tokens"] == logged["eval_tokens"]
+    assert result["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-5)
+
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (30, 200)))
+    assert main([run, f"--eval.path={path}", "--eval.source=jsonl"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["eval_tokens"] == 31 + 201
+
+    assert main([run, "--eval.documents=5"]) == 2
+    assert "eval.documents=5, but the run held out 4" in capsys.readouterr().err
+    # another piece table: the data fingerprint differs, and the held-out set cannot be vouched for
+    assert main([run, "--data.max_doc_tokens=64"]) == 2
+    assert "the corpus is not the one checkpoint 2 trained on" in capsys.readouterr().err

@@ -79,6 +79,7 @@ class SavedRun:
     init_from: Optional[str]
     params: object
     step: int
+    data: Optional[dict] = None  # the checkpoint's data state (the pipeline's position and fingerprint)
 
 
 def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
@@ -108,7 +109,7 @@ def restore_params(run_dir: str, step: Optional[int] = None) -> SavedRun:
             f"checkpoint {step} in {directory}: {differs} does not hold the bits that were written (checksum); "
             "export an older checkpoint with --step"
         )
-    return SavedRun(model, saved.get("init_from"), params, step)
+    return SavedRun(model, saved.get("init_from"), params, step, restored["data"])
 
 
 def _read(manager: ocp.CheckpointManager, step: int, directory: str, **items) -> dict:
