@@ -27,7 +27,7 @@ PROGRESS_EVERY_S = 30.0  # a long evaluation says how far it is this often
 
 
 class Evaluator:
-    """Runs the held-out batches through ``strategy``'s forward pass (:meth:`evaluate`) when
+    """Runs the evaluation batches through ``strategy``'s forward pass (:meth:`evaluate`) when
     :meth:`due`."""
 
     def __init__(self, strategy: LayoutStrategy, batches: list, every_steps: int, what: str, say: Callable):
@@ -38,14 +38,22 @@ class Evaluator:
 
     @classmethod
     def from_config(
-        cls, config: Config, pipeline, eval_pipeline, ctx: StepContext, strategy: ExecutionStrategy, say: Callable
+        cls,
+        config: Config,
+        pipeline,
+        eval_pipeline,
+        ctx: StepContext,
+        strategy: Optional[ExecutionStrategy],
+        say: Callable,
     ) -> Optional["Evaluator"]:
-        """The run's evaluator, or None when it does not evaluate: the documents ``pipeline`` holds out
-        (``eval.documents``) or every document of ``eval_pipeline`` (``eval.path``). A layouts run evaluates with its
-        own layout policy; a pipeline or device-group run on ``Layout(devices / sp, 1, parallel.sp)``.
-        A batch has ``data.rows_per_batch`` rows rounded up to a multiple of the layout's dp: the rows
-        that would be padding hold held-out pieces instead (a pipeline run's one row on 8 devices:
-        8 rows, an eighth of the batches)."""
+        """The run's evaluator, or None when it does not evaluate: the documents ``pipeline`` holds
+        out (``eval.documents``) or every document of ``eval_pipeline`` (``eval.path``).
+
+        A layouts run (``strategy``) evaluates with its own layout policy; a pipeline or
+        device-group run, or none (``python -m jvarlen.evaluate``), on ``Layout(devices / sp, 1,
+        parallel.sp)``. A batch has ``data.rows_per_batch`` rows rounded up to a multiple of the
+        layout's dp: the rows that would be padding hold pieces instead (a pipeline run's one row on
+        8 devices: 8 rows, an eighth of the batches)."""
         if not config.eval.enabled:
             return None
         if isinstance(strategy, LayoutStrategy):
