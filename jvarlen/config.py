@@ -612,6 +612,9 @@ class EvalConfig:
     source: Optional[DataSource] = None  # the format of eval.path; default data.source
     max_documents: Optional[int] = None  # of eval.path, only the first N documents
     every_steps: int = 50  # evaluate after every this many steps, and after the run's last step
+    # Also the loss by the context a prediction had: edges of position bins within a piece, e.g.
+    # [128, 1024] logs eval_loss/pos_0-127, eval_loss/pos_128-1023 and eval_loss/pos_1024+.
+    position_bins: Optional[list[int]] = None
 
     @property
     def enabled(self) -> bool:
@@ -632,6 +635,14 @@ class EvalConfig:
         )
         if self.max_documents is not None:
             _positive("eval", max_documents=self.max_documents)
+        if self.position_bins is not None:
+            edges = self.position_bins
+            _require(
+                len(edges) > 0
+                and all(isinstance(e, int) and e > 0 for e in edges)
+                and all(a < b for a, b in zip(edges, edges[1:])),
+                f"eval.position_bins must be increasing positive positions (bin edges), got {edges}",
+            )
 
     def data(self, data: DataConfig) -> DataConfig:
         """The data settings that read ``path``: data's fields, tokenizer, cache and row shape."""

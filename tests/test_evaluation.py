@@ -87,6 +87,9 @@ def test_bad_evaluation_settings_are_config_errors(tmp_path):
     missing = _config(tmp_path, tmp_path / "corpus", f"--eval.path={tmp_path / 'none.jsonl'}", "--eval.source=jsonl")
     with pytest.raises(DataError, match=r"^eval.path '.*none.jsonl': "):  # its corpus named, not data.path's
         _eval_corpus(missing, print)
+    for bad in ("[64,16]", "[0,16]", "[]"):
+        with pytest.raises(ConfigError, match="eval.position_bins must be increasing positive positions"):
+            _config(tmp_path, tmp_path / "corpus", f"--eval.position_bins={bad}")
     with pytest.raises(ConfigError, match="eval.documents must be >= 0"):
         _config(tmp_path, tmp_path / "corpus", "--eval.documents=-1")
     with pytest.raises(ConfigError, match="eval.every_steps must be > 0"):
@@ -113,10 +116,11 @@ def test_pack_all_places_every_item_once_within_its_rows(lengths, rows, seq_len)
         assert fill.max() <= seq_len
 
 
-def _reference_eval_loss(config, params) -> tuple[float, float]:
+def _reference_eval_loss(config, params, edges=()) -> tuple:
     """Σ loss / Σ targets of the evaluated documents (held out, or eval.path's) by the single-device
     model (no layout, no pull), packed into ``data.rows_per_batch`` rows: the loss of a document does
-    not depend on its row."""
+    not depend on its row. With ``edges``, also that of each position bin, each from the plain loss
+    with the loss mask cut to the bin's positions: (loss, targets, [loss of bin k])."""
     graphdef, _, _ = create_train_state(config)
     params = jax.device_get(params)
     if config.eval.path is None:
@@ -124,12 +128,19 @@ def _reference_eval_loss(config, params) -> tuple[float, float]:
     else:
         batches = DataPipeline(config.eval.data(config.data)).eval_batches(every=True)
     sums = jax.jit(lambda p, b: loss_sums(graphdef, p, b))
-    loss = targets = 0.0
+    bounds = [0, *edges, np.inf]
+    loss, targets = np.zeros(len(bounds)), np.zeros(len(bounds))  # [all, bin 0, bin 1, ...]
     for pieces, rows in batches:
         batch = pack(pieces, config.data.rows_per_batch, config.data.seq_len, rows)
-        out = jax.device_get(sums(params, {k: getattr(batch, k) for k in BATCH_KEYS}))
-        loss, targets = loss + float(out["loss_sum"]), targets + float(out["target_tokens"])
-    return loss / targets, targets
+        arrays = {k: getattr(batch, k) for k in BATCH_KEYS}
+        masks = [arrays["loss_mask"]] + [
+            arrays["loss_mask"] * ((batch.positions >= lo) & (batch.positions < hi))
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
+        for k, mask in enumerate(masks):
+            out = jax.device_get(sums(params, {**arrays, "loss_mask": mask}))
+            loss[k], targets[k] = loss[k] + float(out["loss_sum"]), targets[k] + float(out["target_tokens"])
+    return loss[0] / targets[0], targets[0], [a / b for a, b in zip(loss[1:], targets[1:])]
 
 
 @pytest.mark.parametrize(
@@ -149,7 +160,13 @@ def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")
     config = _config(
-        tmp_path, tmp_path / "corpus", *layout, "--train.steps=3", "--eval.documents=4", "--eval.every_steps=2"
+        tmp_path,
+        tmp_path / "corpus",
+        *layout,
+        "--train.steps=3",
+        "--eval.documents=4",
+        "--eval.every_steps=2",
+        "--eval.position_bins=[16,64]",
     )
     monkeypatch.setattr("jvarlen.runtime.evaluate.PROGRESS_EVERY_S", -1.0)  # a progress line per batch
     result = train(config, compiler_options=values_compile())
@@ -159,9 +176,13 @@ def test_eval_loss_is_the_single_device_loss_of_the_held_out_documents(
     # after step 2 (every_steps) and after the last step, 3
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
     first, last = (r for r in records if "eval_loss" in r)
-    expected, targets = _reference_eval_loss(config, result.final_state.params)
+    expected, targets, by_position = _reference_eval_loss(config, result.final_state.params, (16, 64))
     assert last["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert last["eval_tokens"] == targets > 0 and last["eval_s"] > 0
+    # by the position of the predicting token in its piece (seq_len 128: the last bin is 64-127)
+    names = ["eval_loss/pos_0-15", "eval_loss/pos_16-63", "eval_loss/pos_64+"]
+    assert [last[n] for n in names] == pytest.approx(by_position, rel=1e-5)
+    assert len(set(by_position)) == 3
     assert last["eval_batches"] == len(DataPipeline(config.data, held_out=4).eval_batches(eval_rows))
     assert first["eval_tokens"] == targets  # the same batches every time
     assert first["eval_loss"] != last["eval_loss"]  # of the state after that step

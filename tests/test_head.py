@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jvarlen import head_tiles
 from jvarlen.model import cross_entropy_sums
-from jvarlen.model.head import head_loss, head_loss_sum
+from jvarlen.model.head import head_loss, head_loss_bins, head_loss_sum
 from jvarlen.parallel.layouts import SP
 from jvarlen.parallel.pipeline.rest import VocabShard
 
@@ -134,3 +134,16 @@ def test_the_loss_without_gradients_is_the_same_pass(monkeypatch):
     with_grads, _, _ = head_loss(h, w, targets, hit, mask, grad_scale=jnp.float32(1.0))
     np.testing.assert_array_equal(losses, with_grads)
     assert losses.shape == (30,)
+
+
+def test_the_loss_by_bins_is_the_loss_of_each_bins_tokens():
+    """head_loss_bins (evaluation's loss by position): each bin's sum and count equal head_loss_sum
+    with the mask cut to that bin's tokens, in one pass; a token without a target counts nowhere."""
+    h, w, targets, mask = _inputs(40)
+    bins = jnp.asarray(np.random.default_rng(1).integers(0, 3, 40), jnp.int32)
+    sums, counts = head_loss_bins(h, w, targets, mask, bins, 3)
+    for k in range(3):
+        cut = mask * (bins == k)
+        np.testing.assert_allclose(sums[k], head_loss_sum(h, w, targets, cut), rtol=1e-6)
+        assert counts[k] == jnp.sum(cut)
+    assert float(jnp.sum(counts)) == float(jnp.sum(mask)) < 40

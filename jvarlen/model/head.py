@@ -131,3 +131,24 @@ def _head_loss_sum_bwd(spmd, residuals, g):
 
 
 head_loss_sum.defvjp(_head_loss_sum_fwd, _head_loss_sum_bwd)
+
+
+def head_loss_bins(h, w, targets, mask, bins, num_bins: int, spmd=None):
+    """(loss sums ``[num_bins]``, target counts ``[num_bins]``): :func:`head_loss_sum` split by each
+    token's bin (``bins``, int in ``[0, num_bins)``, shaped like ``targets``), in the same one pass
+    over the tiles; forward only (evaluation). Under ``spmd`` the bin travels in the mask's place:
+    each token's ``mask · (bin + 1)``, 0 where it has no target."""
+    code = mask.astype(jnp.float32) * (bins.astype(jnp.float32) + 1.0)
+    fn = functools.partial(_local_bins, num_bins)
+    sums = fn(h, w, targets, code) if spmd is None else spmd(fn, False)(h, w, targets, code)
+    return sums[0], sums[1]
+
+
+def _local_bins(num_bins: int, h, w, targets, code):
+    """One device's loss sums and target counts per bin, stacked ``[2, num_bins]`` (one array for the
+    spmd's sum over devices); ``code``: each token's bin + 1, or 0."""
+    h2, code = h.reshape(-1, h.shape[-1]), code.reshape(-1)
+    counted = (code > 0).astype(jnp.float32)
+    losses = whole_head_loss(h2, w, targets.reshape(-1), counted)
+    which = jnp.clip(code.astype(jnp.int32) - 1, 0, num_bins - 1)
+    return jnp.stack([jax.ops.segment_sum(losses, which, num_bins), jax.ops.segment_sum(counted, which, num_bins)])

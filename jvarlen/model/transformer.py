@@ -17,7 +17,7 @@ from jvarlen.config import ModelConfig
 from jvarlen.kernels import ATTENTION_RESIDUALS
 from jvarlen.kernels.gpu_config import compiles_for_gpu
 from jvarlen.model.attention import AttentionFn, AttentionInputs, make_attention_fn
-from jvarlen.model.head import head_loss_sum
+from jvarlen.model.head import head_loss_bins, head_loss_sum
 from jvarlen.model.layers import DecoderLayer, RMSNorm, _param
 
 # What a rematerialised layer keeps: attention's output and logsumexp (kernels.api names them).
@@ -116,6 +116,21 @@ class Transformer(nnx.Module):
         time with its gradient (:func:`jvarlen.model.head.head_loss_sum`; ``spmd``: its mesh)."""
         loss = head_loss_sum(self.final_norm(x_btd), self.head_weights(), targets_bt, loss_mask_bt, spmd)
         return {"loss_sum": loss, "target_tokens": jnp.sum(loss_mask_bt.astype(jnp.float32))}
+
+    def loss_sums_by_position(self, x_btd, targets_bt, loss_mask_bt, positions_bt, edges: tuple, spmd=None) -> dict:
+        """:meth:`loss_sums` and the same split by the position of each input token in its piece (the
+        context its prediction had): bin k holds ``edges[k-1] <= position < edges[k]``, len(edges) + 1
+        bins, ``loss_sum_by_position`` and ``targets_by_position`` ``[bins]`` (one pass over the head,
+        forward only: :func:`jvarlen.model.head.head_loss_bins`)."""
+        bins = jnp.searchsorted(jnp.asarray(edges, jnp.int32), positions_bt, side="right")
+        h = self.final_norm(x_btd)
+        sums, counts = head_loss_bins(h, self.head_weights(), targets_bt, loss_mask_bt, bins, len(edges) + 1, spmd)
+        return {
+            "loss_sum": jnp.sum(sums),
+            "target_tokens": jnp.sum(counts),
+            "loss_sum_by_position": sums,
+            "targets_by_position": counts,
+        }
 
     def hidden(
         self,

@@ -64,7 +64,15 @@ class Evaluator:
         seq_len = config.data.seq_len
         dp = choose(0, config.data.rows_per_batch, seq_len).dp
         rows = -(-config.data.rows_per_batch // dp) * dp
-        strategy = LayoutStrategy(ctx, policy, rows, seq_len, choose, residual=config.parallel.residual_policy)
+        strategy = LayoutStrategy(
+            ctx,
+            policy,
+            rows,
+            seq_len,
+            choose,
+            residual=config.parallel.residual_policy,
+            eval_position_edges=tuple(config.eval.position_bins or ()),
+        )
         if eval_pipeline is not None:
             n = eval_pipeline.corpus.num_documents
             batches, what = eval_pipeline.eval_batches(rows, every=True), f"{n:,} documents of eval.path"
@@ -122,19 +130,36 @@ class Evaluator:
                 )
         outputs.append(jax.device_get(running))
         # summed on the host in float64: many batches, no rounding drift
-        totals = {name: float(sum(np.float64(o[name]) for o in outputs)) for name in ("loss_sum", "target_tokens")}
+        totals = {name: np.sum([np.asarray(o[name], np.float64) for o in outputs], axis=0) for name in outputs[0]}
         seconds = time.perf_counter() - start
-        loss = totals["loss_sum"] / max(totals["target_tokens"], 1.0)
+        targets = float(totals["target_tokens"])
+        loss = float(totals["loss_sum"]) / max(targets, 1.0)
+        by_position = self._by_position(totals)
         self.say(
             f"[jvarlen] step {step}: eval loss {loss:.4f} on {self.what} "
-            f"({totals['target_tokens']:,.0f} targets, {len(self.batches)} batches, {seconds:.1f} s)"
+            f"({targets:,.0f} targets, {len(self.batches)} batches, {seconds:.1f} s)"
+            + "".join(f"; {name.split('/')[1]} {value:.4f}" for name, value in by_position.items())
         )
         return {
             "eval_loss": loss,
-            "eval_tokens": totals["target_tokens"],
+            "eval_tokens": targets,
             "eval_batches": len(self.batches),
             "eval_s": seconds,
+            **by_position,
         }
+
+    def _by_position(self, totals: dict) -> dict:
+        """``eval_loss/pos_<first>-<last>`` of each position bin that holds a target (``eval.position_bins``)."""
+        edges = self.strategy.eval_position_edges
+        if not edges:
+            return {}
+        sums, counts = totals["loss_sum_by_position"], totals["targets_by_position"]
+        lows, out = (0, *edges), {}
+        for k, low in enumerate(lows):
+            name = f"eval_loss/pos_{low}-{edges[k] - 1}" if k < len(edges) else f"eval_loss/pos_{low}+"
+            if counts[k] > 0:
+                out[name] = float(sums[k] / counts[k])
+        return out
 
 
 def _eval_policy(config: Config, num_devices: int) -> LayoutPolicy:

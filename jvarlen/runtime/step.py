@@ -22,13 +22,18 @@ from jvarlen.runtime.state import TrainState
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
 
-def loss_sums(graphdef, params, batch: dict, attention_fn=None, spmd=None, residual=None) -> dict:
+def loss_sums(graphdef, params, batch: dict, attention_fn=None, spmd=None, residual=None, position_edges=()) -> dict:
     """Forward pass and loss sums of one packed batch (``spmd``: the head's token shards,
     :class:`jvarlen.parallel.sharding.TokenShards`; ``residual``: what a layer that is not
-    rematerialised keeps, :func:`jvarlen.model.transformer.layer_body`)."""
+    rematerialised keeps, :func:`jvarlen.model.transformer.layer_body`; ``position_edges``: also
+    the sums by position, forward only, :meth:`jvarlen.model.Transformer.loss_sums_by_position`)."""
     model = nnx.merge(graphdef, params)
     inputs = AttentionInputs(segment_ids=batch["segment_ids"], positions=batch["positions"])
     x = model.hidden(batch["tokens"], inputs, attention_fn, residual)
+    if position_edges:
+        return model.loss_sums_by_position(
+            x, batch["targets"], batch["loss_mask"], batch["positions"], tuple(position_edges), spmd
+        )
     return model.loss_sums(x, batch["targets"], batch["loss_mask"], spmd)
 
 
@@ -47,12 +52,15 @@ GradsFn = Callable[[object, dict], tuple]  # (params, batch) -> (loss sums, grad
 SumsFn = Callable[[object, dict], dict]  # (params, batch) -> loss sums: the forward pass only
 
 
-def single_program_sums(graphdef, attention_fn: Optional[Callable] = None, *, pull=None, spmd=None) -> SumsFn:
+def single_program_sums(
+    graphdef, attention_fn: Optional[Callable] = None, *, pull=None, spmd=None, position_edges=()
+) -> SumsFn:
     """The loss sums of one packed batch in one program, forward only (evaluation): ``pull`` and
-    ``spmd`` as in :func:`single_program_grads`."""
+    ``spmd`` as in :func:`single_program_grads`; ``position_edges``: also by position (:func:`loss_sums`)."""
 
     def sums_fn(params, batch):
-        return loss_sums(graphdef, params if pull is None else pull(params), batch, attention_fn, spmd)
+        pulled = params if pull is None else pull(params)
+        return loss_sums(graphdef, pulled, batch, attention_fn, spmd, position_edges=position_edges)
 
     return sums_fn
 

@@ -132,8 +132,11 @@ class LayoutStrategy(ExecutionStrategy):
         layout_for_step=None,
         *,
         residual: Optional[str] = DOTS_AND_ATTENTION,
+        eval_position_edges: tuple = (),
     ):
+        """``eval_position_edges``: the evaluation step's loss also by position (``eval.position_bins``)."""
         self.ctx, self.policy, self.rows, self.seq_len = ctx, policy, rows, seq_len
+        self.eval_position_edges = tuple(eval_position_edges)
         self.residual = checked_residual(residual)
         self.layout_for_step = layout_for_step or (lambda step, rows, seq_len: policy.choose(step, rows, seq_len))
 
@@ -174,17 +177,18 @@ class LayoutStrategy(ExecutionStrategy):
     def compile(self, key) -> CompiledStep:
         return self.ctx.compile(*self.step_inputs(key))
 
-    @staticmethod
-    def eval_key(prepared: Prepared) -> tuple:
+    def eval_key(self, prepared: Prepared) -> tuple:
         """The signature of ``prepared``'s evaluation step in a compile cache (beside its train step's)."""
-        return ("eval", *prepared.key)
+        return ("eval", self.eval_position_edges, *prepared.key)
 
     def compile_eval(self, key) -> CompiledStep:
         """The evaluation step of signature ``key`` (:meth:`eval_key`): the forward pass with the
         training step's layout, pull and token shards, no update (docs/design/evaluation.md)."""
-        _, _, layout, bucket = key
+        _, edges, _, layout, bucket = key
         mesh, attention, pulled = self._program(layout)
-        sums_fn = single_program_sums(self.ctx.graphdef, attention, pull=pulled, spmd=TokenShards(mesh))
+        sums_fn = single_program_sums(
+            self.ctx.graphdef, attention, pull=pulled, spmd=TokenShards(mesh), position_edges=edges
+        )
         return self.ctx.compile_eval(sums_fn, *_batch_specs(mesh, bucket))
 
     def observe(self, check, iteration, prepared: Prepared, step_s: float, run_s: float) -> dict:
