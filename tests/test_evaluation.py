@@ -228,7 +228,7 @@ def test_a_validation_corpus_of_its_own_is_evaluated_whole(tmp_path):
     result = train(config, quiet=True, compiler_options=values_compile())
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [2]  # the last step only (every_steps 50)
-    expected, targets = _reference_eval_loss(config, result.final_state.params)
+    expected, targets, _ = _reference_eval_loss(config, result.final_state.params)
     assert records[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
     # every byte of every document, with BOS and EOS, predicted: its tokens + 1 targets each
     assert records[-1]["eval_tokens"] == targets == sum(len(t) + 1 for t in texts)
