@@ -184,9 +184,8 @@ def _run_steps(
     run, strategy, cache: CompileCache, feed: IterationFeed, check, evaluator: Optional[Evaluator], trace: StepTrace
 ) -> tuple:
     """The step loop of :func:`train`: (losses, tokens seen, start time, final state, seconds in steps,
-    model FLOP/s in words). ``evaluator``: the held-out evaluation (:mod:`jvarlen.runtime.evaluate`);
+    model FLOP/s in words). ``evaluator``: the evaluation, if the run evaluates (:mod:`jvarlen.runtime.evaluate`);
     ``trace``: the profiler trace of ``logging.trace_steps`` (:mod:`jvarlen.runtime.trace`)."""
-    last_eval = None  # the latest held-out loss, shown on the progress bar
     state, run.state = run.state, None
     losses: list[float] = []
     # Signatures a step may reuse: those of the steps run so far, the same sequence on every process.
@@ -254,14 +253,13 @@ def _run_steps(
             evaluator.check()
             if evaluator.due(step + 1, run.end):  # after the step's own time was taken
                 record.update(evaluator.evaluate(state, cache, step + 1, run.signals.agreed))
-                if "eval_loss" in record:
-                    last_eval = record["eval_loss"]
-                    run.last_eval = (step + 1, last_eval)
+                if "eval_loss" in record:  # (an evaluation a stop signal ended has none)
+                    run.last_eval = (step + 1, record["eval_loss"])
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
         if "mfu" in record:
             postfix["mfu"] = f"{record['mfu']:.1%}"
-        if last_eval is not None:
-            postfix["eval"] = f"{last_eval:.3f}"
+        if run.last_eval is not None:
+            postfix["eval"] = f"{run.last_eval[1]:.3f}"
         run.end_step(step, record, state, postfix, data_state=it.data_state)
         trace.after(step)
     run.checkpointer.wait()
