@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_MODEL_ARGS, values_compile
+from conftest import REFERENCE_ATTENTION, TINY_MODEL_ARGS, values_compile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +20,7 @@ from jvarlen.runtime.step import BATCH_KEYS, loss_sums
 
 TINY_ARGS = [
     *TINY_MODEL_ARGS,
+    REFERENCE_ATTENTION,
     "--data.seq_len=128",
     "--data.tokens_per_batch=512",
     "--data.max_documents=40",

@@ -5,13 +5,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_MODEL_ARGS, values_compile
+from conftest import REFERENCE_ATTENTION, TINY_MODEL_ARGS, values_compile
 
 from jvarlen.config import parse_config
 from jvarlen.runtime.loop import train
 
 TINY_ARGS = [
     *TINY_MODEL_ARGS,
+    REFERENCE_ATTENTION,
     "--data.seq_len=128",
     "--data.tokens_per_batch=1024",
     "--data.max_documents=60",

@@ -352,7 +352,7 @@ if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(sys.argv[4:5]))
 
 
-CLI_ARGS = [  # conftest's TINY_MODEL_ARGS: the workers import this module, and must not import conftest
+CLI_ARGS = [  # conftest's TINY_MODEL_ARGS and REFERENCE_ATTENTION: the workers import this module, not conftest
     "--model.vocab_size=320",
     "--model.d_model=32",
     "--model.num_layers=2",

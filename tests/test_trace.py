@@ -5,7 +5,7 @@ import gzip
 import json
 
 import pytest
-from conftest import TINY_MODEL_ARGS, values_compile
+from conftest import REFERENCE_ATTENTION, TINY_MODEL_ARGS, values_compile
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.runtime.loop import train
@@ -15,6 +15,7 @@ def _config(tmp_path, *extra):
     return parse_config(
         [
             *TINY_MODEL_ARGS,
+            REFERENCE_ATTENTION,
             "--data.seq_len=128",
             "--data.tokens_per_batch=1024",
             "--data.max_documents=40",

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_env, values_compile
+from conftest import TINY_MODEL_ARGS, cli_env, values_compile
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.data.errors import UnreadableFileError
@@ -17,13 +17,7 @@ from jvarlen.runtime.checkpoint import CheckpointMismatchError
 from jvarlen.runtime.loop import train as _train
 
 TINY_ARGS = [
-    "--model.vocab_size=320",
-    "--model.d_model=32",
-    "--model.num_layers=2",
-    "--model.num_heads=4",
-    "--model.num_kv_heads=2",
-    "--model.mlp_dim=64",
-    "--model.compute_dtype=float32",
+    *TINY_MODEL_ARGS,
     "--data.seq_len=128",
     "--data.tokens_per_batch=1024",
     "--data.max_documents=60",
