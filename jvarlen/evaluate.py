@@ -47,6 +47,7 @@ def evaluate_run(run_dir: str, step: Optional[int] = None, overrides: tuple = ()
     """The evaluation of ``run_dir``'s checkpoint (the newest, or ``step``): the record's ``eval_*``
     fields and the step. ``overrides``: training flags (``--eval.path=...``)."""
     import jax
+    import numpy as np
 
     from jvarlen.config import ConfigError
     from jvarlen.data import DataPipeline
@@ -55,8 +56,8 @@ def evaluate_run(run_dir: str, step: Optional[int] = None, overrides: tuple = ()
     from jvarlen.runtime.checkpoint import abstract_like
     from jvarlen.runtime.compile_cache import CompileCache
     from jvarlen.runtime.evaluate import Evaluator
-    from jvarlen.runtime.run import _eval_corpus
-    from jvarlen.runtime.state import create_train_state
+    from jvarlen.runtime.run import open_eval_corpus
+    from jvarlen.runtime.state import abstract_train_state, train_state_around
     from jvarlen.runtime.strategy import StepContext
 
     saved = restore_params(run_dir, step)
@@ -84,13 +85,15 @@ def evaluate_run(run_dir: str, step: Optional[int] = None, overrides: tuple = ()
                 "may not be the run's; restore the data, or give --eval.path"
             )
     else:
-        eval_pipeline = _eval_corpus(config, say)
+        eval_pipeline = open_eval_corpus(config, say)
 
-    graphdef, optimizer, host = create_train_state(config)
-    params = jax.tree.map(lambda fresh, x: x.astype(fresh.dtype), host.params, saved.params)
-    host = host.replace(params=params)
-    placement = Placement.for_state(host, optimizer)
-    state = place_global(host, placement.state_sharding)
+    # the checkpoint's parameters straight into their canonical shards: no fresh model is built,
+    # and the optimizer moments the step's signature takes are zeros made in place
+    graphdef, optimizer, abstract = abstract_train_state(config)
+    placement = Placement.for_state(abstract, optimizer)
+    cast = jax.tree.map(lambda a, x: np.asarray(x).astype(a.dtype), abstract.params, saved.params)
+    params = place_global(cast, placement.state_sharding.params)
+    state = train_state_around(config, optimizer, params, placement.state_sharding)
     ctx = StepContext(graphdef, config.model, optimizer, placement, abstract_like(state))
     evaluator = Evaluator.from_config(config, pipeline, eval_pipeline, ctx, None, say)
     cache = CompileCache(say=say)

@@ -83,11 +83,11 @@ def test_bad_evaluation_settings_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="set eval.source to jsonl, text_dir or parquet"):
         _config(tmp_path, tmp_path / "corpus", "--eval.path=v.jsonl")
     from jvarlen.data import DataError
-    from jvarlen.runtime.run import _eval_corpus
+    from jvarlen.runtime.run import open_eval_corpus
 
     missing = _config(tmp_path, tmp_path / "corpus", f"--eval.path={tmp_path / 'none.jsonl'}", "--eval.source=jsonl")
     with pytest.raises(DataError, match=r"^eval.path '.*none.jsonl': "):  # its corpus named, not data.path's
-        _eval_corpus(missing, print)
+        open_eval_corpus(missing, print)
     for bad in ("[64,16]", "[0,16]", "[]"):
         with pytest.raises(ConfigError, match="eval.position_bins must be increasing positive positions"):
             _config(tmp_path, tmp_path / "corpus", f"--eval.position_bins={bad}")

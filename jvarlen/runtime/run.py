@@ -214,7 +214,7 @@ def _open_locked(
     earlier = None if config.checkpoint.resume else claim_fresh(run_dir, config.logging.overwrite)
     pipeline = DataPipeline(config.data, vocab_size=config.model.vocab_size, say=say, held_out=config.eval.documents)
     say(f"[jvarlen] corpus: {pipeline.summary()}")
-    eval_pipeline = _eval_corpus(config, say)
+    eval_pipeline = open_eval_corpus(config, say)
 
     checkpointer = None if earlier else Checkpointer(os.path.join(run_dir, "checkpoints"), config.checkpoint, say=say)
     resuming = config.checkpoint.resume and checkpointer.latest_step() is not None
@@ -283,7 +283,7 @@ def _open_locked(
     )
 
 
-def _eval_corpus(config: Config, say) -> Optional[DataPipeline]:
+def open_eval_corpus(config: Config, say) -> Optional[DataPipeline]:
     """The validation corpus ``eval.path`` (None without one), read with the training data's settings."""
     if config.eval.path is None:
         return None
