@@ -17,18 +17,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
-# The loop tests' tiny decoder as flags: 2 layers of width 32, fp32 compute (attention: the config's
-# default, or REFERENCE_ATTENTION beside it).
-TINY_MODEL_ARGS = [
-    "--model.vocab_size=320",
-    "--model.d_model=32",
-    "--model.num_layers=2",
-    "--model.num_heads=4",
-    "--model.num_kv_heads=2",
-    "--model.mlp_dim=64",
-    "--model.compute_dtype=float32",
-]
-REFERENCE_ATTENTION = "--model.attention=reference"
 
 
 def cli_env(host_devices: Optional[int] = None, values_only: bool = False, **extra: str) -> dict:

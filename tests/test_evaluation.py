@@ -6,9 +6,10 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import REFERENCE_ATTENTION, TINY_MODEL_ARGS, values_compile
+from conftest import values_compile
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_flags import REFERENCE_ATTENTION, TINY_MODEL_ARGS
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.data import DataPipeline, SamplerStateError

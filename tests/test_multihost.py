@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from tiny_flags import REFERENCE_ATTENTION, TINY_MODEL_ARGS  # constants only: safe in the worker processes
 
 STEPS = 3
 ROWS, SEQ, VOCAB = 4, 64, 64
@@ -352,15 +353,9 @@ if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(sys.argv[4:5]))
 
 
-CLI_ARGS = [  # conftest's TINY_MODEL_ARGS and REFERENCE_ATTENTION: the workers import this module, not conftest
-    "--model.vocab_size=320",
-    "--model.d_model=32",
-    "--model.num_layers=2",
-    "--model.num_heads=4",
-    "--model.num_kv_heads=2",
-    "--model.mlp_dim=64",
-    "--model.compute_dtype=float32",
-    "--model.attention=reference",
+CLI_ARGS = [
+    *TINY_MODEL_ARGS,
+    REFERENCE_ATTENTION,
     "--data.seq_len=128",
     "--data.tokens_per_batch=1024",
     "--data.max_documents=60",

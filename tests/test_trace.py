@@ -5,7 +5,8 @@ import gzip
 import json
 
 import pytest
-from conftest import REFERENCE_ATTENTION, TINY_MODEL_ARGS, values_compile
+from conftest import values_compile
+from tiny_flags import REFERENCE_ATTENTION, TINY_MODEL_ARGS
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.runtime.loop import train

@@ -9,7 +9,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_MODEL_ARGS, cli_env, values_compile
+from conftest import cli_env, values_compile
+from tiny_flags import TINY_MODEL_ARGS
 
 from jvarlen.config import ConfigError, parse_config
 from jvarlen.data.errors import UnreadableFileError
